@@ -344,6 +344,7 @@ class MultimodalItem(_message.Message):
     PLACEHOLDER_FIELD_NUMBER: _builtins.int
     KWARGS_DATA_FIELD_NUMBER: _builtins.int
     MM_METADATA_FIELD_NUMBER: _builtins.int
+    PLACEHOLDER_TOKEN_ID_FIELD_NUMBER: _builtins.int
     mm_hash: _builtins.str
     """Content hash of the media (SHA-256 hex in vLLM); the engine's cache key."""
     kwargs_data: _builtins.bytes
@@ -352,6 +353,10 @@ class MultimodalItem(_message.Message):
     """
     mm_metadata: _builtins.bytes
     """Opaque per-item metadata (vLLM's `mm_metadata`, for encoder-cache disaggregation). Optional."""
+    placeholder_token_id: _builtins.int
+    """The token id that fills the placeholder range (e.g. `<|image_pad|>`). Generate uses it to
+    realign `placeholder` onto the sample's own token ids when they differ from the rendered ones.
+    """
     @_builtins.property
     def placeholder(self) -> Global___PlaceholderRange:
         """Where the item's expanded placeholder tokens sit in the token ids."""
@@ -363,10 +368,11 @@ class MultimodalItem(_message.Message):
         placeholder: Global___PlaceholderRange | None = ...,
         kwargs_data: _builtins.bytes | None = ...,
         mm_metadata: _builtins.bytes | None = ...,
+        placeholder_token_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_kwargs_data", b"_kwargs_data", "_mm_metadata", b"_mm_metadata", "kwargs_data", b"kwargs_data", "mm_metadata", b"mm_metadata", "placeholder", b"placeholder"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kwargs_data", b"_kwargs_data", "_mm_metadata", b"_mm_metadata", "kwargs_data", b"kwargs_data", "mm_hash", b"mm_hash", "mm_metadata", b"mm_metadata", "placeholder", b"placeholder"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kwargs_data", b"_kwargs_data", "_mm_metadata", b"_mm_metadata", "kwargs_data", b"kwargs_data", "mm_hash", b"mm_hash", "mm_metadata", b"mm_metadata", "placeholder", b"placeholder", "placeholder_token_id", b"placeholder_token_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__kwargs_data: _TypeAlias = _typing.Literal["kwargs_data"]  # noqa: Y015
     _WhichOneofArgType__kwargs_data: _TypeAlias = _typing.Literal["_kwargs_data", b"_kwargs_data"]  # noqa: Y015
@@ -710,7 +716,9 @@ class SamplingParams(_message.Message):
     max_new_tokens - response_length more. Default: fill the engine's context (vLLM's default).
     """
     min_new_tokens: _builtins.int
-    """EOS and stop tokens are suppressed until this many tokens were generated in the call. Default 0."""
+    """EOS and stop tokens are suppressed until the response has this many tokens (counted over the
+    whole sample, like `max_new_tokens`). Default 0.
+    """
     ignore_eos: _builtins.bool
     """Keep generating after EOS. Default false."""
     skip_special_tokens: _builtins.bool
@@ -848,6 +856,7 @@ class GenerateOptions(_message.Message):
     FINAL_ONLY_FIELD_NUMBER: _builtins.int
     SKIP_TEXT_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_START_FIELD_NUMBER: _builtins.int
     mask_offpolicy: _builtins.bool
     """Before generating, set the loss mask of the existing response to 0 (slime's
     `--mask-offpolicy-in-partial-rollout`): only tokens of this call stay trainable.
@@ -874,6 +883,12 @@ class GenerateOptions(_message.Message):
     """Served model name to check against the engine (vLLM answers NOT_FOUND for another name).
     Empty: whatever the engine serves.
     """
+    routed_experts_start: _builtins.int
+    """With `return_routed_experts`: the first position the engine reports routing for (vLLM's
+    `routed_experts_prompt_start`, for multi-turn reuse), in [0, prompt length]. When the sample
+    already carries routing from position 0, the result is old[:start] + new; otherwise the
+    returned `RoutedExperts.start` is this value. Default 0: the whole sequence is re-routed.
+    """
     def __init__(
         self,
         *,
@@ -884,15 +899,20 @@ class GenerateOptions(_message.Message):
         final_only: _builtins.bool = ...,
         skip_text: _builtins.bool = ...,
         model: _builtins.str = ...,
+        routed_experts_start: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_stream_batch_interval_ms", b"_stream_batch_interval_ms", "_stream_batch_tokens", b"_stream_batch_tokens", "stream_batch_interval_ms", b"stream_batch_interval_ms", "stream_batch_tokens", b"stream_batch_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_routed_experts_start", b"_routed_experts_start", "_stream_batch_interval_ms", b"_stream_batch_interval_ms", "_stream_batch_tokens", b"_stream_batch_tokens", "routed_experts_start", b"routed_experts_start", "stream_batch_interval_ms", b"stream_batch_interval_ms", "stream_batch_tokens", b"stream_batch_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stream_batch_interval_ms", b"_stream_batch_interval_ms", "_stream_batch_tokens", b"_stream_batch_tokens", "final_only", b"final_only", "mask_offpolicy", b"mask_offpolicy", "model", b"model", "return_routed_experts", b"return_routed_experts", "skip_text", b"skip_text", "stream_batch_interval_ms", b"stream_batch_interval_ms", "stream_batch_tokens", b"stream_batch_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routed_experts_start", b"_routed_experts_start", "_stream_batch_interval_ms", b"_stream_batch_interval_ms", "_stream_batch_tokens", b"_stream_batch_tokens", "final_only", b"final_only", "mask_offpolicy", b"mask_offpolicy", "model", b"model", "return_routed_experts", b"return_routed_experts", "routed_experts_start", b"routed_experts_start", "skip_text", b"skip_text", "stream_batch_interval_ms", b"stream_batch_interval_ms", "stream_batch_tokens", b"stream_batch_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__routed_experts_start: _TypeAlias = _typing.Literal["routed_experts_start"]  # noqa: Y015
+    _WhichOneofArgType__routed_experts_start: _TypeAlias = _typing.Literal["_routed_experts_start", b"_routed_experts_start"]  # noqa: Y015
     _WhichOneofReturnType__stream_batch_interval_ms: _TypeAlias = _typing.Literal["stream_batch_interval_ms"]  # noqa: Y015
     _WhichOneofArgType__stream_batch_interval_ms: _TypeAlias = _typing.Literal["_stream_batch_interval_ms", b"_stream_batch_interval_ms"]  # noqa: Y015
     _WhichOneofReturnType__stream_batch_tokens: _TypeAlias = _typing.Literal["stream_batch_tokens"]  # noqa: Y015
     _WhichOneofArgType__stream_batch_tokens: _TypeAlias = _typing.Literal["_stream_batch_tokens", b"_stream_batch_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_experts_start) -> _WhichOneofReturnType__routed_experts_start | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__stream_batch_interval_ms) -> _WhichOneofReturnType__stream_batch_interval_ms | None: ...
     @_typing.overload

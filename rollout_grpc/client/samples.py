@@ -1,0 +1,145 @@
+"""Helpers to build requests from plain Python values and to read results as numpy arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format, struct_pb2
+
+from rollout_grpc._proto import rollout_pb2 as pb
+
+_DTYPES: dict[int, np.dtype[Any]] = {
+    pb.D_TYPE_UINT8: np.dtype("uint8"),
+    pb.D_TYPE_UINT16: np.dtype("<u2"),
+    pb.D_TYPE_INT32: np.dtype("<i4"),
+}
+_PB_DTYPES: dict[np.dtype[Any], Any] = {
+    np.dtype("uint8"): pb.D_TYPE_UINT8,
+    np.dtype("<u2"): pb.D_TYPE_UINT16,
+    np.dtype("<i4"): pb.D_TYPE_INT32,
+}
+
+SampleLike = pb.Sample | Mapping[str, Any] | Sequence[int]
+ParamsLike = pb.SamplingParams | Mapping[str, Any] | None
+OptionsLike = pb.GenerateOptions | Mapping[str, Any] | None
+
+
+def make_sample(
+    tokens: Iterable[int] = (),
+    *,
+    prompt: str | None = None,
+    index: int = 0,
+    group_index: int = 0,
+    session_id: str = "",
+    metadata: Mapping[str, Any] | None = None,
+    features: pb.MultimodalFeatures | None = None,
+) -> pb.Sample:
+    """A PENDING sample from prompt token ids (or a prompt text the engine will render)."""
+    sample = pb.Sample(
+        tokens=list(tokens),
+        index=index,
+        group_index=group_index,
+        session_id=session_id,
+        status=pb.SAMPLE_STATUS_PENDING,
+    )
+    if prompt is not None:
+        sample.prompt = prompt
+    if metadata:
+        sample.metadata.CopyFrom(json_format.ParseDict(dict(metadata), struct_pb2.Struct()))
+    if features is not None:
+        sample.multimodal_features.CopyFrom(features)
+    return sample
+
+
+def to_sample(value: SampleLike) -> pb.Sample:
+    """Accept a Sample, a dict of Sample fields (proto JSON names or field names) or a token list."""
+    if isinstance(value, pb.Sample):
+        return value
+    if isinstance(value, Mapping):
+        data = dict(value)
+        data.setdefault("status", "SAMPLE_STATUS_PENDING")
+        return json_format.ParseDict(data, pb.Sample())
+    return make_sample(value)
+
+
+def to_params(value: ParamsLike) -> pb.SamplingParams:
+    """Accept SamplingParams or a dict such as {"temperature": 0, "max_new_tokens": 32}."""
+    if value is None:
+        return pb.SamplingParams()
+    if isinstance(value, pb.SamplingParams):
+        return value
+    data = {k: v for k, v in value.items() if k != "logit_bias"}
+    params = json_format.ParseDict(data, pb.SamplingParams())
+    for token, bias in (value.get("logit_bias") or {}).items():
+        params.logit_bias[int(token)] = float(bias)
+    return params
+
+
+def to_options(value: OptionsLike) -> pb.GenerateOptions:
+    """Accept GenerateOptions or a dict such as {"return_routed_experts": True}."""
+    if value is None:
+        return pb.GenerateOptions()
+    if isinstance(value, pb.GenerateOptions):
+        return value
+    return json_format.ParseDict(dict(value), pb.GenerateOptions())
+
+
+def routed_experts_array(sample: pb.Sample) -> np.ndarray | None:
+    """The sample's routed experts as a read-only numpy view of the message bytes (no copy)."""
+    if not sample.HasField("routed_experts"):
+        return None
+    routed = sample.routed_experts
+    dtype = _DTYPES[routed.dtype]
+    return np.frombuffer(routed.data, dtype=dtype).reshape(tuple(routed.shape))
+
+
+def routed_experts_message(array: np.ndarray, start: int = 0) -> pb.RoutedExperts:
+    """A RoutedExperts message from a [tokens, layers, topk] uint8/uint16/int32 array."""
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    if dtype not in _PB_DTYPES or array.ndim != 3:
+        raise ValueError(f"need a 3-D uint8, uint16 or int32 array, got {array.dtype} {array.shape}")
+    data = np.ascontiguousarray(array, dtype=dtype).tobytes()
+    return pb.RoutedExperts(data=data, dtype=_PB_DTYPES[dtype], shape=list(array.shape), start=start)
+
+
+def image_part(data: bytes, mime_type: str = "image/png") -> pb.ContentPart:
+    """A chat content part holding image bytes."""
+    return pb.ContentPart(image=pb.Image(data=data, mime_type=mime_type))
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]]) -> pb.ChatMessages:
+    """Chat messages from dicts: {"role": "user", "content": str | [str | bytes | ContentPart | dict]}.
+
+    In a content list, `str` is text, `bytes` is a PNG image, a dict may be
+    {"type": "text", "text": ...} or {"type": "image", "data": bytes, "mime_type": ...} or
+    {"type": "image_url", "image_url": {"url": "data:..."}}.
+    """
+    result = pb.ChatMessages()
+    for message in messages:
+        msg = result.messages.add(role=str(message["role"]))
+        content = message.get("content", "")
+        parts = [content] if isinstance(content, str) else list(content)
+        for part in parts:
+            if isinstance(part, pb.ContentPart):
+                msg.content.append(part)
+            elif isinstance(part, str):
+                msg.content.add(text=part)
+            elif isinstance(part, bytes | bytearray):
+                msg.content.append(image_part(bytes(part)))
+            elif isinstance(part, Mapping):
+                kind = part.get("type")
+                if kind == "text":
+                    msg.content.add(text=str(part["text"]))
+                elif kind == "image":
+                    msg.content.append(
+                        image_part(bytes(part["data"]), str(part.get("mime_type", "image/png")))
+                    )
+                elif kind == "image_url":
+                    msg.content.add(image=pb.Image(data_url=str(part["image_url"]["url"])))
+                else:
+                    raise ValueError(f"unknown content part type {kind!r}")
+            else:
+                raise TypeError(f"unsupported content part {type(part).__name__}")
+    return result

@@ -1,0 +1,148 @@
+"""The blocking client: `RolloutClient`, the same API as `AsyncRolloutClient` without `await`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.client.aio import _PAUSE, DEFAULT_CHANNEL_OPTIONS, build_request
+from rollout_grpc.client.samples import OptionsLike, ParamsLike, SampleLike, chat_messages
+
+
+class RolloutClient:
+    """Blocking calls to a rollout service replica; lists of samples run on a thread pool."""
+
+    def __init__(
+        self, target: str, *, max_workers: int = 64, options: Sequence[tuple[str, Any]] = ()
+    ) -> None:
+        self._channel = grpc.insecure_channel(target, options=[*DEFAULT_CHANNEL_OPTIONS, *options])
+        self._stub = pb_grpc.RolloutServiceStub(self._channel)
+        self._max_workers = max_workers
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def generate_stream(
+        self,
+        sample: SampleLike,
+        params: ParamsLike = None,
+        options: OptionsLike = None,
+        *,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> Iterator[pb.GenerateResponse]:
+        """Stream the Generate messages: deltas, then the final sample."""
+        call = self._stub.Generate(build_request(sample, params, options, request_id), timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def _generate_one(
+        self,
+        sample: SampleLike,
+        params: ParamsLike,
+        options: OptionsLike,
+        timeout: float | None,
+        request_id: str | None,
+    ) -> pb.Sample:
+        request = build_request(sample, params, options, request_id)
+        request.options.final_only = True
+        for message in self._stub.Generate(request, timeout=timeout):
+            if message.HasField("sample"):
+                return message.sample
+        raise RuntimeError("the Generate stream ended without a sample")
+
+    def generate(
+        self,
+        sample: SampleLike | list[SampleLike],
+        params: ParamsLike = None,
+        options: OptionsLike = None,
+        *,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> pb.Sample | list[pb.Sample]:
+        """Generate one sample, or a list concurrently (results in input order)."""
+        if isinstance(sample, list) and sample and not isinstance(sample[0], int):
+            with ThreadPoolExecutor(max_workers=min(self._max_workers, len(sample))) as pool:
+                futures = [pool.submit(self._generate_one, s, params, options, timeout, None) for s in sample]
+                return [f.result() for f in futures]
+        return self._generate_one(sample, params, options, timeout, request_id)  # type: ignore[arg-type]
+
+    def abort(
+        self,
+        *,
+        all: bool = False,
+        request_ids: Sequence[str] = (),
+        session_id: str | None = None,
+        group_index: int | None = None,
+        timeout: float | None = 30.0,
+    ) -> pb.AbortResponse:
+        """Abort all in-flight generations, some request ids, a session or a prompt group."""
+        request = pb.AbortRequest()
+        if all:
+            request.all = True
+        elif request_ids:
+            request.request_ids.ids.extend(request_ids)
+        elif session_id is not None:
+            request.session_id = session_id
+        elif group_index is not None:
+            request.group_index = group_index
+        response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout)
+        return response
+
+    def pause(self, mode: str = "keep", *, timeout: float | None = None) -> pb.PauseResponse:
+        """Pause every engine: "abort", "wait" or "keep"."""
+        response: pb.PauseResponse = self._stub.Pause(pb.PauseRequest(mode=_PAUSE[mode]), timeout=timeout)
+        return response
+
+    def resume(self, weight_version: str | None = None, *, timeout: float | None = 60.0) -> pb.ResumeResponse:
+        """Resume every engine, optionally labelling its weights first."""
+        request = pb.ResumeRequest()
+        if weight_version is not None:
+            request.weight_version = weight_version
+        response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout)
+        return response
+
+    def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
+        """The replica's view of its engines."""
+        response: pb.GetServerInfoResponse = self._stub.GetServerInfo(
+            pb.GetServerInfoRequest(), timeout=timeout
+        )
+        return response
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        text: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        session_id: str = "",
+        timeout: float | None = 60.0,
+    ) -> pb.RenderResponse:
+        """Render chat messages or a plain text into token ids and features."""
+        request = pb.RenderRequest(add_generation_prompt=add_generation_prompt, session_id=session_id)
+        if text is not None:
+            request.text = text
+        else:
+            request.chat.CopyFrom(chat_messages(messages or []))
+        if chat_template_kwargs:
+            request.chat_template_kwargs.CopyFrom(
+                json_format.ParseDict(dict(chat_template_kwargs), struct_pb2.Struct())
+            )
+        response: pb.RenderResponse = self._stub.Render(request, timeout=timeout)
+        return response

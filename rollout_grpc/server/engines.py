@@ -1,0 +1,225 @@
+"""The engine pool: which engine serves a generation, and which engines are usable.
+
+* Routing: least outstanding requests; samples with a session id go to the session's engine chosen
+  by rendezvous (highest-random-weight) hashing with bounded load, so every replica that has the
+  same engine list makes the same choice, and a hot session spills over instead of overloading
+  one engine (Mirrokni et al., "Consistent Hashing with Bounded Loads").
+* Health: a periodic `/health` probe plus passive failure detection; a per-engine circuit breaker
+  keeps a failed engine out of rotation until a probe succeeds again.
+* Membership: engines can be added, drained (no new generations; in-flight ones finish) and removed
+  at runtime, e.g. from a file re-read on SIGHUP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+import structlog
+
+from rollout_grpc.server.vllm import EngineTimeouts, VllmEngine
+
+log = structlog.get_logger(__name__)
+
+#: An engine may take this factor above the average in-flight load before a session spills over.
+BOUNDED_LOAD_FACTOR = 1.25
+
+
+@dataclass(slots=True, eq=False)
+class EngineHandle:
+    """One engine and what this replica knows about it."""
+
+    url: str
+    client: VllmEngine
+    healthy: bool = True
+    draining: bool = False
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    last_error: str = ""
+    weight_version: str = ""
+    model: str = ""
+    #: None until /server_info was read: whether the engine returns routed experts (R3).
+    routed_experts_enabled: bool | None = None
+    #: None until /server_info was read: whether the model is a mixture of experts.
+    is_moe: bool | None = None
+    _opened_at: float = field(default=0.0, repr=False)
+
+    @property
+    def usable(self) -> bool:
+        """Healthy and not draining: may receive new generations."""
+        return self.healthy and not self.draining
+
+
+def _rendezvous_weight(key: str, url: str) -> int:
+    """A stable pseudo-random weight of (key, engine); the same on every replica and run."""
+    digest = hashlib.blake2b(f"{key}\x00{url}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class EnginePool:
+    """The engines of this replica, their health and the routing decision."""
+
+    def __init__(
+        self,
+        urls: Iterable[str],
+        session: aiohttp.ClientSession,
+        *,
+        timeouts: EngineTimeouts | None = None,
+        health_interval_s: float = 2.0,
+        failure_threshold: int = 1,
+    ) -> None:
+        self._session = session
+        self._timeouts = timeouts
+        self._health_interval_s = health_interval_s
+        self._failure_threshold = failure_threshold
+        self._engines: dict[str, EngineHandle] = {}
+        self._health_task: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[bool], None]] = []
+        self._rr = 0
+        for url in urls:
+            self.add(url)
+
+    # ----------------------------------------------------------------------------- membership
+
+    @property
+    def engines(self) -> list[EngineHandle]:
+        """All engines, in insertion order."""
+        return list(self._engines.values())
+
+    def get(self, url: str) -> EngineHandle | None:
+        """The engine with this base URL, if in the pool."""
+        return self._engines.get(url.rstrip("/"))
+
+    def add(self, url: str) -> EngineHandle:
+        """Add an engine (idempotent; re-adding a draining engine un-drains it)."""
+        url = url.rstrip("/")
+        handle = self._engines.get(url)
+        if handle is None:
+            handle = EngineHandle(url=url, client=VllmEngine(url, self._session, self._timeouts))
+            self._engines[url] = handle
+            log.info("engine_added", engine=url)
+        handle.draining = False
+        self._notify()
+        return handle
+
+    def drain(self, url: str) -> None:
+        """Stop sending new generations to an engine; in-flight ones finish."""
+        handle = self.get(url)
+        if handle is not None:
+            handle.draining = True
+            log.info("engine_draining", engine=handle.url)
+            self._notify()
+
+    def remove(self, url: str) -> None:
+        """Forget an engine (its in-flight generations keep their own reference and finish)."""
+        if self._engines.pop(url.rstrip("/"), None) is not None:
+            log.info("engine_removed", engine=url)
+            self._notify()
+
+    def replace(self, urls: Iterable[str]) -> None:
+        """Make the pool exactly `urls`: add new ones, drain-and-remove the others."""
+        wanted = [u.rstrip("/") for u in urls]
+        for url in wanted:
+            self.add(url)
+        for url in list(self._engines):
+            if url not in wanted:
+                self.remove(url)
+
+    # ----------------------------------------------------------------------------- routing
+
+    def pick(
+        self, session_id: str = "", exclude: frozenset[str] | set[str] = frozenset()
+    ) -> EngineHandle | None:
+        """Choose the engine for a new engine call, or None when no engine is usable."""
+        candidates = [e for e in self._engines.values() if e.usable and e.url not in exclude]
+        if not candidates:
+            return None
+        if session_id:
+            total = sum(e.in_flight for e in candidates) + 1
+            bound = math.ceil(BOUNDED_LOAD_FACTOR * total / len(candidates))
+            ranked = sorted(candidates, key=lambda e: _rendezvous_weight(session_id, e.url), reverse=True)
+            for engine in ranked:
+                if engine.in_flight < bound:
+                    return engine
+            return ranked[0]
+        least = min(e.in_flight for e in candidates)
+        tied = [e for e in candidates if e.in_flight == least]
+        self._rr = (self._rr + 1) % len(tied)
+        return tied[self._rr]
+
+    # ----------------------------------------------------------------------------- health
+
+    def add_listener(self, listener: Callable[[bool], None]) -> None:
+        """Call `listener(any_usable)` whenever membership or health changes."""
+        self._listeners.append(listener)
+        listener(self.any_usable)
+
+    @property
+    def any_usable(self) -> bool:
+        """At least one engine may receive generations."""
+        return any(e.usable for e in self._engines.values())
+
+    def _notify(self) -> None:
+        state = self.any_usable
+        for listener in self._listeners:
+            listener(state)
+
+    def report_failure(self, handle: EngineHandle, error: str) -> None:
+        """Passive detection: an engine call failed to connect or broke mid-stream."""
+        handle.consecutive_failures += 1
+        handle.last_error = error
+        if handle.healthy and handle.consecutive_failures >= self._failure_threshold:
+            handle.healthy = False
+            handle._opened_at = time.monotonic()
+            log.warning("engine_unhealthy", engine=handle.url, error=error)
+            self._notify()
+
+    def report_success(self, handle: EngineHandle) -> None:
+        """An engine call completed: reset the failure count."""
+        handle.consecutive_failures = 0
+
+    async def probe(self, handle: EngineHandle) -> bool:
+        """Probe one engine's /health and update its state."""
+        ok = await handle.client.health()
+        if ok and not handle.healthy:
+            handle.healthy = True
+            handle.consecutive_failures = 0
+            log.info("engine_healthy", engine=handle.url)
+            self._notify()
+        elif not ok and handle.healthy:
+            handle.healthy = False
+            handle.last_error = "health probe failed"
+            log.warning("engine_unhealthy", engine=handle.url, error="health probe failed")
+            self._notify()
+        return ok
+
+    async def probe_all(self) -> None:
+        """Probe every engine concurrently."""
+        await asyncio.gather(*(self.probe(e) for e in list(self._engines.values())))
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # a probe bug must not end health checking
+                log.exception("health_probe_failed")
+            await asyncio.sleep(self._health_interval_s)
+
+    def start(self) -> None:
+        """Start periodic health probes."""
+        if self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
+
+    async def stop(self) -> None:
+        """Stop periodic health probes."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None

@@ -1,0 +1,191 @@
+"""The gRPC servicer: transport only (proto <-> domain, request ids, status codes).
+
+Rollout logic lives in `rollout.py`, fleet control in `control.py`, rendering in `render.py`; every
+exception is mapped to a status code by the decorators of `status.py`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf import json_format
+
+from rollout_grpc import __version__
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server import convert, domain, status
+from rollout_grpc.server.control import Control, FleetResult
+from rollout_grpc.server.errors import InvalidArgument
+from rollout_grpc.server.render import RenderService
+from rollout_grpc.server.rollout import Rollout
+
+log = structlog.get_logger(__name__)
+
+_PAUSE_MODES = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
+
+
+def _engine_errors(pairs: list[tuple[str, str]]) -> list[pb.EngineError]:
+    return [pb.EngineError(engine=url, error=err) for url, err in pairs]
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    """Implements rollout.v1.RolloutService on top of the domain objects."""
+
+    def __init__(
+        self,
+        rollout: Rollout,
+        control: Control,
+        renderer: RenderService,
+        default_options: domain.GenerateOptions | None = None,
+    ) -> None:
+        self._rollout = rollout
+        self._control = control
+        self._renderer = renderer
+        self._defaults = default_options or domain.GenerateOptions()
+
+    @status.streaming
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        if len(request_id) > 256:
+            raise InvalidArgument("request_id", "must be at most 256 characters")
+        await context.send_initial_metadata((("x-request-id", request_id),))
+        sample = convert.sample_from_pb(request.sample)
+        params = convert.sampling_params_from_pb(request.sampling_params)
+        options = convert.options_from_pb(request.options, self._defaults)
+        async for event in self._rollout.generate(sample, params, options, request_id):
+            if isinstance(event, domain.TokenBatch):
+                yield convert.delta_to_pb(event)
+            else:
+                yield pb.GenerateResponse(sample=convert.sample_to_pb(event, request.sample))
+
+    @status.unary
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AbortResponse:
+        target = request.WhichOneof("target")
+        if target is None:
+            raise InvalidArgument("target", "set one of all, request_ids, session_id, group_index")
+        if target == "all":
+            if not request.all:
+                raise InvalidArgument("all", "must be true when it is the target")
+            result = await self._control.abort_all()
+        elif target == "request_ids":
+            result = await self._control.abort_ids(list(request.request_ids.ids))
+        elif request.local_only:
+            if target == "session_id":
+                result = await self._control.abort_local(session_id=request.session_id)
+            else:
+                result = await self._control.abort_local(group_index=request.group_index)
+        elif target == "session_id":
+            result = await self._control.abort_matching(session_id=request.session_id)
+        else:
+            result = await self._control.abort_matching(group_index=request.group_index)
+        return pb.AbortResponse(
+            aborted=result.aborted,
+            unknown_request_ids=result.unknown_request_ids,
+            engine_errors=_engine_errors(result.engine_errors),
+        )
+
+    @status.unary
+    async def Pause(
+        self, request: pb.PauseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PauseResponse:
+        mode = _PAUSE_MODES.get(request.mode)
+        if mode is None:
+            raise InvalidArgument("mode", f"must be ABORT, WAIT or KEEP; got {int(request.mode)}")
+        result: FleetResult = await self._control.pause(mode)
+        return pb.PauseResponse(paused_engines=result.ok, engine_errors=_engine_errors(result.errors))
+
+    @status.unary
+    async def Resume(
+        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ResumeResponse:
+        version = request.weight_version if request.HasField("weight_version") else None
+        result = await self._control.resume(version)
+        return pb.ResumeResponse(resumed_engines=result.ok, engine_errors=_engine_errors(result.errors))
+
+    @status.unary
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetServerInfoResponse:
+        statuses = await self._control.engine_statuses()
+        versions = {s.weight_version for s in statuses if s.healthy and s.weight_version}
+        return pb.GetServerInfoResponse(
+            engines=[
+                pb.EngineInfo(
+                    url=s.url,
+                    healthy=s.healthy,
+                    paused=s.paused,
+                    weight_version=s.weight_version,
+                    in_flight=s.in_flight,
+                    draining=s.draining,
+                    model=s.model,
+                )
+                for s in statuses
+            ],
+            paused=any(s.paused for s in statuses),
+            weight_version=versions.pop() if len(versions) == 1 else "",
+            in_flight=self._rollout.admission.running,
+            queued=self._rollout.admission.queued,
+            version=__version__,
+        )
+
+    @status.unary
+    async def Render(
+        self, request: pb.RenderRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RenderResponse:
+        kind = request.WhichOneof("prompt")
+        template_kwargs = (
+            json_format.MessageToDict(request.chat_template_kwargs)
+            if request.HasField("chat_template_kwargs")
+            else {}
+        )
+        add_generation_prompt = (
+            request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        )
+        if kind == "chat":
+            messages = [
+                (
+                    m.role,
+                    [convert_part(p, f"chat.messages[{i}].content[{j}]") for j, p in enumerate(m.content)],
+                )
+                for i, m in enumerate(request.chat.messages)
+            ]
+            rendered = await self._renderer.render_chat(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=template_kwargs,
+                session_id=request.session_id,
+                model=request.model,
+            )
+        elif kind == "text":
+            rendered = await self._renderer.render_text(
+                request.text, session_id=request.session_id, model=request.model
+            )
+        else:
+            raise InvalidArgument("prompt", "set chat or text")
+        response = pb.RenderResponse(token_ids=rendered.token_ids, engine=rendered.engine)
+        if rendered.features:
+            convert.features_to_pb(rendered.features, response.features)
+        return response
+
+
+def convert_part(part: pb.ContentPart, field: str) -> tuple[str, str | bytes, str]:
+    """A content part as (kind, payload, mime type): ("text", str, "") or ("image", bytes|url, mime)."""
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return ("text", part.text, "")
+    if kind == "image":
+        source = part.image.WhichOneof("source")
+        if source == "data":
+            return ("image", part.image.data, part.image.mime_type)
+        if source == "data_url":
+            return ("image", part.image.data_url, "")
+        raise InvalidArgument(field + ".image", "set data or data_url")
+    raise InvalidArgument(field, "set text or image")
