@@ -1,0 +1,71 @@
+"""Routing decisions of the engine pool and admission limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from rollout_grpc.server.admission import Admission
+from rollout_grpc.server.app import rollout_num_engines
+from rollout_grpc.server.engines import EnginePool
+from rollout_grpc.server.errors import ResourceExhausted
+from rollout_grpc.server.inflight import AbortedWhileQueued, InFlight
+
+URLS = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+
+
+async def test_session_affinity_is_stable_across_pools() -> None:
+    async with aiohttp.ClientSession() as session:
+        a, b = EnginePool(URLS, session), EnginePool(list(reversed(URLS)), session)
+        for sid in (f"s{i}" for i in range(50)):
+            first, second = a.pick(sid), b.pick(sid)
+            assert first is not None and second is not None
+            assert first.url == second.url
+
+
+async def test_hot_session_spills_over_under_bounded_load() -> None:
+    async with aiohttp.ClientSession() as session:
+        pool = EnginePool(URLS, session)
+        home = pool.pick("hot")
+        assert home is not None
+        home.in_flight = 10
+        other = pool.pick("hot")
+        assert other is not None and other.url != home.url
+
+
+async def test_least_outstanding_without_session() -> None:
+    async with aiohttp.ClientSession() as session:
+        pool = EnginePool(URLS, session)
+        for i, e in enumerate(pool.engines):
+            e.in_flight = 5 - i
+        chosen = pool.pick()
+        assert chosen is not None and chosen.url == URLS[3]
+        pool.engines[3].healthy = False
+        chosen = pool.pick()
+        assert chosen is not None and chosen.url == URLS[2]
+        assert pool.pick(exclude={u for u in URLS}) is None
+
+
+def test_engine_count_never_zero() -> None:
+    assert rollout_num_engines(0, 1, 0) == 1
+    assert rollout_num_engines(8, 2, 0) == 4
+    assert rollout_num_engines(None, 1, 3) == 3
+
+
+async def test_admission_queues_then_refuses() -> None:
+    admission = Admission(limit=1, max_queue=1)
+    entries = [InFlight(f"r{i}") for i in range(3)]
+    holder = admission.slot(entries[0])
+    await holder.__aenter__()
+    waiter = asyncio.create_task(admission.slot(entries[1]).__aenter__())
+    await asyncio.sleep(0)
+    assert admission.queued == 1
+    with pytest.raises(ResourceExhausted):
+        await admission.slot(entries[2]).__aenter__()
+    entries[1].request_abort("test")
+    with pytest.raises(AbortedWhileQueued):
+        await waiter
+    await holder.__aexit__(None, None, None)
+    assert admission.running == 0
