@@ -1,0 +1,100 @@
+"""``python -m rollout_grpc.sim``: run one simulated engine in the foreground.
+
+Writes the bound port to ``--port-file`` (atomically, via a rename) once the socket listens, so a
+parent process can start it with ``--port 0`` and read the port without racing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+
+from .config import SimConfig
+from .engine import SimEngine
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rollout_grpc.sim", description="Simulated vLLM 0.32 engine")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--port-file", default=None, help="write the bound port here")
+    p.add_argument("--model", default="sim-llama", help="served model name")
+    p.add_argument("--model-root", default=None)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--token-delay-ms", type=float, default=0.0)
+    p.add_argument("--ttft-ms", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eos-probability", type=float, default=0.01)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--no-dev-mode", action="store_true", help="as without VLLM_SERVER_DEV_MODE=1")
+    p.add_argument("--no-scale-out", action="store_true", help="as without --enable-scale-out")
+    p.add_argument("--tokens-only", action="store_true")
+    p.add_argument(
+        "--moe", action="store_true", help="return routed experts (--enable-return-routed-experts)"
+    )
+    p.add_argument("--moe-layers", type=int, default=2)
+    p.add_argument("--moe-experts", type=int, default=8)
+    p.add_argument("--moe-topk", type=int, default=2)
+    p.add_argument("--multimodal", action="store_true", help="a Qwen2-VL-like model")
+    p.add_argument("--dead", action="store_true", help="start with /health answering 503")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> SimConfig:
+    cfg = SimConfig(
+        model=a.model,
+        model_root=a.model_root,
+        vocab_size=a.vocab_size,
+        max_model_len=a.max_model_len,
+        token_delay_s=a.token_delay_ms / 1000.0,
+        ttft_s=a.ttft_ms / 1000.0,
+        seed=a.seed,
+        eos_probability=a.eos_probability,
+        max_logprobs=a.max_logprobs,
+        max_num_seqs=a.max_num_seqs,
+        dev_mode=not a.no_dev_mode,
+        scale_out=not a.no_scale_out,
+        tokens_only=a.tokens_only,
+        moe_layers=a.moe_layers,
+        moe_experts=a.moe_experts,
+        moe_topk=a.moe_topk,
+        return_routed_experts=a.moe,
+        multimodal=a.multimodal,
+    )
+    cfg.faults.dead = a.dead
+    return cfg
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, path)
+
+
+async def _serve(cfg: SimConfig, host: str, port: int, port_file: str | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with SimEngine(cfg, host=host, port=port) as eng:
+        if port_file:
+            _write_port_file(port_file, eng.port)
+        print(f"rollout_grpc.sim serving {cfg.model} on {eng.url}", file=sys.stderr, flush=True)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    asyncio.run(_serve(config_from_args(a), a.host, a.port, a.port_file))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The aiohttp application: routes, vLLM's gating switches and error mapping.
+
+Gating mirrors vLLM: without ``scale_out`` the scale-out routes still exist but answer 403
+``PermissionDeniedError``; without ``dev_mode`` the development routes are not registered at all
+(FastAPI's ``{"detail":"Not Found"}`` 404).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from . import admin, control, discovery, render
+from .config import SimConfig
+from .core import CORE_KEY, EngineCore
+from .errors import SCALE_OUT_DISABLED, ApiError, not_found_route
+from .generate import handle_generate
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPNotFound:
+        return not_found_route()
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+def _scale_out(handler: Handler) -> Handler:
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        core: EngineCore = request.app[CORE_KEY]
+        if not core.config.scale_out and not core.config.tokens_only:
+            return SCALE_OUT_DISABLED.response()
+        return await handler(request)
+
+    return wrapped
+
+
+def _dev(handler: Handler) -> Handler:
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        core: EngineCore = request.app[CORE_KEY]
+        if not core.config.dev_mode:
+            return not_found_route()
+        return await handler(request)
+
+    return wrapped
+
+
+def create_app(config: SimConfig | None = None, *, core: EngineCore | None = None) -> web.Application:
+    """Build the simulated engine's app. ``app["core"]`` is its ``EngineCore``."""
+    cfg = config if config is not None else SimConfig()
+    app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
+    app[CORE_KEY] = core if core is not None else EngineCore(cfg)
+    r = app.router
+    # discovery
+    r.add_get("/health", discovery.health)
+    r.add_get("/ping", discovery.ping)
+    r.add_post("/ping", discovery.ping)
+    r.add_get("/version", discovery.version)
+    r.add_get("/v1/models", discovery.models)
+    r.add_get("/load", discovery.load)
+    r.add_get("/metrics", discovery.metrics)
+    r.add_post("/tokenize", discovery.tokenize)
+    r.add_post("/detokenize", discovery.detokenize)
+    # scale-out (403 when disabled)
+    r.add_post("/inference/v1/generate", _scale_out(handle_generate))
+    r.add_post("/inference/v1/abort_requests", _scale_out(control.scaleout_abort))
+    r.add_post("/v1/chat/completions/render", _scale_out(render.chat_render))
+    r.add_post("/v1/completions/render", _scale_out(render.completions_render))
+    # development router (404 when dev mode is off)
+    dev: list[tuple[str, str, Handler]] = [
+        ("POST", "/abort_requests", control.dev_abort),
+        ("POST", "/pause", control.pause),
+        ("POST", "/resume", control.resume),
+        ("GET", "/is_paused", control.is_paused),
+        ("POST", "/update_weight_version", control.update_weight_version),
+        ("GET", "/weight_info", control.weight_info),
+        ("POST", "/reset_prefix_cache", control.reset_prefix_cache),
+        ("POST", "/reset_mm_cache", control.reset_mm_cache),
+        ("POST", "/reset_encoder_cache", control.reset_encoder_cache),
+        ("GET", "/get_world_size", control.get_world_size),
+        ("POST", "/sleep", control.sleep),
+        ("POST", "/wake_up", control.wake_up),
+        ("GET", "/is_sleeping", control.is_sleeping),
+        ("POST", "/release_kv_cache_memory", control.release_kv_cache_memory),
+        ("POST", "/collective_rpc", control.collective_rpc),
+        ("GET", "/server_info", control.server_info),
+        ("POST", "/init_weight_transfer_engine", control.weight_transfer_unconfigured),
+        ("POST", "/start_weight_update", control.weight_transfer_unconfigured),
+        ("POST", "/update_weights", control.weight_transfer_unconfigured),
+        ("POST", "/finish_weight_update", control.weight_transfer_unconfigured),
+    ]
+    for method, path, handler in dev:
+        r.add_route(method, path, _dev(handler))
+    # simulator-only admin routes
+    r.add_get("/_sim/faults", admin.get_faults)
+    r.add_post("/_sim/faults", admin.post_faults)
+    r.add_get("/_sim/stats", admin.get_stats)
+    r.add_post("/_sim/stats/reset", admin.reset_stats)
+    r.add_post("/_sim/config", admin.post_config)
+    r.add_post("/_sim/wait", admin.wait)
+    return app

@@ -1,0 +1,138 @@
+"""Configuration of a simulated engine and of its fault switches.
+
+``SimConfig`` mirrors the ``vllm serve`` flags that change what a client sees (served name,
+``--max-model-len``, ``--enable-scale-out``, ``VLLM_SERVER_DEV_MODE``, ``--max-logprobs``,
+``--enable-return-routed-experts``, a multimodal model) plus simulator knobs (speed, EOS rate,
+seed). ``FaultConfig`` holds the failure modes tests switch on; it is mutable at runtime, from
+Python (``SimEngine.faults``) and over HTTP (``POST /_sim/faults``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+#: Fault counters: 0 = off, N > 0 = the next N generate requests (then off), -1 = every request.
+PERSISTENT = -1
+
+
+@dataclass
+class FaultConfig:
+    """Failure modes. Count fields are one-shot (N>0, decremented per affected request) or
+    persistent (-1); 0 switches them off.
+
+    * ``http_500``: generate answers 500 ``Internal server error`` (vLLM envelope) before any
+      token; nothing is counted as in flight.
+    * ``stream_error``: after ``stream_error_after`` tokens of choice 0 the stream carries
+      ``data: {"error":{…"InternalServerError"…,"code":500}}`` then ``data: [DONE]`` (HTTP status
+      stays 200); a non-streaming request answers 500 at that point.
+    * ``drop_connection``: after ``drop_after_tokens`` tokens the server closes the TCP
+      connection without finishing the response (stream and non-stream).
+    * ``hang``: the request is accepted and never answered (until the client gives up or the
+      engine stops). It is not in the engine, so aborts and pauses do not touch it.
+    * ``logprob_mismatch``: ``logprobs.content`` has ``logprob_mismatch_drop`` fewer entries than
+      ``token_ids`` (non-stream: the last entries; stream: the final chunk's entries).
+    * ``dead``: ``/health`` answers 503 and generate answers 500 (``EngineDeadError``).
+    * ``routed_experts_unavailable``: ``routed_experts`` is null even on a MoE engine with
+      ``return_routed_experts``, as on vLLM started without ``--enable-return-routed-experts``.
+    """
+
+    http_500: int = 0
+    stream_error: int = 0
+    stream_error_after: int = 1
+    drop_connection: int = 0
+    drop_after_tokens: int = 1
+    hang: int = 0
+    logprob_mismatch: int = 0
+    logprob_mismatch_drop: int = 1
+    dead: bool = False
+    routed_experts_unavailable: bool = False
+
+    def take(self, name: str) -> bool:
+        """Consume one use of a count fault; True when it applies to this request."""
+        v: int = getattr(self, name)
+        if v == 0:
+            return False
+        if v > 0:
+            setattr(self, name, v - 1)
+        return True
+
+    def update(self, values: dict[str, Any]) -> None:
+        """Set fields from a JSON object; unknown names raise ``KeyError``."""
+        known = {f.name: f for f in fields(self)}
+        for k, v in values.items():
+            if k not in known:
+                raise KeyError(k)
+            cur = getattr(self, k)
+            if isinstance(cur, bool):
+                setattr(self, k, bool(v))
+            else:
+                setattr(self, k, int(v))
+
+    def clear(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SimConfig:
+    """A simulated vLLM 0.32 engine.
+
+    Model and limits: ``model`` (served name), ``model_root`` (``root`` in ``/v1/models``;
+    default ``sim-models/<model>``), ``vocab_size``, ``max_model_len``, ``max_logprobs``,
+    ``max_num_seqs`` (upper bound for ``n``).
+
+    Speed: ``ttft_s`` before the first token of a request, ``token_delay_s`` between later
+    tokens (asyncio sleeps; zero means "as fast as the event loop allows", yielding between
+    tokens so hundreds of requests progress together).
+
+    Model behaviour: ``seed`` selects the toy model's tables and the unseeded sampling stream;
+    ``eos_probability`` is the per-step chance that EOS becomes the likely next token
+    (0 = never stop early).
+
+    Gating: ``scale_out`` (``--enable-scale-out``; off ⇒ 403 on generate/render/abort),
+    ``dev_mode`` (``VLLM_SERVER_DEV_MODE``; off ⇒ 404 on pause/resume/weights/…),
+    ``tokens_only`` (``--tokens-only``: no tokenizer endpoints, no text mode or stop strings),
+    ``server_load_tracking`` (``--enable-server-load-tracking``; off ⇒ ``/load`` stays 0).
+
+    MoE (R3): ``moe_layers``, ``moe_experts``, ``moe_topk``; ``return_routed_experts`` turns on
+    ``choices[i].routed_experts``.
+
+    Multimodal: ``multimodal`` makes it a Qwen2-VL-like model (render with images, generate with
+    ``features``); ``image_min_tokens``/``image_max_tokens`` clamp the placeholder count
+    (the tiny Qwen2-VL: 4 and 16); ``limit_images`` caps images per prompt.
+
+    ``faults`` is the initial fault state (see ``FaultConfig``).
+    """
+
+    model: str = "sim-llama"
+    model_root: str | None = None
+    vocab_size: int = 2048
+    max_model_len: int = 4096
+    token_delay_s: float = 0.0
+    ttft_s: float = 0.0
+    seed: int = 0
+    eos_probability: float = 0.01
+    dev_mode: bool = True
+    scale_out: bool = True
+    tokens_only: bool = False
+    server_load_tracking: bool = True
+    max_logprobs: int = 20
+    max_num_seqs: int = 256
+    moe_layers: int = 2
+    moe_experts: int = 8
+    moe_topk: int = 2
+    return_routed_experts: bool = False
+    multimodal: bool = False
+    image_min_tokens: int = 4
+    image_max_tokens: int = 16
+    limit_images: int = 2
+    last_requests_kept: int = 64
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    @property
+    def root(self) -> str:
+        return self.model_root if self.model_root is not None else f"sim-models/{self.model}"

@@ -1,0 +1,241 @@
+"""Abort, pause/resume, weight versions, sleep and cache endpoints (reference §4, §5).
+
+The ``/pause`` family answers engine failures with ``{"error":"<string>"}`` in vLLM, unlike every
+other route; the simulator has no engine failures there, but keeps the success bodies exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from .core import CORE_KEY, EngineCore
+from .errors import ApiError, json_response, validation_error
+from .request import parse_json_bytes
+
+_BOOL_TRUE = {"1", "true", "t", "yes", "y", "on"}
+_BOOL_FALSE = {"0", "false", "f", "no", "n", "off"}
+WEIGHT_TRANSFER_ERROR = (
+    "Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. "
+    "Please set weight_transfer_config to enable weight transfer.', please check the stack trace above "
+    "for the root cause"
+)
+
+
+def _core(request: web.Request) -> EngineCore:
+    core: EngineCore = request.app[CORE_KEY]
+    return core
+
+
+async def _json_or_none(request: web.Request) -> Any:
+    data = await request.read()
+    if not data.strip():
+        return None
+    return parse_json_bytes(data)
+
+
+def _query_bool(request: web.Request, name: str, default: bool) -> bool:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    v = raw.strip().lower()
+    if v in _BOOL_TRUE:
+        return True
+    if v in _BOOL_FALSE:
+        return False
+    raise validation_error(
+        [
+            {
+                "type": "bool_parsing",
+                "loc": f"query.{name}",
+                "msg": "Input should be a valid boolean, unable to interpret input",
+                "input": raw,
+            }
+        ]
+    )
+
+
+def _query_mode(request: web.Request) -> str:
+    mode = request.query.get("mode", "abort")
+    if mode not in ("abort", "wait", "keep"):
+        raise validation_error(
+            [
+                {
+                    "type": "literal_error",
+                    "loc": "query.mode",
+                    "msg": "Input should be 'abort', 'wait' or 'keep'",
+                    "input": mode,
+                    "ctx": "{'expected': \"'abort', 'wait' or 'keep'\"}",
+                }
+            ]
+        )
+    return mode
+
+
+async def scaleout_abort(request: web.Request) -> web.StreamResponse:
+    """``POST /inference/v1/abort_requests``: 200 with an empty body and no content type."""
+    core = _core(request)
+    core.stats.abort_calls += 1
+    body = await _json_or_none(request)
+    if not isinstance(body, dict) or "request_ids" not in body:
+        return ApiError(400, "Missing 'request_ids' in request body", "Bad Request").response()
+    ids = body["request_ids"]
+    if isinstance(ids, str):
+        ids = [ids]
+    core.abort_ids([str(i) for i in ids or []])
+    return web.Response(status=200)
+
+
+async def dev_abort(request: web.Request) -> web.StreamResponse:
+    """``POST /abort_requests``: counts ids sent; empty or missing list aborts everything."""
+    core = _core(request)
+    core.stats.abort_calls += 1
+    body = await _json_or_none(request)
+    if body is not None and not isinstance(body, dict):
+        return ApiError(400, "Request body must be a JSON object", "Bad Request").response()
+    ids = (body or {}).get("request_ids")
+    if not ids:
+        n = core.abort_all()
+        return json_response({"status": "aborted", "aborted": n})
+    if isinstance(ids, str):
+        ids = [ids]
+    core.abort_ids([str(i) for i in ids])
+    return json_response({"status": "aborted", "aborted": len(ids)})
+
+
+async def pause(request: web.Request) -> web.StreamResponse:
+    core = _core(request)
+    core.stats.pause_calls += 1
+    mode = _query_mode(request)
+    _query_bool(request, "clear_cache", True)
+    await core.pause(mode)
+    return json_response({"status": "paused"})
+
+
+async def resume(request: web.Request) -> web.StreamResponse:
+    core = _core(request)
+    core.stats.resume_calls += 1
+    core.resume()
+    return json_response({"status": "resumed"})
+
+
+async def is_paused(request: web.Request) -> web.StreamResponse:
+    return json_response({"is_paused": _core(request).paused})
+
+
+async def update_weight_version(request: web.Request) -> web.StreamResponse:
+    core = _core(request)
+    body = await _json_or_none(request)
+    if not isinstance(body, dict) or "new_version" not in body:
+        raise validation_error(
+            [{"type": "missing", "loc": "body.new_version", "msg": "Field required", "input": body or {}}]
+        )
+    v = body["new_version"]
+    if not isinstance(v, str):
+        raise validation_error(
+            [
+                {
+                    "type": "string_type",
+                    "loc": "body.new_version",
+                    "msg": "Input should be a valid string",
+                    "input": v,
+                }
+            ]
+        )
+    core.stats.weight_version_updates += 1
+    core.update_weight_version(v)
+    return json_response({"success": True, "new_version": v})
+
+
+async def weight_info(request: web.Request) -> web.StreamResponse:
+    return json_response({"weight_version": _core(request).version})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.StreamResponse:
+    return json_response({"success": True})
+
+
+async def reset_mm_cache(request: web.Request) -> web.StreamResponse:
+    _core(request).mm_cache.clear()
+    return web.Response(status=200)
+
+
+async def reset_encoder_cache(request: web.Request) -> web.StreamResponse:
+    return web.Response(status=200)
+
+
+async def get_world_size(request: web.Request) -> web.StreamResponse:
+    return json_response({"world_size": 1})
+
+
+async def sleep(request: web.Request) -> web.StreamResponse:
+    core = _core(request)
+    try:
+        level = int(request.query.get("level", "1"))
+    except ValueError:
+        raise validation_error(
+            [
+                {
+                    "type": "int_parsing",
+                    "loc": "query.level",
+                    "msg": "Input should be a valid integer, unable to parse string as an integer",
+                    "input": request.query.get("level"),
+                }
+            ]
+        ) from None
+    mode = _query_mode(request)
+    await core.pause(mode)
+    core.sleeping = True
+    core.sleep_level = level
+    return json_response({"status": "sleeping", "level": level})
+
+
+async def wake_up(request: web.Request) -> web.StreamResponse:
+    core = _core(request)
+    tags = request.query.getall("tags", None)
+    core.sleeping = False
+    core.resume()
+    return json_response({"status": "awake", "tags": tags})
+
+
+async def is_sleeping(request: web.Request) -> web.StreamResponse:
+    return json_response({"is_sleeping": _core(request).sleeping})
+
+
+async def release_kv_cache_memory(request: web.Request) -> web.StreamResponse:
+    return json_response({"status": "kv_cache_released"})
+
+
+async def collective_rpc(request: web.Request) -> web.StreamResponse:
+    body = await _json_or_none(request)
+    method = body.get("method") if isinstance(body, dict) else None
+    if method == "check_health":
+        return json_response({"results": [None]})
+    msg = (
+        "Call to collective_rpc method failed: Worker failed with error "
+        f"''SimWorker' object has no attribute '{method}'', "
+        "please check the stack trace above for the root cause"
+    )
+    return ApiError(500, msg, "InternalServerError").response()
+
+
+async def weight_transfer_unconfigured(request: web.Request) -> web.StreamResponse:
+    """Init/start/update/finish weight transfer: the simulator has no transfer backend."""
+    return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
+
+
+async def server_info(request: web.Request) -> web.StreamResponse:
+    cfg = _core(request).config
+    return json_response(
+        {
+            "vllm_config": {
+                "model": cfg.root,
+                "served_model_name": cfg.model,
+                "max_model_len": cfg.max_model_len,
+                "simulated": True,
+            },
+            "vllm_env": {"VLLM_SERVER_DEV_MODE": "1" if cfg.dev_mode else "0"},
+            "system_env": {},
+        }
+    )
