@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--token-delay-ms", type=float, default=0.0)
     p.add_argument("--ttft-ms", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling stream for unseeded requests")
+    p.add_argument("--model-seed", type=int, default=0, help="the toy model's weights")
     p.add_argument("--eos-probability", type=float, default=0.01)
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -55,6 +56,7 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         token_delay_s=a.token_delay_ms / 1000.0,
         ttft_s=a.ttft_ms / 1000.0,
         seed=a.seed,
+        model_seed=a.model_seed,
         eos_probability=a.eos_probability,
         max_logprobs=a.max_logprobs,
         max_num_seqs=a.max_num_seqs,

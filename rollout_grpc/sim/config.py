@@ -89,9 +89,10 @@ class SimConfig:
     tokens (asyncio sleeps; zero means "as fast as the event loop allows", yielding between
     tokens so hundreds of requests progress together).
 
-    Model behaviour: ``seed`` selects the toy model's tables and the unseeded sampling stream;
-    ``eos_probability`` is the per-step chance that EOS becomes the likely next token
-    (0 = never stop early).
+    Model behaviour: ``model_seed`` selects the toy model's "weights" (its tables and MoE routing;
+    keep it equal across a fleet, like one checkpoint served by many engines); ``seed`` seeds the
+    stream used for requests without ``sampling_params.seed``; ``eos_probability`` is the
+    per-step chance that EOS becomes the likely next token (0 = never stop early).
 
     Gating: ``scale_out`` (``--enable-scale-out``; off ⇒ 403 on generate/render/abort),
     ``dev_mode`` (``VLLM_SERVER_DEV_MODE``; off ⇒ 404 on pause/resume/weights/…),
@@ -115,6 +116,7 @@ class SimConfig:
     token_delay_s: float = 0.0
     ttft_s: float = 0.0
     seed: int = 0
+    model_seed: int = 0
     eos_probability: float = 0.01
     dev_mode: bool = True
     scale_out: bool = True

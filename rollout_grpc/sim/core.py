@@ -142,7 +142,7 @@ class EngineCore:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.vocab: Vocab = get_vocab(config.vocab_size)
-        self.lm = ToyLM(config.vocab_size, config.seed, config.eos_probability)
+        self.lm = ToyLM(config.vocab_size, config.model_seed, config.eos_probability)
         self.stats = SimStats(last_requests=collections.deque(maxlen=config.last_requests_kept))
         self.version = "default"
         self.paused = False

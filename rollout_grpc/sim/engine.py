@@ -50,7 +50,7 @@ class SimEngine:
         sock.listen(1024)
         sock.setblocking(False)
         self._port = sock.getsockname()[1]
-        site = web.SockSite(runner, sock, shutdown_timeout=0.5)
+        site = web.SockSite(runner, sock)
         await site.start()
         self._runner, self._site = runner, site
         return self
@@ -61,6 +61,13 @@ class SimEngine:
         if runner is None:
             return
         self._runner = self._site = None
+        server = runner.server
+        if server is not None:
+            # Like a dying process: open connections drop without an answer.
+            for conn in list(server.connections):
+                transport = conn.transport
+                if transport is not None:
+                    transport.abort()
         self.core.abort_all()
         self.core.resume()  # release held/frozen requests so they can finish as aborted
         await asyncio.sleep(0)

@@ -205,7 +205,7 @@ def _routed(core: EngineCore, ereq: EngineRequest, seq: Sequence) -> str | None:
         num_layers=cfg.moe_layers,
         num_experts=cfg.moe_experts,
         topk=cfg.moe_topk,
-        seed=cfg.seed,
+        seed=cfg.model_seed,
     )
     return encode_npy_b64(arr)
 
