@@ -120,7 +120,7 @@ class AsyncRolloutClient:
     @overload
     async def generate(
         self,
-        sample: list[SampleLike],
+        sample: list[pb.Sample] | list[SampleLike],
         params: ParamsLike = ...,
         options: OptionsLike = ...,
         *,
@@ -130,7 +130,7 @@ class AsyncRolloutClient:
 
     async def generate(
         self,
-        sample: SampleLike | list[SampleLike],
+        sample: SampleLike | list[pb.Sample] | list[SampleLike],
         params: ParamsLike = None,
         options: OptionsLike = None,
         *,

@@ -67,6 +67,7 @@ class ServerConfig:
     grace_s: float = 30.0
     abort_grace_s: float = 10.0
     health_interval_s: float = 2.0
+    breaker_cooldown_s: float = 5.0
     engine_connect_timeout_s: float = 5.0
     engine_read_timeout_s: float | None = None
     max_engine_attempts: int = 4

@@ -73,11 +73,13 @@ class EnginePool:
         timeouts: EngineTimeouts | None = None,
         health_interval_s: float = 2.0,
         failure_threshold: int = 1,
+        breaker_cooldown_s: float = 5.0,
     ) -> None:
         self._session = session
         self._timeouts = timeouts
         self._health_interval_s = health_interval_s
         self._failure_threshold = failure_threshold
+        self._breaker_cooldown_s = breaker_cooldown_s
         self._engines: dict[str, EngineHandle] = {}
         self._health_task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[bool], None]] = []
@@ -123,13 +125,20 @@ class EnginePool:
             self._notify()
 
     def replace(self, urls: Iterable[str]) -> None:
-        """Make the pool exactly `urls`: add new ones, drain-and-remove the others."""
+        """Make the pool `urls`: add new engines, drain the others (removed once idle)."""
         wanted = [u.rstrip("/") for u in urls]
         for url in wanted:
             self.add(url)
         for url in list(self._engines):
             if url not in wanted:
-                self.remove(url)
+                self.drain(url)
+        self._remove_drained()
+
+    def _remove_drained(self) -> None:
+        """Forget draining engines that have nothing in flight any more."""
+        for handle in list(self._engines.values()):
+            if handle.draining and handle.in_flight == 0:
+                self.remove(handle.url)
 
     # ----------------------------------------------------------------------------- routing
 
@@ -185,9 +194,17 @@ class EnginePool:
         handle.consecutive_failures = 0
 
     async def probe(self, handle: EngineHandle) -> bool:
-        """Probe one engine's /health and update its state."""
+        """Probe one engine's /health and update its state.
+
+        An engine taken out by a failed call (circuit open) stays out for the breaker cooldown even
+        if /health answers: an engine that accepts connections but breaks streams would otherwise
+        flap back into rotation at every probe.
+        """
         ok = await handle.client.health()
-        if ok and not handle.healthy:
+        cooling = handle.consecutive_failures > 0 and (
+            time.monotonic() - handle._opened_at < self._breaker_cooldown_s
+        )
+        if ok and not handle.healthy and not cooling:
             handle.healthy = True
             handle.consecutive_failures = 0
             log.info("engine_healthy", engine=handle.url)
@@ -200,8 +217,9 @@ class EnginePool:
         return ok
 
     async def probe_all(self) -> None:
-        """Probe every engine concurrently."""
+        """Probe every engine concurrently; forget drained engines that became idle."""
         await asyncio.gather(*(self.probe(e) for e in list(self._engines.values())))
+        self._remove_drained()
 
     async def _health_loop(self) -> None:
         while True:

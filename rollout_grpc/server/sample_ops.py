@@ -37,7 +37,8 @@ def check_input(sample: Sample) -> None:
             )
         if sample.status == Status.COMPLETED and sample.response_length == 0:
             raise InvalidArgument(
-                "sample.response_length", "a COMPLETED sample has at least one response token (the stop token)"
+                "sample.response_length",
+                "a COMPLETED sample has at least one response token (the stop token)",
             )
         return
     if not sample.tokens:

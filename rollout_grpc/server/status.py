@@ -56,13 +56,25 @@ def to_status(exc: errors.RolloutError) -> grpc.Status:
         details.append(detail)
     message = status_pb2.Status(code=code, message=exc.message, details=details)
     status: grpc.Status = rpc_status.to_status(message)
+    if isinstance(exc, errors.ResourceExhausted):
+        pushback = (("grpc-retry-pushback-ms", str(int(exc.retry_after_s * 1000))),)
+        return _Status(status.code, status.details, tuple(status.trailing_metadata) + pushback)
     return status
+
+
+class _Status(grpc.Status):
+    """A status with extra trailing metadata (abort_with_status sends only the status' own)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailing_metadata: tuple[tuple[str, Any], ...]
+    ) -> None:
+        self.code = code
+        self.details = details
+        self.trailing_metadata = trailing_metadata
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
     if isinstance(exc, errors.RolloutError):
-        if isinstance(exc, errors.ResourceExhausted):
-            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(exc.retry_after_s * 1000))),))
         await context.abort_with_status(to_status(exc))
     log.exception("internal_error", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the server)")

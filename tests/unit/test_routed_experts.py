@@ -20,7 +20,7 @@ def encode(array: np.ndarray) -> str:
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
 def test_decode_keeps_the_engine_dtype_and_shape(dtype: type) -> None:
-    array = np.arange(5 * 3 * 2, dtype=dtype).reshape(5, 3, 2)
+    array: np.ndarray = np.arange(5 * 3 * 2, dtype=dtype).reshape(5, 3, 2)
     decoded = routed_experts.decode(encode(array))
     assert decoded.dtype == np.dtype(dtype) and decoded.shape == (5, 3, 2)
     assert np.array_equal(decoded, array)

@@ -11,7 +11,7 @@ from rollout_grpc.server.errors import InvalidArgument
 
 def partial(k: int) -> Sample:
     return Sample(
-        tokens=[1, 2, 3] + list(range(10, 10 + k)),
+        tokens=[1, 2, 3, *range(10, 10 + k)],
         response_length=k,
         loss_mask=[1] * k,
         rollout_log_probs=[-0.5] * k,

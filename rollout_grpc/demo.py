@@ -1,0 +1,101 @@
+"""`make run`: a GRPO-style rollout with over-sampling and partial-rollout continuation.
+
+It starts two simulated vLLM engines and a service replica in this process, then, through the
+Python client over real gRPC and HTTP:
+
+1. generates `prompts x samples_per_prompt` samples (one session per group) and aborts everything
+   once half of them have finished, as an over-sampling trainer does;
+2. continues the ABORTED samples with their remaining budget (partial rollout);
+3. prints a table of statuses, tokens and throughput, and checks the trainer contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+
+from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
+from rollout_grpc.server.app import RolloutServer, ServerConfig
+from rollout_grpc.sim import SimConfig, SimEngine
+
+_STATUS = {v: k.removeprefix("SAMPLE_STATUS_") for k, v in pb.SampleStatus.items()}
+
+
+def _prompt(group: int) -> list[int]:
+    """A deterministic prompt of 24 ordinary token ids (not special tokens)."""
+    return [100 + (group * 37 + i * 11) % 1500 for i in range(24)]
+
+
+def _check(sample: pb.Sample) -> bool:
+    n = sample.response_length
+    return len(sample.loss_mask) == n == len(sample.rollout_log_probs) and len(sample.tokens) > n
+
+
+async def run_demo(prompts: int, samples_per_prompt: int, max_new_tokens: int) -> int:
+    """Run the demo and print its table; returns the process exit code."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [
+            await stack.enter_async_context(SimEngine(SimConfig(token_delay_s=0.002, seed=i)))
+            for i in range(2)
+        ]
+        server = RolloutServer(ServerConfig(engines=[e.url for e in engines], port=0, health_port=None))
+        await server.start()
+        stack.push_async_callback(server.stop, 1.0)
+        client = await stack.enter_async_context(AsyncRolloutClient(f"127.0.0.1:{server.port}"))
+        params = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "seed": 7}
+        samples = [
+            make_sample(_prompt(g), index=g * samples_per_prompt + j, group_index=g, session_id=f"group-{g}")
+            for g in range(prompts)
+            for j in range(samples_per_prompt)
+        ]
+
+        started = time.perf_counter()
+        tasks = [asyncio.create_task(client.generate(s, {**params, "seed": 7 + s.index})) for s in samples]
+        target = len(tasks) // 2
+        for done, next_done in enumerate(asyncio.as_completed(tasks), start=1):
+            await next_done
+            if done == target:
+                break
+        aborted = await client.abort(all=True)
+        round1 = list(await asyncio.gather(*tasks))
+        round1_s = time.perf_counter() - started
+
+        started = time.perf_counter()
+        pending = [s for s in round1 if s.status == pb.SAMPLE_STATUS_ABORTED]
+        continued: list[pb.Sample] = await client.generate(pending, params) if pending else []
+        round2_s = time.perf_counter() - started
+        final = {s.index: s for s in round1}
+        final.update({s.index: s for s in continued})
+
+    def row(name: str, batch: list[pb.Sample], seconds: float) -> str:
+        counts = collections.Counter(_STATUS[s.status] for s in batch)
+        tokens = sum(s.response_length for s in batch)
+        statuses = ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items()))
+        rate = tokens / seconds if seconds > 0 else 0.0
+        return f"| {name:<22} | {len(batch):>7} | {statuses:<38} | {tokens:>7} | {rate:>9.0f} |"
+
+    print("\nrollout-grpc demo: 2 simulated vLLM engines, 1 replica, Python client over gRPC\n")
+    print(f"| {'phase':<22} | {'samples':>7} | {'statuses':<38} | {'tokens':>7} | {'tokens/s':>9} |")
+    print(f"|{'-' * 24}|{'-' * 9}|{'-' * 40}|{'-' * 9}|{'-' * 11}|")
+    print(row("1: generate, abort-all", round1, round1_s))
+    print(row("2: continue aborted", list(continued), round2_s))
+    print(row("final", list(final.values()), round1_s + round2_s))
+    ok = all(_check(s) for s in final.values())
+    exact = all(
+        s.response_length == max_new_tokens for s in final.values() if s.status == pb.SAMPLE_STATUS_TRUNCATED
+    )
+    print(
+        f"\nabort-all ended {aborted.aborted} in-flight generations; "
+        f"{len(pending)} continued with their remaining budget."
+    )
+    print(
+        f"trainer contract (len(loss_mask) == response_length == len(logprobs)): {'ok' if ok else 'BROKEN'}"
+    )
+    verdict = "ok" if exact else "BROKEN"
+    print(f"truncated samples have exactly max_new_tokens={max_new_tokens} tokens: {verdict}")
+    still_pending = [
+        s for s in final.values() if s.status in (pb.SAMPLE_STATUS_ABORTED, pb.SAMPLE_STATUS_FAILED)
+    ]
+    return 0 if ok and exact and not still_pending else 1
