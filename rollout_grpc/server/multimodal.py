@@ -71,6 +71,11 @@ def align(features: MultimodalFeatures, tokens: list[int]) -> None:
             cursor = item.offset + item.length
 
 
+def has_all_kwargs(features: MultimodalFeatures) -> bool:
+    """Every item carries its processed tensors (so it can be resent to any engine)."""
+    return all(item.kwargs_data is not None for items in features.modalities.values() for item in items)
+
+
 def _b64(data: bytes | None) -> str | None:
     return None if data is None else base64.b64encode(data).decode("ascii")
 

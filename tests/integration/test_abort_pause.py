@@ -35,6 +35,7 @@ def start_stream(
     request_id: str,
     params: dict[str, object] = LONG,
     sample: pb.Sample | None = None,
+    options: dict[str, object] | None = None,
 ) -> Stream:
     """Start a streaming Generate in the background."""
     first = asyncio.Event()
@@ -43,7 +44,11 @@ def start_stream(
     async def run() -> pb.Sample:
         final = None
         async for message in client.generate_stream(
-            sample or make_sample(PROMPT), params, STREAM_EVERY_TOKEN, request_id=request_id, timeout=300
+            sample or make_sample(PROMPT),
+            params,
+            {**STREAM_EVERY_TOKEN, **(options or {})},
+            request_id=request_id,
+            timeout=300,
         ):
             if message.HasField("delta"):
                 stream.tokens.extend(message.delta.token_ids)

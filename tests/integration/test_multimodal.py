@@ -1,0 +1,183 @@
+"""Multimodal: Render with images, generate with features, continuation, realignment, bad images."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import AsyncIterator
+
+import aiohttp
+import grpc
+import pytest
+from PIL import Image
+
+from rollout_grpc.client import image_part, pb
+from tests.harness import Harness, harness
+from tests.integration.test_abort_pause import assert_lossless, start_stream, started
+from tests.integration.test_generate import field_violation
+
+
+def png(width: int = 56, height: int = 56, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    """A small PNG made here (no files, no downloads)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@contextlib.asynccontextmanager
+async def vl(backend: str, request: pytest.FixtureRequest, **sim: object) -> AsyncIterator[Harness]:
+    if backend == "sim":
+        async with harness("sim", sim_config={"multimodal": True, **sim}) as h:
+            yield h
+    else:
+        async with harness("vllm", str(request.getfixturevalue("vllm_vl_url"))) as h:
+            yield h
+
+
+def chat(image: bytes, text: str = "What is this?") -> list[dict[str, object]]:
+    return [{"role": "user", "content": [image_part(image), text]}]
+
+
+def sample_from(rendered: pb.RenderResponse, session_id: str = "") -> pb.Sample:
+    sample = pb.Sample(tokens=rendered.token_ids, status=pb.SAMPLE_STATUS_PENDING, session_id=session_id)
+    sample.multimodal_features.CopyFrom(rendered.features)
+    return sample
+
+
+async def test_render_then_generate(backend: str, request: pytest.FixtureRequest) -> None:
+    async with vl(backend, request) as h:
+        rendered = await h.client.render(chat(png()), session_id="vl-1")
+        (modality,) = rendered.features.modalities
+        assert modality.modality == "image"
+        (item,) = modality.items
+        pad = item.placeholder_token_id
+        placeholder = list(
+            rendered.token_ids[item.placeholder.offset : item.placeholder.offset + item.placeholder.length]
+        )
+        assert placeholder == [pad] * item.placeholder.length and item.placeholder.length > 1
+        assert len(item.mm_hash) == 64 and item.HasField("kwargs_data")
+        sample = await h.client.generate(
+            sample_from(rendered, "vl-1"), {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+        )
+        assert sample.status == pb.SAMPLE_STATUS_TRUNCATED and sample.response_length == 6
+        assert list(sample.tokens[: len(rendered.token_ids)]) == list(rendered.token_ids)
+        assert sample.multimodal_features == rendered.features
+
+
+async def test_text_only_render(backend: str, request: pytest.FixtureRequest) -> None:
+    async with vl(backend, request) as h:
+        rendered = await h.client.render(text="Hello world")
+        assert len(rendered.token_ids) > 0 and not rendered.features.modalities
+        chat_only = await h.client.render([{"role": "user", "content": "Hi there"}])
+        assert len(chat_only.token_ids) > len(rendered.token_ids) // 2
+
+
+async def test_aborted_multimodal_sample_continues_with_its_features(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    async with vl(backend, request, token_delay_s=0.005) as h:
+        rendered = await h.client.render(chat(png()), session_id="vl-2")
+        prompt_len = len(rendered.token_ids)
+        stream = start_stream(
+            h.client,
+            "vl-abort",
+            {"max_new_tokens": 300, "ignore_eos": True},
+            sample=sample_from(rendered, "vl-2"),
+        )
+        await started(stream)
+        await h.client.abort(request_ids=["vl-abort"])
+        aborted = await stream.task
+        assert aborted.status == pb.SAMPLE_STATUS_ABORTED
+        assert_lossless(stream, aborted, prompt_len)
+        done = await h.client.generate(aborted, {"max_new_tokens": 300, "ignore_eos": True})
+        assert done.status == pb.SAMPLE_STATUS_TRUNCATED and done.response_length == 300
+        assert list(done.tokens[: len(aborted.tokens)]) == list(aborted.tokens)
+        assert done.multimodal_features == rendered.features
+
+
+async def test_shifted_placeholders_are_realigned(backend: str, request: pytest.FixtureRequest) -> None:
+    async with vl(backend, request) as h:
+        rendered = await h.client.render(chat(png()), session_id="vl-3")
+        greedy = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+        reference = await h.client.generate(sample_from(rendered, "vl-3"), greedy)
+        # The trainer prepends a system turn rendered separately: the image moves by its length.
+        prefix = list(
+            (
+                await h.client.render(
+                    [{"role": "system", "content": "Be brief."}], add_generation_prompt=False
+                )
+            ).token_ids
+        )
+        shifted = sample_from(rendered, "vl-3")
+        shifted.tokens[:] = prefix + list(rendered.token_ids)
+        moved = await h.client.generate(shifted, greedy)
+        item = moved.multimodal_features.modalities[0].items[0]
+        original = rendered.features.modalities[0].items[0]
+        assert item.placeholder.offset == original.placeholder.offset + len(prefix)
+        assert moved.status == pb.SAMPLE_STATUS_TRUNCATED and moved.response_length == 5
+        _ = reference
+
+
+async def test_missing_placeholder_is_invalid_argument(backend: str, request: pytest.FixtureRequest) -> None:
+    async with vl(backend, request) as h:
+        rendered = await h.client.render(chat(png()))
+        broken = sample_from(rendered)
+        item = rendered.features.modalities[0].items[0]
+        del broken.tokens[item.placeholder.offset : item.placeholder.offset + 2]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.client.generate(broken, {"max_new_tokens": 3})
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field_violation(info.value) == "sample.multimodal_features[image].items[0].placeholder"
+
+
+@pytest.mark.parametrize(
+    ("part", "field"),
+    [
+        (image_part(b"\x89PNG not really"), "chat.messages[0].content[0].image.data"),
+        (image_part(png(), "image/gif"), "chat.messages[0].content[0].image.mime_type"),
+        (
+            pb.ContentPart(image=pb.Image(data_url="data:image/png;base64,%%%")),
+            "chat.messages[0].content[0].image.data_url",
+        ),
+    ],
+    ids=["undecodable", "unsupported-mime", "bad-data-url"],
+)
+async def test_bad_images_are_invalid_argument(
+    backend: str, request: pytest.FixtureRequest, part: pb.ContentPart, field: str
+) -> None:
+    async with vl(backend, request) as h:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.client.render([{"role": "user", "content": [part, "hi"]}])
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field_violation(info.value) == field
+
+
+async def test_too_many_images_is_invalid_argument(h: Harness) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await h.client.render([{"role": "user", "content": [image_part(png())] * 9}])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_violation(info.value) == "chat.messages[0].content[8]"
+
+
+async def test_uncached_media_are_resent_with_kwargs() -> None:
+    async with harness("sim", sim_count=2, sim_config={"multimodal": True}) as h:
+        rendered = await h.client.render(chat(png()))
+        renderer = next(s for s in h.sims if s.url == rendered.engine)
+        other = next(s for s in h.sims if s is not renderer)
+        renderer.set_dead(True)  # the generation must go to the engine that never saw the image
+        await h.server.pool.probe_all()
+        sample = await h.client.generate(sample_from(rendered), {"max_new_tokens": 4, "ignore_eos": True})
+        assert sample.status == pb.SAMPLE_STATUS_TRUNCATED
+        assert [a.engine for a in sample.engine_attempts] == [other.url, other.url]
+        assert "HTTP 500" in sample.engine_attempts[0].error
+        # Without kwargs to resend, the caller learns exactly what to do.
+        stripped = sample_from(rendered)
+        for modality in stripped.multimodal_features.modalities:
+            for item in modality.items:
+                item.ClearField("kwargs_data")
+        async with aiohttp.ClientSession() as http, http.post(other.url + "/reset_mm_cache") as reply:
+            assert reply.status == 200
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.client.generate(stripped, {"max_new_tokens": 4})
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "render" in str(info.value.details())

