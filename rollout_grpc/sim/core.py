@@ -159,6 +159,10 @@ class EngineCore:
         self.mm_cache: dict[str, Any] = {}  # mm hash -> processed item (render fills it)
 
     # ------------------------------------------------------------------ waiting helpers
+    def notify(self) -> None:
+        """Re-check ``wait_until`` predicates (call after changing state they may read)."""
+        self._notify()
+
     def _notify(self) -> None:
         if not self._waiters:
             return

@@ -50,6 +50,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     faults = core.config.faults
     stats.generate_requests += 1
     core.load += 1
+    core.notify()
     try:
         try:
             body = await read_json_body(request)
@@ -71,6 +72,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             return internal_error().response()
         if faults.take("hang"):
             stats.hung += 1
+            core.notify()
             await asyncio.Event().wait()  # until the client leaves or the engine stops
         ereq = core.new_request(
             greq.request_id,
@@ -86,6 +88,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return await _nonstream(request, core, greq, prepared, ereq, plan)
     finally:
         core.load -= 1
+        core.notify()
 
 
 class _Prepared:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -58,17 +57,45 @@ def context_hash(token_ids: list[int]) -> int:
     return h
 
 
-@dataclass(frozen=True, slots=True)
 class Tables:
-    """Precomputed distributions (all float32/int32, row-major [NUM_ROWS, vocab])."""
+    """Precomputed distributions ([NUM_ROWS, vocab], float32 like vLLM's sampler).
 
-    logprobs: FloatArray  # log-softmax of the row's logits
-    order: IntArray  # token ids by descending logprob
-    cdf: npt.NDArray[np.float64]  # cumulative probabilities for temperature-1 sampling
-    top_id: IntArray  # order[:, 0]
-    eos_logprob: FloatArray  # logprobs[:, EOS]
-    lse_shift_eos: FloatArray  # on an EOS step: log-normaliser increase (subtract from logprobs)
-    eos_step_logprob: FloatArray  # on an EOS step: EOS logprob
+    Per-row sort orders and CDFs are built on first use (tens of microseconds each) so that
+    creating the tables stays cheap; a process touches at most NUM_ROWS of each.
+    """
+
+    __slots__ = ("_cdf", "_order", "eos_logprob", "eos_step_logprob", "logprobs", "lse_shift_eos", "top_id")
+
+    def __init__(
+        self,
+        logprobs: FloatArray,
+        lse_shift_eos: FloatArray,
+        eos_step_logprob: FloatArray,
+    ) -> None:
+        self.logprobs = logprobs  # log-softmax of each row's logits
+        self.top_id: IntArray = np.argmax(logprobs, axis=1).astype(np.int32)
+        self.eos_logprob: FloatArray = np.ascontiguousarray(logprobs[:, EOS_ID])
+        self.lse_shift_eos = lse_shift_eos  # EOS step: log-normaliser increase
+        self.eos_step_logprob = eos_step_logprob  # EOS step: EOS logprob
+        self._order: list[IntArray | None] = [None] * logprobs.shape[0]
+        self._cdf: list[npt.NDArray[np.float64] | None] = [None] * logprobs.shape[0]
+
+    def order(self, row: int) -> IntArray:
+        """Token ids of ``row`` by descending logprob (stable for ties)."""
+        o = self._order[row]
+        if o is None:
+            o = np.argsort(-self.logprobs[row], kind="stable").astype(np.int32)
+            self._order[row] = o
+        return o
+
+    def cdf(self, row: int) -> npt.NDArray[np.float64]:
+        """Cumulative probabilities of ``row`` (temperature 1), normalised to end at 1."""
+        c = self._cdf[row]
+        if c is None:
+            c = np.cumsum(np.exp(self.logprobs[row].astype(np.float64)))
+            c /= c[-1]
+            self._cdf[row] = c
+        return c
 
 
 @functools.lru_cache(maxsize=4)
@@ -84,29 +111,14 @@ def get_tables(vocab_size: int, seed: int) -> Tables:
     mx = logits.max(axis=1, keepdims=True)
     lse = mx + np.log(np.exp(logits - mx).sum(axis=1, keepdims=True, dtype=np.float64)).astype(np.float32)
     logprobs = (logits - lse).astype(np.float32)
-    order = np.argsort(-logprobs, axis=1, kind="stable").astype(np.int32)
-    probs = np.exp(logprobs.astype(np.float64))
-    cdf = np.cumsum(probs, axis=1)
-    cdf /= cdf[:, -1:]
     # EOS step: EOS logit becomes row max + boost; renormalise analytically.
     eos_logit = mx[:, 0] + np.float32(EOS_STEP_BOOST)
     old_eos = logits[:, EOS_ID]
     lse0 = lse[:, 0].astype(np.float64)
     new_sum = np.exp(lse0) - np.exp(old_eos.astype(np.float64)) + np.exp(eos_logit.astype(np.float64))
     lse1 = np.log(new_sum)
-    shift = (lse1 - lse0).astype(np.float32)
-    eos_step_lp = (eos_logit - lse1).astype(np.float32)
-    for arr in (logprobs, order, cdf):
-        arr.setflags(write=False)
-    return Tables(
-        logprobs=logprobs,
-        order=order,
-        cdf=cdf,
-        top_id=np.ascontiguousarray(order[:, 0]),
-        eos_logprob=np.ascontiguousarray(logprobs[:, EOS_ID]),
-        lse_shift_eos=shift,
-        eos_step_logprob=eos_step_lp,
-    )
+    logprobs.setflags(write=False)
+    return Tables(logprobs, (lse1 - lse0).astype(np.float32), (eos_logit - lse1).astype(np.float32))
 
 
 class ToyLM:

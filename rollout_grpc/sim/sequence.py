@@ -118,7 +118,7 @@ class Sequence:
         token: int
         if self._simple and not min_active and not eos_step and (p.greedy or self._plain_t1):
             token = (
-                int(t.top_id[row]) if p.greedy else int(np.searchsorted(t.cdf[row], self._uniform(), "right"))
+                int(t.top_id[row]) if p.greedy else int(np.searchsorted(t.cdf(row), self._uniform(), "right"))
             )
             if token >= lm.vocab_size:
                 token = lm.vocab_size - 1
@@ -194,7 +194,7 @@ class Sequence:
         if not eos_step:
             lp_row = t.logprobs[row]
             lp = float(lp_row[token])
-            order = t.order[row]
+            order = t.order(row)
             rank = 1 if token == int(order[0]) else int(np.count_nonzero(lp_row > lp_row[token])) + 1
             top: list[tuple[int, float, int]] = [(token, lp, rank)]
             if k > 1:
@@ -213,7 +213,7 @@ class Sequence:
         top = [(token, lp, rank)]
         if k > 1:
             # EOS is the row's best token on an EOS step; the rest keep the table order.
-            ordered = [EOS_ID, *[x for x in t.order[row][: k + 1].tolist() if x != EOS_ID]]
+            ordered = [EOS_ID, *[x for x in t.order(row)[: k + 1].tolist() if x != EOS_ID]]
             for r, tid in enumerate(ordered, start=1):
                 if tid == token:
                     continue

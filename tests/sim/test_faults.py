@@ -1,0 +1,138 @@
+"""Fault switches (from Python and over ``/_sim/faults``) and the admin routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+import pytest
+
+from rollout_grpc.sim import PERSISTENT, SimEngine
+from tests.sim.conftest import EngineFactory
+from tests.sim.helpers import PROMPT, generate, get, post
+
+INTERNAL = {
+    "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+}
+
+
+def _body(rid: str = "f", max_tokens: int = 8, stream: bool = False, **sp: Any) -> dict[str, Any]:
+    return {
+        "request_id": rid,
+        "token_ids": PROMPT,
+        "stream": stream,
+        "sampling_params": {"max_tokens": max_tokens, **sp},
+    }
+
+
+async def test_http_500_one_shot_and_persistent(engine: SimEngine, session: aiohttp.ClientSession) -> None:
+    engine.faults.http_500 = 1
+    r = await generate(session, engine.url, _body())
+    assert (r.status, r.json) == (500, INTERNAL)
+    assert (await generate(session, engine.url, _body())).status == 200
+    assert engine.stats.generate_requests == 2 and engine.stats.generate_started == 1
+    r = await post(session, engine.url + "/_sim/faults", {"http_500": PERSISTENT})
+    assert r.json["http_500"] == -1
+    for _ in range(3):
+        assert (await generate(session, engine.url, _body())).status == 500
+    await post(session, engine.url + "/_sim/faults", {"reset": True})
+    assert (await generate(session, engine.url, _body())).status == 200
+
+
+async def test_mid_stream_error(engine: SimEngine, session: aiohttp.ClientSession) -> None:
+    engine.faults.stream_error = 1
+    engine.faults.stream_error_after = 3
+    r = await generate(session, engine.url, _body(stream=True, max_tokens=10))
+    assert r.status == 200
+    events = r.events
+    assert [len(e["choices"][0]["token_ids"]) for e in events[:3]] == [1, 1, 1]
+    assert events[3] == INTERNAL
+    assert events[4] == "[DONE]" and len(events) == 5
+    engine.faults.stream_error = 1
+    r = await generate(session, engine.url, _body(max_tokens=10))
+    assert (r.status, r.json) == (500, INTERNAL)
+    await engine.wait_idle()
+    assert engine.stats.aborted == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_drop_connection(engine: SimEngine, session: aiohttp.ClientSession, stream: bool) -> None:
+    engine.faults.drop_connection = 1
+    engine.faults.drop_after_tokens = 4
+    url = engine.url + "/inference/v1/generate"
+    received = b""
+    with pytest.raises(aiohttp.ClientError):
+        async with session.post(url, json=_body(stream=stream, max_tokens=50)) as resp:
+            async for chunk in resp.content.iter_any():
+                received += chunk
+    if stream:
+        assert received.count(b"data: ") == 4 and b"[DONE]" not in received
+    await engine.wait_idle()
+    assert engine.stats.aborted == 1
+    assert (await generate(session, engine.url, _body())).status == 200  # one-shot
+
+
+async def test_hang_never_answers(engine: SimEngine, session: aiohttp.ClientSession) -> None:
+    engine.faults.hang = 1
+    task = asyncio.create_task(generate(session, engine.url, _body()))
+    await engine.core.wait_until(lambda: engine.stats.hung == 1)
+    for _ in range(3):  # the engine stays responsive meanwhile
+        assert (await generate(session, engine.url, _body())).status == 200
+    assert not task.done()
+    assert engine.core.load == 1 and not engine.core.requests  # accepted, but not in the engine
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await engine.core.wait_until(lambda: engine.core.load == 0)
+
+
+async def test_logprob_mismatch(engine: SimEngine, session: aiohttp.ClientSession) -> None:
+    engine.faults.logprob_mismatch = 2
+    body = (await generate(session, engine.url, _body(max_tokens=6, logprobs=1))).json
+    ch = body["choices"][0]
+    assert len(ch["token_ids"]) == 6 and len(ch["logprobs"]["content"]) == 5
+    events = (await generate(session, engine.url, _body(stream=True, max_tokens=6, logprobs=1))).events
+    n_tok = sum(len(e["choices"][0]["token_ids"]) for e in events[:-1])
+    n_lp = sum(len(e["choices"][0]["logprobs"]["content"]) for e in events[:-1])
+    assert (n_tok, n_lp) == (6, 5)
+    body = (await generate(session, engine.url, _body(max_tokens=6, logprobs=1))).json
+    assert len(body["choices"][0]["logprobs"]["content"]) == 6
+
+
+async def test_dead_engine(engine: SimEngine, session: aiohttp.ClientSession) -> None:
+    engine.set_dead(True)
+    assert (await get(session, engine.url + "/health")).status == 503
+    r = await generate(session, engine.url, _body())
+    assert r.status == 500 and r.json["error"]["type"] == "InternalServerError"
+    engine.set_dead(False)
+    assert (await get(session, engine.url + "/health")).status == 200
+    await post(session, engine.url + "/_sim/faults", {"dead": True})
+    assert (await get(session, engine.url + "/health")).status == 503
+    assert engine.faults.dead
+
+
+async def test_admin_routes(make_engine: EngineFactory, session: aiohttp.ClientSession) -> None:
+    async with make_engine(token_delay_s=0.002, eos_probability=0.0) as eng:
+        r = await post(session, eng.url + "/_sim/faults", {"nope": 1})
+        assert r.status == 400
+        assert (await get(session, eng.url + "/_sim/faults")).json == eng.faults.to_dict()
+        task = asyncio.create_task(generate(session, eng.url, _body("w", max_tokens=500)))
+        r = await post(session, eng.url + "/_sim/wait", {"request_id": "generate-tokens-w", "tokens": 10})
+        assert r.json == {"ok": True}
+        stats = (await get(session, eng.url + "/_sim/stats")).json
+        assert stats["in_flight"] == 1 and stats["running"] == 1
+        assert stats["engine_request_ids"] == ["generate-tokens-w"]
+        assert stats["last_requests"][0]["request_id"] == "w"
+        await post(session, eng.url + "/abort_requests")
+        assert (await task).json["choices"][0]["finish_reason"] == "abort"
+        assert (await post(session, eng.url + "/_sim/wait", {"idle": True})).json == {"ok": True}
+        r = await post(session, eng.url + "/_sim/wait", {"running": 1, "timeout_s": 0.01})
+        assert r.status == 408
+        r = await post(session, eng.url + "/_sim/config", {"eos_probability": 1.0, "token_delay_s": 0})
+        assert r.json["eos_probability"] == 1.0
+        ch = (await generate(session, eng.url, _body(max_tokens=50, temperature=0))).json["choices"][0]
+        assert (ch["token_ids"], ch["finish_reason"], ch["stop_reason"]) == ([2], "stop", None)
+        stats = (await post(session, eng.url + "/_sim/stats/reset")).json
+        assert stats["generate_requests"] == 0

@@ -1,0 +1,98 @@
+"""The toy vocabulary and the ``python -m rollout_grpc.sim`` entry point."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from rollout_grpc.sim.vocab import EOS_ID, IMAGE_PAD_ID, SPECIAL_TOKENS, IncrementalDecoder, Vocab, get_vocab
+from tests.sim.helpers import PROMPT, gen_body, generate, get
+
+
+def test_special_ids_and_size() -> None:
+    v = get_vocab(2048)
+    assert v.size == len(v.token_bytes) == 2048
+    assert SPECIAL_TOKENS[EOS_ID] == "<|im_end|>" and SPECIAL_TOKENS[IMAGE_PAD_ID] == "<|image_pad|>"
+    assert len(set(v.token_bytes)) == 2048  # every id decodes to distinct bytes
+    assert Vocab(300).size == 300
+    with pytest.raises(ValueError):
+        Vocab(100)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello world",
+        "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n",
+        "naïve café \u2013 ünïcödé 🎉",
+        "def f(x):\n    return x + 1\n",
+        "<|not special|> <| >",
+        "",
+    ],
+)
+def test_encode_decode_round_trip(text: str) -> None:
+    v = get_vocab(2048)
+    ids = v.encode(text)
+    assert v.decode(ids) == text
+    assert all(0 <= i < 2048 for i in ids)
+
+
+def test_greedy_longest_match_uses_pieces() -> None:
+    v = get_vocab(2048)
+    ids = v.encode(" the world")
+    assert len(ids) == 2
+    assert v.encode("<|im_end|>") == [EOS_ID]
+
+
+def test_skip_special_tokens() -> None:
+    v = get_vocab(2048)
+    ids = v.encode("<|im_start|>hi<|im_end|>")
+    assert v.decode(ids, skip_special_tokens=True) == "hi"
+    dec = IncrementalDecoder(v, skip_special_tokens=True)
+    assert "".join(dec.add(i) for i in ids) + dec.flush() == "hi"
+
+
+def test_incremental_decoder_holds_partial_utf8() -> None:
+    v = get_vocab(2048)
+    raw = "é".encode()
+    ids = [8 + raw[0], 8 + raw[1]]
+    dec = IncrementalDecoder(v, skip_special_tokens=False)
+    assert dec.add(ids[0]) == ""
+    assert dec.add(ids[1]) == "é"
+
+
+async def test_cli_port_file(tmp_path: Path) -> None:
+    port_file = tmp_path / "port"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "rollout_grpc.sim",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--model",
+        "cli-model",
+        "--token-delay-ms",
+        "0",
+        "--moe",
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        line = await proc.stderr.readline()  # printed once the socket listens and the file exists
+        assert b"serving cli-model" in line
+        port = int(port_file.read_text())
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as s:
+            assert (await get(s, url + "/health")).status == 200
+            r = await generate(s, url, {**gen_body(max_tokens=3), "model": "cli-model"})
+            assert r.status == 200 and isinstance(r.json["choices"][0]["routed_experts"], str)
+            assert len(PROMPT) == r.json["usage"]["prompt_tokens"]
+    finally:
+        proc.terminate()
+        assert await proc.wait() == 0
