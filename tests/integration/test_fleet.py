@@ -162,3 +162,46 @@ async def test_client_cancel_closes_the_engine_request() -> None:
             await stream.task
         await asyncio.wait_for(h.sims[0].wait_idle(), 10)
         assert h.sims[0].core.load == 0
+
+
+async def test_deadline_exceeded_closes_the_engine_request() -> None:
+    async with harness("sim", sim_config={"token_delay_s": 0.005}) as h:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.client.generate(
+                make_sample(PROMPT), {"max_new_tokens": 5000, "ignore_eos": True}, timeout=0.5
+            )
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(h.sims[0].wait_idle(), 10)
+        assert h.sims[0].stats.disconnects >= 1
+
+
+async def test_drained_engine_finishes_in_flight_work_and_gets_no_new_work() -> None:
+    async with harness("sim", sim_count=2, sim_config={"token_delay_s": 0.002}) as h:
+        keep, drop = h.sims
+        sid = session_on(h.sims, drop, h.server.pool.pick)
+        stream = start_stream(
+            h.client,
+            "on-drained",
+            {"max_new_tokens": 300, "ignore_eos": True},
+            sample=make_sample(PROMPT, session_id=sid),
+        )
+        await started(stream)
+        h.server.pool.replace([keep.url])  # as a SIGHUP re-read of an engines file without `drop`
+        info = await h.client.server_info()
+        assert [e.draining for e in info.engines] == [False, True]
+        after = await h.client.generate(make_sample(PROMPT, session_id=sid), {"max_new_tokens": 3})
+        assert after.engine_attempts[0].engine == keep.url
+        final = await stream.task
+        assert final.status == pb.SAMPLE_STATUS_TRUNCATED and final.response_length == 300
+        assert [a.engine for a in final.engine_attempts] == [drop.url]
+        await h.server.pool.probe_all()
+        assert [e.url for e in h.server.pool.engines] == [keep.url]
+
+
+async def test_server_info_reports_engines() -> None:
+    async with harness("sim", sim_count=2) as h:
+        info = await h.client.server_info()
+        assert [e.url for e in info.engines] == [s.url for s in h.sims]
+        assert all(e.healthy and not e.paused and e.weight_version == "default" for e in info.engines)
+        assert all(e.model == "sim-llama" for e in info.engines)
+        assert info.weight_version == "default" and not info.paused and info.version
