@@ -87,7 +87,7 @@ class _Batcher:
     def add(self, offset: int, tokens: list[int], logprobs: list[float], text: str) -> TokenBatch | None:
         if not self.enabled:
             return None
-        if not self._tokens:
+        if not self._tokens and not self._text:
             self._offset = offset
             self._since = time.monotonic()
         self._tokens.extend(tokens)
@@ -99,8 +99,12 @@ class _Batcher:
             return self.flush()
         return None
 
-    def add_text(self, text: str) -> None:
+    def add_text(self, offset: int, text: str) -> None:
+        """Text that arrived without tokens (e.g. held back by a stop string until the end)."""
         if self.enabled:
+            if not self._tokens and not self._text:
+                self._offset = offset
+                self._since = time.monotonic()
             self._text += text
 
     def flush(self) -> TokenBatch | None:
@@ -386,7 +390,7 @@ class Rollout:
                     yield batch
             elif text:
                 sample.response += text
-                batcher.add_text(text)
+                batcher.add_text(sample.response_length, text)
             if choice.get("finish_reason") is not None:
                 final = choice
         if final is None:
