@@ -10,7 +10,7 @@
 //    "server_info": {"target": "127.0.0.1:1234"},
 //    "stream": {"target": ..., "max_new_tokens": 32, "stream_batch_tokens": 8},
 //    "invalid": {"target": ...},
-//    "abort_by_id": {"target": ...}, "abort_all": {"target": ...},
+//    "abort_by_id": {"target": ..., "continue_tokens": 5}, "abort_all": {"target": ...},
 //    "render": {"target": ..., "png_path": "/tmp/x.png"},
 //    "routed_experts": [{"name": "uint8", "target": ..., "max_new_tokens": 12}, ...]}
 // Scenarios that the plan leaves out are not run.
