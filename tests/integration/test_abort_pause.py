@@ -216,3 +216,35 @@ async def test_pause_with_unknown_mode_is_invalid_argument(h: Harness) -> None:
         await h.client.stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_UNSPECIFIED))  # type: ignore[misc]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_violation(info.value) == "mode"
+
+
+async def test_session_and_group_aborts_reach_peer_replicas() -> None:
+    async with harness("sim", sim_config=SLOW_SIM) as a:
+        urls = [s.url for s in a.sims]
+        async with (
+            running_server(urls, peers=[a.target]) as b_server,
+            AsyncRolloutClient(f"127.0.0.1:{b_server.port}") as b,
+        ):
+            mine = start_stream(b, "s-1", sample=make_sample(PROMPT, session_id="sess", group_index=7))
+            other = start_stream(
+                a.client, "s-2", sample=make_sample(PROMPT, session_id="sess", group_index=8)
+            )
+            bystander = start_stream(
+                a.client,
+                "s-3",
+                {**LONG, "max_new_tokens": 300},
+                sample=make_sample(PROMPT, session_id="x", group_index=9),
+            )
+            await started(mine, other, bystander)
+            response = await b.abort(session_id="sess")  # B forwards to its peer A
+            assert response.aborted == 2
+            for stream in (mine, other):
+                sample = await stream.task
+                assert sample.status == pb.SAMPLE_STATUS_ABORTED
+                assert_lossless(stream, sample)
+            group = start_stream(a.client, "g-1", sample=make_sample(PROMPT, group_index=42))
+            await started(group)
+            assert (await b.abort(group_index=42)).aborted == 1
+            assert (await group.task).status == pb.SAMPLE_STATUS_ABORTED
+            finished = await bystander.task
+            assert finished.status == pb.SAMPLE_STATUS_TRUNCATED and finished.response_length == 300
