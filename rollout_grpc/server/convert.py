@@ -240,3 +240,18 @@ def delta_to_pb(batch: domain.TokenBatch) -> pb.GenerateResponse:
             token_ids=batch.token_ids, logprobs=batch.logprobs, offset=batch.offset, text=batch.text
         )
     )
+
+
+def content_part_from_pb(part: pb.ContentPart, field: str) -> tuple[str, str | bytes, str]:
+    """A content part as (kind, payload, mime type): ("text", str, "") or ("image", bytes|url, mime)."""
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return ("text", part.text, "")
+    if kind == "image":
+        source = part.image.WhichOneof("source")
+        if source == "data":
+            return ("image", part.image.data, part.image.mime_type)
+        if source == "data_url":
+            return ("image", part.image.data_url, "")
+        raise InvalidArgument(field + ".image", "set data or data_url")
+    raise InvalidArgument(field, "set text or image")

@@ -153,7 +153,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             messages = [
                 (
                     m.role,
-                    [convert_part(p, f"chat.messages[{i}].content[{j}]") for j, p in enumerate(m.content)],
+                    [
+                        convert.content_part_from_pb(p, f"chat.messages[{i}].content[{j}]")
+                        for j, p in enumerate(m.content)
+                    ],
                 )
                 for i, m in enumerate(request.chat.messages)
             ]
@@ -174,18 +177,3 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if rendered.features:
             convert.features_to_pb(rendered.features, response.features)
         return response
-
-
-def convert_part(part: pb.ContentPart, field: str) -> tuple[str, str | bytes, str]:
-    """A content part as (kind, payload, mime type): ("text", str, "") or ("image", bytes|url, mime)."""
-    kind = part.WhichOneof("part")
-    if kind == "text":
-        return ("text", part.text, "")
-    if kind == "image":
-        source = part.image.WhichOneof("source")
-        if source == "data":
-            return ("image", part.image.data, part.image.mime_type)
-        if source == "data_url":
-            return ("image", part.image.data_url, "")
-        raise InvalidArgument(field + ".image", "set data or data_url")
-    raise InvalidArgument(field, "set text or image")
