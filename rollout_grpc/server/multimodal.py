@@ -92,8 +92,10 @@ def to_vllm(features: MultimodalFeatures, *, with_kwargs: bool = True) -> dict[s
         mm_hashes[modality] = [it.mm_hash for it in ordered]
         placeholders[modality] = [{"offset": it.offset, "length": it.length} for it in ordered]
         kwargs[modality] = [_b64(it.kwargs_data) if with_kwargs else None for it in ordered]
-        metadata[modality] = [_b64(it.mm_metadata) for it in ordered]
-        has_metadata = has_metadata or any(it.mm_metadata is not None for it in ordered)
+        # vLLM rejects metadata without kwargs (it then requires ec_transfer_params): metadata
+        # travels only together with the tensors.
+        metadata[modality] = [_b64(it.mm_metadata) if with_kwargs else None for it in ordered]
+        has_metadata = has_metadata or (with_kwargs and any(it.mm_metadata is not None for it in ordered))
     body: dict[str, Any] = {"mm_hashes": mm_hashes, "mm_placeholders": placeholders, "kwargs_data": kwargs}
     if has_metadata:
         body["mm_metadata"] = metadata
