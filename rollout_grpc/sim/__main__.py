@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe", action="store_true", help="return routed experts (--enable-return-routed-experts)"
     )
     p.add_argument("--moe-layers", type=int, default=2)
-    p.add_argument("--moe-experts", type=int, default=8)
+    p.add_argument("--moe-experts", type=int, default=0, help="0 = dense (8 when --moe)")
     p.add_argument("--moe-topk", type=int, default=2)
     p.add_argument("--multimodal", action="store_true", help="a Qwen2-VL-like model")
     p.add_argument("--dead", action="store_true", help="start with /health answering 503")

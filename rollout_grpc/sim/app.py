@@ -52,6 +52,17 @@ def _dev(handler: Handler) -> Handler:
     return wrapped
 
 
+async def _abort_requests(request: web.Request) -> web.StreamResponse:
+    """The dev router's ``/abort_requests``; on ``--tokens-only`` without dev mode vLLM mounts the
+    scale-out abort at this path instead."""
+    cfg = request.app[CORE_KEY].config
+    if cfg.dev_mode:
+        return await control.dev_abort(request)
+    if cfg.tokens_only:
+        return await control.scaleout_abort(request)
+    return not_found_route()
+
+
 def create_app(config: SimConfig | None = None, *, core: EngineCore | None = None) -> web.Application:
     """Build the simulated engine's app. ``app["core"]`` is its ``EngineCore``."""
     cfg = config if config is not None else SimConfig()
@@ -75,7 +86,6 @@ def create_app(config: SimConfig | None = None, *, core: EngineCore | None = Non
     r.add_post("/v1/completions/render", _scale_out(render.completions_render))
     # development router (404 when dev mode is off)
     dev: list[tuple[str, str, Handler]] = [
-        ("POST", "/abort_requests", control.dev_abort),
         ("POST", "/pause", control.pause),
         ("POST", "/resume", control.resume),
         ("GET", "/is_paused", control.is_paused),
@@ -98,6 +108,7 @@ def create_app(config: SimConfig | None = None, *, core: EngineCore | None = Non
     ]
     for method, path, handler in dev:
         r.add_route(method, path, _dev(handler))
+    r.add_post("/abort_requests", _abort_requests)
     # simulator-only admin routes
     r.add_get("/_sim/faults", admin.get_faults)
     r.add_post("/_sim/faults", admin.post_faults)

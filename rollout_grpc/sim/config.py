@@ -100,7 +100,10 @@ class SimConfig:
     ``server_load_tracking`` (``--enable-server-load-tracking``; off ⇒ ``/load`` stays 0).
 
     MoE (R3): ``moe_layers``, ``moe_experts``, ``moe_topk``; ``return_routed_experts`` turns on
-    ``choices[i].routed_experts``.
+    ``choices[i].routed_experts`` (``--enable-return-routed-experts``). ``moe_experts=0`` is a dense
+    model; with ``return_routed_experts`` and no experts configured, tiny-qwen3moe's 8 are used.
+    ``/server_info`` reports ``parallel_config.is_moe_model`` and
+    ``aux_output_config.enable_return_routed_experts`` accordingly.
 
     Multimodal: ``multimodal`` makes it a Qwen2-VL-like model (render with images, generate with
     ``features``); ``image_min_tokens``/``image_max_tokens`` clamp the placeholder count
@@ -125,7 +128,7 @@ class SimConfig:
     max_logprobs: int = 20
     max_num_seqs: int = 256
     moe_layers: int = 2
-    moe_experts: int = 8
+    moe_experts: int = 0
     moe_topk: int = 2
     return_routed_experts: bool = False
     multimodal: bool = False
@@ -134,6 +137,14 @@ class SimConfig:
     limit_images: int = 2
     last_requests_kept: int = 64
     faults: FaultConfig = field(default_factory=FaultConfig)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0 or self.return_routed_experts
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe_experts if self.moe_experts > 0 else 8
 
     @property
     def root(self) -> str:

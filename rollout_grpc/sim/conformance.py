@@ -128,7 +128,8 @@ def parse_sse(raw: str | bytes) -> list[Any]:
             events.append(DONE)
             continue
         obj = orjson.loads(payload)
-        if orjson.dumps(obj).decode() != payload:
+        # Error events are written with json.dumps (spaces after separators); chunks are compact.
+        if not (isinstance(obj, dict) and "error" in obj) and orjson.dumps(obj).decode() != payload:
             raise ValueError(f"event is not compact JSON: {payload[:80]!r}")
         events.append(obj)
     if not events or events[-1] != DONE:

@@ -6,6 +6,7 @@ other route; the simulator has no engine failures there, but keeps the success b
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from aiohttp import web
@@ -33,6 +34,11 @@ async def _json_or_none(request: web.Request) -> Any:
     if not data.strip():
         return None
     return parse_json_bytes(data)
+
+
+async def _starlette_json(request: web.Request) -> Any:
+    """``await raw_request.json()``: ``json.JSONDecodeError`` on an empty or malformed body."""
+    return json.loads(await request.read() or b"")
 
 
 def _query_bool(request: web.Request, name: str, default: bool) -> bool:
@@ -77,8 +83,13 @@ async def scaleout_abort(request: web.Request) -> web.StreamResponse:
     """``POST /inference/v1/abort_requests``: 200 with an empty body and no content type."""
     core = _core(request)
     core.stats.abort_calls += 1
-    body = await _json_or_none(request)
-    if not isinstance(body, dict) or "request_ids" not in body:
+    try:
+        body = await _starlette_json(request)
+    except json.JSONDecodeError as e:
+        return ApiError(400, f"JSON decode error: {e}", "Bad Request").response()
+    if not isinstance(body, dict):
+        return web.Response(status=500, text="Internal Server Error")  # vLLM: body.get on a non-dict
+    if body.get("request_ids") is None:
         return ApiError(400, "Missing 'request_ids' in request body", "Bad Request").response()
     ids = body["request_ids"]
     if isinstance(ids, str):
@@ -88,13 +99,17 @@ async def scaleout_abort(request: web.Request) -> web.StreamResponse:
 
 
 async def dev_abort(request: web.Request) -> web.StreamResponse:
-    """``POST /abort_requests``: counts ids sent; empty or missing list aborts everything."""
+    """``POST /abort_requests`` (RL dev router): counts the ids sent; an empty or missing list
+    aborts everything. The body must be a JSON object (``{}`` works; a zero-length body is 400)."""
     core = _core(request)
     core.stats.abort_calls += 1
-    body = await _json_or_none(request)
-    if body is not None and not isinstance(body, dict):
+    try:
+        body = await _starlette_json(request)
+    except json.JSONDecodeError:
+        return ApiError(400, "Invalid JSON format", "Bad Request").response()
+    if not isinstance(body, dict):
         return ApiError(400, "Request body must be a JSON object", "Bad Request").response()
-    ids = (body or {}).get("request_ids")
+    ids = body.get("request_ids")
     if not ids:
         n = core.abort_all()
         return json_response({"status": "aborted", "aborted": n})
@@ -226,16 +241,63 @@ async def weight_transfer_unconfigured(request: web.Request) -> web.StreamRespon
 
 
 async def server_info(request: web.Request) -> web.StreamResponse:
-    cfg = _core(request).config
+    """``GET /server_info?config_format=text|json`` (default text, like vLLM).
+
+    The JSON form carries the ``VllmConfig`` sections a client reads (model, scheduler, parallel
+    and aux-output configuration), not vLLM's full dump.
+    """
+    core = _core(request)
+    cfg = core.config
+    fmt = request.query.get("config_format", "text")
+    if fmt not in ("text", "json"):
+        raise validation_error(
+            [
+                {
+                    "type": "literal_error",
+                    "loc": "query.config_format",
+                    "msg": "Input should be 'text' or 'json'",
+                    "input": fmt,
+                    "ctx": "{'expected': \"'text' or 'json'\"}",
+                }
+            ]
+        )
+    routed = cfg.return_routed_experts and not cfg.faults.routed_experts_unavailable
+    config: dict[str, Any] = {
+        "model_config": {
+            "model": cfg.root,
+            "served_model_name": cfg.model,
+            "tokenizer": cfg.root,
+            "skip_tokenizer_init": cfg.tokens_only,
+            "dtype": "bfloat16",
+            "max_model_len": cfg.max_model_len,
+            "max_logprobs": cfg.max_logprobs,
+            "logprobs_mode": "raw_logprobs",
+            "hf_config": {
+                "vocab_size": cfg.vocab_size,
+                "num_hidden_layers": cfg.moe_layers,
+                **(
+                    {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_topk}
+                    if cfg.is_moe
+                    else {}
+                ),
+            },
+        },
+        "cache_config": {"enable_prefix_caching": True},
+        "parallel_config": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "data_parallel_size": 1,
+            "is_moe_model": cfg.is_moe,
+        },
+        "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len},
+        "aux_output_config": {"enable_return_routed_experts": routed, "max_bytes": None},
+        "weight_transfer_config": None,
+    }
+    text = ", ".join(f"{k}={v!r}" for k, v in config.items())
     return json_response(
         {
-            "vllm_config": {
-                "model": cfg.root,
-                "served_model_name": cfg.model,
-                "max_model_len": cfg.max_model_len,
-                "simulated": True,
-            },
-            "vllm_env": {"VLLM_SERVER_DEV_MODE": "1" if cfg.dev_mode else "0"},
-            "system_env": {},
+            "vllm_config": config if fmt == "json" else text,
+            "vllm_env": {"VLLM_SERVER_DEV_MODE": True},
+            "system_env": {"simulated": True},
         }
     )

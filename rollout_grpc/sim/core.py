@@ -9,7 +9,8 @@ semantics follow vLLM's ``AsyncLLM``/``EngineCore`` as observed (reference §1, 
   the partial output; ``pause(keep)`` freezes running requests in place; ``pause(wait)`` returns
   once running requests have drained;
 * aborts match the engine id (``generate-tokens-…``) only;
-* ``update_weight_version`` splits every in-flight choice's span at its current length.
+* ``update_weight_version`` labels every later token with the new version, so an in-flight
+  choice's spans split at its current length (vLLM tracks the version per engine step).
 
 Tests synchronise on state rather than time: ``wait_for_tokens``, ``wait_until`` and the
 per-request ``done`` event.
@@ -30,7 +31,7 @@ from aiohttp import web
 from .config import SimConfig
 from .model import ToyLM, context_hash, mix64
 from .params import SamplingParams
-from .sequence import Sequence
+from .sequence import Sequence, VersionRef
 from .vocab import Vocab, get_vocab
 
 
@@ -144,7 +145,7 @@ class EngineCore:
         self.vocab: Vocab = get_vocab(config.vocab_size)
         self.lm = ToyLM(config.vocab_size, config.model_seed, config.eos_probability)
         self.stats = SimStats(last_requests=collections.deque(maxlen=config.last_requests_kept))
-        self.version = "default"
+        self._version = VersionRef("default")
         self.paused = False
         self.frozen = False
         self.sleeping = False
@@ -231,7 +232,7 @@ class EngineCore:
                     prompt_hash=h,
                     max_out=max_out,
                     rng_seed=rs,
-                    version=self.version,
+                    version=self._version,
                     want_text=want_text,
                 )
             )
@@ -381,11 +382,13 @@ class EngineCore:
             r.wake.set()
         self._notify()
 
+    @property
+    def version(self) -> str:
+        return self._version.value
+
     def update_weight_version(self, version: str) -> None:
-        self.version = version
-        for r in self.tracked():
-            for s in r.seqs:
-                s.on_version_change(version)
+        """Later tokens carry ``version``; in-flight spans split where their next token lands."""
+        self._version.value = version
         self._notify()
 
 

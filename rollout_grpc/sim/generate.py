@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from . import multimodal
+from .config import SimConfig
 from .core import CORE_KEY, EngineCore, EngineRequest
 from .errors import ApiError, bad_request, internal_error, json_response, not_found_model
 from .moe import encode_npy_b64, routed_experts
@@ -113,15 +114,16 @@ def _prepare(core: EngineCore, g: GenerateRequest) -> _Prepared:
             f"sampling_params.n must be at most the server's max_num_seqs ({cfg.max_num_seqs}), got {p.n}."
         )
     if cfg.tokens_only:
-        if g.output_mode == "text":
-            raise bad_request(
-                "output_mode='text' is not supported on a --tokens-only server because "
-                "detokenization is disabled."
-            )
         if p.stop:
             raise bad_request(
                 "stop strings are not supported on a --tokens-only server because detokenization is "
                 "disabled. Check stop strings on the coordinator, or use stop_token_ids."
+            )
+        if g.output_mode != "tokens":
+            raise bad_request(
+                f"output_mode={g.output_mode!r} requires a tokenizer, but this server does not load one "
+                "(--tokens-only or --skip-tokenizer-init). Send the request to a server that loads a "
+                "tokenizer, or use output_mode='tokens'."
             )
     prompt_ids = g.token_ids
     mm_ph: dict[str, Any] | None = None
@@ -133,12 +135,7 @@ def _prepare(core: EngineCore, g: GenerateRequest) -> _Prepared:
         if mx >= cfg.vocab_size:
             raise bad_request(f"Token id {mx} is out of vocabulary")
     plen = len(prompt_ids)
-    if plen > cfg.max_model_len:
-        raise bad_request(
-            f"The decoder prompt (length {plen}) is longer than the maximum model length of "
-            f"{cfg.max_model_len}. Make sure that `max_model_len` is no smaller than the number of "
-            "text tokens."
-        )
+    check_prompt_len(cfg, plen)
     if p.logprobs is not None:
         k = cfg.vocab_size if p.logprobs == -1 else p.logprobs
         if k > cfg.max_logprobs:
@@ -160,16 +157,38 @@ def _prepare(core: EngineCore, g: GenerateRequest) -> _Prepared:
     rs = p.routed_experts_prompt_start
     if not 0 <= rs <= plen:
         raise bad_request(
-            f"routed_experts_prompt_start must be in [0, {plen}] (the prompt length), got {rs}.",
+            f"routed_experts_prompt_start must be between 0 and the prompt length ({plen}), inclusive.",
             "routed_experts_prompt_start",
             rs,
             has_value=True,
         )
     room = cfg.max_model_len - plen
     max_out = room if p.max_tokens is None else min(p.max_tokens, room)
-    # vLLM still runs one step when the prompt fills the context exactly; it stops at length.
-    max_out = max(max_out, 1)
     return _Prepared(prompt_ids, max_out, mm_ph, extra)
+
+
+def check_prompt_len(cfg: SimConfig, plen: int) -> None:
+    """``InputProcessor._validate_prompt_len``: the prompt must leave room for one token."""
+    if cfg.multimodal:
+        suggestion = (
+            "Make sure that `max_model_len` is no smaller than the number of text tokens plus multimodal "
+            "tokens. For image inputs, the number of image tokens depends on the number of images, and "
+            "possibly their aspect ratios as well."
+        )
+    else:
+        suggestion = "Make sure that `max_model_len` is no smaller than the number of text tokens."
+    if plen > cfg.max_model_len:
+        raise bad_request(
+            f"The decoder prompt (length {plen}) is longer than the maximum model length of "
+            f"{cfg.max_model_len}. {suggestion}"
+        )
+    if plen == cfg.max_model_len:
+        raise bad_request(
+            f"The decoder prompt (length {plen}) plus the number of requested output tokens (at least 1) "
+            f"is longer than the maximum model length of {cfg.max_model_len}. Make sure that "
+            "`max_model_len` is no smaller than the number of text tokens (prompt + requested output "
+            "tokens)."
+        )
 
 
 class _FaultPlan:
@@ -206,7 +225,7 @@ def _routed(core: EngineCore, ereq: EngineRequest, seq: Sequence) -> str | None:
         start,
         len(prompt) + n_out - 1,
         num_layers=cfg.moe_layers,
-        num_experts=cfg.moe_experts,
+        num_experts=cfg.num_experts,
         topk=cfg.moe_topk,
         seed=cfg.model_seed,
     )
@@ -301,6 +320,7 @@ async def _stream(
     final_sent = [False] * len(ereq.seqs)
     first_chunk = [g.return_token_ids]  # prompt ids go in the very first chunk only
     vocab = core.vocab
+    interval = g.params.stream_interval or 1
     gen = core.run(ereq)
     try:
         plan.check(request, 0)
@@ -312,8 +332,8 @@ async def _stream(
                         continue
                     n = len(s.token_ids)
                     fin = s.finish_reason is not None
-                    if n == sent[i] and not fin:
-                        continue
+                    if not fin and (n == sent[i] or (sent[i] and n - sent[i] < interval)):
+                        continue  # stream_interval: first and final outputs are never delayed
                     delta = s.token_ids[sent[i] : n]
                     if fast and not fin and not first_chunk[0]:
                         chunk = templates[i].render(delta)

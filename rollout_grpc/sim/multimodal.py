@@ -125,7 +125,7 @@ def _features_error(msg: str, features: Any) -> ApiError:
     )
 
 
-def _check_features_shape(f: dict[str, Any]) -> None:
+def check_features_shape(f: dict[str, Any]) -> None:
     """``MultiModalFeatures`` field types and its ``_validate_parallel_fields`` validator."""
     for key in ("mm_hashes", "mm_placeholders"):
         if key not in f:
@@ -251,12 +251,8 @@ def _require_mm(core: EngineCore) -> None:
 def _from_features(
     core: EngineCore, ids: list[int], f: dict[str, Any]
 ) -> tuple[list[int], dict[str, Any], bytes]:
-    _check_features_shape(f)
-    _require_mm(core)
+    _require_mm(core)  # shape and bounds were checked with the request (pydantic validators)
     phs: dict[str, list[dict[str, Any]]] = f["mm_placeholders"]
-    for ranges in phs.values():
-        if any(p["offset"] + p["length"] > len(ids) for p in ranges):
-            raise bad_request("mm_placeholders must remain within the token_ids sequence")
     limit = core.config.limit_images
     n_img = len(f["mm_hashes"].get("image", []))
     if n_img > limit:

@@ -15,7 +15,8 @@ from typing import Any
 from aiohttp import web
 
 from .core import CORE_KEY, EngineCore
-from .errors import ApiError, bad_request, json_response, not_found_model, validation_error
+from .errors import bad_request, json_response, not_found_model, validation_error
+from .generate import check_prompt_len
 from .multimodal import ImageItem, load_image_url, process_image
 from .params import SamplingParams, parse_sampling_params
 from .request import read_json_body
@@ -165,11 +166,7 @@ def _check_common(core: EngineCore, body: Any) -> dict[str, Any]:
 def _resolve_max_tokens(core: EngineCore, sp: SamplingParams, prompt_len: int) -> int:
     cfg = core.config
     if prompt_len > cfg.max_model_len:
-        raise bad_request(
-            f"The decoder prompt (length {prompt_len}) is longer than the maximum model length of "
-            f"{cfg.max_model_len}. Make sure that `max_model_len` is no smaller than the number of text "
-            "tokens."
-        )
+        check_prompt_len(cfg, prompt_len)
     room = cfg.max_model_len - prompt_len
     return room if sp.max_tokens is None else min(sp.max_tokens, room)
 
@@ -382,7 +379,3 @@ async def completions_render(request: web.Request) -> web.StreamResponse:
         request_id = base if len(prompts) == 1 else f"{base}-{i}"
         out.append(_generate_request(request_id, ids, None, _encode_sampling(sp, max_tokens), body))
     return json_response(out)
-
-
-def render_error_response(e: ApiError) -> web.Response:
-    return e.response()

@@ -15,7 +15,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from .errors import ApiError, missing_field, type_error, validation_error
+from .errors import ApiError, bad_request, missing_field, type_error, validation_error
+from .multimodal import check_features_shape
 from .params import SamplingParams, parse_sampling_params
 
 ENGINE_ID_PREFIX = "generate-tokens-"
@@ -131,6 +132,47 @@ def _opt(body: dict[str, Any], key: str, kind: str, errs: list[dict[str, Any]]) 
     return v
 
 
+def _body_error(msg: str, body: Any) -> ApiError:
+    """A ``ValueError`` from a model-level validator: pydantic reports it at ``loc: body``."""
+    return validation_error(
+        [
+            {
+                "type": "value_error",
+                "loc": "body",
+                "msg": "Value error, " + msg,
+                "input": body,
+                "ctx": "{'error': ValueError(" + repr(msg) + ")}",
+            }
+        ]
+    )
+
+
+_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+
+
+def _validate_cache_salt(cache_salt: Any) -> None:
+    """``validate_cache_salt``: a ``VLLMValidationError``, so BadRequestError with a param."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(cache_salt) > 128 or any(c in cache_salt for c in _SALT_FORBIDDEN):
+        raise bad_request(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
+            "'\\\\', or NUL.",
+            "cache_salt",
+        )
+
+
+def _require_ec_for_metadata_only(features: dict[str, Any], body: Any) -> None:
+    metadata = features.get("mm_metadata") or {}
+    kwargs_data = features.get("kwargs_data") or {}
+    for modality, items in metadata.items():
+        kw = kwargs_data.get(modality, [None] * len(items))
+        if any(m is not None and k is None for m, k in zip(items, kw, strict=False)):
+            raise _body_error("metadata-only multimodal items require ec_transfer_params", body)
+
+
 def parse_generate(body: Any, header_request_id: str | None) -> GenerateRequest:
     """Validate a generate body; raises ``ApiError`` with vLLM's envelope."""
     if not isinstance(body, dict):
@@ -144,6 +186,7 @@ def parse_generate(body: Any, header_request_id: str | None) -> GenerateRequest:
                 }
             ]
         )
+    _validate_cache_salt(body.get("cache_salt"))  # a "before" validator: runs first
     errs: list[dict[str, Any]] = []
     rid = body.get("request_id")
     if "request_id" in body and not isinstance(rid, str):
@@ -170,50 +213,23 @@ def parse_generate(body: Any, header_request_id: str | None) -> GenerateRequest:
                 "ctx": "{'expected': \"'tokens' or 'text'\"}",
             }
         )
-    if cache_salt is not None and (
-        not cache_salt or len(cache_salt) > 128 or any(c in cache_salt for c in "@/\\\x00")
-    ):
-        msg = (
-            "cache_salt must be a non-empty string of at most 128 characters without '@', '/', '\\\\' or NUL"
-        )
-        errs.append(
-            {
-                "type": "value_error",
-                "loc": "body.cache_salt",
-                "msg": "Value error, " + msg,
-                "input": cache_salt,
-                "ctx": "{'error': ValueError(" + repr(msg) + ")}",
-            }
-        )
     if errs:
         raise validation_error(errs)
+    if features is not None:
+        check_features_shape(features)
     params = parse_sampling_params(body["sampling_params"])
-    if output_mode == "text" and not params.detokenize:
-        msg = "output_mode='text' requires sampling_params.detokenize to be true"
-        raise validation_error(
-            [
-                {
-                    "type": "value_error",
-                    "loc": "body",
-                    "msg": "Value error, " + msg,
-                    "input": body,
-                    "ctx": "{'error': ValueError(" + repr(msg) + ")}",
-                }
-            ]
-        )
-    if features is not None and content_parts is not None:
-        msg = "features and content_parts cannot be combined"
-        raise validation_error(
-            [
-                {
-                    "type": "value_error",
-                    "loc": "body",
-                    "msg": "Value error, " + msg,
-                    "input": body,
-                    "ctx": "{'error': ValueError(" + repr(msg) + ")}",
-                }
-            ]
-        )
+    # GenerateRequest's "after" model validators, in vLLM's order.
+    if content_parts and features:
+        raise _body_error("content_parts and features are mutually exclusive", body)
+    if features is not None and not body.get("ec_transfer_params"):
+        _require_ec_for_metadata_only(features, body)
+    if output_mode != "tokens" and not params.detokenize:
+        raise _body_error(f"output_mode={output_mode!r} requires sampling_params.detokenize to be true", body)
+    if features is not None:
+        n = len(body["token_ids"])
+        for ranges in features["mm_placeholders"].values():
+            if any(p["offset"] + p["length"] > n for p in ranges):
+                raise _body_error("mm_placeholders must remain within the token_ids sequence", body)
     base_id = (
         header_request_id if header_request_id else (rid if isinstance(rid, str) else secrets.token_hex(8))
     )

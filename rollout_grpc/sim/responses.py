@@ -9,6 +9,7 @@ so a token costs one small concatenation instead of a JSON encode.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -172,7 +173,9 @@ def usage_chunk(request_id: str, prompt_tokens: int, completion_tokens: int, out
 
 
 def error_event(message: str = "Internal server error") -> bytes:
-    return sse({"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}})
+    """vLLM writes stream errors with ``json.dumps`` (default separators, not compact)."""
+    body = {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 class PlainChunkTemplate:

@@ -20,6 +20,15 @@ _NEG_INF = np.float32(-np.inf)
 _RAND_BLOCK = 256
 
 
+class VersionRef:
+    """The engine's current weight version, shared by all sequences (read once per token)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+
 class TokenLogprob:
     """Logprob data for one generated token (raw logprobs; top entries sampled-first)."""
 
@@ -46,7 +55,7 @@ class Sequence:
         prompt_hash: int,
         max_out: int,
         rng_seed: int,
-        version: str,
+        version: VersionRef,
         want_text: bool,
     ) -> None:
         self.index = index
@@ -60,8 +69,10 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        # weight_versions: [[version, start]], closed at the current length when finished.
-        self.spans: list[list[object]] = [[version, 0]]
+        # weight_versions: (version, first output position), a new entry whenever a token is
+        # generated under a different engine weight version (vLLM's track_weight_version).
+        self._version = version
+        self.spans: list[tuple[str, int]] = []
         self._rng = np.random.Generator(np.random.PCG64(rng_seed))
         self._rand = self._rng.random(_RAND_BLOCK)
         self._rand_i = 0
@@ -131,6 +142,9 @@ class Sequence:
             token = self._sample_general(raw, min_active)
         if self.logprobs is not None:
             self.logprobs.append(self._logprob_entry(row, eos_step, raw, token))
+        v = self._version.value
+        if not self.spans or self.spans[-1][0] != v:
+            self.spans.append((v, len(self.token_ids)))
         self.token_ids.append(token)
         self.h = roll(self.h, token)
         if self._counts is not None:
@@ -226,40 +240,37 @@ class Sequence:
     def _check_stop(self, token: int) -> None:
         p = self.params
         n_out = len(self.token_ids)
-        finished = False
         stop_token_hit = False
         if n_out >= p.min_tokens:
             if token == EOS_ID and not p.ignore_eos:
-                self.finish_reason, self.stop_reason, finished, stop_token_hit = "stop", None, True, True
+                self.finish_reason, self.stop_reason, stop_token_hit = "stop", None, True
             elif token in self._stop_ids:
-                self.finish_reason, self.stop_reason, finished, stop_token_hit = "stop", token, True, True
-        if not finished and n_out >= self.max_out:
-            self.finish_reason, self.stop_reason, finished = "length", None, True
+                self.finish_reason, self.stop_reason, stop_token_hit = "stop", token, True
+        if self.finish_reason is None and n_out >= self.max_out:
+            self.finish_reason, self.stop_reason = "length", None
         if self.track_text:
-            if stop_token_hit and not p.include_stop_str_in_output:
-                self.decoder.flush()  # the stop token's own text is not part of the output
-            else:
-                before = len(self.decoder.text)
-                self.decoder.add(token, final=finished)
-                if p.stop:
-                    self._check_stop_strings(before)
-        if finished:
-            self.close_spans()
+            before = len(self.decoder.text)
+            # A stop token's own text is left out unless include_stop_str_in_output.
+            if not (stop_token_hit and not p.include_stop_str_in_output):
+                self.decoder.add(token)
+            if p.stop and n_out > p.min_tokens:
+                self._check_stop_strings(len(self.decoder.text) - before)
 
-    def _check_stop_strings(self, before: int) -> None:
+    def _check_stop_strings(self, new_chars: int) -> None:
+        """``check_stop_strings``: the match that completes earliest in the new text wins."""
+        if not new_chars:
+            return
         text = self.decoder.text
-        start = max(0, before - self._max_stop + 1)
-        best: tuple[int, str] | None = None
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for s in self.params.stop:
-            i = text.find(s, start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
+            i = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+            if i >= 0 and (best is None or i + len(s) < best[0]):
+                best = (i + len(s), i, s)
         if best is None:
             return
-        i, s = best
-        self.text_cut = i + len(s) if self.params.include_stop_str_in_output else i
-        self.finish_reason, self.stop_reason = "stop", s
-        self.close_spans()
+        end, start, stop = best
+        self.text_cut = end if self.params.include_stop_str_in_output else start
+        self.finish_reason, self.stop_reason = "stop", stop
 
     @property
     def finished(self) -> bool:
@@ -268,9 +279,6 @@ class Sequence:
     def abort(self) -> None:
         if self.finish_reason is None:
             self.finish_reason, self.stop_reason = "abort", None
-            if self.track_text:
-                self.decoder.flush()
-            self.close_spans()
 
     # ------------------------------------------------------------------ text
     @property
@@ -289,25 +297,8 @@ class Sequence:
         return delta
 
     # ------------------------------------------------------------------ weight versions
-    def on_version_change(self, version: str) -> None:
-        """Split the span at the current output length (replace an empty trailing span)."""
-        if self.finished:
-            return
-        last = self.spans[-1]
-        if last[0] == version:
-            return
-        n = len(self.token_ids)
-        if last[1] == n:
-            last[0] = version
-            if len(self.spans) > 1 and self.spans[-2][0] == version:
-                self.spans.pop()
-        else:
-            self.spans.append([version, n])
-
-    def close_spans(self) -> None:
-        self._closed_len = len(self.token_ids)
-
     def weight_versions(self) -> list[dict[str, object]]:
+        """Spans over output positions, as vLLM's ``_weight_version_spans`` (``[]`` without tokens)."""
         n = len(self.token_ids)
         out: list[dict[str, object]] = []
         spans = self.spans

@@ -284,12 +284,16 @@ class IncrementalDecoder:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
 
-    def add(self, token_id: int, *, final: bool = False) -> str:
-        """Append one token and return the newly decodable text."""
+    def add(self, token_id: int) -> str:
+        """Append one token and return the newly decodable text.
+
+        Bytes of an incomplete UTF-8 sequence stay pending (a later byte that cannot continue it
+        turns them into U+FFFD); at the end they are never emitted, as with the tokenizers
+        library's ``DecodeStream`` that vLLM uses.
+        """
         if self._skip and token_id < NUM_SPECIAL:
-            delta = self._decoder.decode(b"", final=final)
-        else:
-            delta = self._decoder.decode(self._table[token_id], final=final)
+            return ""
+        delta = self._decoder.decode(self._table[token_id])
         self.text += delta
         return delta
 

@@ -102,10 +102,19 @@ async def test_raw_id_abort_runs_to_length(
         assert len(body["choices"][0]["token_ids"]) == 60
 
 
-async def test_scaleout_abort_missing_ids(engine: SimEngine, session: aiohttp.ClientSession) -> None:
+async def test_abort_body_errors(engine: SimEngine, session: aiohttp.ClientSession) -> None:
     rec = PAUSE["abort"]["scaleout_missing_ids"]
     r = await post(session, engine.url + "/inference/v1/abort_requests", {})
     assert (r.status, r.json) == (rec["status"], rec["body"])
+    r = await post(session, engine.url + "/inference/v1/abort_requests", data=b"")
+    assert r.json["error"]["message"] == "JSON decode error: Expecting value: line 1 column 1 (char 0)"
+    # the dev router: a zero-length body is not JSON; {} aborts everything
+    r = await post(session, engine.url + "/abort_requests", data=b"")
+    assert (r.status, r.json["error"]["message"]) == (400, "Invalid JSON format")
+    r = await post(session, engine.url + "/abort_requests", [1])
+    assert (r.status, r.json["error"]["message"]) == (400, "Request body must be a JSON object")
+    r = await post(session, engine.url + "/abort_requests", {})
+    assert r.json == {"status": "aborted", "aborted": 0}
 
 
 async def test_dev_abort_by_ids_and_all(make_engine: EngineFactory, session: aiohttp.ClientSession) -> None:
@@ -128,7 +137,7 @@ async def test_dev_abort_by_ids_and_all(make_engine: EngineFactory, session: aio
         b = _start(session, eng, _body("ab-all-2", stream=True))
         await eng.wait_for_tokens("generate-tokens-ab-all-1", 5)
         await eng.wait_for_tokens("generate-tokens-ab-all-2", 5)
-        r = await post(session, eng.url + "/abort_requests")
+        r = await post(session, eng.url + "/abort_requests", {})
         assert r.json == rec_all["abort_response"]["body"]
         _check_nonstream_abort(await a, rec_all["nonstream_client_got"])
         _check_stream_abort(await b, rec_all["stream_client_got"])
@@ -328,7 +337,7 @@ async def test_abort_all_releases_held_requests(
         body = (await held).json
         ch = body["choices"][0]
         assert (ch["finish_reason"], ch["token_ids"], ch["logprobs"]) == ("abort", [], {"content": []})
-        assert ch["weight_versions"] == [{"version": "default", "start": 0, "end": 0}]
+        assert ch["weight_versions"] == []  # vLLM's _weight_version_spans with no tokens
         await post(session, eng.url + "/resume")
 
 
@@ -337,7 +346,7 @@ async def test_load_counts_in_flight(make_engine: EngineFactory, session: aiohtt
         tasks = [_start(session, eng, _body(f"load-{i}", max_tokens=2000)) for i in range(3)]
         await eng.wait_for_running(3)
         assert (await get(session, eng.url + "/load")).json == {"server_load": 3}
-        await post(session, eng.url + "/abort_requests")
+        await post(session, eng.url + "/abort_requests", {})
         await asyncio.gather(*tasks)
         await eng.wait_idle()
         assert (await get(session, eng.url + "/load")).json == {"server_load": 0}

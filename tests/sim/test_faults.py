@@ -125,7 +125,7 @@ async def test_admin_routes(make_engine: EngineFactory, session: aiohttp.ClientS
         assert stats["in_flight"] == 1 and stats["running"] == 1
         assert stats["engine_request_ids"] == ["generate-tokens-w"]
         assert stats["last_requests"][0]["request_id"] == "w"
-        await post(session, eng.url + "/abort_requests")
+        await post(session, eng.url + "/abort_requests", {})
         assert (await task).json["choices"][0]["finish_reason"] == "abort"
         assert (await post(session, eng.url + "/_sim/wait", {"idle": True})).json == {"ok": True}
         r = await post(session, eng.url + "/_sim/wait", {"running": 1, "timeout_s": 0.01})

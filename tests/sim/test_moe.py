@@ -140,7 +140,7 @@ async def test_abort_gives_rows_so_far(make_engine: EngineFactory, session: aioh
             generate(session, eng.url, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 5}})
         )
         await eng.wait_for_held(1)
-        await post(session, eng.url + "/abort_requests")
+        await post(session, eng.url + "/abort_requests", {})
         assert (await held).json["choices"][0]["routed_experts"] is None
         await post(session, eng.url + "/resume")
 
