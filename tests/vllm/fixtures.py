@@ -1,0 +1,146 @@
+"""Pytest plugin with the live-vLLM fixtures. Register it once, in the root ``tests/conftest.py``::
+
+    pytest_plugins = ["tests.vllm.fixtures"]
+
+(``tools/vllm/run_tier.sh`` also passes ``-p tests.vllm.fixtures``; registering a plugin twice is a
+no-op.) Fixtures, all session-scoped, each the base URL ``http://127.0.0.1:PORT`` of a real vLLM 0.32
+server: ``vllm_dense_url`` (tiny-llama), ``vllm_moe_url`` (tiny-qwen3moe), ``vllm_vl_url``
+(tiny-qwen2vl); ``vllm_servers`` is the :class:`VllmServerManager` itself.
+
+Without ``ROLLOUT_VLLM=1`` (plain ``make test``) every one of them skips, so nothing starts vLLM.
+
+Servers start before the first test that needs them, in ``pytest_runtest_protocol`` outside that
+test's pytest-timeout budget (a cold start can take a minute), and stop when the session ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Generator, Iterator
+from typing import Any
+
+import pytest
+
+from tests.vllm.servers import (
+    MODEL_KINDS,
+    ModelKind,
+    VllmServerManager,
+    VllmStartError,
+    manager,
+    skip_reason,
+)
+
+FIXTURE_KINDS: dict[str, ModelKind] = {f"vllm_{kind}_url": kind for kind in MODEL_KINDS}
+
+_current_item: pytest.Item | None = None  # the test being run, for pausing its timeout
+
+
+def _needed_kinds(item: pytest.Item) -> list[ModelKind]:
+    names: list[str] = list(getattr(item, "fixturenames", ()))
+    return [FIXTURE_KINDS[name] for name in names if name in FIXTURE_KINDS]
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    # tryfirst makes this wrapper the outermost one, so pytest-timeout's timer is not running yet.
+    global _current_item  # noqa: PLW0603 - tests run one at a time in a session
+    kinds = _needed_kinds(item)
+    if kinds and skip_reason() is None:
+        # A start failure is remembered by the manager; the fixture then reports it as this test's error.
+        with contextlib.suppress(VllmStartError):
+            manager().ensure(kinds)
+    _current_item = item
+    try:
+        yield
+    finally:
+        _current_item = None
+
+
+def _timeout_settings(item: pytest.Item) -> Any:
+    """pytest-timeout's settings for ``item`` when a timeout applies, else None."""
+    try:
+        plugin = importlib.import_module("pytest_timeout")
+    except ImportError:
+        return None
+    get_settings = getattr(plugin, "_get_item_settings", None)
+    if get_settings is None or not item.config.pluginmanager.has_plugin("timeout"):
+        return None
+    settings = get_settings(item)
+    return settings if settings.timeout else None
+
+
+@contextlib.contextmanager
+def _timeout_paused() -> Iterator[None]:
+    """Stop the current test's pytest-timeout clock while a server starts; restart it afterwards.
+
+    Covers fixtures requested dynamically (``request.getfixturevalue``), which the pre-start in
+    ``pytest_runtest_protocol`` cannot see.
+    """
+    item = _current_item
+    settings = _timeout_settings(item) if item is not None else None
+    if item is None or settings is None:
+        yield
+        return
+    hook = item.config.pluginmanager.hook
+    hook.pytest_timeout_cancel_timer(item=item)
+    try:
+        yield
+    finally:
+        hook.pytest_timeout_set_timer(item=item, settings=settings)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if skip_reason() is None:
+        manager().stop_all()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if skip_reason() is None and manager().events:
+        terminalreporter.section("vllm servers")
+        for line in manager().events:
+            terminalreporter.write_line(line)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    reason = skip_reason()
+    return "vllm tier: enabled" if reason is None else f"vllm tier: off ({reason})"
+
+
+def _url(kind: ModelKind) -> str:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    mgr = manager()
+    if kind in mgr.running_kinds():
+        return mgr.url(kind)
+    with _timeout_paused():
+        return mgr.url(kind)
+
+
+@pytest.fixture(scope="session")
+def vllm_servers() -> Generator[VllmServerManager, None, None]:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    mgr = manager()
+    yield mgr
+    mgr.stop_all()
+
+
+@pytest.fixture(scope="session")
+def vllm_dense_url(vllm_servers: VllmServerManager) -> str:
+    """tiny-llama (LlamaForCausalLM), ``--max-model-len 4096``."""
+    return _url("dense")
+
+
+@pytest.fixture(scope="session")
+def vllm_moe_url(vllm_servers: VllmServerManager) -> str:
+    """tiny-qwen3moe (Qwen3MoeForCausalLM, 8 experts top-2), ``--max-model-len 4096``."""
+    return _url("moe")
+
+
+@pytest.fixture(scope="session")
+def vllm_vl_url(vllm_servers: VllmServerManager) -> str:
+    """tiny-qwen2vl (Qwen2VLForConditionalGeneration), ``--max-model-len 1024``, up to 2 images."""
+    return _url("vl")
