@@ -243,9 +243,8 @@ def prepare_generate(core: EngineCore, g: GenerateRequest) -> tuple[list[int], d
 
 def _require_mm(core: EngineCore) -> None:
     if not core.config.multimodal:
-        raise bad_request(
-            f"{core.config.model} is not a multimodal model; it does not accept multimodal inputs"
-        )
+        # MultiModalRegistry.create_processor's error for a text-only model
+        raise bad_request(f"{core.config.model} is not a multimodal model")
 
 
 def _from_features(

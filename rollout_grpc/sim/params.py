@@ -285,5 +285,3 @@ def _post_init(sp: SamplingParams) -> None:
         sp.min_p = 0.0
         if sp.n > 1:
             raise bad_request(f"n must be 1 when using greedy sampling, got {sp.n}.")
-    if sp.top_k == -1:
-        sp.top_k = 0

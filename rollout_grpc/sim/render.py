@@ -30,7 +30,7 @@ def _core(request: web.Request) -> EngineCore:
     return core
 
 
-def _openai_to_sampling(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+def openai_sampling_params(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
     """OpenAI request fields -> a ``sampling_params`` dict for ``parse_sampling_params``."""
     sp: dict[str, Any] = {}
     for key in (
@@ -70,8 +70,18 @@ def _openai_to_sampling(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
     return sp
 
 
-def _encode_sampling(sp: SamplingParams, max_tokens: int) -> dict[str, Any]:
-    """``SamplingParams`` as vLLM's msgspec encoder writes it (``omit_defaults``), in field order."""
+def _small_int_default(value: int, default: int) -> bool:
+    """msgspec's ``omit_defaults`` compares by identity: a small int equal to its default is omitted
+    (CPython caches -5..256), so e.g. a resolved ``max_tokens`` of exactly 16 disappears."""
+    return value == default and -5 <= value <= 256
+
+
+def encode_sampling_params(sp: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """``SamplingParams`` as vLLM's msgspec encoder writes it (``omit_defaults``), in field order.
+
+    Floats taken from the request are new objects, so they are never "the default" and always
+    appear; ints equal to a small default are omitted (see ``_small_int_default``).
+    """
     d: dict[str, Any] = {}
     if sp.n != 1:
         d["n"] = sp.n
@@ -90,7 +100,8 @@ def _encode_sampling(sp: SamplingParams, max_tokens: int) -> dict[str, Any]:
     d["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.ignore_eos:
         d["ignore_eos"] = True
-    d["max_tokens"] = max_tokens
+    if not _small_int_default(max_tokens, 16):
+        d["max_tokens"] = max_tokens
     if sp.min_tokens:
         d["min_tokens"] = sp.min_tokens
     if sp.logprobs is not None:
@@ -105,6 +116,14 @@ def _encode_sampling(sp: SamplingParams, max_tokens: int) -> dict[str, Any]:
         d["include_stop_str_in_output"] = True
     d["output_kind"] = 2
     d["skip_clone"] = True
+    if sp.stop and not sp.include_stop_str_in_output:
+        buffer = max(len(s) for s in sp.stop) - 1
+        if not _small_int_default(buffer, 0):
+            d["output_text_buffer_length"] = buffer
+    if sp.stop_token_ids:
+        stop_ids: set[int] = set()
+        stop_ids.update(sp.stop_token_ids)  # a set, encoded in CPython's iteration order
+        d["_all_stop_token_ids"] = list(stop_ids)
     if sp.logit_bias:
         d["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
     if sp.allowed_token_ids is not None:
@@ -187,9 +206,7 @@ def _message_text(core: EngineCore, content: Any, images: list[ImageItem]) -> st
             out.append(str(part.get("text", "")))
         elif kind in ("image_url", "input_image"):
             if not core.config.multimodal:
-                raise bad_request(
-                    f"{core.config.model} is not a multimodal model; image inputs are not supported"
-                )
+                raise bad_request(f"{core.config.model} is not a multimodal model")
             iu = part.get("image_url")
             url = iu.get("url") if isinstance(iu, dict) else iu
             if not isinstance(url, str):
@@ -247,7 +264,7 @@ async def chat_render(request: web.Request) -> web.StreamResponse:
         )
     if body.get("use_beam_search"):
         raise bad_request("Beam search is not supported by the render endpoints")
-    sp = parse_sampling_params(_openai_to_sampling(body, chat=True))
+    sp = parse_sampling_params(openai_sampling_params(body, chat=True))
     images: list[ImageItem] = []
     parts = []
     for m in messages:
@@ -275,7 +292,9 @@ async def chat_render(request: web.Request) -> web.StreamResponse:
     max_tokens = _resolve_max_tokens(core, sp, len(ids))
     rid = body.get("request_id")
     request_id = "chatcmpl-" + (rid if isinstance(rid, str) and rid else secrets.token_hex(8))
-    return json_response(_generate_request(request_id, ids, features, _encode_sampling(sp, max_tokens), body))
+    return json_response(
+        _generate_request(request_id, ids, features, encode_sampling_params(sp, max_tokens), body)
+    )
 
 
 def _prompt_union_errors(prompt: list[Any]) -> list[dict[str, Any]]:
@@ -367,7 +386,7 @@ async def completions_render(request: web.Request) -> web.StreamResponse:
     core.stats.render_calls += 1
     body = _check_common(core, await read_json_body(request))
     prompts = _prompts(body, core)
-    sp = parse_sampling_params(_openai_to_sampling(body, chat=False))
+    sp = parse_sampling_params(openai_sampling_params(body, chat=False))
     rid = body.get("request_id")
     base = "cmpl-" + (rid if isinstance(rid, str) and rid else secrets.token_hex(8))
     out = []
@@ -377,5 +396,5 @@ async def completions_render(request: web.Request) -> web.StreamResponse:
             raise bad_request(f"Token id {max(bad)} is out of vocabulary")
         max_tokens = _resolve_max_tokens(core, sp, len(ids))
         request_id = base if len(prompts) == 1 else f"{base}-{i}"
-        out.append(_generate_request(request_id, ids, None, _encode_sampling(sp, max_tokens), body))
+        out.append(_generate_request(request_id, ids, None, encode_sampling_params(sp, max_tokens), body))
     return json_response(out)

@@ -88,7 +88,7 @@ class Sequence:
             or params.repetition_penalty != 1.0
         )
         self._plain_t1 = (
-            params.temperature == 1.0 and params.top_p == 1.0 and params.top_k == 0 and params.min_p == 0.0
+            params.temperature == 1.0 and params.top_p == 1.0 and params.top_k <= 0 and params.min_p == 0.0
         )
         self._stop_ids = set(params.stop_token_ids)
         self._min_mask_ids = sorted({EOS_ID, *self._stop_ids} & set(range(lm.vocab_size)))
