@@ -20,6 +20,7 @@ from .config import SimConfig
 from .core import CORE_KEY, EngineCore, EngineRequest
 from .errors import ApiError, bad_request, internal_error, json_response, not_found_model
 from .moe import encode_npy_b64, routed_experts
+from .params import SamplingParams
 from .request import GenerateRequest, parse_generate, read_json_body
 from .responses import (
     DONE,
@@ -34,6 +35,7 @@ from .responses import (
 from .sequence import Sequence
 
 SSE_CT = "text/event-stream; charset=utf-8"
+MAX_LOGPROB_TOKEN_IDS = 128
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
@@ -130,30 +132,13 @@ def _prepare(core: EngineCore, g: GenerateRequest) -> _Prepared:
     extra = b""
     if g.features is not None or g.content_parts is not None:
         prompt_ids, mm_ph, extra = multimodal.prepare_generate(core, g)
+    verify_sampling_params(cfg, p)
+    plen = len(prompt_ids)
+    check_prompt_len(cfg, plen)
     if prompt_ids:
         mx = max(prompt_ids)
         if mx >= cfg.vocab_size:
             raise bad_request(f"Token id {mx} is out of vocabulary")
-    plen = len(prompt_ids)
-    check_prompt_len(cfg, plen)
-    if p.logprobs is not None:
-        k = cfg.vocab_size if p.logprobs == -1 else p.logprobs
-        if k > cfg.max_logprobs:
-            raise bad_request(
-                f"Requested sample logprobs of {k}, which is greater than max allowed: {cfg.max_logprobs}",
-                "logprobs",
-                k,
-                has_value=True,
-            )
-    if p.prompt_logprobs is not None:
-        k = cfg.vocab_size if p.prompt_logprobs == -1 else p.prompt_logprobs
-        if k > cfg.max_logprobs:
-            raise bad_request(
-                f"Requested prompt logprobs of {k}, which is greater than max allowed: {cfg.max_logprobs}",
-                "prompt_logprobs",
-                k,
-                has_value=True,
-            )
     rs = p.routed_experts_prompt_start
     if not 0 <= rs <= plen:
         raise bad_request(
@@ -165,6 +150,88 @@ def _prepare(core: EngineCore, g: GenerateRequest) -> _Prepared:
     room = cfg.max_model_len - plen
     max_out = room if p.max_tokens is None else min(p.max_tokens, room)
     return _Prepared(prompt_ids, max_out, mm_ph, extra)
+
+
+def _out_of_vocab(ids: list[int], vocab_size: int) -> list[int]:
+    return [t for t in ids if t < 0 or t >= vocab_size]
+
+
+def verify_sampling_params(cfg: SimConfig, p: SamplingParams) -> None:
+    """``SamplingParams.verify`` (logprob limits, token ids inside the vocabulary), in vLLM's order."""
+    v = cfg.vocab_size
+    if p.logprobs:
+        k = v if p.logprobs == -1 else p.logprobs
+        if k > cfg.max_logprobs:
+            raise bad_request(
+                f"Requested sample logprobs of {k}, which is greater than max allowed: {cfg.max_logprobs}",
+                "logprobs",
+                k,
+                has_value=True,
+            )
+    if p.logprob_token_ids is not None:
+        n = len(p.logprob_token_ids)
+        if n > MAX_LOGPROB_TOKEN_IDS:
+            raise bad_request(
+                f"Requested logprob_token_ids of length {n}, which is greater than max allowed: "
+                f"{MAX_LOGPROB_TOKEN_IDS}",
+                "logprob_token_ids",
+                n,
+                has_value=True,
+            )
+        bad = _out_of_vocab(p.logprob_token_ids, v)
+        if bad:
+            raise bad_request(
+                f"token_id(s) {bad} in logprob_token_ids contain out-of-vocab token ids. "
+                f"Vocabulary size: {v}",
+                "logprob_token_ids",
+                bad,
+                has_value=True,
+            )
+        if p.logprobs is not None and p.logprobs != n:
+            raise bad_request(
+                "When both logprobs and logprob_token_ids are set, logprobs must equal "
+                f"len(logprob_token_ids). Got logprobs={p.logprobs}, len(logprob_token_ids)={n}.",
+                "logprob_token_ids",
+                n,
+                has_value=True,
+            )
+    if p.prompt_logprobs:
+        k = v if p.prompt_logprobs == -1 else p.prompt_logprobs
+        if k > cfg.max_logprobs:
+            raise bad_request(
+                f"Requested prompt logprobs of {k}, which is greater than max allowed: {cfg.max_logprobs}",
+                "prompt_logprobs",
+                k,
+                has_value=True,
+            )
+    if p.logit_bias:
+        bad = _out_of_vocab(list(p.logit_bias), v)
+        if bad:
+            raise bad_request(
+                f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: {v}",
+                "logit_bias",
+                bad,
+                has_value=True,
+            )
+    if p.stop_token_ids:
+        bad = _out_of_vocab(p.stop_token_ids, v)
+        if bad:
+            raise bad_request(
+                f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: {v}",
+                "stop_token_ids",
+                bad,
+                has_value=True,
+            )
+    if p.allowed_token_ids is not None:
+        if not p.allowed_token_ids:
+            raise bad_request(
+                "allowed_token_ids is not None and empty!", "allowed_token_ids", [], has_value=True
+            )
+        bad = _out_of_vocab(p.allowed_token_ids, v)
+        if bad:
+            raise bad_request(
+                "allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids", bad, has_value=True
+            )
 
 
 def check_prompt_len(cfg: SimConfig, plen: int) -> None:

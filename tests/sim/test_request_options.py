@@ -138,3 +138,38 @@ async def test_prompt_at_context_limit(make_engine: EngineFactory, session: aioh
     async with make_engine(max_model_len=len(PROMPT) + 1, eos_probability=0.0) as eng:
         r = await generate(session, eng.url, gen_body(max_tokens=5))
         assert r.status == 200 and len(r.json["choices"][0]["token_ids"]) == 1
+
+
+async def test_sampling_params_verify(engine: SimEngine, session: aiohttp.ClientSession) -> None:
+    """``SamplingParams.verify``: token ids inside the vocabulary, logprob_token_ids limits."""
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        (
+            {"stop_token_ids": [5, 5000]},
+            "stop_token_ids",
+            "token_id(s) [5000] in stop_token_ids contain out-of-vocab token ids. Vocabulary size: 2048 "
+            "(parameter=stop_token_ids, value=[5000])",
+        ),
+        (
+            {"logit_bias": {"9999": 1.0}},
+            "logit_bias",
+            "token_id(s) [9999] in logit_bias contain out-of-vocab token ids. Vocabulary size: 2048 "
+            "(parameter=logit_bias, value=[9999])",
+        ),
+        (
+            {"allowed_token_ids": []},
+            "allowed_token_ids",
+            "allowed_token_ids is not None and empty! (parameter=allowed_token_ids, value=[])",
+        ),
+        (
+            {"logprobs": 2, "logprob_token_ids": [1, 2, 3]},
+            "logprob_token_ids",
+            "When both logprobs and logprob_token_ids are set, logprobs must equal len(logprob_token_ids). "
+            "Got logprobs=2, len(logprob_token_ids)=3. (parameter=logprob_token_ids, value=3)",
+        ),
+    ]
+    for sp, param, message in cases:
+        r = await generate(session, engine.url, gen_body(max_tokens=1, **sp))
+        assert r.status == 400
+        assert r.json == {
+            "error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+        }
