@@ -123,7 +123,10 @@ async def pause(request: web.Request) -> web.StreamResponse:
     core = _core(request)
     core.stats.pause_calls += 1
     mode = _query_mode(request)
-    _query_bool(request, "clear_cache", True)
+    if _query_bool(request, "clear_cache", True):
+        # AsyncLLM.pause_generation clears the renderer's multimodal cache first, in every mode:
+        # a later generate with kwargs_data null for an earlier hash then fails with 500.
+        core.mm_cache.clear()
     await core.pause(mode)
     return json_response({"status": "paused"})
 

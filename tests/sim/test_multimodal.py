@@ -230,3 +230,16 @@ async def test_text_only_engine_rejects_media(engine: SimEngine, session: aiohtt
 def test_placeholder_sizes(w: int, h: int, tokens: int) -> None:
     rh, rw = smart_resize(h, w, 4 * 28 * 28, 16 * 28 * 28)
     assert (rh // 28) * (rw // 28) == tokens
+
+
+async def test_pause_with_clear_cache_drops_mm_cache(vl: SimEngine, session: aiohttp.ClientSession) -> None:
+    rendered = (await render(session, vl, chat(png()))).json
+    cached = {**rendered, "features": {**rendered["features"], "kwargs_data": None, "mm_metadata": None}}
+    await post(session, vl.url + "/pause?mode=keep&clear_cache=false")
+    await post(session, vl.url + "/resume")
+    assert (await generate(session, vl.url, cached)).status == 200
+    await post(session, vl.url + "/pause?mode=abort")  # clear_cache defaults to true
+    await post(session, vl.url + "/resume")
+    assert (await generate(session, vl.url, cached)).status == 500
+    assert (await generate(session, vl.url, rendered)).status == 200  # kwargs_data re-populates the cache
+    assert (await generate(session, vl.url, cached)).status == 200
