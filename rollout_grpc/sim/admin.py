@@ -18,13 +18,12 @@ client under test must never call them.
 from __future__ import annotations
 
 import asyncio
-import collections
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from .core import CORE_KEY, EngineCore, SimStats
+from .core import CORE_KEY, EngineCore
 from .errors import ApiError, json_response
 from .request import parse_json_bytes
 
@@ -79,7 +78,7 @@ async def get_stats(request: web.Request) -> web.StreamResponse:
 
 async def reset_stats(request: web.Request) -> web.StreamResponse:
     core = _core(request)
-    core.stats = SimStats(last_requests=collections.deque(maxlen=core.config.last_requests_kept))
+    core.reset_stats()
     return json_response(stats_dict(core))
 
 

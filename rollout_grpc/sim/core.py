@@ -159,6 +159,9 @@ class EngineCore:
         self.load = 0  # generate HTTP calls in flight (for /load)
         self.mm_cache: dict[str, Any] = {}  # mm hash -> processed item (render fills it)
 
+    def reset_stats(self) -> None:
+        self.stats = SimStats(last_requests=collections.deque(maxlen=self.config.last_requests_kept))
+
     # ------------------------------------------------------------------ waiting helpers
     def notify(self) -> None:
         """Re-check ``wait_until`` predicates (call after changing state they may read)."""

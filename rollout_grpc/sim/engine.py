@@ -108,9 +108,8 @@ class SimEngine:
         self.config.faults.dead = dead
 
     def reset_stats(self) -> None:
-        self.core.stats = SimStats(
-            last_requests=self.core.stats.last_requests.__class__(maxlen=self.config.last_requests_kept)
-        )
+        """Zero the counters (between phases of a test)."""
+        self.core.reset_stats()
 
     async def wait_for_tokens(self, request_id: str, k: int) -> None:
         """Wait until engine request ``request_id`` (prefixed id) has produced ``k`` tokens."""

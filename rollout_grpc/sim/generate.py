@@ -19,6 +19,7 @@ from . import multimodal
 from .config import SimConfig
 from .core import CORE_KEY, EngineCore, EngineRequest
 from .errors import ApiError, bad_request, internal_error, json_response, not_found_model
+from .logprobs import prompt_logprobs
 from .moe import encode_npy_b64, routed_experts
 from .params import SamplingParams
 from .request import GenerateRequest, parse_generate, read_json_body
@@ -451,40 +452,3 @@ async def _stream(
     with contextlib.suppress(ConnectionError):
         await resp.write_eof()
     return resp
-
-
-def prompt_logprobs(core: EngineCore, ereq: EngineRequest) -> list[Any]:
-    """``prompt_logprobs``: ``[null, {"<actual>": {...}, "<top1>": {...}}, …]`` (§3.3)."""
-    import numpy as np
-
-    from .model import context_hash, roll
-
-    k_req = ereq.params.prompt_logprobs
-    assert k_req is not None
-    lm = core.lm
-    vocab = core.vocab
-    k = lm.vocab_size if k_req == -1 else k_req
-    ids = ereq.prompt_ids
-    out: list[Any] = [None]
-    h = context_hash(ids[:1])
-    for pos in range(1, len(ids)):
-        row, eos_step = lm.step_state(h)
-        full = lm.full_logprobs(row, eos_step)
-        tok = ids[pos]
-        lp = float(full[tok])
-        rank = int(np.count_nonzero(full > full[tok])) + 1
-        entry: dict[str, Any] = {
-            str(tok): {"logprob": lp, "rank": rank, "decoded_token": vocab.token_str(tok)}
-        }
-        if k > 0:
-            top = np.argsort(-full, kind="stable")[:k]
-            for r, t in enumerate(top.tolist(), start=1):
-                if str(t) not in entry:
-                    entry[str(t)] = {
-                        "logprob": float(full[t]),
-                        "rank": r,
-                        "decoded_token": vocab.token_str(t),
-                    }
-        out.append(entry)
-        h = roll(h, tok)
-    return out
