@@ -66,6 +66,9 @@ async def _engines(args: argparse.Namespace) -> AsyncIterator[list[str]]:
     urls = list(args.engine)
     if args.engines_file:
         urls += _read_engines_file(args.engines_file)
+        if not urls:
+            # Never fall back to toy engines in a deployment whose engine list came out empty.
+            raise SystemExit(f"rollout-grpc: {args.engines_file} lists no engine URL")
     if urls:
         yield urls
         return
@@ -102,6 +105,20 @@ def _config(args: argparse.Namespace, engines: list[str]) -> ServerConfig:
     )
 
 
+def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
+    """SIGHUP: re-read the engines file; new engines join, missing ones drain and leave."""
+    try:
+        urls = list(args.engine) + _read_engines_file(args.engines_file)
+    except OSError as exc:
+        log.error("engines_file_unreadable", path=args.engines_file, error=str(exc))
+        return
+    if not urls:
+        log.error("engines_file_empty", path=args.engines_file, action="kept the current engines")
+        return
+    log.info("engines_reloaded", engines=urls)
+    server.pool.replace(urls)
+
+
 async def _serve(args: argparse.Namespace) -> int:
     async with _engines(args) as engines:
         server = RolloutServer(_config(args, engines))
@@ -117,10 +134,7 @@ async def _serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         if args.engines_file:
-            loop.add_signal_handler(
-                signal.SIGHUP,
-                lambda: server.pool.replace(list(args.engine) + _read_engines_file(args.engines_file)),
-            )
+            loop.add_signal_handler(signal.SIGHUP, lambda: _reload_engines(server, args))
         await stop.wait()
         log.info("shutdown_requested")
         await server.stop()

@@ -191,11 +191,12 @@ class RolloutServer:
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful shutdown: refuse new work, let generations finish, abort the rest into samples.
 
-        1. health NOT_SERVING for good, new Generate calls UNAVAILABLE (`Rollout.closed`);
+        1. health NOT_SERVING for good; the gRPC server stops accepting calls at once (GOAWAY, so
+           clients and proxies send new calls to other replicas) while in-flight ones continue;
         2. wait up to `grace_s` for in-flight generations to finish;
         3. abort the remaining ones on their engines: their streams end with ABORTED samples
            carrying every token, delivered to the callers;
-        4. stop the gRPC servers and close the HTTP session.
+        4. close the HTTP session once the gRPC server has finished.
         """
         if self._stopping:
             return
@@ -204,6 +205,8 @@ class RolloutServer:
         await self._health.enter_graceful_shutdown()
         if self._server is not None:
             self.rollout.close()
+            # The server's own grace outlasts ours: it must never cut a stream before its sample.
+            server_stopped = asyncio.create_task(self._server.stop(grace + self.config.abort_grace_s + 5.0))
             if not await self.rollout.wait_idle(grace):
                 remaining = [e.request_id for e in self.registry.all()]
                 log.warning("shutdown_aborting", generations=len(remaining))
@@ -213,7 +216,7 @@ class RolloutServer:
                     with contextlib.suppress(Exception):
                         await self.control.abort_ids(remaining)
                 await self.rollout.wait_idle(self.config.abort_grace_s)
-            await self._server.stop(2.0)
+            await server_stopped
         if self._health_server is not None:
             await self._health_server.stop(None)
         await self.pool.stop()

@@ -54,11 +54,17 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if len(request_id) > 256:
             raise InvalidArgument("request_id", "must be at most 256 characters")
-        await context.send_initial_metadata((("x-request-id", request_id),))
         sample = convert.sample_from_pb(request.sample)
         params = convert.sampling_params_from_pb(request.sampling_params)
         options = convert.options_from_pb(request.options, self._defaults)
+        headers_sent = False
         async for event in self._rollout.generate(sample, params, options, request_id):
+            if not headers_sent:
+                # Headers go out with the first message, not before: until then every refusal
+                # (shutting down, queue full, no engine) is a trailers-only response that client
+                # retry policies and proxies may retry on another replica.
+                await context.send_initial_metadata((("x-request-id", request_id),))
+                headers_sent = True
             if isinstance(event, domain.TokenBatch):
                 yield convert.delta_to_pb(event)
             else:

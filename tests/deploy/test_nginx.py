@@ -254,13 +254,6 @@ def draining_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         procs.stop_all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="RolloutServer.stop keeps the gRPC port open during the grace and refuses new Generate "
-    "calls only after sending response headers, so neither nginx nor a client retry policy can "
-    "send them elsewhere (see deploy/README.md, 'Known problems')",
-)
 async def test_calls_during_a_replicas_drain_succeed_on_the_other_replica(
     draining_fleet: Fleet,
 ) -> None:
