@@ -158,8 +158,9 @@ async def test_pause_abort_holds_new_requests(
         await eng.wait_for_tokens("generate-tokens-pause-abort-st", 10)
         r = await post(session, eng.url + "/pause?mode=abort")
         assert (r.status, r.json) == (200, rec["pause_response"]["body"])
-        # pause(abort) returns after the in-flight requests have ended
-        assert ns.done() and st.done()
+        # pause(abort) returns after the in-flight requests have left the engine
+        assert eng.core.find("generate-tokens-pause-abort-ns") is None
+        assert eng.core.find("generate-tokens-pause-abort-st") is None
         _check_nonstream_abort(await ns, rec["nonstream_client_got"])
         _check_stream_abort(await st, rec["stream_client_got"])
         assert (await get(session, eng.url + "/is_paused")).json == rec["is_paused_after_pause"]
@@ -234,7 +235,8 @@ async def test_pause_wait_returns_when_drained(
         await eng.wait_for_held(1)
         r = await pause
         assert r.json == rec["pause_response"]["body"]
-        assert ns.done()  # the pause call came back only after the request drained
+        # the pause call came back only after the request drained
+        assert eng.core.find("generate-tokens-pause-wait-ns") is None
         body = (await ns).json
         assert body["choices"][0]["finish_reason"] == "length"
         assert len(body["choices"][0]["token_ids"]) == 120
@@ -391,3 +393,20 @@ async def test_restart_on_same_port(make_engine: EngineFactory, session: aiohttp
         assert (await get(session, eng.url + "/health")).status == 200
         r = await generate(session, eng.url, _body("again", max_tokens=3))
         assert r.json["choices"][0]["finish_reason"] == "length"
+
+
+async def test_hundreds_of_concurrent_requests(make_engine: EngineFactory) -> None:
+    """One task per request: 300 streams and bodies progress together and all complete."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with (
+        make_engine(token_delay_s=0.001, eos_probability=0.0) as eng,
+        aiohttp.ClientSession(connector=connector) as s,
+    ):
+        bodies = [_body(f"c{i}", max_tokens=20, stream=i % 2 == 0, seed=i) for i in range(300)]
+        replies = await asyncio.gather(*(generate(s, eng.url, b) for b in bodies))
+        for i, r in enumerate(replies):
+            if i % 2 == 0:
+                assert r.events[-2]["choices"][0]["finish_reason"] == "length"
+            else:
+                assert len(r.json["choices"][0]["token_ids"]) == 20
+        assert eng.stats.generate_finished == 300 and eng.stats.generation_tokens_total == 6000
