@@ -222,7 +222,8 @@ class EngineCore:
         seqs = []
         for i in range(params.n):
             if params.seed is not None:
-                rs = mix64((params.seed & ((1 << 64) - 1)) * 1_000_003 + i)
+                # vLLM's ParentRequest gives child i of an n>1 request the seed ``seed + i``.
+                rs = mix64(((params.seed + i) & ((1 << 64) - 1)) * 1_000_003)
             else:
                 rs = int(self._rng.integers(0, 1 << 63))
             seqs.append(

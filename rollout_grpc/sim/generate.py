@@ -160,11 +160,12 @@ def _out_of_vocab(ids: list[int], vocab_size: int) -> list[int]:
 def verify_sampling_params(cfg: SimConfig, p: SamplingParams) -> None:
     """``SamplingParams.verify`` (logprob limits, token ids inside the vocabulary), in vLLM's order."""
     v = cfg.vocab_size
+    max_lp = v if cfg.max_logprobs == -1 else cfg.max_logprobs
     if p.logprobs:
         k = v if p.logprobs == -1 else p.logprobs
-        if k > cfg.max_logprobs:
+        if k > max_lp:
             raise bad_request(
-                f"Requested sample logprobs of {k}, which is greater than max allowed: {cfg.max_logprobs}",
+                f"Requested sample logprobs of {k}, which is greater than max allowed: {max_lp}",
                 "logprobs",
                 k,
                 has_value=True,
@@ -198,9 +199,9 @@ def verify_sampling_params(cfg: SimConfig, p: SamplingParams) -> None:
             )
     if p.prompt_logprobs:
         k = v if p.prompt_logprobs == -1 else p.prompt_logprobs
-        if k > cfg.max_logprobs:
+        if k > max_lp:
             raise bad_request(
-                f"Requested prompt logprobs of {k}, which is greater than max allowed: {cfg.max_logprobs}",
+                f"Requested prompt logprobs of {k}, which is greater than max allowed: {max_lp}",
                 "prompt_logprobs",
                 k,
                 has_value=True,

@@ -61,6 +61,8 @@ async def test_seeded_sampling(engine: SimEngine, session: aiohttp.ClientSession
     assert len({tuple(o) for o in outs}) == 3
     assert outs == [c["token_ids"] for c in (await generate(session, engine.url, body)).json["choices"]]
     assert r["usage"]["completion_tokens"] == 30
+    # vLLM seeds child i of an n>1 request with seed + i
+    assert outs[1] == await _ids(session, engine, max_tokens=10, seed=4)
 
 
 async def test_unseeded_sampling_varies(engine: SimEngine, session: aiohttp.ClientSession) -> None:
