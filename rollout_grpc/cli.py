@@ -52,7 +52,10 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-batch-tokens", type=int, default=16)
     parser.add_argument("--stream-batch-interval-ms", type=float, default=50.0)
     parser.add_argument(
-        "--peer", action="append", default=[], help="another replica's gRPC address (repeatable)"
+        "--peer",
+        action="append",
+        default=[],
+        help="another replica (host:port), or dns:///name:port resolved to every replica at each abort",
     )
     parser.add_argument("--max-connection-age", type=float, default=300.0, help="seconds; 0 disables")
     parser.add_argument("--port-file", help="write {grpc, health, engines} as JSON once serving")

@@ -162,6 +162,8 @@ class RolloutServer:
         self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+        if self.peers is not None:
+            self.peers.set_own_port(self.port)
         await self._server.start()
         if cfg.health_port is not None:
             self._health_server = grpc.aio.server()

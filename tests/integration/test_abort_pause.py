@@ -248,3 +248,17 @@ async def test_session_and_group_aborts_reach_peer_replicas() -> None:
             assert (await group.task).status == pb.SAMPLE_STATUS_ABORTED
             finished = await bystander.task
             assert finished.status == pb.SAMPLE_STATUS_TRUNCATED and finished.response_length == 300
+
+
+async def test_dns_peer_reaches_every_resolved_replica() -> None:
+    async with harness("sim", sim_config=SLOW_SIM) as a:
+        urls = [s.url for s in a.sims]
+        # "localhost" resolves to this host: the replica skips itself (same port) and reaches A.
+        async with (
+            running_server(urls, peers=[f"dns:///localhost:{a.server.port}"]) as b_server,
+            AsyncRolloutClient(f"127.0.0.1:{b_server.port}") as b,
+        ):
+            stream = start_stream(a.client, "dns-1", sample=make_sample(PROMPT, session_id="dns-session"))
+            await started(stream)
+            assert (await b.abort(session_id="dns-session")).aborted == 1
+            assert (await stream.task).status == pb.SAMPLE_STATUS_ABORTED
