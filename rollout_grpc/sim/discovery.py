@@ -149,7 +149,7 @@ async def tokenize(request: web.Request) -> web.StreamResponse:
     else:
         text = str(body.get("prompt", ""))
     ids = vocab.encode(text)
-    strs = [vocab.token_str(t) for t in ids] if body.get("return_token_strs") else None
+    strs = [vocab.token_piece(t) for t in ids] if body.get("return_token_strs") else None
     return json_response(
         {"count": len(ids), "max_model_len": core.config.max_model_len, "tokens": ids, "token_strs": strs}
     )

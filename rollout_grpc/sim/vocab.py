@@ -171,6 +171,25 @@ def _pieces(count: int) -> list[bytes]:
     return out
 
 
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to U+0100 onwards."""
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), 256),
+    ]
+    table: dict[int, str] = {b: chr(b) for b in keep}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return [table[b] for b in range(256)]
+
+
+_BYTE_ALPHABET = _byte_alphabet()
+
+
 class Vocab:
     """Token id <-> bytes table with greedy longest-match encoding.
 
@@ -266,7 +285,14 @@ class Vocab:
         return raw.decode("utf-8", errors="replace")
 
     def token_str(self, token_id: int) -> str:
+        """The token's text, as ``tokenizer.decode([id])`` (OpenAI-shaped logprobs)."""
         return self.token_text[token_id]
+
+    def token_piece(self, token_id: int) -> str:
+        """The token as ``convert_ids_to_tokens`` shows it: byte-level alphabet (``" "`` is ``"Ġ"``)."""
+        if token_id < NUM_SPECIAL:
+            return SPECIAL_TOKENS[token_id]
+        return "".join(_BYTE_ALPHABET[b] for b in self.token_bytes[token_id])
 
 
 class IncrementalDecoder:
