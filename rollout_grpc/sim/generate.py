@@ -1,9 +1,8 @@
-"""``POST /inference/v1/generate``: validation, engine run, JSON or SSE answer, faults.
+"""``POST /inference/v1/generate``: parse (``request``), check (``validate``), run the engine
+(``core``), answer as JSON or SSE (``responses``), and inject faults mid-answer.
 
-Order of checks follows vLLM: request parsing (pydantic and ``SamplingParams``), model name,
-``n`` against ``max_num_seqs``, then input processing (multimodal features, vocabulary, prompt
-length, logprob limits, routed-experts start). Errors never reach the engine, which is what
-``SimStats.generate_started`` lets tests assert.
+Every rejected request is answered before entering the engine, which is what
+``SimStats.generate_started`` lets tests assert ("no engine request was made").
 """
 
 from __future__ import annotations
@@ -11,17 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
 
 from aiohttp import web
 
-from . import multimodal
-from .config import SimConfig
 from .core import CORE_KEY, EngineCore, EngineRequest
-from .errors import ApiError, bad_request, internal_error, json_response, not_found_model
+from .errors import ApiError, internal_error, json_response
 from .logprobs import prompt_logprobs
 from .moe import encode_npy_b64, routed_experts
-from .params import SamplingParams
 from .request import GenerateRequest, parse_generate, read_json_body
 from .responses import (
     DONE,
@@ -34,9 +29,9 @@ from .responses import (
     usage_chunk,
 )
 from .sequence import Sequence
+from .validate import Prepared, prepare_input
 
 SSE_CT = "text/event-stream; charset=utf-8"
-MAX_LOGPROB_TOKEN_IDS = 128
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
@@ -67,7 +62,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             return ApiError(500, ENGINE_DEAD_MESSAGE, "InternalServerError").response()
         try:
             greq = parse_generate(body, request.headers.get("X-Request-Id"))
-            prepared = _prepare(core, greq)
+            prepared = prepare_input(core, greq)
         except ApiError as e:
             stats.generate_rejected += 1
             return e.response()
@@ -93,171 +88,6 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     finally:
         core.load -= 1
         core.notify()
-
-
-class _Prepared:
-    __slots__ = ("extra_hash", "max_out", "mm_placeholders", "prompt_ids")
-
-    def __init__(
-        self, prompt_ids: list[int], max_out: int, mm_placeholders: dict[str, Any] | None, extra_hash: bytes
-    ) -> None:
-        self.prompt_ids = prompt_ids
-        self.max_out = max_out
-        self.mm_placeholders = mm_placeholders
-        self.extra_hash = extra_hash
-
-
-def _prepare(core: EngineCore, g: GenerateRequest) -> _Prepared:
-    cfg = core.config
-    if g.model is not None and g.model != cfg.model:
-        raise not_found_model(g.model, cfg.model)
-    p = g.params
-    if p.n > cfg.max_num_seqs:
-        raise bad_request(
-            f"sampling_params.n must be at most the server's max_num_seqs ({cfg.max_num_seqs}), got {p.n}."
-        )
-    if cfg.tokens_only:
-        if p.stop:
-            raise bad_request(
-                "stop strings are not supported on a --tokens-only server because detokenization is "
-                "disabled. Check stop strings on the coordinator, or use stop_token_ids."
-            )
-        if g.output_mode != "tokens":
-            raise bad_request(
-                f"output_mode={g.output_mode!r} requires a tokenizer, but this server does not load one "
-                "(--tokens-only or --skip-tokenizer-init). Send the request to a server that loads a "
-                "tokenizer, or use output_mode='tokens'."
-            )
-    prompt_ids = g.token_ids
-    mm_ph: dict[str, Any] | None = None
-    extra = b""
-    if g.features is not None or g.content_parts is not None:
-        prompt_ids, mm_ph, extra = multimodal.prepare_generate(core, g)
-    verify_sampling_params(cfg, p)
-    plen = len(prompt_ids)
-    check_prompt_len(cfg, plen)
-    if prompt_ids:
-        mx = max(prompt_ids)
-        if mx >= cfg.vocab_size:
-            raise bad_request(f"Token id {mx} is out of vocabulary")
-    rs = p.routed_experts_prompt_start
-    if not 0 <= rs <= plen:
-        raise bad_request(
-            f"routed_experts_prompt_start must be between 0 and the prompt length ({plen}), inclusive.",
-            "routed_experts_prompt_start",
-            rs,
-            has_value=True,
-        )
-    room = cfg.max_model_len - plen
-    max_out = room if p.max_tokens is None else min(p.max_tokens, room)
-    return _Prepared(prompt_ids, max_out, mm_ph, extra)
-
-
-def _out_of_vocab(ids: list[int], vocab_size: int) -> list[int]:
-    return [t for t in ids if t < 0 or t >= vocab_size]
-
-
-def verify_sampling_params(cfg: SimConfig, p: SamplingParams) -> None:
-    """``SamplingParams.verify`` (logprob limits, token ids inside the vocabulary), in vLLM's order."""
-    v = cfg.vocab_size
-    max_lp = v if cfg.max_logprobs == -1 else cfg.max_logprobs
-    if p.logprobs:
-        k = v if p.logprobs == -1 else p.logprobs
-        if k > max_lp:
-            raise bad_request(
-                f"Requested sample logprobs of {k}, which is greater than max allowed: {max_lp}",
-                "logprobs",
-                k,
-                has_value=True,
-            )
-    if p.logprob_token_ids is not None:
-        n = len(p.logprob_token_ids)
-        if n > MAX_LOGPROB_TOKEN_IDS:
-            raise bad_request(
-                f"Requested logprob_token_ids of length {n}, which is greater than max allowed: "
-                f"{MAX_LOGPROB_TOKEN_IDS}",
-                "logprob_token_ids",
-                n,
-                has_value=True,
-            )
-        bad = _out_of_vocab(p.logprob_token_ids, v)
-        if bad:
-            raise bad_request(
-                f"token_id(s) {bad} in logprob_token_ids contain out-of-vocab token ids. "
-                f"Vocabulary size: {v}",
-                "logprob_token_ids",
-                bad,
-                has_value=True,
-            )
-        if p.logprobs is not None and p.logprobs != n:
-            raise bad_request(
-                "When both logprobs and logprob_token_ids are set, logprobs must equal "
-                f"len(logprob_token_ids). Got logprobs={p.logprobs}, len(logprob_token_ids)={n}.",
-                "logprob_token_ids",
-                n,
-                has_value=True,
-            )
-    if p.prompt_logprobs:
-        k = v if p.prompt_logprobs == -1 else p.prompt_logprobs
-        if k > max_lp:
-            raise bad_request(
-                f"Requested prompt logprobs of {k}, which is greater than max allowed: {max_lp}",
-                "prompt_logprobs",
-                k,
-                has_value=True,
-            )
-    if p.logit_bias:
-        bad = _out_of_vocab(list(p.logit_bias), v)
-        if bad:
-            raise bad_request(
-                f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: {v}",
-                "logit_bias",
-                bad,
-                has_value=True,
-            )
-    if p.stop_token_ids:
-        bad = _out_of_vocab(p.stop_token_ids, v)
-        if bad:
-            raise bad_request(
-                f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: {v}",
-                "stop_token_ids",
-                bad,
-                has_value=True,
-            )
-    if p.allowed_token_ids is not None:
-        if not p.allowed_token_ids:
-            raise bad_request(
-                "allowed_token_ids is not None and empty!", "allowed_token_ids", [], has_value=True
-            )
-        bad = _out_of_vocab(p.allowed_token_ids, v)
-        if bad:
-            raise bad_request(
-                "allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids", bad, has_value=True
-            )
-
-
-def check_prompt_len(cfg: SimConfig, plen: int) -> None:
-    """``InputProcessor._validate_prompt_len``: the prompt must leave room for one token."""
-    if cfg.multimodal:
-        suggestion = (
-            "Make sure that `max_model_len` is no smaller than the number of text tokens plus multimodal "
-            "tokens. For image inputs, the number of image tokens depends on the number of images, and "
-            "possibly their aspect ratios as well."
-        )
-    else:
-        suggestion = "Make sure that `max_model_len` is no smaller than the number of text tokens."
-    if plen > cfg.max_model_len:
-        raise bad_request(
-            f"The decoder prompt (length {plen}) is longer than the maximum model length of "
-            f"{cfg.max_model_len}. {suggestion}"
-        )
-    if plen == cfg.max_model_len:
-        raise bad_request(
-            f"The decoder prompt (length {plen}) plus the number of requested output tokens (at least 1) "
-            f"is longer than the maximum model length of {cfg.max_model_len}. Make sure that "
-            "`max_model_len` is no smaller than the number of text tokens (prompt + requested output "
-            "tokens)."
-        )
 
 
 class _FaultPlan:
@@ -310,7 +140,7 @@ async def _nonstream(
     request: web.Request,
     core: EngineCore,
     g: GenerateRequest,
-    prep: _Prepared,
+    prep: Prepared,
     ereq: EngineRequest,
     plan: _FaultPlan,
 ) -> web.StreamResponse:
@@ -373,7 +203,7 @@ async def _stream(
     request: web.Request,
     core: EngineCore,
     g: GenerateRequest,
-    prep: _Prepared,
+    prep: Prepared,
     ereq: EngineRequest,
     plan: _FaultPlan,
 ) -> web.StreamResponse:

@@ -16,10 +16,10 @@ from aiohttp import web
 
 from .core import CORE_KEY, EngineCore
 from .errors import bad_request, json_response, not_found_model, validation_error
-from .generate import check_prompt_len
 from .multimodal import ImageItem, load_image_url, process_image
 from .params import SamplingParams, parse_sampling_params
 from .request import read_json_body
+from .validate import check_prompt_len
 from .vocab import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 
 _IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
