@@ -1,0 +1,271 @@
+"""The simulator next to a live vLLM 0.32 server: same requests, same answers' structure.
+
+Runs only in the vLLM tier (``pytest -m vllm``, ``ROLLOUT_VLLM=1``; see ``tests/vllm/fixtures.py``).
+Each test sends identical requests to the live server and to a simulator configured like it
+(served name and ``max_model_len`` read from its ``/v1/models``) and compares status, content
+type, structure (``shape_of``: keys, key order, types, nulls) and, for errors, the exact bodies.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from PIL import Image
+
+from rollout_grpc.sim import SimConfig, SimEngine
+from rollout_grpc.sim.conformance import assert_same_shape, stream_shape_diff
+from tests.sim.helpers import PROMPT, Reply, call
+
+pytestmark = pytest.mark.vllm
+
+Pair = tuple[Reply, Reply]
+
+
+class Both:
+    """Send one request to the simulator and to the live server."""
+
+    def __init__(self, session: aiohttp.ClientSession, sim: SimEngine, live: str) -> None:
+        self.session, self.sim, self.live = session, sim, live
+
+    async def __call__(self, method: str, path: str, body: Any = None, **kw: Any) -> Pair:
+        s = await call(self.session, method, self.sim.url + path, body, **kw)
+        v = await call(self.session, method, self.live + path, body, **kw)
+        assert (s.status, s.content_type) == (v.status, v.content_type), (path, s.raw[:300], v.raw[:300])
+        return s, v
+
+
+@contextlib.asynccontextmanager
+async def _both(live: str, **extra: Any) -> AsyncIterator[Both]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(live + "/v1/models") as r:
+            model = (await r.json())["data"][0]
+        cfg = SimConfig(
+            model=model["id"], model_root=model["root"], max_model_len=model["max_model_len"], **extra
+        )
+        async with SimEngine(cfg) as sim:
+            yield Both(session, sim, live)
+
+
+def _gen(**sp: Any) -> dict[str, Any]:
+    return {"token_ids": PROMPT, "sampling_params": sp}
+
+
+GENERATE_CASES: list[dict[str, Any]] = [
+    {
+        **_gen(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True),
+        "request_id": "c-1",
+        "return_token_ids": True,
+    },
+    _gen(max_tokens=3, temperature=1.0, seed=7, logprobs=0, ignore_eos=True),
+    {**_gen(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True), "output_mode": "text"},
+    _gen(max_tokens=3, temperature=1.0, n=2, seed=1, ignore_eos=True),
+    _gen(max_tokens=5, temperature=0, logit_bias={"2": 100.0}, logprobs=0),
+    {**_gen(max_tokens=1, temperature=0, bogus_sp=1), "bogus_top": 1},
+    _gen(max_tokens=2, temperature=0, detokenize=False, ignore_eos=True),
+    _gen(max_tokens=2, temperature=0, prompt_logprobs=1, ignore_eos=True),
+    _gen(max_tokens=4, temperature=0, logprob_token_ids=[5, 6, 7], ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("body", GENERATE_CASES)
+async def test_generate_like_live(vllm_dense_url: str, body: dict[str, Any]) -> None:
+    async with _both(vllm_dense_url) as both:
+        s, v = await both("POST", "/inference/v1/generate", body)
+        assert_same_shape(v.json, s.json)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}, "return_token_ids": True},
+        {},
+        {"output_mode": "text"},
+        {"stream_options": {"include_usage": True}},
+    ],
+)
+async def test_stream_like_live(vllm_dense_url: str, extra: dict[str, Any]) -> None:
+    async with _both(vllm_dense_url) as both:
+        body = {**_gen(max_tokens=4, temperature=0, logprobs=1, ignore_eos=True), "stream": True, **extra}
+        s, v = await both("POST", "/inference/v1/generate", body)
+        assert stream_shape_diff(v.events, s.events) == []
+
+
+ERROR_BODIES: list[Any] = [
+    {"token_ids": PROMPT},
+    {"token_ids": [], "sampling_params": {}},
+    {"token_ids": [-1, 5], "sampling_params": {}},
+    {"token_ids": [999999], "sampling_params": {"max_tokens": 1}},
+    {"model": "nope", **_gen(max_tokens=1)},
+    _gen(max_tokens=1, logprobs=50),
+    _gen(max_tokens=1, temperature=-1),
+    _gen(max_tokens=1, temperature=2.5),
+    _gen(max_tokens=1, top_p=0),
+    _gen(max_tokens=1, n=100000),
+    _gen(max_tokens=0),
+    _gen(max_tokens=2, temperature=0, n=2),
+    _gen(max_tokens=1, stop_token_ids=[999999]),
+    _gen(max_tokens=1, logit_bias={"999999": 1}),
+    _gen(max_tokens=1, routed_experts_prompt_start=99),
+    _gen(max_tokens=1, min_tokens=5),
+    {**_gen(max_tokens=1, detokenize=False), "output_mode": "text"},
+    {**_gen(max_tokens=1), "cache_salt": ""},
+    {**_gen(max_tokens=1), "output_mode": "bytes"},
+    ["not", "an", "object"],
+]
+
+
+@pytest.mark.parametrize("body", ERROR_BODIES)
+async def test_errors_like_live(vllm_dense_url: str, body: Any) -> None:
+    async with _both(vllm_dense_url) as both:
+        s, v = await both("POST", "/inference/v1/generate", body)
+        assert s.json == v.json
+
+
+async def test_request_level_errors_like_live(vllm_dense_url: str) -> None:
+    async with _both(vllm_dense_url) as both:
+        n = both.sim.config.max_model_len
+        for body in ({"token_ids": [5] * (n + 10), "sampling_params": {"max_tokens": 1}},):
+            s, v = await both("POST", "/inference/v1/generate", body)
+            assert s.json == v.json
+        json_ct = {"Content-Type": "application/json"}
+        for data, headers in ((b"{not json", json_ct), (b"hello", {"Content-Type": "text/plain"})):
+            s, v = await both("POST", "/inference/v1/generate", data=data, headers=headers)
+            assert s.json == v.json
+        for path, data in (("/inference/v1/abort_requests", b"{}"), ("/inference/v1/abort_requests", b"")):
+            s, v = await both("POST", path, data=data, headers=json_ct)
+            assert s.json == v.json
+        s, v = await both("POST", "/pause?mode=bogus")
+        assert s.json == v.json
+        for path in ("/abort_requests",):
+            s, v = await both("POST", path, data=b"", headers=json_ct)
+            assert s.json == v.json
+
+
+async def test_meta_like_live(vllm_dense_url: str) -> None:
+    async with _both(vllm_dense_url) as both:
+        for path in ("/health", "/ping"):
+            s, v = await both("GET", path)
+            assert s.raw == v.raw == b""
+        for path in ("/version", "/load", "/is_paused", "/weight_info", "/get_world_size", "/is_sleeping"):
+            s, v = await both("GET", path)
+            assert s.json == v.json
+        s, v = await both("GET", "/v1/models")
+        assert_same_shape(v.json, s.json)
+        for body in (
+            {"prompt": "Hello world! What is two plus two?", "return_token_strs": True},
+            {"messages": [{"role": "user", "content": "What is two plus two?"}]},
+        ):
+            s, v = await both("POST", "/tokenize", body)
+            assert_same_shape(v.json, s.json)
+        s, v = await both("POST", "/detokenize", {"tokens": PROMPT})
+        assert s.json == v.json  # the recorded prompt is plain ChatML text in both vocabularies
+        posts: list[tuple[str, Any]] = [
+            ("/reset_prefix_cache", None),
+            ("/update_weight_version", {"new_version": "default"}),
+        ]
+        for path, payload in posts:
+            s, v = await both("POST", path, payload)
+            assert s.json == v.json
+
+
+async def test_render_like_live(vllm_dense_url: str) -> None:
+    async with _both(vllm_dense_url) as both:
+        chat = {
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "max_tokens": 7,
+            "stop": ["zz"],
+            "stop_token_ids": [9, 3],
+            "seed": 4,
+        }
+        s, v = await both("POST", "/v1/chat/completions/render", chat)
+        assert_same_shape(v.json, s.json)
+        assert s.json["sampling_params"] == v.json["sampling_params"]
+        s, v = await both("POST", "/v1/completions/render", {"prompt": ["a", "b"], "max_tokens": 16})
+        assert_same_shape(v.json, s.json)
+        assert [x["sampling_params"] for x in s.json] == [x["sampling_params"] for x in v.json]
+        s, v = await both("POST", "/v1/completions/render", {"prompt": ["Hello", [1, 2, 3]], "max_tokens": 3})
+        assert s.json == v.json
+
+
+async def test_moe_without_flag_like_live(vllm_moe_url: str) -> None:
+    async with _both(vllm_moe_url) as both:
+        body = {
+            **_gen(max_tokens=3, temperature=0, ignore_eos=True, routed_experts_prompt_start=4),
+            "stream": True,
+        }
+        s, v = await both("POST", "/inference/v1/generate", body)
+        assert stream_shape_diff(v.events, s.events) == []
+        s, v = await both(
+            "POST", "/inference/v1/generate", _gen(max_tokens=3, temperature=0, ignore_eos=True)
+        )
+        assert_same_shape(v.json, s.json)
+        assert s.json["choices"][0]["routed_experts"] is v.json["choices"][0]["routed_experts"] is None
+
+
+def _png() -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), (10, 120, 200)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def test_multimodal_like_live(vllm_vl_url: str) -> None:
+    async with _both(vllm_vl_url, multimodal=True) as both:
+        content = [
+            {"type": "image_url", "image_url": {"url": _png()}},
+            {"type": "text", "text": "What is this?"},
+        ]
+        chat = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+        s, v = await both("POST", "/v1/chat/completions/render", chat)
+        assert_same_shape(v.json, s.json)
+        assert s.json["features"]["mm_placeholders"] == v.json["features"]["mm_placeholders"]
+        assert s.json["token_ids"].count(6) == v.json["token_ids"].count(6)
+        rendered_s, rendered_v = s.json, v.json
+        s = await call(
+            both.session,
+            "POST",
+            both.sim.url + "/inference/v1/generate",
+            {**rendered_s, "return_token_ids": True},
+        )
+        v = await call(
+            both.session,
+            "POST",
+            both.live + "/inference/v1/generate",
+            {**rendered_v, "return_token_ids": True},
+        )
+        assert s.status == v.status == 200
+        assert_same_shape(v.json, s.json)
+        bad = {"mm_placeholders": {"image": [{"offset": len(rendered_v["token_ids"]) - 1, "length": 4}]}}
+        s = await call(
+            both.session,
+            "POST",
+            both.sim.url + "/inference/v1/generate",
+            {**rendered_s, "features": {**rendered_s["features"], **bad}},
+        )
+        v = await call(
+            both.session,
+            "POST",
+            both.live + "/inference/v1/generate",
+            {**rendered_v, "features": {**rendered_v["features"], **bad}},
+        )
+        assert (s.status, s.json["error"]["type"]) == (v.status, v.json["error"]["type"])
+        unknown = {
+            "mm_hashes": {"image": ["0" * 64]},
+            "mm_placeholders": rendered_v["features"]["mm_placeholders"],
+            "kwargs_data": None,
+            "mm_metadata": None,
+        }
+        s = await call(
+            both.session, "POST", both.sim.url + "/inference/v1/generate", {**rendered_s, "features": unknown}
+        )
+        v = await call(
+            both.session, "POST", both.live + "/inference/v1/generate", {**rendered_v, "features": unknown}
+        )
+        assert (s.status, s.json) == (v.status, v.json)
