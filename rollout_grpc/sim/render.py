@@ -80,7 +80,8 @@ def encode_sampling_params(sp: SamplingParams, max_tokens: int) -> dict[str, Any
     """``SamplingParams`` as vLLM's msgspec encoder writes it (``omit_defaults``), in field order.
 
     Floats taken from the request are new objects, so they are never "the default" and always
-    appear; ints equal to a small default are omitted (see ``_small_int_default``).
+    appear; ints equal to a small default are omitted (see ``_small_int_default``). Private fields
+    (``_all_stop_token_ids``) are left out by vLLM's pydantic bridge.
     """
     d: dict[str, Any] = {}
     if sp.n != 1:
@@ -120,10 +121,6 @@ def encode_sampling_params(sp: SamplingParams, max_tokens: int) -> dict[str, Any
         buffer = max(len(s) for s in sp.stop) - 1
         if not _small_int_default(buffer, 0):
             d["output_text_buffer_length"] = buffer
-    if sp.stop_token_ids:
-        stop_ids: set[int] = set()
-        stop_ids.update(sp.stop_token_ids)  # a set, encoded in CPython's iteration order
-        d["_all_stop_token_ids"] = list(stop_ids)
     if sp.logit_bias:
         d["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
     if sp.allowed_token_ids is not None:
@@ -131,6 +128,16 @@ def encode_sampling_params(sp: SamplingParams, max_tokens: int) -> dict[str, Any
     d["bad_words"] = list(sp.bad_words)
     d["skip_reading_prefix_cache"] = sp.prompt_logprobs is not None
     return d
+
+
+def _stream_options(body: dict[str, Any]) -> dict[str, Any] | None:
+    so = body.get("stream_options")
+    if not isinstance(so, dict):
+        return None
+    return {
+        "include_usage": so.get("include_usage", False),
+        "continuous_usage_stats": so.get("continuous_usage_stats", False),
+    }
 
 
 def _generate_request(
@@ -148,13 +155,13 @@ def _generate_request(
         "features": features,
         "content_parts": None,
         "sampling_params": sampling,
-        "model": None,
+        "model": body.get("model"),
         "reasoning_ended": None,
         "reasoning_parser_kwargs": None,
         "return_token_ids": None,
         "output_mode": "tokens",
         "stream": bool(body.get("stream", False)),
-        "stream_options": body.get("stream_options"),
+        "stream_options": _stream_options(body) if body.get("stream") else None,
         "cache_salt": body.get("cache_salt"),
         "priority": body.get("priority", 0) or 0,
         "kv_transfer_params": None,
