@@ -58,6 +58,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="another replica (host:port), or dns:///name:port resolved to every replica at each abort",
     )
     parser.add_argument("--max-connection-age", type=float, default=300.0, help="seconds; 0 disables")
+    parser.add_argument(
+        "--no-engine-stream-interval",
+        action="store_true",
+        help="never ask engines for stream_interval batching (for engines that reject it)",
+    )
     parser.add_argument("--port-file", help="write {grpc, health, engines} as JSON once serving")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", choices=("json", "console"), default="json")
@@ -100,6 +105,7 @@ def _config(args: argparse.Namespace, engines: list[str]) -> ServerConfig:
         grace_s=args.grace,
         health_interval_s=args.health_interval,
         peers=list(args.peer),
+        engine_stream_interval=not args.no_engine_stream_interval,
         max_connection_age_s=args.max_connection_age or None,
         default_options=GenerateOptions(
             stream_batch_tokens=args.stream_batch_tokens,

@@ -71,6 +71,7 @@ class ServerConfig:
     engine_connect_timeout_s: float = 5.0
     engine_read_timeout_s: float | None = None
     max_engine_attempts: int = 4
+    engine_stream_interval: bool = True
     max_receive_message_mb: int = 64
     max_send_message_mb: int = 256
     max_connection_age_s: float | None = 300.0
@@ -138,7 +139,12 @@ class RolloutServer:
         )
         admission = Admission(limit, cfg.max_queue, cfg.retry_after_s)
         self.rollout = Rollout(
-            self.pool, admission, self.registry, RolloutConfig(max_engine_attempts=cfg.max_engine_attempts)
+            self.pool,
+            admission,
+            self.registry,
+            RolloutConfig(
+                max_engine_attempts=cfg.max_engine_attempts, engine_stream_interval=cfg.engine_stream_interval
+            ),
         )
         if cfg.peers:
             self.peers = PeerAborter(cfg.peers)

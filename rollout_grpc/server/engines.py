@@ -48,6 +48,16 @@ class EngineHandle:
     routed_experts_enabled: bool | None = None
     #: None until /server_info was read: whether the model is a mixture of experts.
     is_moe: bool | None = None
+    #: Observed seconds per generated token per request (EWMA), None until measured. Sizes the
+    #: `stream_interval` asked of the engine so that its batching never outlasts the time flush.
+    token_gap_s: float | None = None
+
+    def observe_token_gap(self, seconds: float, tokens: int) -> None:
+        """Fold one request's decode speed into the estimate (requests of >= 8 tokens)."""
+        if tokens >= 8:
+            gap = seconds / tokens
+            self.token_gap_s = gap if self.token_gap_s is None else 0.8 * self.token_gap_s + 0.2 * gap
+
     _opened_at: float = field(default=0.0, repr=False)
 
     @property

@@ -64,6 +64,12 @@ class RolloutConfig:
 
     #: Engine calls per Generate (the first plus failovers).
     max_engine_attempts: int = 4
+    #: Ask engines to batch tokens into fewer SSE events (vLLM's `stream_interval`). Every SSE
+    #: event costs the service 25-50 us of CPU however few tokens it holds (bench/profile_notes.md),
+    #: so batching upstream is the largest saving. Turn off for engines that reject it.
+    engine_stream_interval: bool = True
+    #: `stream_interval` for callers that want no deltas (`final_only`).
+    final_only_stream_interval: int = 64
 
 
 class _Batcher:
@@ -238,6 +244,9 @@ class Rollout:
             attempts += 1
             engine_rid = entry.request_id if attempts == 1 else f"{entry.request_id}.{attempts - 1}"
             body = self._body(sample, params, options, engine_rid, mm_with_kwargs)
+            interval = self._stream_interval(engine, options)
+            if interval > 1:
+                body["sampling_params"]["stream_interval"] = interval
             attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
             sample.engine_attempts.append(attempt)
             entry.engine = engine
@@ -304,6 +313,25 @@ class Rollout:
         if last is not None:
             yield last
 
+    def _stream_interval(self, engine: EngineHandle, options: GenerateOptions) -> int:
+        """Tokens per engine SSE event: as many as the caller's batching releases at once.
+
+        vLLM sends the first token at once, then every `stream_interval` tokens, and the final
+        chunk (with every remaining token) whatever the count, so batching loses nothing. With a
+        time flush of T ms, the engine may batch only the tokens it makes in T ms (from its
+        observed speed; 1 until measured), so deltas still arrive every T ms.
+        """
+        if not self.config.engine_stream_interval:
+            return 1
+        if options.final_only:
+            return self.config.final_only_stream_interval
+        tokens = options.stream_batch_tokens
+        if options.stream_batch_interval_s > 0:
+            if engine.token_gap_s is None:
+                return 1
+            tokens = min(tokens, int(options.stream_batch_interval_s / max(engine.token_gap_s, 1e-6)))
+        return max(1, tokens)
+
     def _body(
         self,
         sample: Sample,
@@ -352,7 +380,14 @@ class Rollout:
         """One engine call: append tokens as they arrive, then apply the final chunk."""
         final: dict[str, Any] | None = None
         want_top = bool(body["sampling_params"].get("logprobs"))
+        if want_top and len(sample.top_logprobs) < sample.response_length:
+            # Positions generated without top logprobs get empty entries, so index = position.
+            sample.top_logprobs.extend(
+                ([], []) for _ in range(sample.response_length - len(sample.top_logprobs))
+            )
         sample.usage.prompt_tokens += len(body["token_ids"])
+        first_at = 0.0
+        first_tokens = 0
         async for chunk in engine.client.generate_stream(body):
             choices = chunk.get("choices")
             if not choices:
@@ -369,6 +404,8 @@ class Rollout:
             choice = choices[0]
             tokens = choice.get("token_ids") or []
             text = choice.get("text") or ""
+            if not first_at and tokens:
+                first_at, first_tokens = time.monotonic(), sample.response_length + len(tokens)
             if tokens:
                 logprobs_obj = choice.get("logprobs")
                 content = logprobs_obj.get("content") if isinstance(logprobs_obj, dict) else None
@@ -395,6 +432,8 @@ class Rollout:
                 final = choice
         if final is None:
             raise EngineUnavailable(engine.url, "the stream ended without a finish reason")
+        if first_at:
+            engine.observe_token_gap(time.monotonic() - first_at, sample.response_length - first_tokens)
         self._apply_final(engine, final, sample, options, attempt)
 
     def _apply_final(
