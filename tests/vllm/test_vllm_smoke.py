@@ -581,3 +581,34 @@ async def test_vl_chat_render_image_then_generate_with_features(vllm_vl_url: str
         assert body["usage"]["prompt_tokens"] == len(ids)  # counts the expanded placeholder
         [choice] = body["choices"]
         assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 5
+
+
+async def test_vl_features_without_kwargs_data_need_the_engine_cache(vllm_vl_url: str) -> None:
+    """``kwargs_data: [null]`` means "look the item up by hash": that works only once a generate with
+    the data has put the item into the engine's cache. Render alone does not (observed: HTTP 500)."""
+    # A colour no other test uses, so that its hash is new to the server.
+    image = Image.new("RGB", (56, 56), (10, 120, 240))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    async with aiohttp.ClientSession(base_url=vllm_vl_url, timeout=TIMEOUT) as session:
+        status, rendered = await post_json(
+            session, "/v1/chat/completions/render", {"messages": messages, "max_tokens": 2, "temperature": 0}
+        )
+        assert status == 200, rendered
+        by_hash = {**rendered["features"], "kwargs_data": {"image": [None]}, "mm_metadata": None}
+
+        status, body = await post_json(
+            session,
+            "/inference/v1/generate",
+            {**rendered, "request_id": unique("mm-hash-only"), "features": by_hash},
+        )
+        assert status == 500, body
+        assert body["error"]["type"] == "InternalServerError"
+
+        await generate(session, {**rendered, "request_id": unique("mm-with-data")})  # caches the item
+        body = await generate(
+            session, {**rendered, "request_id": unique("mm-hash-only"), "features": by_hash}
+        )
+        assert body["choices"][0]["finish_reason"] == "length"
