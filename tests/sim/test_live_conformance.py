@@ -8,6 +8,7 @@ type, structure (``shape_of``: keys, key order, types, nulls) and, for errors, t
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from PIL import Image
 
@@ -273,3 +275,112 @@ async def test_multimodal_like_live(vllm_vl_url: str) -> None:
             both.session, "POST", both.live + "/inference/v1/generate", {**rendered_v, "features": unknown}
         )
         assert (s.status, s.json) == (v.status, v.json)
+
+
+async def _stream_until(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], started: Any
+) -> list[Any]:
+    """Run a streaming generate; set ``started`` after 5 chunks; return the parsed events."""
+    events: list[Any] = []
+    async with session.post(url + "/inference/v1/generate", json=body) as r:
+        buf = b""
+        async for chunk in r.content.iter_any():
+            buf += chunk
+            while b"\n\n" in buf:
+                line, buf = buf.split(b"\n\n", 1)
+                payload = line.removeprefix(b"data: ")
+                events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+                if len(events) == 5:
+                    started.set()
+    return events
+
+
+async def _abort_scenario(session: aiohttp.ClientSession, url: str, tag: str) -> tuple[Any, list[Any]]:
+    started = asyncio.Event()
+    long = {"max_tokens": 3000, "ignore_eos": True, "temperature": 1.0, "logprobs": 0}
+    st = asyncio.create_task(
+        _stream_until(
+            session,
+            url,
+            {"request_id": f"{tag}-s", "token_ids": PROMPT, "stream": True, "sampling_params": long},
+            started,
+        )
+    )
+    ns = asyncio.create_task(
+        call(
+            session,
+            "POST",
+            url + "/inference/v1/generate",
+            {"request_id": f"{tag}-n", "token_ids": PROMPT, "sampling_params": long},
+        )
+    )
+    await started.wait()
+    ids = [f"generate-tokens-{tag}-s", f"generate-tokens-{tag}-n"]
+    r = await call(session, "POST", url + "/inference/v1/abort_requests", {"request_ids": ids})
+    assert (r.status, r.raw) == (200, b"")
+    return (await ns).json, await st
+
+
+async def test_abort_like_live(vllm_dense_url: str) -> None:
+    async with _both(vllm_dense_url, token_delay_s=0.002, eos_probability=0.0) as both:
+        sim_body, sim_events = await _abort_scenario(both.session, both.sim.url, "ab-sim")
+        live_body, live_events = await _abort_scenario(both.session, both.live, "ab-live")
+        assert_same_shape(live_body, sim_body)
+        for body in (sim_body, live_body):
+            ch = body["choices"][0]
+            assert ch["finish_reason"] == "abort" and ch["stop_reason"] is None
+            assert len(ch["logprobs"]["content"]) == len(ch["token_ids"])
+            assert ch["weight_versions"] == [
+                {"version": ch["weight_versions"][0]["version"], "start": 0, "end": len(ch["token_ids"])}
+            ]
+        for events in (sim_events, live_events):
+            assert events[-1] == "[DONE]"
+            final = events[-2]["choices"][0]
+            assert final["finish_reason"] == "abort"
+            streamed = sum(len(e["choices"][0]["token_ids"]) for e in events[:-1])
+            assert final["weight_versions"][-1]["end"] == streamed
+        assert_same_shape(live_events[-2], sim_events[-2])
+
+
+async def _keep_scenario(session: aiohttp.ClientSession, url: str, tag: str) -> tuple[Any, Any]:
+    started = asyncio.Event()
+    sp = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    await call(session, "POST", url + "/update_weight_version", {"new_version": "v1"})
+    st = asyncio.create_task(
+        _stream_until(
+            session,
+            url,
+            {"request_id": f"{tag}-s", "token_ids": PROMPT, "stream": True, "sampling_params": sp},
+            started,
+        )
+    )
+    await started.wait()
+    assert (await call(session, "POST", url + "/pause?mode=keep")).json == {"status": "paused"}
+    held = asyncio.create_task(
+        call(
+            session,
+            "POST",
+            url + "/inference/v1/generate",
+            {"token_ids": PROMPT, "sampling_params": {"max_tokens": 4}},
+        )
+    )
+    await call(session, "POST", url + "/update_weight_version", {"new_version": "v2"})
+    assert (await call(session, "GET", url + "/is_paused")).json == {"is_paused": True}
+    assert not held.done()
+    assert (await call(session, "POST", url + "/resume")).json == {"status": "resumed"}
+    events = await st
+    await call(session, "POST", url + "/update_weight_version", {"new_version": "default"})
+    return events[-2], (await held).json
+
+
+async def test_keep_pause_and_version_split_like_live(vllm_dense_url: str) -> None:
+    async with _both(vllm_dense_url, token_delay_s=0.002, eos_probability=0.0) as both:
+        sim_final, sim_held = await _keep_scenario(both.session, both.sim.url, "k-sim")
+        live_final, live_held = await _keep_scenario(both.session, both.live, "k-live")
+        assert_same_shape(live_final, sim_final)
+        assert_same_shape(live_held, sim_held)
+        for final, held in ((sim_final, sim_held), (live_final, live_held)):
+            spans = final["choices"][0]["weight_versions"]
+            assert [s["version"] for s in spans] == ["v1", "v2"]
+            assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
+            assert held["choices"][0]["weight_versions"] == [{"version": "v2", "start": 0, "end": 4}]
