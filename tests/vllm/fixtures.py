@@ -10,7 +10,9 @@ server: ``vllm_dense_url`` (tiny-llama), ``vllm_moe_url`` (tiny-qwen3moe), ``vll
 Without ``ROLLOUT_VLLM=1`` (plain ``make test``) every one of them skips, so nothing starts vLLM.
 
 Servers start before the first test that needs them, in ``pytest_runtest_protocol`` outside that
-test's pytest-timeout budget (a cold start can take a minute), and stop when the session ends.
+test's pytest-timeout budget (a cold start can take a minute), and stop when the session ends. A
+fixture requested dynamically (``request.getfixturevalue``) starts its server with the test's timeout
+clock stopped instead.
 """
 
 from __future__ import annotations
