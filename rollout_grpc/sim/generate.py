@@ -13,6 +13,7 @@ import time
 
 from aiohttp import web
 
+from . import multimodal
 from .core import CORE_KEY, EngineCore, EngineRequest
 from .errors import ApiError, internal_error, json_response
 from .logprobs import prompt_logprobs
@@ -66,6 +67,9 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         except ApiError as e:
             stats.generate_rejected += 1
             return e.response()
+        except multimodal.UndecodableKwargs:
+            stats.generate_rejected += 1
+            return web.Response(status=500, text="Internal Server Error", headers={"Connection": "close"})
         if faults.take("http_500"):
             stats.generate_rejected += 1
             return internal_error().response()

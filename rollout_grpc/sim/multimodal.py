@@ -22,7 +22,7 @@ import orjson
 from PIL import Image, UnidentifiedImageError
 
 from .errors import ApiError, bad_request, internal_error, py_repr, validation_error
-from .vocab import IMAGE_PAD_ID, VIDEO_PAD_ID
+from .vocab import IMAGE_PAD_ID
 
 if TYPE_CHECKING:
     from .core import EngineCore
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 PATCH = 28  # patch_size 14 * spatial_merge_size 2
 _KW_MAGIC = "sim-mm-kwargs/1"
-_PAD_FOR = {"image": IMAGE_PAD_ID, "video": VIDEO_PAD_ID}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +100,11 @@ def process_image(core: EngineCore, raw: bytes) -> ImageItem:
     item = ImageItem(hashlib.sha256(raw).hexdigest(), (h // PATCH) * (w // PATCH), h // PATCH, w // PATCH)
     core.mm_cache[item.mm_hash] = item
     return item
+
+
+class UndecodableKwargs(Exception):
+    """``kwargs_data`` that is not a serialised item: vLLM's handler raises, uvicorn answers a
+    plain-text 500 and closes the connection."""
 
 
 def _decode_kwargs(s: str) -> dict[str, Any] | None:
@@ -250,8 +254,18 @@ def _require_mm(core: EngineCore) -> None:
 def _from_features(
     core: EngineCore, ids: list[int], f: dict[str, Any]
 ) -> tuple[list[int], dict[str, Any], bytes]:
-    _require_mm(core)  # shape and bounds were checked with the request (pydantic validators)
+    # shape and bounds were checked with the request (pydantic validators)
     phs: dict[str, list[dict[str, Any]]] = f["mm_placeholders"]
+    if not core.config.multimodal:
+        # What vLLM 0.32 answers for features on a text-only model (observed): no encoder cache.
+        for modality, ranges in phs.items():
+            for ph in ranges:
+                raise bad_request(
+                    f"The decoder prompt contains a(n) {modality} item with {ph['length']} embedding "
+                    "tokens, which exceeds the pre-allocated encoder cache size 0. Please reduce the "
+                    "input size or increase the encoder cache size by setting --limit-mm-per-prompt at "
+                    "startup."
+                )
     limit = core.config.limit_images
     n_img = len(f["mm_hashes"].get("image", []))
     if n_img > limit:
@@ -261,16 +275,12 @@ def _from_features(
         raise bad_request(f"Unsupported modalities for {core.config.model}: {others}")
     kw = f.get("kwargs_data")
     all_hashes: list[str] = []
+    # As observed on vLLM 0.32: ranges need not sit on <|image_pad|> tokens (accepted); an
+    # unknown hash without kwargs, or a range whose length disagrees with the item, fails during
+    # generation with 500 "Internal server error"; kwargs that do not decode crash the handler.
     for m, hashes in f["mm_hashes"].items():
-        pad = _PAD_FOR[m]
         for j, h in enumerate(hashes):
             ph = phs[m][j]
-            span = ids[ph["offset"] : ph["offset"] + ph["length"]]
-            if any(t != pad for t in span):
-                n_pad = sum(1 for t in span if t == pad)
-                raise bad_request(
-                    f"Attempted to assign {ph['length']} multimodal tokens to {n_pad} placeholders"
-                )
             item_kw = kw[m][j] if kw is not None else None
             if item_kw is None:
                 cached = core.mm_cache.get(h)
@@ -279,13 +289,12 @@ def _from_features(
                 expected = cached.num_tokens
             else:
                 dec = _decode_kwargs(item_kw) if isinstance(item_kw, str) else None
-                expected = int(dec["tokens"]) if dec is not None else ph["length"]
-                if dec is not None:
-                    core.mm_cache[h] = ImageItem(h, expected, 1, expected)
+                if dec is None:
+                    raise UndecodableKwargs
+                expected = int(dec["tokens"])
+                core.mm_cache[h] = ImageItem(h, expected, 1, expected)
             if expected != ph["length"]:
-                raise bad_request(
-                    f"Attempted to assign {expected} multimodal tokens to {ph['length']} placeholders"
-                )
+                raise internal_error()
             all_hashes.append(h)
     return ids, phs, _mm_extra_hash(all_hashes)
 

@@ -10,7 +10,6 @@ cheap; it is not BPE, and nothing in the service may depend on the exact segment
 
 from __future__ import annotations
 
-import codecs
 import functools
 from collections.abc import Iterable, Sequence
 
@@ -171,6 +170,13 @@ def _pieces(count: int) -> list[bytes]:
     return out
 
 
+def _token_text(raw: bytes) -> str:
+    """``tokenizer.decode([id])`` as vLLM reports it in logprobs: a token ending in an incomplete
+    UTF-8 sequence (a lone byte of a multi-byte character) decodes to ``""``."""
+    text = raw.decode("utf-8", errors="replace")
+    return "" if text.endswith("\ufffd") else text
+
+
 def _byte_alphabet() -> list[str]:
     """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to U+0100 onwards."""
     keep = [
@@ -212,7 +218,7 @@ class Vocab:
         self._special_lookup = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
         # Token strings as the HF tokenizer would show them in `token_strs`/OpenAI logprobs: the
         # text of the token (invalid UTF-8 fragments decode to U+FFFD like the real detokenizer).
-        self.token_text: list[str] = [b.decode("utf-8", errors="replace") for b in table]
+        self.token_text: list[str] = [_token_text(b) for b in table]
 
     @property
     def eos_id(self) -> int:
@@ -296,35 +302,35 @@ class Vocab:
 
 
 class IncrementalDecoder:
-    """Streaming detokenizer: bytes in, text deltas out, holding back incomplete UTF-8 sequences.
+    """Streaming detokenizer with the tokenizers library's ``DecodeStream`` rule, as vLLM uses it.
 
-    Used for ``output_mode:"text"`` and stop strings, so the cost per token is one dict-free
-    byte append and an incremental UTF-8 decode.
+    New bytes are decoded together with any held ones; while the result ends in U+FFFD (an
+    incomplete or invalid UTF-8 sequence at the end) nothing is emitted. So a character split
+    across tokens appears once complete, an invalid byte in the middle shows as U+FFFD, and bytes
+    still held when generation ends never appear (vLLM's text for two lone continuation bytes is
+    ``""``). The cost per token is one small decode.
     """
 
-    __slots__ = ("_decoder", "_skip", "_table", "text")
+    __slots__ = ("_pending", "_skip", "_table", "text")
+
+    _MAX_PENDING = 64  # never hold more than this; emit with replacement characters instead
 
     def __init__(self, vocab: Vocab, *, skip_special_tokens: bool) -> None:
         self._table = vocab.token_bytes
         self._skip = skip_special_tokens
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = b""
         self.text = ""
 
     def add(self, token_id: int) -> str:
-        """Append one token and return the newly decodable text.
-
-        Bytes of an incomplete UTF-8 sequence stay pending (a later byte that cannot continue it
-        turns them into U+FFFD); at the end they are never emitted, as with the tokenizers
-        library's ``DecodeStream`` that vLLM uses.
-        """
+        """Append one token and return the newly emitted text."""
         if self._skip and token_id < NUM_SPECIAL:
             return ""
-        delta = self._decoder.decode(self._table[token_id])
-        self.text += delta
-        return delta
-
-    def flush(self) -> str:
-        delta = self._decoder.decode(b"", final=True)
+        raw = self._pending + self._table[token_id]
+        delta = raw.decode("utf-8", errors="replace")
+        if delta.endswith("\ufffd") and len(raw) < self._MAX_PENDING:
+            self._pending = raw
+            return ""
+        self._pending = b""
         self.text += delta
         return delta
 

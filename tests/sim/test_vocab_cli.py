@@ -53,16 +53,22 @@ def test_skip_special_tokens() -> None:
     ids = v.encode("<|im_start|>hi<|im_end|>")
     assert v.decode(ids, skip_special_tokens=True) == "hi"
     dec = IncrementalDecoder(v, skip_special_tokens=True)
-    assert "".join(dec.add(i) for i in ids) + dec.flush() == "hi"
+    assert "".join(dec.add(i) for i in ids) == "hi"
 
 
 def test_incremental_decoder_holds_partial_utf8() -> None:
+    """DecodeStream semantics, as observed on vLLM: split characters appear once complete,
+    lone continuation bytes never appear, an invalid byte inside the text becomes U+FFFD."""
     v = get_vocab(2048)
     raw = "é".encode()
-    ids = [8 + raw[0], 8 + raw[1]]
     dec = IncrementalDecoder(v, skip_special_tokens=False)
-    assert dec.add(ids[0]) == ""
-    assert dec.add(ids[1]) == "é"
+    assert dec.add(8 + raw[0]) == ""
+    assert dec.add(8 + raw[1]) == "é"
+    lone = IncrementalDecoder(v, skip_special_tokens=False)
+    assert lone.add(8 + 0xA0) + lone.add(8 + 0xA0) == "" and lone.text == ""
+    mid = IncrementalDecoder(v, skip_special_tokens=False)
+    assert "".join(mid.add(t) for t in [8 + 0xA0, *v.encode(" one")]) == "\ufffd one"
+    assert v.token_str(8 + 0xA0) == "" and v.token_str(8 + ord("a")) == "a"
 
 
 async def test_cli_port_file(tmp_path: Path) -> None:
