@@ -63,6 +63,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             return ApiError(500, ENGINE_DEAD_MESSAGE, "InternalServerError").response()
         try:
             greq = parse_generate(body, request.headers.get("X-Request-Id"))
+            if greq.content_parts and greq.features is None:
+                greq.media = await multimodal.fetch_content_parts(core, greq.content_parts)
             prepared = prepare_input(core, greq)
         except ApiError as e:
             stats.generate_rejected += 1

@@ -15,9 +15,11 @@ import hashlib
 import io
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import orjson
 from PIL import Image, UnidentifiedImageError
 
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from .core import EngineCore
     from .request import GenerateRequest
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
+_FETCH_TIMEOUT_S = 10.0
 PATCH = 28  # patch_size 14 * spatial_merge_size 2
 _KW_MAGIC = "sim-mm-kwargs/1"
 
@@ -72,17 +76,33 @@ def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int) -> t
     return h_bar, w_bar
 
 
-def load_image_url(url: str) -> bytes:
-    """Bytes of a ``data:`` URL; other schemes are not fetched by the simulator (400)."""
-    if not url.startswith("data:"):
-        raise bad_request(f"The simulated engine only accepts data URLs for media, got {url[:64]!r}")
-    head, _, data = url.partition(",")
-    if ";base64" not in head:
-        raise bad_request("Only base64 data URLs are supported")
+async def fetch_media(url: str) -> bytes:
+    """Bytes behind a ``data:`` or ``http(s):`` URL, like vLLM's ``MediaConnector``.
+
+    A fetch that fails answers 500 with the client error's text, as observed on vLLM (which uses
+    aiohttp too, so the messages agree).
+    """
+    if url.startswith("data:"):
+        head, _, data = url.partition(",")
+        if ";base64" not in head:
+            raise bad_request("Only base64 data URLs are supported for now.")
+        try:
+            return base64.b64decode(data, validate=False)
+        except (binascii.Error, ValueError) as e:
+            raise bad_request(f"Failed to load image: {e}") from None
+    if not url.startswith(("http://", "https://")):
+        raise bad_request("The URL must be either a HTTP, data or file URL.")
     try:
-        return base64.b64decode(data, validate=False)
-    except (binascii.Error, ValueError) as e:
-        raise bad_request(f"Failed to decode base64 image data: {e}") from None
+        timeout = aiohttp.ClientTimeout(total=_FETCH_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as s, s.get(url) as r:
+            r.raise_for_status()
+            return await r.read()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise ApiError(500, str(e), "InternalServerError") from None
+
+
+def too_many_images(limit: int) -> ApiError:
+    return bad_request(f"At most {limit} image(s) may be provided in one prompt.", "image")
 
 
 def process_image(core: EngineCore, raw: bytes) -> ImageItem:
@@ -92,7 +112,8 @@ def process_image(core: EngineCore, raw: bytes) -> ImageItem:
             im.load()
             width, height = im.size
     except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise bad_request(f"Failed to load image: {e}") from None
+        # vLLM's text, e.g. "cannot identify image file <_io.BytesIO object>" (no address)
+        raise bad_request(f"Failed to load image: {_ADDRESS.sub('>', str(e))}") from None
     cfg = core.config
     h, w = smart_resize(
         height, width, cfg.image_min_tokens * PATCH * PATCH, cfg.image_max_tokens * PATCH * PATCH
@@ -241,11 +262,25 @@ def prepare_generate(core: EngineCore, g: GenerateRequest) -> tuple[list[int], d
     """Validate ``features`` or expand ``content_parts``; returns (prompt ids, placeholders, hash)."""
     if g.features is not None:
         return _from_features(core, g.token_ids, g.features)
-    assert g.content_parts is not None
-    return _from_content_parts(core, g.token_ids, g.content_parts)
+    assert g.media is not None
+    return _from_content_parts(core, g.token_ids, g.media)
 
 
-def _require_mm(core: EngineCore) -> None:
+async def fetch_content_parts(core: EngineCore, parts: list[Any]) -> list[bytes]:
+    """The media of ``content_parts`` (fetched before processing, as vLLM's tracker does)."""
+    require_multimodal(core)
+    out = []
+    for i, p in enumerate(parts):
+        if not isinstance(p, dict) or p.get("type") != "image_url" or not isinstance(p.get("url"), str):
+            kind = p.get("type") if isinstance(p, dict) else None
+            raise bad_request(f"Unsupported content part {i}: {py_repr(kind)}")
+        out.append(await fetch_media(p["url"]))
+    if len(out) > core.config.limit_images:
+        raise too_many_images(core.config.limit_images)
+    return out
+
+
+def require_multimodal(core: EngineCore) -> None:
     if not core.config.multimodal:
         # MultiModalRegistry.create_processor's error for a text-only model
         raise bad_request(f"{core.config.model} is not a multimodal model")
@@ -267,9 +302,8 @@ def _from_features(
                     "startup."
                 )
     limit = core.config.limit_images
-    n_img = len(f["mm_hashes"].get("image", []))
-    if n_img > limit:
-        raise bad_request(f"At most {limit} image(s) may be provided in one prompt.")
+    if len(f["mm_hashes"].get("image", [])) > limit:
+        raise too_many_images(limit)
     if any(m != "image" for m in f["mm_hashes"]):
         others = sorted(m for m in f["mm_hashes"] if m != "image")
         raise bad_request(f"Unsupported modalities for {core.config.model}: {others}")
@@ -300,23 +334,18 @@ def _from_features(
 
 
 def _from_content_parts(
-    core: EngineCore, ids: list[int], parts: list[dict[str, Any]]
+    core: EngineCore, ids: list[int], media: list[bytes]
 ) -> tuple[list[int], dict[str, Any], bytes]:
-    """Server-side processing: each image replaces the next single ``<|image_pad|>`` with N pads."""
-    _require_mm(core)
-    items: list[ImageItem] = []
-    for i, p in enumerate(parts):
-        if not isinstance(p, dict) or p.get("type") != "image_url" or not isinstance(p.get("url"), str):
-            kind = p.get("type") if isinstance(p, dict) else None
-            raise bad_request(f"Unsupported content part {i}: {py_repr(kind)}")
-        items.append(process_image(core, load_image_url(p["url"])))
-    if len(items) > core.config.limit_images:
-        raise bad_request(f"At most {core.config.limit_images} image(s) may be provided in one prompt.")
+    """Server-side processing: each image replaces the next single ``<|image_pad|>`` with N pads
+    (already-expanded ids get expanded again, as on vLLM)."""
+    items = [process_image(core, raw) for raw in media]
     positions = [i for i, t in enumerate(ids) if t == IMAGE_PAD_ID]
     if len(positions) < len(items):
-        raise bad_request(
-            f"Expected there to be {len(items)} prompt updates corresponding to {len(items)} image items, "
-            f"but instead found {len(positions)} prompt updates!"
+        # observed on vLLM 0.32: an engine-side failure, 500
+        raise ApiError(
+            500,
+            f"Failed to apply prompt replacement for mm_items['image'][{len(positions)}]",
+            "InternalServerError",
         )
     out: list[int] = []
     ranges: list[dict[str, int]] = []

@@ -16,10 +16,9 @@ from aiohttp import web
 
 from .core import CORE_KEY, EngineCore
 from .errors import bad_request, json_response, not_found_model, validation_error
-from .multimodal import ImageItem, load_image_url, process_image
+from .multimodal import ImageItem, fetch_media, process_image, require_multimodal, too_many_images
 from .params import SamplingParams, parse_sampling_params
 from .request import read_json_body
-from .validate import check_prompt_len
 from .vocab import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 
 _IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -189,15 +188,33 @@ def _check_common(core: EngineCore, body: Any) -> dict[str, Any]:
     return body
 
 
-def _resolve_max_tokens(core: EngineCore, sp: SamplingParams, prompt_len: int) -> int:
+def _resolve_max_tokens(core: EngineCore, sp: SamplingParams, prompt_len: int, *, from_text: bool) -> int:
+    """The renderer's length check, then ``get_max_tokens`` (observed messages).
+
+    Text is tokenized with truncation to ``max_model_len + 1``, hence "at least" in that case.
+    """
     cfg = core.config
-    if prompt_len > cfg.max_model_len:
-        check_prompt_len(cfg, prompt_len)
-    room = cfg.max_model_len - prompt_len
-    return room if sp.max_tokens is None else min(sp.max_tokens, room)
+    limit = cfg.max_model_len
+    if prompt_len > limit:
+        count, qualifier = (limit + 1, "at least ") if from_text else (prompt_len, "")
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+            f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt.",
+            "input_tokens",
+            count,
+            has_value=True,
+        )
+    room = limit - prompt_len
+    max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
+    if max_tokens < 1:  # SamplingParams rejects the resolved value
+        raise bad_request(
+            f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens, has_value=True
+        )
+    return max_tokens
 
 
-def _message_text(core: EngineCore, content: Any, images: list[ImageItem]) -> str:
+async def _message_text(core: EngineCore, content: Any, images: list[ImageItem]) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -212,17 +229,14 @@ def _message_text(core: EngineCore, content: Any, images: list[ImageItem]) -> st
         if kind == "text":
             out.append(str(part.get("text", "")))
         elif kind in ("image_url", "input_image"):
-            if not core.config.multimodal:
-                raise bad_request(f"{core.config.model} is not a multimodal model")
+            require_multimodal(core)
             iu = part.get("image_url")
             url = iu.get("url") if isinstance(iu, dict) else iu
             if not isinstance(url, str):
                 raise bad_request("image_url.url is required")
-            images.append(process_image(core, load_image_url(url)))
-            if len(images) > core.config.limit_images:
-                raise bad_request(
-                    f"At most {core.config.limit_images} image(s) may be provided in one prompt."
-                )
+            if len(images) >= core.config.limit_images:
+                raise too_many_images(core.config.limit_images)
+            images.append(process_image(core, await fetch_media(url)))
             out.append(_IMAGE_MARK)
         else:
             raise bad_request(f"Unknown part type: {kind}")
@@ -277,7 +291,7 @@ async def chat_render(request: web.Request) -> web.StreamResponse:
     for m in messages:
         if not isinstance(m, dict):
             raise bad_request("messages must be objects")
-        parts.append((str(m.get("role", "user")), _message_text(core, m.get("content"), images)))
+        parts.append((str(m.get("role", "user")), await _message_text(core, m.get("content"), images)))
     cont = bool(body.get("continue_final_message", False))
     agp = bool(body.get("add_generation_prompt", True)) and not cont
     text = "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in parts)
@@ -296,7 +310,7 @@ async def chat_render(request: web.Request) -> web.StreamResponse:
             "kwargs_data": {"image": [im.kwargs_b64() for im in images]} if with_payload else None,
             "mm_metadata": {"image": [im.metadata_b64() for im in images]} if with_payload else None,
         }
-    max_tokens = _resolve_max_tokens(core, sp, len(ids))
+    max_tokens = _resolve_max_tokens(core, sp, len(ids), from_text=True)
     rid = body.get("request_id")
     request_id = "chatcmpl-" + (rid if isinstance(rid, str) and rid else secrets.token_hex(8))
     return json_response(
@@ -357,24 +371,25 @@ def _prompt_union_errors(prompt: list[Any]) -> list[dict[str, Any]]:
     return errs
 
 
-def _prompts(body: dict[str, Any], core: EngineCore) -> list[list[int]]:
+def _prompts(body: dict[str, Any], core: EngineCore) -> list[tuple[list[int], bool]]:
+    """Each prompt's ids and whether they came from text."""
     prompt = body.get("prompt")
     if prompt is None:
         raise validation_error(
             [{"type": "missing", "loc": "body.prompt", "msg": "Field required", "input": body}]
         )
     if isinstance(prompt, str):
-        return [core.vocab.encode(prompt)]
+        return [(core.vocab.encode(prompt), True)]
     if isinstance(prompt, list):
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt) and prompt:
-            return [list(prompt)]
+            return [(list(prompt), False)]
         if prompt and all(isinstance(p, str) for p in prompt):
-            return [core.vocab.encode(p) for p in prompt]
+            return [(core.vocab.encode(p), True) for p in prompt]
         if prompt and all(
             isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
             for p in prompt
         ):
-            return [list(p) for p in prompt]
+            return [(list(p), False) for p in prompt]
         raise validation_error(_prompt_union_errors(prompt))
     raise validation_error(
         [
@@ -397,11 +412,11 @@ async def completions_render(request: web.Request) -> web.StreamResponse:
     rid = body.get("request_id")
     base = "cmpl-" + (rid if isinstance(rid, str) and rid else secrets.token_hex(8))
     out = []
-    for i, ids in enumerate(prompts):
+    for i, (ids, from_text) in enumerate(prompts):
         bad = [t for t in ids if not 0 <= t < core.config.vocab_size]
         if bad:
             raise bad_request(f"Token id {max(bad)} is out of vocabulary")
-        max_tokens = _resolve_max_tokens(core, sp, len(ids))
+        max_tokens = _resolve_max_tokens(core, sp, len(ids), from_text=from_text)
         request_id = base if len(prompts) == 1 else f"{base}-{i}"
         out.append(_generate_request(request_id, ids, None, encode_sampling_params(sp, max_tokens), body))
     return json_response(out)

@@ -39,6 +39,7 @@ class GenerateRequest:
     features: dict[str, Any] | None
     content_parts: list[dict[str, Any]] | None
     cache_salt: str | None
+    media: list[bytes] | None = None  # content_parts fetched by the handler
 
 
 async def read_json_body(request: web.Request) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from PIL import Image
 
 from rollout_grpc.sim import SimEngine
@@ -271,3 +272,98 @@ async def test_pause_with_clear_cache_drops_mm_cache(vl: SimEngine, session: aio
     assert (await generate(session, vl.url, cached)).status == 500
     assert (await generate(session, vl.url, rendered)).status == 200  # kwargs_data re-populates the cache
     assert (await generate(session, vl.url, cached)).status == 200
+
+
+async def test_observed_error_messages(vl: SimEngine, session: aiohttp.ClientSession) -> None:
+    """Bodies recorded from vLLM 0.32 (tiny Qwen2-VL, --max-model-len 1024, two images per prompt)."""
+    body = chat(png())
+    body["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": data_url(b"not an image")}}]
+    r = await render(session, vl, body)
+    assert (r.status, r.json["error"]) == (
+        400,
+        {
+            "message": "Failed to load image: cannot identify image file <_io.BytesIO object>",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        },
+    )
+    three = chat(png())
+    three["messages"][0]["content"] = [three["messages"][0]["content"][0]] * 3
+    r = await render(session, vl, three)
+    assert r.json["error"] == {
+        "message": "At most 2 image(s) may be provided in one prompt. (parameter=image)",
+        "type": "BadRequestError",
+        "param": "image",
+        "code": 400,
+    }
+    r = await post(session, vl.url + "/v1/completions/render", {"prompt": [5] * 1100})
+    assert r.json["error"] == {
+        "message": "This model's maximum context length is 1024 tokens. However, your prompt contains 1100 "
+        "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
+        "of the input prompt. (parameter=input_tokens, value=1100)",
+        "type": "BadRequestError",
+        "param": "input_tokens",
+        "code": 400,
+    }
+    r = await generate(session, vl.url, {"token_ids": [5] * 1100, "sampling_params": {"max_tokens": 1}})
+    assert r.json["error"]["message"].endswith(
+        "For image inputs, the number of image tokens depends on the number of images, and possibly their "
+        "aspect ratios as well."
+    )
+    parts = [{"type": "image_url", "url": data_url(png())}]
+    r = await generate(
+        session, vl.url, {"token_ids": [1, 2, 3], "content_parts": parts, "sampling_params": {}}
+    )
+    assert (r.status, r.json["error"]["message"]) == (
+        500,
+        "Failed to apply prompt replacement for mm_items['image'][0]",
+    )
+    parts = [{"type": "image_url", "url": "http://127.0.0.1:1/x.png"}]
+    r = await generate(
+        session, vl.url, {"token_ids": [1, 4, 6, 5, 2], "content_parts": parts, "sampling_params": {}}
+    )
+    assert (r.status, r.json["error"]) == (
+        500,
+        {
+            "message": "Cannot connect to host 127.0.0.1:1 ssl:default "
+            "[Connect call failed ('127.0.0.1', 1)]",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        },
+    )
+
+
+async def test_http_image_urls(vl: SimEngine, session: aiohttp.ClientSession) -> None:
+    """Media URLs are fetched like vLLM's MediaConnector does (here from a local server)."""
+    raw = png(84, 56)
+    app = web.Application()
+
+    async def image(_: web.Request) -> web.Response:
+        return web.Response(body=raw, content_type="image/png")
+
+    app.router.add_get("/img.png", image)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        url = f"http://127.0.0.1:{port}/img.png"
+        body = chat(raw)
+        body["messages"][0]["content"][0]["image_url"]["url"] = url
+        r = await render(session, vl, body)
+        assert r.status == 200
+        assert r.json["features"]["mm_hashes"] == {"image": [hashlib.sha256(raw).hexdigest()]}
+        assert r.json["features"]["mm_placeholders"]["image"][0]["length"] == 6
+        ids = [1, 4, IMAGE_PAD_ID, 5, 2]
+        g = await generate(
+            session,
+            vl.url,
+            {"token_ids": ids, "content_parts": [{"type": "image_url", "url": url}], "return_token_ids": True,
+             "sampling_params": {"max_tokens": 2}},
+        )  # fmt: skip
+        assert g.status == 200 and g.json["prompt_token_ids"].count(IMAGE_PAD_ID) == 6
+    finally:
+        await runner.cleanup()
