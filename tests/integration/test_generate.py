@@ -14,7 +14,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from rollout_grpc.client import make_sample, pb
-from tests.harness import Harness
+from tests.harness import Harness, harness
 
 #: A ChatML prompt of ordinary ids from the reference recordings (valid in a 2048-token vocabulary).
 PROMPT = [1, 92, 510, 206, 62, 79, 286, 317, 835, 1301, 835, 38, 2, 206, 1, 72, 345, 80, 1653, 206]
@@ -193,3 +193,29 @@ async def test_bad_input_is_invalid_argument_naming_the_field(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_violation(info.value) == field
     assert field in str(info.value.details())
+
+
+async def test_zero_budget_is_truncated_without_an_engine_request() -> None:
+    async with harness("sim") as h:
+        partial = await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 6, "ignore_eos": True})
+        partial.status = pb.SAMPLE_STATUS_ABORTED
+        before = h.sims[0].stats.generate_requests
+        done = await h.client.generate(partial, {"max_new_tokens": 6})
+        assert h.sims[0].stats.generate_requests == before
+        assert done.status == pb.SAMPLE_STATUS_TRUNCATED
+        assert done.finish_reason == pb.FINISH_REASON_LENGTH
+        assert list(done.tokens) == list(partial.tokens)
+
+
+async def test_logprobs_that_do_not_match_the_tokens_fail_the_sample() -> None:
+    async with harness("sim") as h:
+        h.sims[0].faults.logprob_mismatch = 1
+        deltas, sample = await collect(
+            h, make_sample(PROMPT), {"max_new_tokens": 12, "ignore_eos": True}, {"stream_batch_tokens": 1}
+        )
+        assert sample.status == pb.SAMPLE_STATUS_FAILED
+        assert sample.finish_reason == pb.FINISH_REASON_ERROR
+        assert "logprobs for" in sample.failure_reason
+        # Never silently padded: the sample keeps only tokens that came with their logprobs.
+        assert len(sample.rollout_log_probs) == sample.response_length == len(sample.loss_mask)
+        assert [t for d in deltas for t in d.token_ids] == list(sample.tokens[len(PROMPT) :])
