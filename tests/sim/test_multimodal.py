@@ -264,6 +264,8 @@ def test_placeholder_sizes(w: int, h: int, tokens: int) -> None:
 async def test_pause_with_clear_cache_drops_mm_cache(vl: SimEngine, session: aiohttp.ClientSession) -> None:
     rendered = (await render(session, vl, chat(png()))).json
     cached = {**rendered, "features": {**rendered["features"], "kwargs_data": None, "mm_metadata": None}}
+    assert (await generate(session, vl.url, cached)).status == 500  # a render caches nothing
+    assert (await generate(session, vl.url, rendered)).status == 200  # a generate with kwargs does
     await post(session, vl.url + "/pause?mode=keep&clear_cache=false")
     await post(session, vl.url + "/resume")
     assert (await generate(session, vl.url, cached)).status == 200
