@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, overload
 
 import grpc
-from google.protobuf import json_format, struct_pb2
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
@@ -16,7 +15,10 @@ from rollout_grpc.client.samples import (
     OptionsLike,
     ParamsLike,
     SampleLike,
-    chat_messages,
+    abort_request,
+    pause_request,
+    render_request,
+    resume_request,
     to_options,
     to_params,
     to_sample,
@@ -27,8 +29,6 @@ DEFAULT_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
-
-_PAUSE = {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP}
 
 
 def build_request(
@@ -157,28 +157,20 @@ class AsyncRolloutClient:
         timeout: float | None = 30.0,
     ) -> pb.AbortResponse:
         """Abort all in-flight generations, some request ids, a session or a prompt group."""
-        request = pb.AbortRequest()
-        if all:
-            request.all = True
-        elif request_ids:
-            request.request_ids.ids.extend(request_ids)
-        elif session_id is not None:
-            request.session_id = session_id
-        elif group_index is not None:
-            request.group_index = group_index
+        request = abort_request(
+            all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
+        )
         return await self._stub.Abort(request, timeout=timeout)
 
     async def pause(self, mode: str = "keep", *, timeout: float | None = None) -> pb.PauseResponse:
         """Pause every engine: "abort", "wait" or "keep"."""
-        return await self._stub.Pause(pb.PauseRequest(mode=_PAUSE[mode]), timeout=timeout)
+        return await self._stub.Pause(pause_request(mode), timeout=timeout)
 
     async def resume(
         self, weight_version: str | None = None, *, timeout: float | None = 60.0
     ) -> pb.ResumeResponse:
         """Resume every engine, optionally labelling its weights with `weight_version` first."""
-        request = pb.ResumeRequest()
-        if weight_version is not None:
-            request.weight_version = weight_version
+        request = resume_request(weight_version)
         return await self._stub.Resume(request, timeout=timeout)
 
     async def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
@@ -196,13 +188,11 @@ class AsyncRolloutClient:
         timeout: float | None = 60.0,
     ) -> pb.RenderResponse:
         """Render chat messages (text and image bytes) or a plain text into token ids and features."""
-        request = pb.RenderRequest(add_generation_prompt=add_generation_prompt, session_id=session_id)
-        if text is not None:
-            request.text = text
-        else:
-            request.chat.CopyFrom(chat_messages(messages or []))
-        if chat_template_kwargs:
-            request.chat_template_kwargs.CopyFrom(
-                json_format.ParseDict(dict(chat_template_kwargs), struct_pb2.Struct())
-            )
+        request = render_request(
+            messages,
+            text=text,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            session_id=session_id,
+        )
         return await self._stub.Render(request, timeout=timeout)

@@ -143,3 +143,62 @@ def chat_messages(messages: Sequence[Mapping[str, Any]]) -> pb.ChatMessages:
             else:
                 raise TypeError(f"unsupported content part {type(part).__name__}")
     return result
+
+
+_PAUSE_MODES = {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP}
+
+
+def abort_request(
+    *,
+    all: bool = False,
+    request_ids: Sequence[str] = (),
+    session_id: str | None = None,
+    group_index: int | None = None,
+) -> pb.AbortRequest:
+    """An AbortRequest with the first target given (none given: the server answers INVALID_ARGUMENT)."""
+    request = pb.AbortRequest()
+    if all:
+        request.all = True
+    elif request_ids:
+        request.request_ids.ids.extend(request_ids)
+    elif session_id is not None:
+        request.session_id = session_id
+    elif group_index is not None:
+        request.group_index = group_index
+    return request
+
+
+def pause_request(mode: str) -> pb.PauseRequest:
+    """A PauseRequest for "abort", "wait" or "keep"."""
+    if mode not in _PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {mode!r}")
+    return pb.PauseRequest(mode=_PAUSE_MODES[mode])
+
+
+def resume_request(weight_version: str | None) -> pb.ResumeRequest:
+    """A ResumeRequest, relabelling the weights when `weight_version` is given."""
+    request = pb.ResumeRequest()
+    if weight_version is not None:
+        request.weight_version = weight_version
+    return request
+
+
+def render_request(
+    messages: Sequence[Mapping[str, Any]] | None,
+    *,
+    text: str | None,
+    add_generation_prompt: bool,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    session_id: str,
+) -> pb.RenderRequest:
+    """A RenderRequest for chat messages or a plain text."""
+    request = pb.RenderRequest(add_generation_prompt=add_generation_prompt, session_id=session_id)
+    if text is not None:
+        request.text = text
+    else:
+        request.chat.CopyFrom(chat_messages(messages or []))
+    if chat_template_kwargs:
+        request.chat_template_kwargs.CopyFrom(
+            json_format.ParseDict(dict(chat_template_kwargs), struct_pb2.Struct())
+        )
+    return request

@@ -7,12 +7,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-from google.protobuf import json_format, struct_pb2
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.client.aio import _PAUSE, DEFAULT_CHANNEL_OPTIONS, build_request
-from rollout_grpc.client.samples import OptionsLike, ParamsLike, SampleLike, chat_messages
+from rollout_grpc.client.aio import DEFAULT_CHANNEL_OPTIONS, build_request
+from rollout_grpc.client.samples import (
+    OptionsLike,
+    ParamsLike,
+    SampleLike,
+    abort_request,
+    pause_request,
+    render_request,
+    resume_request,
+)
 
 
 class RolloutClient:
@@ -92,28 +99,20 @@ class RolloutClient:
         timeout: float | None = 30.0,
     ) -> pb.AbortResponse:
         """Abort all in-flight generations, some request ids, a session or a prompt group."""
-        request = pb.AbortRequest()
-        if all:
-            request.all = True
-        elif request_ids:
-            request.request_ids.ids.extend(request_ids)
-        elif session_id is not None:
-            request.session_id = session_id
-        elif group_index is not None:
-            request.group_index = group_index
+        request = abort_request(
+            all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
+        )
         response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout)
         return response
 
     def pause(self, mode: str = "keep", *, timeout: float | None = None) -> pb.PauseResponse:
         """Pause every engine: "abort", "wait" or "keep"."""
-        response: pb.PauseResponse = self._stub.Pause(pb.PauseRequest(mode=_PAUSE[mode]), timeout=timeout)
+        response: pb.PauseResponse = self._stub.Pause(pause_request(mode), timeout=timeout)
         return response
 
     def resume(self, weight_version: str | None = None, *, timeout: float | None = 60.0) -> pb.ResumeResponse:
         """Resume every engine, optionally labelling its weights first."""
-        request = pb.ResumeRequest()
-        if weight_version is not None:
-            request.weight_version = weight_version
+        request = resume_request(weight_version)
         response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout)
         return response
 
@@ -135,14 +134,12 @@ class RolloutClient:
         timeout: float | None = 60.0,
     ) -> pb.RenderResponse:
         """Render chat messages or a plain text into token ids and features."""
-        request = pb.RenderRequest(add_generation_prompt=add_generation_prompt, session_id=session_id)
-        if text is not None:
-            request.text = text
-        else:
-            request.chat.CopyFrom(chat_messages(messages or []))
-        if chat_template_kwargs:
-            request.chat_template_kwargs.CopyFrom(
-                json_format.ParseDict(dict(chat_template_kwargs), struct_pb2.Struct())
-            )
+        request = render_request(
+            messages,
+            text=text,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            session_id=session_id,
+        )
         response: pb.RenderResponse = self._stub.Render(request, timeout=timeout)
         return response

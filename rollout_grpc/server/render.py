@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,7 @@ from PIL import Image, UnidentifiedImageError
 
 from rollout_grpc.server import multimodal
 from rollout_grpc.server.domain import MultimodalFeatures
-from rollout_grpc.server.engines import EnginePool
+from rollout_grpc.server.engines import EngineHandle, EnginePool
 from rollout_grpc.server.errors import InvalidArgument, NotFound, Unavailable
 from rollout_grpc.server.vllm import EngineHTTPError, EngineUnavailable
 
@@ -67,12 +69,34 @@ def _image_data_url(payload: str | bytes, mime: str, field: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
+@contextlib.contextmanager
+def _engine_errors(field: str) -> Iterator[None]:
+    """Engine failures of a render call as domain errors (a 4xx names the caller's `field`)."""
+    try:
+        yield
+    except EngineHTTPError as exc:
+        if exc.status == 404:
+            raise NotFound(f"engine {exc.url}: {exc.message}") from exc
+        if exc.status < 500:
+            raise InvalidArgument(field, f"rejected by the engine: {exc.message}") from exc
+        raise Unavailable(f"engine {exc.url} failed to render: {exc.message}") from exc
+    except EngineUnavailable as exc:
+        raise Unavailable(f"engine {exc.url} is unavailable: {exc.message}") from exc
+
+
 class RenderService:
     """Renders prompts on the engine pool."""
 
     def __init__(self, pool: EnginePool, max_images: int = 8) -> None:
         self._pool = pool
         self._max_images = max_images
+
+    def _engine(self, session_id: str) -> EngineHandle:
+        """The session's engine (it will cache the media for the session's generations)."""
+        engine = self._pool.pick(session_id)
+        if engine is None:
+            raise Unavailable("no healthy engine is available to render")
+        return engine
 
     async def render_chat(
         self,
@@ -109,19 +133,9 @@ class RenderService:
             body["chat_template_kwargs"] = chat_template_kwargs
         if model:
             body["model"] = model
-        engine = self._pool.pick(session_id)
-        if engine is None:
-            raise Unavailable("no healthy engine is available to render")
-        try:
+        engine = self._engine(session_id)
+        with _engine_errors("chat"):
             result = await engine.client.render_chat(body)
-        except EngineHTTPError as exc:
-            if exc.status == 404:
-                raise NotFound(f"engine {exc.url}: {exc.message}") from exc
-            if exc.status < 500:
-                raise InvalidArgument("chat", f"rejected by the engine: {exc.message}") from exc
-            raise Unavailable(f"engine {exc.url} failed to render: {exc.message}") from exc
-        except EngineUnavailable as exc:
-            raise Unavailable(f"engine {exc.url} is unavailable: {exc.message}") from exc
         token_ids = [int(t) for t in result.get("token_ids") or []]
         raw_features = result.get("features")
         features = multimodal.from_vllm(raw_features, token_ids) if isinstance(raw_features, dict) else None
@@ -131,21 +145,11 @@ class RenderService:
         """Render plain text without a template."""
         if not text:
             raise InvalidArgument("text", "must not be empty")
-        engine = self._pool.pick(session_id)
-        if engine is None:
-            raise Unavailable("no healthy engine is available to render")
+        engine = self._engine(session_id)
         body: dict[str, Any] = {"prompt": text}
         if model:
             body["model"] = model
-        try:
+        with _engine_errors("text"):
             result = await engine.client.render_completion(body)
-        except EngineHTTPError as exc:
-            if exc.status == 404:
-                raise NotFound(f"engine {exc.url}: {exc.message}") from exc
-            if exc.status < 500:
-                raise InvalidArgument("text", f"rejected by the engine: {exc.message}") from exc
-            raise Unavailable(f"engine {exc.url} failed to render: {exc.message}") from exc
-        except EngineUnavailable as exc:
-            raise Unavailable(f"engine {exc.url} is unavailable: {exc.message}") from exc
         ids = result[0].get("token_ids") if result else []
         return Rendered([int(t) for t in ids or []], None, engine.url)
