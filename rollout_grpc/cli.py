@@ -50,7 +50,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-interval", type=float, default=2.0)
     parser.add_argument("--stream-batch-tokens", type=int, default=16)
-    parser.add_argument("--stream-batch-interval-ms", type=float, default=50.0)
+    parser.add_argument("--stream-batch-interval-ms", type=float, default=200.0)
     parser.add_argument(
         "--peer",
         action="append",

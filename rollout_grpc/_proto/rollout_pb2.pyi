@@ -866,12 +866,15 @@ class GenerateOptions(_message.Message):
     `--enable-return-routed-experts`; otherwise the call fails with FAILED_PRECONDITION.
     """
     stream_batch_tokens: _builtins.int
-    """Flush a delta message after this many new tokens. Default 16. A stream carries at most
-    ceil(new_tokens / stream_batch_tokens) + 1 messages when the time flush does not fire first.
+    """Flush a delta message after this many new tokens. Default 16. With the time flush disabled
+    (`stream_batch_interval_ms` = 0) a stream carries at most ceil(new_tokens /
+    stream_batch_tokens) + 1 messages, the final sample included.
     """
     stream_batch_interval_ms: _builtins.int
-    """Flush a delta message when the oldest unsent token is this old (milliseconds), even if fewer
-    than `stream_batch_tokens` tokens are pending. Default 50. 0 disables the time flush.
+    """Time flush: the first tokens of the call are sent at once, later ones when the oldest unsent
+    token is this old (milliseconds), even if fewer than `stream_batch_tokens` are pending. Ages
+    are checked as tokens arrive. Default 200 (the server's `--stream-batch-interval-ms`). 0
+    disables the time flush (and the immediate first message).
     """
     final_only: _builtins.bool
     """Send no delta messages, only the final sample (fewer messages when the trainer does not stream)."""

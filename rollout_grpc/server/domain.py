@@ -78,7 +78,7 @@ class GenerateOptions:
     mask_offpolicy: bool = False
     return_routed_experts: bool = False
     stream_batch_tokens: int = 16
-    stream_batch_interval_s: float = 0.05
+    stream_batch_interval_s: float = 0.2
     final_only: bool = False
     skip_text: bool = False
     model: str = ""
