@@ -50,7 +50,7 @@ class SimEngine:
         sock.listen(1024)
         sock.setblocking(False)
         self._port = sock.getsockname()[1]
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, backlog=2048)  # aiohttp: 128; uvicorn (vLLM): 2048
         await site.start()
         self._runner, self._site = runner, site
         return self
