@@ -210,11 +210,16 @@ class RolloutServer:
             return
         self._stopping = True
         grace = self.config.grace_s if grace_s is None else grace_s
-        await self._health.enter_graceful_shutdown()
+        server_stopped: asyncio.Task[None] | None = None
         if self._server is not None:
             self.rollout.close()
             # The server's own grace outlasts ours: it must never cut a stream before its sample.
             server_stopped = asyncio.create_task(self._server.stop(grace + self.config.abort_grace_s + 5.0))
+            # Let the shutdown begin (GOAWAY, listener closed) before readiness drops: a caller that
+            # reacts to NOT_SERVING then gets UNAVAILABLE, never a call cancelled mid-shutdown.
+            await asyncio.sleep(0)
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None and server_stopped is not None:
             if not await self.rollout.wait_idle(grace):
                 remaining = [e.request_id for e in self.registry.all()]
                 log.warning("shutdown_aborting", generations=len(remaining))
