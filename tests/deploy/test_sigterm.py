@@ -74,10 +74,14 @@ async def test_sigterm_delivers_every_sample_refuses_new_calls_and_exits_zero(
         changed = await watch.read()
         assert changed.status == health_pb2.HealthCheckResponse.NOT_SERVING
         watch.cancel()
-        # ... and from then on new work is refused with a status clients retry elsewhere.
+        # ... and from then on new work is refused, never served. On a connection opened before
+        # the shutdown, gRPC core cancels a call that arrives between its two GOAWAY frames
+        # (CANCELLED, the handler never runs); later calls find the listener closed (UNAVAILABLE).
+        # Through a proxy the refused connection sends the call to another replica
+        # (test_nginx.py::test_calls_during_a_replicas_drain_succeed_on_the_other_replica).
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await client.generate(make_sample(PROMPT), params(4), timeout=WAIT_S)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), refused.value
 
         # Every caller gets its final sample: short ones finish within the grace, long ones are
         # aborted when it runs out, keeping exactly the tokens they streamed.
