@@ -219,7 +219,7 @@ class RolloutServer:
             # reacts to NOT_SERVING then gets UNAVAILABLE, never a call cancelled mid-shutdown.
             await asyncio.sleep(0)
         await self._health.enter_graceful_shutdown()
-        if self._server is not None and server_stopped is not None:
+        if server_stopped is not None:
             if not await self.rollout.wait_idle(grace):
                 remaining = [e.request_id for e in self.registry.all()]
                 log.warning("shutdown_aborting", generations=len(remaining))

@@ -103,12 +103,16 @@ class _Batcher:
         self._since = 0.0
         self._first = self._interval > 0
 
-    def add(self, offset: int, tokens: list[int], logprobs: list[float], text: str) -> TokenBatch | None:
-        if not self.enabled:
-            return None
+    def _open(self, offset: int) -> None:
+        """Start a batch at response position `offset` unless one is pending."""
         if not self._tokens and not self._text:
             self._offset = offset
             self._since = time.monotonic()
+
+    def add(self, offset: int, tokens: list[int], logprobs: list[float], text: str) -> TokenBatch | None:
+        if not self.enabled:
+            return None
+        self._open(offset)
         self._tokens.extend(tokens)
         self._logprobs.extend(logprobs)
         self._text += text
@@ -124,9 +128,7 @@ class _Batcher:
     def add_text(self, offset: int, text: str) -> None:
         """Text that arrived without tokens (e.g. held back by a stop string until the end)."""
         if self.enabled:
-            if not self._tokens and not self._text:
-                self._offset = offset
-                self._since = time.monotonic()
+            self._open(offset)
             self._text += text
 
     def flush(self) -> TokenBatch | None:

@@ -89,7 +89,7 @@ def unary(
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]) -> Resp:
         try:
             return await handler(self, request, context)
-        except (errors.RolloutError, Exception) as exc:
+        except Exception as exc:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             await _abort(context, exc)
@@ -110,7 +110,7 @@ def streaming(
         try:
             async for message in handler(self, request, context):
                 yield message
-        except (errors.RolloutError, Exception) as exc:
+        except Exception as exc:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             await _abort(context, exc)

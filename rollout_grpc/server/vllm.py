@@ -25,6 +25,8 @@ ENGINE_ID_PREFIX: Final = "generate-tokens-"
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 _DATA: Final = b"data: "
 _DONE: Final = b"[DONE]"
+#: aiohttp failures that mean "no (complete) answer from this engine": try another one.
+_TRANSPORT_ERRORS: Final = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 
 
 def engine_request_id(request_id: str) -> str:
@@ -143,7 +145,7 @@ class VllmEngine:
                     yield chunk
                 if not finished:
                     raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+        except _TRANSPORT_ERRORS as exc:
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
 
     # ----------------------------------------------------------------------------- control
@@ -173,7 +175,7 @@ class VllmEngine:
                 timeout=client_timeout,
             ) as resp:
                 return resp.status, await resp.read()
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+        except _TRANSPORT_ERRORS as exc:
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
 
     async def _json(
