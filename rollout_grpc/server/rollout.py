@@ -206,6 +206,7 @@ class Rollout:
             return
         entry = self.registry.register(request_id, sample.session_id, sample.group_index)
         started = time.monotonic()
+        first_attempt = len(sample.engine_attempts)
         call_offset = sample.response_length
         try:
             try:
@@ -222,7 +223,7 @@ class Rollout:
         log.info(
             "generation",
             request_id=request_id,
-            engine=[a.engine for a in sample.engine_attempts[-self.config.max_engine_attempts :]],
+            engine=[a.engine for a in sample.engine_attempts[first_attempt:]],
             new_tokens=sample.response_length - call_offset,
             status=sample.status.name,
             finish=sample.finish_reason.name,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any, Final
 
 import aiohttp
@@ -157,11 +158,15 @@ class VllmEngine:
         *,
         json_body: Any = None,
         params: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | EllipsisType | None = ...,
     ) -> tuple[int, bytes]:
-        """One control call; returns (status, body). Connection failures raise EngineUnavailable."""
+        """One control call; returns (status, body). Connection failures raise EngineUnavailable.
+
+        `timeout` defaults (`...`) to the control timeout; None means no limit (`/pause?mode=wait`
+        returns only when the engine has drained).
+        """
         client_timeout = aiohttp.ClientTimeout(
-            total=timeout if timeout is not None else self._timeouts.control,
+            total=self._timeouts.control if timeout is ... else timeout,
             sock_connect=self._timeouts.connect,
         )
         data = orjson.dumps(json_body) if json_body is not None else None
@@ -185,7 +190,7 @@ class VllmEngine:
         *,
         json_body: Any = None,
         params: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | EllipsisType | None = ...,
     ) -> Any:
         status, body = await self._request(method, path, json_body=json_body, params=params, timeout=timeout)
         if status != 200:
@@ -204,7 +209,7 @@ class VllmEngine:
         """POST /inference/v1/abort_requests with engine ids (`generate-tokens-...`)."""
         await self._json("POST", "/inference/v1/abort_requests", json_body={"request_ids": request_ids})
 
-    async def pause(self, mode: str, timeout: float | None = None) -> None:
+    async def pause(self, mode: str, timeout: float | EllipsisType | None = ...) -> None:
         """POST /pause?mode=abort|wait|keep. `wait` blocks until in-flight requests have finished."""
         await self._json("POST", "/pause", params={"mode": mode}, json_body={}, timeout=timeout)
 
