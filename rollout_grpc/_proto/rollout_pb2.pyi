@@ -1067,7 +1067,11 @@ Global___RequestIds: _TypeAlias = RequestIds  # noqa: Y015
 
 @_typing.final
 class AbortRequest(_message.Message):
-    """Which generations to abort. Exactly one target must be set; an empty target is INVALID_ARGUMENT."""
+    """Which generations to abort. Exactly one target must be set; an empty target is INVALID_ARGUMENT.
+    With authentication on, a caller reaches only its own generations (those it started under the
+    same identity), on this replica and on its peers; only the admin role may abort `all` or reach
+    other callers' generations.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1075,7 +1079,6 @@ class AbortRequest(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
-    LOCAL_ONLY_FIELD_NUMBER: _builtins.int
     all: _builtins.bool
     """Abort every in-flight generation on every engine: each engine gets `/pause?mode=abort` then
     `/resume` (always resumed, with bounded retries). From the moment this replica receives the
@@ -1087,9 +1090,9 @@ class AbortRequest(_message.Message):
     other replicas').
     """
     group_index: _builtins.int
-    """Abort the generations of this prompt group (like `session_id`)."""
-    local_only: _builtins.bool
-    """Internal: set by a replica forwarding the abort to its peers, so the peers do not forward again."""
+    """Abort the generations of this prompt group (like `session_id`). Being a oneof member, the
+    group is targeted only when set explicitly; 0 is a group like any other, never "every group".
+    """
     @_builtins.property
     def request_ids(self) -> Global___RequestIds:
         """Abort these generations (on every engine, so a generation served by another replica is
@@ -1104,11 +1107,10 @@ class AbortRequest(_message.Message):
         request_ids: Global___RequestIds | None = ...,
         session_id: _builtins.str = ...,
         group_index: _builtins.int = ...,
-        local_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "group_index", b"group_index", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "group_index", b"group_index", "local_only", b"local_only", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "group_index", b"group_index", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["all", "request_ids", "session_id", "group_index"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
@@ -1605,3 +1607,71 @@ class RenderResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RenderResponse: _TypeAlias = RenderResponse  # noqa: Y015
+
+@_typing.final
+class AbortLocalRequest(_message.Message):
+    """A forwarded abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    GROUP_INDEX_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """Identity of the caller whose generations may be aborted; empty means any owner (an admin's
+    abort).
+    """
+    session_id: _builtins.str
+    """A session id (non-empty)."""
+    group_index: _builtins.int
+    """A prompt group."""
+    @_builtins.property
+    def request_ids(self) -> Global___RequestIds:
+        """Request ids (only ids in flight on the receiving replica are aborted)."""
+
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+        request_ids: Global___RequestIds | None = ...,
+        session_id: _builtins.str = ...,
+        group_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "owner", b"owner", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["request_ids", "session_id", "group_index"]  # noqa: Y015
+    _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
+
+Global___AbortLocalRequest: _TypeAlias = AbortLocalRequest  # noqa: Y015
+
+@_typing.final
+class AbortLocalResponse(_message.Message):
+    """The outcome of a forwarded abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ABORTED_FIELD_NUMBER: _builtins.int
+    ENGINE_ERRORS_FIELD_NUMBER: _builtins.int
+    aborted: _builtins.int
+    """Generations of the receiving replica that were in flight and are being ended as ABORTED."""
+    @_builtins.property
+    def engine_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineError]:
+        """Engines that did not confirm the abort, with the error."""
+
+    def __init__(
+        self,
+        *,
+        aborted: _builtins.int = ...,
+        engine_errors: _abc.Iterable[Global___EngineError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "engine_errors", b"engine_errors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortLocalResponse: _TypeAlias = AbortLocalResponse  # noqa: Y015

@@ -334,3 +334,96 @@ class RolloutService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ReplicaServiceStub:
+    """---------------------------------------------------------------------------------------------
+    Replica to replica (internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between replicas of one fleet. Not for trainers: with authentication on, only the `peer`
+    and `admin` roles may call it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AbortLocal = channel.unary_unary(
+                '/rollout.v1.ReplicaService/AbortLocal',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalResponse.FromString,
+                _registered_method=True)
+
+
+class ReplicaServiceServicer:
+    """---------------------------------------------------------------------------------------------
+    Replica to replica (internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between replicas of one fleet. Not for trainers: with authentication on, only the `peer`
+    and `admin` roles may call it.
+    """
+
+    def AbortLocal(self, request, context):
+        """Aborts matching generations of the receiving replica only (never forwarded again). A replica
+        that receives a session, group or id abort from a caller forwards it here to its peers, with
+        the caller's identity as `owner`, so that a peer ends only that caller's generations.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicaServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AbortLocal': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortLocal,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'rollout.v1.ReplicaService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('rollout.v1.ReplicaService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ReplicaService:
+    """---------------------------------------------------------------------------------------------
+    Replica to replica (internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between replicas of one fleet. Not for trainers: with authentication on, only the `peer`
+    and `admin` roles may call it.
+    """
+
+    @staticmethod
+    def AbortLocal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.ReplicaService/AbortLocal',
+            rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -184,3 +184,61 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_RolloutServiceServicer_to_server(servicer: RolloutServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class ReplicaServiceStub:
+    """---------------------------------------------------------------------------------------------
+    Replica to replica (internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between replicas of one fleet. Not for trainers: with authentication on, only the `peer`
+    and `admin` roles may call it.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> ReplicaServiceAsyncStub: ...
+    AbortLocal: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortLocalRequest, _rollout_pb2.AbortLocalResponse]
+    """Aborts matching generations of the receiving replica only (never forwarded again). A replica
+    that receives a session, group or id abort from a caller forwards it here to its peers, with
+    the caller's identity as `owner`, so that a peer ends only that caller's generations.
+    """
+
+@_typing.type_check_only
+class ReplicaServiceAsyncStub(ReplicaServiceStub):
+    """---------------------------------------------------------------------------------------------
+    Replica to replica (internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between replicas of one fleet. Not for trainers: with authentication on, only the `peer`
+    and `admin` roles may call it.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    AbortLocal: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortLocalRequest, _rollout_pb2.AbortLocalResponse]  # type: ignore[assignment]
+    """Aborts matching generations of the receiving replica only (never forwarded again). A replica
+    that receives a session, group or id abort from a caller forwards it here to its peers, with
+    the caller's identity as `owner`, so that a peer ends only that caller's generations.
+    """
+
+class ReplicaServiceServicer(metaclass=_abc_1.ABCMeta):
+    """---------------------------------------------------------------------------------------------
+    Replica to replica (internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between replicas of one fleet. Not for trainers: with authentication on, only the `peer`
+    and `admin` roles may call it.
+    """
+
+    @_abc_1.abstractmethod
+    def AbortLocal(
+        self,
+        request: _rollout_pb2.AbortLocalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.AbortLocalResponse, _abc.Awaitable[_rollout_pb2.AbortLocalResponse]]:
+        """Aborts matching generations of the receiving replica only (never forwarded again). A replica
+        that receives a session, group or id abort from a caller forwards it here to its peers, with
+        the caller's identity as `owner`, so that a peer ends only that caller's generations.
+        """
+
+def add_ReplicaServiceServicer_to_server(servicer: ReplicaServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

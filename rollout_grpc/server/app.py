@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,18 +25,30 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server import domain
 from rollout_grpc.server.admission import Admission
+from rollout_grpc.server.auth import AuthConfig, AuthInterceptor, TokenStore
 from rollout_grpc.server.control import Control
 from rollout_grpc.server.engines import EnginePool
+from rollout_grpc.server.identity import Role
 from rollout_grpc.server.inflight import InFlightRegistry
+from rollout_grpc.server.limits import ControlRateLimiter, LimitsInterceptor, RequestLimits
 from rollout_grpc.server.peers import PeerAborter
 from rollout_grpc.server.render import RenderService
+from rollout_grpc.server.replica import ReplicaServicer
 from rollout_grpc.server.rollout import Rollout, RolloutConfig
 from rollout_grpc.server.service import RolloutServicer
+from rollout_grpc.server.tls import TlsConfig, peer_channel_credentials, server_credentials
 from rollout_grpc.server.vllm import EngineTimeouts
 
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+REPLICA_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReplicaService"].full_name
+_LOOPBACK = ("127.", "::1", "[::1]", "localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """A host only this machine can reach."""
+    return host.startswith(_LOOPBACK)
 
 
 def rollout_num_engines(num_gpus: int | None, gpus_per_engine: int, engine_urls: int) -> int:
@@ -80,6 +93,63 @@ class ServerConfig:
     peers: list[str] = field(default_factory=list)
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
+    # --- security (docs/security.md) ---
+    #: PEM server certificate chain and key: TLS on the gRPC port (and the health port).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    #: PEM CA of client certificates: mTLS, clients without a certificate it signed are refused.
+    tls_client_ca_file: str | None = None
+    #: Keep the health port plaintext under TLS (Kubernetes gRPC probes cannot speak TLS).
+    health_plaintext: bool = False
+    #: Bearer tokens file (`identity role token` lines; a Secret mount): authentication on.
+    auth_tokens_file: str | None = None
+    #: mTLS client certificate name (SAN or CN) -> role ("trainer", "admin", "peer").
+    mtls_roles: dict[str, str] = field(default_factory=dict)
+    #: Serve gRPC server reflection; with authentication on it needs a credential unless open.
+    reflection: bool = True
+    reflection_open: bool = False
+    #: Token this replica presents to its peers (a `peer` or `admin` line of their tokens file).
+    peer_token_file: str | None = None
+    #: CA that verifies the peers' certificates (default: the client CA, else the system roots).
+    peer_ca_file: str | None = None
+    #: Request bounds (limits.RequestLimits) and per-caller limits.
+    max_abort_ids: int = 1024
+    max_metadata_bytes: int = 1 << 20
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_chat_template_kwargs_bytes: int = 64 << 10
+    #: Generations (running + queued) one authenticated caller may hold; 0 = half of the in-flight
+    #: limit plus the queue, so that one trainer cannot starve the others.
+    max_in_flight_per_caller: int = 0
+    #: Control RPCs (Abort, Pause, Resume) per caller: sustained rate (0 = unlimited) and burst.
+    control_rate_per_s: float = 10.0
+    control_burst: int = 50
+
+    def tls(self) -> TlsConfig | None:
+        """The TLS settings, or None for plaintext; a key without a certificate is a config error."""
+        if not self.tls_cert_file and not self.tls_key_file:
+            if self.tls_client_ca_file:
+                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+            return None
+        if not (self.tls_cert_file and self.tls_key_file):
+            raise ValueError("--tls-cert and --tls-key go together")
+        return TlsConfig(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    def request_limits(self) -> RequestLimits:
+        """The per-request caps."""
+        return RequestLimits(
+            max_abort_ids=self.max_abort_ids,
+            max_metadata_bytes=self.max_metadata_bytes,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_string_chars=self.max_stop_string_chars,
+            max_chat_template_kwargs_bytes=self.max_chat_template_kwargs_bytes,
+        )
+
+    def per_caller_limit(self) -> int:
+        """Generations one authenticated caller may hold (running + queued)."""
+        if self.max_in_flight_per_caller > 0:
+            return self.max_in_flight_per_caller
+        return max(1, (self.in_flight_limit() + self.max_queue) // 2)
 
     def in_flight_limit(self) -> int:
         """server_concurrency x engine count (slime's semaphore size)."""
@@ -120,10 +190,55 @@ class RolloutServer:
         self._stopping = False
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.pool: EnginePool
-        self.registry = InFlightRegistry()
+        self.registry = InFlightRegistry(config.per_caller_limit(), config.retry_after_s)
+        self.auth = self._auth_config(config)
         self.rollout: Rollout
         self.control: Control
         self.peers: PeerAborter | None = None
+
+    @staticmethod
+    def _auth_config(cfg: ServerConfig) -> AuthConfig:
+        tokens = TokenStore(cfg.auth_tokens_file) if cfg.auth_tokens_file else None
+        cert_roles = {name: Role(role) for name, role in cfg.mtls_roles.items()}
+        if cert_roles and not cfg.tls_client_ca_file:
+            raise ValueError(
+                "--mtls-role needs --tls-client-ca (client certificates are only verified under mTLS)"
+            )
+        return AuthConfig(tokens=tokens, cert_roles=cert_roles, reflection_open=cfg.reflection_open)
+
+    def reload_credentials(self) -> None:
+        """Re-read the tokens file now (SIGHUP); certificates reload by themselves at handshakes."""
+        if self.auth.tokens is not None:
+            self.auth.tokens.reload()
+
+    def _warn_if_exposed(self, tls: TlsConfig | None) -> None:
+        cfg = self.config
+        if is_loopback(cfg.host):
+            return
+        if not self.auth.enabled:
+            log.warning(
+                "UNAUTHENTICATED_SERVICE_ON_NETWORK",
+                host=cfg.host,
+                risk="any caller that reaches this address may Pause, Resume and Abort every trainer's "
+                "work and see the engine URLs",
+                fix="--auth-tokens-file and/or --tls-client-ca with --mtls-role (docs/security.md)",
+            )
+        if tls is None:
+            log.warning(
+                "PLAINTEXT_SERVICE_ON_NETWORK",
+                host=cfg.host,
+                risk="requests, samples and bearer tokens cross the network unencrypted",
+                fix="--tls-cert/--tls-key (docs/security.md)",
+            )
+
+    def _peer_aborter(self, tls: TlsConfig | None) -> PeerAborter:
+        cfg = self.config
+        metadata: list[tuple[str, str]] = []
+        if cfg.peer_token_file:
+            token = Path(cfg.peer_token_file).read_text().strip()
+            metadata.append(("authorization", f"Bearer {token}"))
+        credentials = peer_channel_credentials(tls, cfg.peer_ca_file) if tls is not None else None
+        return PeerAborter(cfg.peers, credentials=credentials, metadata=metadata)
 
     async def start(self) -> None:
         """Create the HTTP session and engine pool, then serve."""
@@ -146,8 +261,9 @@ class RolloutServer:
                 max_engine_attempts=cfg.max_engine_attempts, engine_stream_interval=cfg.engine_stream_interval
             ),
         )
+        tls = cfg.tls()
         if cfg.peers:
-            self.peers = PeerAborter(cfg.peers)
+            self.peers = self._peer_aborter(tls)
         self.control = Control(
             self.pool, self.registry, self.rollout, peer_abort=self.peers.abort if self.peers else None
         )
@@ -159,13 +275,27 @@ class RolloutServer:
         self.pool.add_listener(self._on_engines_changed)
         self.pool.start()
 
-        self._server = grpc.aio.server(options=cfg.grpc_options())
+        # Order matters: auth binds the caller that the limits (per-caller rate) then read.
+        interceptors = [
+            AuthInterceptor(self.auth),
+            LimitsInterceptor(
+                cfg.request_limits(), ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst)
+            ),
+        ]
+        self._server = grpc.aio.server(options=cfg.grpc_options(), interceptors=interceptors)
         pb_grpc.add_RolloutServiceServicer_to_server(servicer, self._server)
+        pb_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(self.control), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
-        )
-        self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if cfg.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, REPLICA_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                self._server,
+            )
+        address = f"{cfg.host}:{cfg.port}"
+        if tls is not None:
+            self.port = self._server.add_secure_port(address, server_credentials(tls))
+        else:
+            self.port = self._server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
         if self.peers is not None:
@@ -174,7 +304,13 @@ class RolloutServer:
         if cfg.health_port is not None:
             self._health_server = grpc.aio.server()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-            self.health_port = self._health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
+            health_address = f"{cfg.host}:{cfg.health_port}"
+            if tls is not None and not cfg.health_plaintext:
+                self.health_port = self._health_server.add_secure_port(
+                    health_address, server_credentials(tls, require_client_cert=False)
+                )
+            else:
+                self.health_port = self._health_server.add_insecure_port(health_address)
             await self._health_server.start()
         log.info(
             "serving",
@@ -182,7 +318,10 @@ class RolloutServer:
             health_port=self.health_port,
             engines=[e.url for e in self.pool.engines],
             in_flight_limit=limit,
+            tls="mutual" if tls is not None and tls.mutual else ("on" if tls is not None else "off"),
+            auth="on" if self.auth.enabled else "off",
         )
+        self._warn_if_exposed(tls)
 
     def _on_engines_changed(self, any_usable: bool) -> None:
         if self._stopping:

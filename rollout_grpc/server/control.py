@@ -5,6 +5,12 @@ Engines are shared by every service replica, so these operations act on the engi
 replica receives the call, the streams served by the other replicas end too, because their engine
 calls end with `finish_reason: "abort"`. Pause and abort-all always end in resume when asked to
 (try/finally with bounded retries): a paused vLLM holds every new request.
+
+Aborts are scoped to the caller (`identity.current_caller()`): a trainer reaches only the
+generations it owns, here and (through `ReplicaService.AbortLocal` on the peers) on the other
+replicas; only an admin may abort everything or reach other callers' generations. A trainer's ids
+that are not in flight here are forwarded to the peers with its identity, never sent blindly to the
+shared engines, where they could end another caller's generation of the same id.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from rollout_grpc.server.engines import EngineHandle, EnginePool
-from rollout_grpc.server.errors import InvalidArgument
+from rollout_grpc.server.errors import InvalidArgument, PermissionDenied
+from rollout_grpc.server.identity import current_caller
 from rollout_grpc.server.inflight import InFlight, InFlightRegistry
 from rollout_grpc.server.rollout import Rollout
 from rollout_grpc.server.vllm import EngineError, engine_request_id
@@ -33,6 +40,16 @@ class AbortResult:
     aborted: int = 0
     unknown_request_ids: list[str] = field(default_factory=list)
     engine_errors: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class AbortScope:
+    """What a forwarded abort targets on a peer: one of ids, session or group, of `owner` only."""
+
+    owner: str | None
+    request_ids: tuple[str, ...] = ()
+    session_id: str | None = None
+    group_index: int | None = None
 
 
 @dataclass(slots=True)
@@ -66,7 +83,7 @@ class Control:
         rollout: Rollout,
         *,
         resume_attempts: int = 3,
-        peer_abort: Callable[[str | None, int | None], Awaitable[int]] | None = None,
+        peer_abort: Callable[[AbortScope], Awaitable[int]] | None = None,
     ) -> None:
         self._pool = pool
         self._registry = registry
@@ -109,8 +126,18 @@ class Control:
 
     # ----------------------------------------------------------------------------- abort
 
+    @staticmethod
+    def _scope() -> str | None:
+        """The owner an abort may reach: the caller's identity, or None (any owner) for an admin."""
+        caller = current_caller()
+        return None if caller.is_admin else caller.identity
+
     async def abort_all(self) -> AbortResult:
-        """Abort everything in flight on every engine: pause(abort), then always resume."""
+        """Abort everything in flight on every engine: pause(abort), then always resume. Admin only."""
+        if not current_caller().is_admin:
+            raise PermissionDenied(
+                "Abort(all) needs the admin role; abort your own request_ids, session or group"
+            )
         self._rollout.begin_abort_all()
         local = self._registry.all()
         for entry in local:
@@ -130,43 +157,59 @@ class Control:
         return result
 
     async def abort_ids(self, request_ids: Sequence[str]) -> AbortResult:
-        """Abort generations by request id, on every engine (ids may belong to other replicas)."""
+        """Abort the caller's generations by request id, here and elsewhere.
+
+        An admin's unknown ids go to every engine (ids of other replicas' generations, first call
+        and failover calls); a trainer's go to the peers with its identity instead.
+        """
         if not request_ids or any(not rid for rid in request_ids):
             raise InvalidArgument("request_ids.ids", "must list at least one non-empty request id")
-        found, unknown = self._registry.select(request_ids)
+        owner = self._scope()
+        found, unknown = self._registry.select(request_ids, owner)
         for entry in found:
             entry.request_abort("abort by id")
-        # Engine ids of local generations, plus the ids other replicas would use for the unknown
-        # ones (first call and failover calls), sent to every engine.
         engine_ids = [eid for entry in found for eid in entry.engine_request_ids]
-        for rid in unknown:
-            engine_ids.append(engine_request_id(rid))
-            engine_ids.extend(
-                engine_request_id(f"{rid}.{n}") for n in range(1, self._rollout.config.max_engine_attempts)
-            )
+        if owner is None:
+            for rid in unknown:
+                engine_ids.append(engine_request_id(rid))
+                engine_ids.extend(
+                    engine_request_id(f"{rid}.{n}")
+                    for n in range(1, self._rollout.config.max_engine_attempts)
+                )
         result = AbortResult(aborted=len(found), unknown_request_ids=list(unknown))
         if engine_ids:
             outcome = await self._each(self._pool.engines, lambda e: e.client.abort_requests(engine_ids))
             result.engine_errors.extend(outcome.errors)
+        if owner is not None and unknown and self._peer_abort is not None:
+            await self._peer_abort(AbortScope(owner=owner, request_ids=tuple(unknown)))
         return result
 
     async def abort_matching(
         self, *, session_id: str | None = None, group_index: int | None = None
     ) -> AbortResult:
-        """Abort the generations of a session or prompt group (here, and on peers when configured)."""
+        """Abort the caller's generations of a session or prompt group (here, and on the peers)."""
         if session_id is not None and not session_id:
             raise InvalidArgument("session_id", "must not be empty")
-        entries = self._registry.matching(session_id=session_id, group_index=group_index)
+        owner = self._scope()
+        entries = self._registry.matching(session_id=session_id, group_index=group_index, owner=owner)
         result = await self._abort_entries(entries)
         if self._peer_abort is not None:
-            result.aborted += await self._peer_abort(session_id, group_index)
+            scope = AbortScope(owner=owner, session_id=session_id, group_index=group_index)
+            result.aborted += await self._peer_abort(scope)
         return result
 
-    async def abort_local(
-        self, *, session_id: str | None = None, group_index: int | None = None
-    ) -> AbortResult:
+    async def abort_local(self, scope: AbortScope) -> AbortResult:
         """Abort matching generations of this replica only (the target of a peer's forward)."""
-        entries = self._registry.matching(session_id=session_id, group_index=group_index)
+        if scope.request_ids:
+            if any(not rid for rid in scope.request_ids):
+                raise InvalidArgument("request_ids.ids", "must not contain an empty request id")
+            entries, _ = self._registry.select(scope.request_ids, scope.owner)
+        else:
+            if scope.session_id is not None and not scope.session_id:
+                raise InvalidArgument("session_id", "must not be empty")
+            entries = self._registry.matching(
+                session_id=scope.session_id, group_index=scope.group_index, owner=scope.owner
+            )
         return await self._abort_entries(entries)
 
     async def _abort_entries(self, entries: list[InFlight]) -> AbortResult:

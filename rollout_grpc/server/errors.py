@@ -37,8 +37,12 @@ class Unavailable(RolloutError):
     """No engine could serve the request; retrying later may succeed."""
 
 
+class PermissionDenied(RolloutError):
+    """The caller is authenticated but its role does not allow this (e.g. a trainer's Abort(all))."""
+
+
 class ResourceExhausted(RolloutError):
-    """The admission queue is full; `retry_after_s` is a hint for the client's backoff."""
+    """A queue, share or rate limit is full; `retry_after_s` is a hint for the client's backoff."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)

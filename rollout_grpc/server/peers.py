@@ -1,9 +1,12 @@
-"""Forwarding session/group aborts to the other replicas.
+"""Forwarding aborts to the other replicas (`rollout.v1.ReplicaService/AbortLocal`).
 
-Abort-all and abort-by-id reach every replica's generations through the shared engines. A session
-or group abort cannot: only the replica serving a generation knows its session and group. With
-`--peer` configured, the receiving replica forwards such aborts to its peers with `local_only` set
-(so they do not forward again) and adds up what they aborted.
+Abort-all and an admin's abort-by-id reach every replica's generations through the shared engines.
+A session or group abort cannot: only the replica serving a generation knows its session and
+group; nor can a trainer's abort-by-id, which must reach only that trainer's generations. With
+`--peer` configured, the receiving replica forwards such aborts to its peers through the internal
+`ReplicaService.AbortLocal` (never forwarded again), carrying the caller's identity as the owner,
+and adds up what they aborted. The call authenticates like any other: the replica's TLS channel
+credentials and, with tokens, its `peer` token.
 
 A peer is either a fixed `host:port` or `dns:///name:port`. The DNS form is resolved at every abort
 to all of its addresses (a Kubernetes headless Service lists every ready pod), so replicas that
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import cast
 
 import grpc
@@ -22,6 +25,7 @@ import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server.control import AbortScope
 
 log = structlog.get_logger(__name__)
 
@@ -47,10 +51,20 @@ def _split(target: str) -> tuple[str, int]:
 class PeerAborter:
     """gRPC channels to the peer replicas, opened on first use and kept."""
 
-    def __init__(self, peers: list[str], own_port: int = 0, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        peers: list[str],
+        own_port: int = 0,
+        timeout_s: float = 10.0,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self._peers = peers
         self._own_port = own_port
         self._timeout_s = timeout_s
+        self._credentials = credentials
+        self._metadata = tuple(metadata)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._own = _own_addresses()
 
@@ -79,22 +93,32 @@ class PeerAborter:
                 targets.append(f"[{address}]:{port}" if ":" in address else f"{address}:{port}")
         return sorted(set(targets))
 
-    def _stub(self, target: str) -> pb_grpc.RolloutServiceStub:
+    def _stub(self, target: str) -> pb_grpc.ReplicaServiceStub:
         channel = self._channels.get(target)
         if channel is None:
-            channel = self._channels[target] = grpc.aio.insecure_channel(target)
-        return pb_grpc.RolloutServiceStub(channel)
+            if self._credentials is not None:
+                channel = grpc.aio.secure_channel(target, self._credentials)
+            else:
+                channel = grpc.aio.insecure_channel(target)
+            self._channels[target] = channel
+        return pb_grpc.ReplicaServiceStub(channel)
 
-    async def abort(self, session_id: str | None, group_index: int | None) -> int:
-        """Ask every peer to abort its local generations of the session or group."""
-        if session_id is not None:
-            request = pb.AbortRequest(session_id=session_id, local_only=True)
+    async def abort(self, scope: AbortScope) -> int:
+        """Ask every peer to abort its local generations in `scope`; returns how many they ended."""
+        request = pb.AbortLocalRequest(owner=scope.owner or "")
+        if scope.request_ids:
+            request.request_ids.ids.extend(scope.request_ids)
+        elif scope.session_id is not None:
+            request.session_id = scope.session_id
         else:
-            request = pb.AbortRequest(group_index=group_index or 0, local_only=True)
+            request.group_index = scope.group_index or 0
         targets = await self._targets()
         # The generated stub is typed for both sync and aio channels; on an aio channel it awaits.
         calls = [
-            cast(Awaitable[pb.AbortResponse], self._stub(t).Abort(request, timeout=self._timeout_s))
+            cast(
+                Awaitable[pb.AbortLocalResponse],
+                self._stub(t).AbortLocal(request, timeout=self._timeout_s, metadata=self._metadata),
+            )
             for t in targets
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)

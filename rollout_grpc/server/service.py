@@ -17,9 +17,10 @@ from google.protobuf import json_format
 from rollout_grpc import __version__
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.server import convert, domain, status
+from rollout_grpc.server import convert, domain, redact, status
 from rollout_grpc.server.control import Control, FleetResult
 from rollout_grpc.server.errors import InvalidArgument
+from rollout_grpc.server.identity import current_caller
 from rollout_grpc.server.render import RenderService
 from rollout_grpc.server.rollout import Rollout
 
@@ -68,7 +69,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if isinstance(event, domain.TokenBatch):
                 yield convert.delta_to_pb(event)
             else:
-                yield pb.GenerateResponse(sample=convert.sample_to_pb(event, request.sample))
+                final = convert.sample_to_pb(event, request.sample)
+                if not current_caller().is_admin:
+                    redact.redact_sample(final)
+                yield pb.GenerateResponse(sample=final)
 
     @status.unary
     async def Abort(
@@ -83,20 +87,18 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             result = await self._control.abort_all()
         elif target == "request_ids":
             result = await self._control.abort_ids(list(request.request_ids.ids))
-        elif request.local_only:
-            if target == "session_id":
-                result = await self._control.abort_local(session_id=request.session_id)
-            else:
-                result = await self._control.abort_local(group_index=request.group_index)
         elif target == "session_id":
             result = await self._control.abort_matching(session_id=request.session_id)
         else:
             result = await self._control.abort_matching(group_index=request.group_index)
-        return pb.AbortResponse(
+        response = pb.AbortResponse(
             aborted=result.aborted,
             unknown_request_ids=result.unknown_request_ids,
             engine_errors=_engine_errors(result.engine_errors),
         )
+        if not current_caller().is_admin:
+            redact.redact_engine_errors(list(response.engine_errors))
+        return response
 
     @status.unary
     async def Pause(
@@ -121,11 +123,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetServerInfoResponse:
         statuses = await self._control.engine_statuses()
+        show_url = current_caller().is_admin
         versions = {s.weight_version for s in statuses if s.healthy and s.weight_version}
         return pb.GetServerInfoResponse(
             engines=[
                 pb.EngineInfo(
-                    url=s.url,
+                    url=s.url if show_url else redact.engine_label(s.url),
                     healthy=s.healthy,
                     paused=s.paused,
                     weight_version=s.weight_version,
@@ -179,7 +182,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             )
         else:
             raise InvalidArgument("prompt", "set chat or text")
-        response = pb.RenderResponse(token_ids=rendered.token_ids, engine=rendered.engine)
+        engine = rendered.engine if current_caller().is_admin else redact.engine_label(rendered.engine)
+        response = pb.RenderResponse(token_ids=rendered.token_ids, engine=engine)
         if rendered.features:
             convert.features_to_pb(rendered.features, response.features)
         return response

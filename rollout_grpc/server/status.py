@@ -31,6 +31,7 @@ _CODES: list[tuple[type[errors.RolloutError], grpc.StatusCode, int]] = [
     (errors.NotFound, grpc.StatusCode.NOT_FOUND, code_pb2.NOT_FOUND),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE, code_pb2.UNAVAILABLE),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED, code_pb2.RESOURCE_EXHAUSTED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, code_pb2.PERMISSION_DENIED),
 ]
 
 
