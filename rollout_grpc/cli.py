@@ -63,9 +63,95 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="never ask engines for stream_interval batching (for engines that reject it)",
     )
+    _add_security_arguments(parser)
     parser.add_argument("--port-file", help="write {grpc, health, engines} as JSON once serving")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", choices=("json", "console"), default="json")
+
+
+def _env(name: str) -> str | None:
+    """An environment default for a flag (empty counts as unset)."""
+    return os.environ.get(name) or None
+
+
+def _mtls_role(value: str) -> tuple[str, str]:
+    name, sep, role = value.rpartition("=")
+    if not sep or not name or role not in ("trainer", "admin", "peer"):
+        raise argparse.ArgumentTypeError(f"expected NAME=trainer|admin|peer, got {value!r}")
+    return name, role
+
+
+def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """TLS, authentication and request-bound flags (docs/security.md). Env vars give defaults."""
+    group = parser.add_argument_group("security (docs/security.md)")
+    group.add_argument(
+        "--tls-cert",
+        default=_env("ROLLOUT_GRPC_TLS_CERT"),
+        help="PEM server certificate chain [ROLLOUT_GRPC_TLS_CERT]",
+    )
+    group.add_argument(
+        "--tls-key",
+        default=_env("ROLLOUT_GRPC_TLS_KEY"),
+        help="PEM server private key [ROLLOUT_GRPC_TLS_KEY]",
+    )
+    group.add_argument(
+        "--tls-client-ca",
+        default=_env("ROLLOUT_GRPC_TLS_CLIENT_CA"),
+        help="PEM CA of client certificates: require mTLS [ROLLOUT_GRPC_TLS_CLIENT_CA]",
+    )
+    group.add_argument(
+        "--health-plaintext",
+        action="store_true",
+        default=bool(_env("ROLLOUT_GRPC_HEALTH_PLAINTEXT")),
+        help="health port stays plaintext under TLS (k8s gRPC probes) [ROLLOUT_GRPC_HEALTH_PLAINTEXT]",
+    )
+    group.add_argument(
+        "--auth-tokens-file",
+        default=_env("ROLLOUT_GRPC_AUTH_TOKENS_FILE"),
+        help="`identity role token` lines; turns authentication on; re-read on change and SIGHUP "
+        "[ROLLOUT_GRPC_AUTH_TOKENS_FILE]",
+    )
+    group.add_argument(
+        "--mtls-role",
+        action="append",
+        type=_mtls_role,
+        default=[],
+        metavar="NAME=ROLE",
+        help="map a client certificate SAN or CN to a role (repeatable; needs --tls-client-ca)",
+    )
+    group.add_argument(
+        "--peer-token-file",
+        default=_env("ROLLOUT_GRPC_PEER_TOKEN_FILE"),
+        help="token this replica sends to its --peer replicas [ROLLOUT_GRPC_PEER_TOKEN_FILE]",
+    )
+    group.add_argument(
+        "--peer-ca",
+        default=_env("ROLLOUT_GRPC_PEER_CA"),
+        help="PEM CA verifying peer replicas [ROLLOUT_GRPC_PEER_CA]",
+    )
+    group.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    group.add_argument(
+        "--reflection-open", action="store_true", help="serve reflection without credentials when auth is on"
+    )
+    group.add_argument("--max-abort-ids", type=int, default=1024, help="request ids in one Abort")
+    group.add_argument("--max-metadata-bytes", type=int, default=1 << 20, help="serialized Sample.metadata")
+    group.add_argument("--max-stop-strings", type=int, default=64, help="SamplingParams.stop entries")
+    group.add_argument(
+        "--max-stop-string-chars", type=int, default=1024, help="characters of one stop string"
+    )
+    group.add_argument(
+        "--max-chat-template-kwargs-bytes", type=int, default=64 << 10, help="serialized chat_template_kwargs"
+    )
+    group.add_argument(
+        "--max-in-flight-per-caller",
+        type=int,
+        default=0,
+        help="generations (running + queued) per authenticated caller; 0 = half of in-flight limit + queue",
+    )
+    group.add_argument(
+        "--control-rate", type=float, default=10.0, help="Abort/Pause/Resume per second per caller (0 = off)"
+    )
+    group.add_argument("--control-burst", type=int, default=50, help="control RPC burst per caller")
 
 
 @contextlib.asynccontextmanager
@@ -107,6 +193,24 @@ def _config(args: argparse.Namespace, engines: list[str]) -> ServerConfig:
         peers=list(args.peer),
         engine_stream_interval=not args.no_engine_stream_interval,
         max_connection_age_s=args.max_connection_age or None,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        tls_client_ca_file=args.tls_client_ca,
+        health_plaintext=args.health_plaintext,
+        auth_tokens_file=args.auth_tokens_file,
+        mtls_roles=dict(args.mtls_role),
+        peer_token_file=args.peer_token_file,
+        peer_ca_file=args.peer_ca,
+        reflection=not args.no_reflection,
+        reflection_open=args.reflection_open,
+        max_abort_ids=args.max_abort_ids,
+        max_metadata_bytes=args.max_metadata_bytes,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_chat_template_kwargs_bytes=args.max_chat_template_kwargs_bytes,
+        max_in_flight_per_caller=args.max_in_flight_per_caller,
+        control_rate_per_s=args.control_rate,
+        control_burst=args.control_burst,
         default_options=GenerateOptions(
             stream_batch_tokens=args.stream_batch_tokens,
             stream_batch_interval_s=args.stream_batch_interval_ms / 1000,
@@ -128,6 +232,13 @@ def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
     server.pool.replace(urls)
 
 
+def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
+    """SIGHUP: re-read the engines file (when given) and the tokens file."""
+    if args.engines_file:
+        _reload_engines(server, args)
+    server.reload_credentials()
+
+
 async def _serve(args: argparse.Namespace) -> int:
     async with _engines(args) as engines:
         server = RolloutServer(_config(args, engines))
@@ -142,8 +253,7 @@ async def _serve(args: argparse.Namespace) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        if args.engines_file:
-            loop.add_signal_handler(signal.SIGHUP, lambda: _reload_engines(server, args))
+        loop.add_signal_handler(signal.SIGHUP, lambda: _on_sighup(server, args))
         await stop.wait()
         log.info("shutdown_requested")
         await server.stop()

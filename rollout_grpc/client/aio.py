@@ -11,6 +11,7 @@ import grpc
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.client.credentials import ClientSecurity, PemLike
 from rollout_grpc.client.samples import (
     OptionsLike,
     ParamsLike,
@@ -52,10 +53,30 @@ class AsyncRolloutClient:
         *,
         channel: grpc.aio.Channel | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        tls: bool = False,
+        root_certificates: PemLike | None = None,
+        certificate_chain: PemLike | None = None,
+        private_key: PemLike | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
     ) -> None:
-        self._channel = channel or grpc.aio.insecure_channel(
-            target, options=[*DEFAULT_CHANNEL_OPTIONS, *options]
-        )
+        """Connect to `target`.
+
+        TLS: `tls=True` (system roots) or `root_certificates` (PEM bytes or path); mTLS adds
+        `certificate_chain` and `private_key`. `token` is sent as `authorization: Bearer` on
+        every call of this client. `server_name` overrides the name checked in the server's
+        certificate.
+        """
+        security = ClientSecurity(tls, root_certificates, certificate_chain, private_key, token, server_name)
+        self._metadata = security.metadata()
+        if channel is None:
+            channel_options = [*DEFAULT_CHANNEL_OPTIONS, *security.channel_options(), *options]
+            credentials = security.channel_credentials()
+            if credentials is not None:
+                channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
+            else:
+                channel = grpc.aio.insecure_channel(target, options=channel_options)
+        self._channel = channel
         self._stub = pb_grpc.RolloutServiceStub(self._channel)
 
     async def __aenter__(self) -> AsyncRolloutClient:
@@ -84,7 +105,7 @@ class AsyncRolloutClient:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the Generate messages: deltas, then the final sample."""
         request = build_request(sample, params, options, request_id)
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in call:
                 yield message
@@ -101,7 +122,7 @@ class AsyncRolloutClient:
     ) -> pb.Sample:
         request = build_request(sample, params, options, request_id)
         request.options.final_only = True
-        async for message in self._stub.Generate(request, timeout=timeout):
+        async for message in self._stub.Generate(request, timeout=timeout, metadata=self._metadata):
             if message.HasField("sample"):
                 return message.sample
         raise RuntimeError("the Generate stream ended without a sample")
@@ -160,22 +181,24 @@ class AsyncRolloutClient:
         request = abort_request(
             all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
         )
-        return await self._stub.Abort(request, timeout=timeout)
+        return await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
 
     async def pause(self, mode: str = "keep", *, timeout: float | None = None) -> pb.PauseResponse:
         """Pause every engine: "abort", "wait" or "keep"."""
-        return await self._stub.Pause(pause_request(mode), timeout=timeout)
+        return await self._stub.Pause(pause_request(mode), timeout=timeout, metadata=self._metadata)
 
     async def resume(
         self, weight_version: str | None = None, *, timeout: float | None = 60.0
     ) -> pb.ResumeResponse:
         """Resume every engine, optionally labelling its weights with `weight_version` first."""
         request = resume_request(weight_version)
-        return await self._stub.Resume(request, timeout=timeout)
+        return await self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
 
     async def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""
-        return await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        return await self._stub.GetServerInfo(
+            pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
+        )
 
     async def render(
         self,
@@ -195,4 +218,4 @@ class AsyncRolloutClient:
             chat_template_kwargs=chat_template_kwargs,
             session_id=session_id,
         )
-        return await self._stub.Render(request, timeout=timeout)
+        return await self._stub.Render(request, timeout=timeout, metadata=self._metadata)

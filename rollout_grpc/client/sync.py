@@ -11,6 +11,7 @@ import grpc
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client.aio import DEFAULT_CHANNEL_OPTIONS, build_request
+from rollout_grpc.client.credentials import ClientSecurity, PemLike
 from rollout_grpc.client.samples import (
     OptionsLike,
     ParamsLike,
@@ -26,9 +27,27 @@ class RolloutClient:
     """Blocking calls to a rollout service replica; lists of samples run on a thread pool."""
 
     def __init__(
-        self, target: str, *, max_workers: int = 64, options: Sequence[tuple[str, Any]] = ()
+        self,
+        target: str,
+        *,
+        max_workers: int = 64,
+        options: Sequence[tuple[str, Any]] = (),
+        tls: bool = False,
+        root_certificates: PemLike | None = None,
+        certificate_chain: PemLike | None = None,
+        private_key: PemLike | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
     ) -> None:
-        self._channel = grpc.insecure_channel(target, options=[*DEFAULT_CHANNEL_OPTIONS, *options])
+        """Connect to `target`; TLS, mTLS and token options as in `AsyncRolloutClient`."""
+        security = ClientSecurity(tls, root_certificates, certificate_chain, private_key, token, server_name)
+        self._metadata = security.metadata()
+        channel_options = [*DEFAULT_CHANNEL_OPTIONS, *security.channel_options(), *options]
+        credentials = security.channel_credentials()
+        if credentials is not None:
+            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=channel_options)
         self._stub = pb_grpc.RolloutServiceStub(self._channel)
         self._max_workers = max_workers
 
@@ -52,7 +71,9 @@ class RolloutClient:
         request_id: str | None = None,
     ) -> Iterator[pb.GenerateResponse]:
         """Stream the Generate messages: deltas, then the final sample."""
-        call = self._stub.Generate(build_request(sample, params, options, request_id), timeout=timeout)
+        call = self._stub.Generate(
+            build_request(sample, params, options, request_id), timeout=timeout, metadata=self._metadata
+        )
         try:
             yield from call
         finally:
@@ -68,7 +89,7 @@ class RolloutClient:
     ) -> pb.Sample:
         request = build_request(sample, params, options, request_id)
         request.options.final_only = True
-        for message in self._stub.Generate(request, timeout=timeout):
+        for message in self._stub.Generate(request, timeout=timeout, metadata=self._metadata):
             if message.HasField("sample"):
                 return message.sample
         raise RuntimeError("the Generate stream ended without a sample")
@@ -102,24 +123,26 @@ class RolloutClient:
         request = abort_request(
             all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
         )
-        response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout)
+        response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
         return response
 
     def pause(self, mode: str = "keep", *, timeout: float | None = None) -> pb.PauseResponse:
         """Pause every engine: "abort", "wait" or "keep"."""
-        response: pb.PauseResponse = self._stub.Pause(pause_request(mode), timeout=timeout)
+        response: pb.PauseResponse = self._stub.Pause(
+            pause_request(mode), timeout=timeout, metadata=self._metadata
+        )
         return response
 
     def resume(self, weight_version: str | None = None, *, timeout: float | None = 60.0) -> pb.ResumeResponse:
         """Resume every engine, optionally labelling its weights first."""
         request = resume_request(weight_version)
-        response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout)
+        response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         return response
 
     def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""
         response: pb.GetServerInfoResponse = self._stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout
+            pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
         )
         return response
 
@@ -141,5 +164,5 @@ class RolloutClient:
             chat_template_kwargs=chat_template_kwargs,
             session_id=session_id,
         )
-        response: pb.RenderResponse = self._stub.Render(request, timeout=timeout)
+        response: pb.RenderResponse = self._stub.Render(request, timeout=timeout, metadata=self._metadata)
         return response

@@ -18,7 +18,8 @@ admin and only the audit applies. The interceptor wraps the method handler (the 
 context exists only on the servicer context), binds the `Caller` to the call
 (`identity.set_caller`) before running the inner handlers, and logs one `audit` line per control
 RPC with the caller, its target and the outcome, refusals included. Interceptors listed after
-this one (e.g. `limits.LimitsInterceptor`) and the servicer see the caller through `identity.current_caller()`; nothing downstream ever looks at tokens.
+this one (e.g. `limits.LimitsInterceptor`) and the servicer see the caller through
+`identity.current_caller()`; nothing downstream ever looks at tokens.
 """
 
 from __future__ import annotations
