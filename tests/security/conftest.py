@@ -1,0 +1,54 @@
+"""Fixtures of the security tests: a throwaway PKI and a tokens file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.security.certs import CertAuthority, Issued
+
+TRAINER_A = "token-of-trainer-a"
+TRAINER_B = "token-of-trainer-b"
+ADMIN = "token-of-the-admin"
+PEER = "token-of-the-replicas"
+
+
+@dataclass(frozen=True)
+class Pki:
+    """A CA with a server certificate and two client certificates."""
+
+    ca: CertAuthority
+    server: Issued
+    alice: Issued
+    ops: Issued
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    """Certificates minted for this test only."""
+    ca = CertAuthority(tmp_path)
+    return Pki(
+        ca=ca,
+        server=ca.issue("rollout-replica", server=True, file_stem="server"),
+        alice=ca.issue("alice.trainers.example", server=False),
+        ops=ca.issue("ops.admins.example", server=False),
+    )
+
+
+@pytest.fixture
+def tokens_file(tmp_path: Path) -> Path:
+    """Two trainers, an admin (its token stored hashed) and the replicas' peer token."""
+    import hashlib
+
+    path = tmp_path / "tokens"
+    admin_digest = hashlib.sha256(ADMIN.encode()).hexdigest()
+    path.write_text(
+        "# identity role token\n"
+        f"trainer-a trainer {TRAINER_A}\n"
+        f"trainer-b trainer {TRAINER_B}\n"
+        f"ops admin sha256:{admin_digest}\n"
+        f"replicas peer {PEER}\n"
+    )
+    return path
