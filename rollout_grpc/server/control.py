@@ -181,7 +181,7 @@ class Control:
             outcome = await self._each(self._pool.engines, lambda e: e.client.abort_requests(engine_ids))
             result.engine_errors.extend(outcome.errors)
         if owner is not None and unknown and self._peer_abort is not None:
-            await self._peer_abort(AbortScope(owner=owner, request_ids=tuple(unknown)))
+            result.aborted += await self._peer_abort(AbortScope(owner=owner, request_ids=tuple(unknown)))
         return result
 
     async def abort_matching(
