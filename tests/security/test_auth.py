@@ -101,26 +101,26 @@ async def test_peer_role_may_only_forward_aborts(tokens_file: Path) -> None:
 
 
 async def test_health_stays_open_and_reflection_needs_credentials(tokens_file: Path) -> None:
-    async with authed_server(tokens_file) as server:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
+    async with (
+        authed_server(tokens_file) as server,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.ServerReflectionInfo(iter([request])):
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        replies = [
+            r
+            async for r in stub.ServerReflectionInfo(
+                iter([request]), metadata=(("authorization", f"Bearer {TRAINER_A}"),)
             )
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            request = reflection_pb2.ServerReflectionRequest(list_services="")
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for _ in stub.ServerReflectionInfo(iter([request])):
-                    pass
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            replies = [
-                r
-                async for r in stub.ServerReflectionInfo(
-                    iter([request]), metadata=(("authorization", f"Bearer {TRAINER_A}"),)
-                )
-            ]
-            names = {s.name for s in replies[0].list_services_response.service}
-            assert "rollout.v1.RolloutService" in names
+        ]
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert "rollout.v1.RolloutService" in names
 
 
 async def test_tokens_file_is_reloaded_when_it_changes(tokens_file: Path) -> None:

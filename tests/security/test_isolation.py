@@ -26,14 +26,12 @@ async def two_replicas(tokens: Path, tmp_path: Path) -> AsyncIterator[tuple[Roll
     peer_token.write_text(PEER + "\n")
     async with sim_engines(1, **SLOW_SIM) as sims:
         urls = [s.url for s in sims]
-        async with running_server(urls, auth_tokens_file=str(tokens), peer_token_file=str(peer_token)) as r1:
-            async with running_server(
-                urls,
-                auth_tokens_file=str(tokens),
-                peer_token_file=str(peer_token),
-                peers=[f"127.0.0.1:{r1.port}"],
-            ) as r2:
-                yield r1, r2
+        secured: dict[str, object] = {"auth_tokens_file": str(tokens), "peer_token_file": str(peer_token)}
+        async with (
+            running_server(urls, **secured) as r1,
+            running_server(urls, peers=[f"127.0.0.1:{r1.port}"], **secured) as r2,
+        ):
+            yield r1, r2
 
 
 def client(server: RolloutServer, token: str) -> AsyncRolloutClient:
@@ -78,26 +76,30 @@ async def test_another_trainer_cannot_abort_by_id_session_or_group(tokens_file: 
 
 
 async def test_isolation_holds_across_replicas(tokens_file: Path, tmp_path: Path) -> None:
-    async with two_replicas(tokens_file, tmp_path) as (r1, r2):
-        async with client(r1, TRAINER_A) as a1, client(r2, TRAINER_A) as a2, client(r2, TRAINER_B) as b2:
-            victim = start_stream(a1, "a-far", sample=make_sample(PROMPT, session_id="s", group_index=3))
-            await started(victim)
-            # B, on the other replica, reaches nothing of A's: not by id, session or group.
-            assert (await b2.abort(request_ids=["a-far"])).aborted == 0
-            assert (await b2.abort(session_id="s")).aborted == 0
-            assert (await b2.abort(group_index=3)).aborted == 0
-            assert not victim.task.done()
-            # A reaches its own generation on R1 through R2, by id.
-            response = await a2.abort(request_ids=["a-far"])
-            assert response.aborted == 1 and list(response.unknown_request_ids) == ["a-far"]
-            sample = await victim.task
-            assert sample.status == pb.SAMPLE_STATUS_ABORTED
-            assert_lossless(victim, sample)
+    async with (
+        two_replicas(tokens_file, tmp_path) as (r1, r2),
+        client(r1, TRAINER_A) as a1,
+        client(r2, TRAINER_A) as a2,
+        client(r2, TRAINER_B) as b2,
+    ):
+        victim = start_stream(a1, "a-far", sample=make_sample(PROMPT, session_id="s", group_index=3))
+        await started(victim)
+        # B, on the other replica, reaches nothing of A's: not by id, session or group.
+        assert (await b2.abort(request_ids=["a-far"])).aborted == 0
+        assert (await b2.abort(session_id="s")).aborted == 0
+        assert (await b2.abort(group_index=3)).aborted == 0
+        assert not victim.task.done()
+        # A reaches its own generation on R1 through R2, by id.
+        response = await a2.abort(request_ids=["a-far"])
+        assert response.aborted == 1 and list(response.unknown_request_ids) == ["a-far"]
+        sample = await victim.task
+        assert sample.status == pb.SAMPLE_STATUS_ABORTED
+        assert_lossless(victim, sample)
 
-            by_session = start_stream(a1, "a-sess", sample=make_sample(PROMPT, session_id="s2"))
-            await started(by_session)
-            assert (await a2.abort(session_id="s2")).aborted == 1
-            assert (await by_session.task).status == pb.SAMPLE_STATUS_ABORTED
+        by_session = start_stream(a1, "a-sess", sample=make_sample(PROMPT, session_id="s2"))
+        await started(by_session)
+        assert (await a2.abort(session_id="s2")).aborted == 1
+        assert (await by_session.task).status == pb.SAMPLE_STATUS_ABORTED
 
 
 async def test_replica_service_refuses_trainers(tokens_file: Path) -> None:
