@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -292,20 +292,35 @@ class Nginx:
             return []
 
 
-def render_nginx_config(listen_port: int, upstream_ports: Sequence[int], workers: int = 2) -> str:
-    """The deploy template with the test's listen address and replicas filled in."""
+def render_nginx_config(
+    listen_port: int,
+    upstream_ports: Sequence[int],
+    workers: int = 2,
+    template: Path = NGINX_TEMPLATE,
+    extra: Mapping[str, str] | None = None,
+) -> str:
+    """A deploy template with the test's listen address, replicas and `extra` placeholders filled in."""
     # One line, so that the placeholder may also appear inside a comment of the template.
     servers = " ".join(f"server {LOOPBACK}:{p} max_fails=0;" for p in upstream_ports)
-    return (
-        NGINX_TEMPLATE.read_text()
+    text = (
+        template.read_text()
         .replace("@WORKER_PROCESSES@", str(workers))
         .replace("@LISTEN@", f"{LOOPBACK}:{listen_port}")
         .replace("@UPSTREAM_SERVERS@", servers)
     )
+    for placeholder, value in (extra or {}).items():
+        text = text.replace(placeholder, value)
+    return text
 
 
 def start_nginx(
-    procs: Processes, nginx: str, upstream_ports: Sequence[int], rng: random.Random, attempts: int = 5
+    procs: Processes,
+    nginx: str,
+    upstream_ports: Sequence[int],
+    rng: random.Random,
+    attempts: int = 5,
+    template: Path = NGINX_TEMPLATE,
+    extra: Mapping[str, str] | None = None,
 ) -> Nginx:
     """nginx in front of `upstream_ports` on a free port below the ephemeral range.
 
@@ -321,7 +336,7 @@ def start_nginx(
     last = ""
     for attempt in range(attempts):
         port = free_listen_port(rng)
-        conf.write_text(render_nginx_config(port, upstream_ports))
+        conf.write_text(render_nginx_config(port, upstream_ports, template=template, extra=extra))
         argv = [nginx, "-e", "stderr", "-p", f"{prefix}/", "-c", str(conf)]
         proc = procs.start(f"nginx-{attempt}", argv)
         try:
