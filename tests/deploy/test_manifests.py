@@ -76,3 +76,42 @@ def test_vllm_example_enables_what_the_service_needs() -> None:
     for flag in ("--enable-scale-out", "--logprobs-mode=processed_logprobs"):
         assert re.search(rf"^\s+- {re.escape(flag)}\s*$", text, flags=re.MULTILINE), flag
     assert re.search(r'name: VLLM_SERVER_DEV_MODE\n\s+value: "1"', text)
+
+
+def test_replicas_authenticate_with_the_mounted_secret() -> None:
+    args = container_args()
+    mounts = dict(re.findall(r"- name: (\S+)\n\s+mountPath: (\S+)", DEPLOYMENT))
+    assert args["--auth-tokens-file"].startswith(mounts["auth"] + "/")
+    assert args["--peer-token-file"].startswith(mounts["auth"] + "/")
+    assert args["--engines-file"].startswith(mounts["engines"] + "/")
+    assert "secretName: rollout-grpc-auth" in DEPLOYMENT
+    secret = (K8S / "auth-secret.example.yaml").read_text()
+    assert "name: rollout-grpc-auth" in secret
+    assert re.search(r"^\s+tokens: \|", secret, flags=re.MULTILINE)
+    assert re.search(r"^\s+peer-token: ", secret, flags=re.MULTILINE)
+
+
+def test_network_policy_admits_clients_and_peers_only() -> None:
+    text = (K8S / "networkpolicy.yaml").read_text()
+    assert "networkpolicy.yaml" in (K8S / "kustomization.yaml").read_text()
+    args = container_args()
+    ports = re.findall(r"^\s+- port: (\d+)\s*$", text, flags=re.MULTILINE)
+    assert args["--port"] in ports and args["--health-port"] in ports
+    assert 'rollout-grpc/client: "true"' in text
+    assert 'policyTypes: ["Ingress", "Egress"]' in text
+    engines = (K8S / "vllm-engines.example.yaml").read_text()
+    assert "app.kubernetes.io/name: trainer" not in engines  # not every trainer pod
+    assert 'rollout-grpc/engine-admin: "true"' in engines
+
+
+def test_tls_overlay_flags_exist_and_match_its_mount() -> None:
+    text = (K8S / "tls" / "kustomization.yaml").read_text()
+    help_text = subprocess.run(
+        [*replica_command(), "serve", "--help"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    flags = re.findall(r"value: (--[a-z0-9-]+)(?:=(\S+))?", text)
+    assert {f for f, _ in flags} == {"--tls-cert", "--tls-key", "--peer-ca", "--health-plaintext"}
+    assert {f for f, _ in flags} <= set(re.findall(r"(--[a-z0-9-]+)", help_text))
+    mount = re.search(r"name: tls, mountPath: (\S+),", text)
+    assert mount is not None
+    assert all(path.startswith(mount[1] + "/") for _, path in flags if path)
