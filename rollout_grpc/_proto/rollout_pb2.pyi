@@ -448,7 +448,7 @@ class EngineAttempt(_message.Message):
     END_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
-    """Base URL of the engine."""
+    """Base URL of the engine (admins only; other callers see an opaque `engine-<8 hex>` label)."""
     start: _builtins.int
     """Response length (tokens) when this attempt started."""
     end: _builtins.int
@@ -1163,7 +1163,7 @@ class EngineError(_message.Message):
     ENGINE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
-    """Base URL of the engine."""
+    """Base URL of the engine (admins only; other callers see an opaque `engine-<8 hex>` label)."""
     error: _builtins.str
     """What went wrong."""
     def __init__(
@@ -1326,7 +1326,7 @@ class EngineInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     url: _builtins.str
-    """Base URL."""
+    """Base URL (admins only; other callers see an opaque, stable `engine-<8 hex>` label)."""
     healthy: _builtins.bool
     """The last health probe succeeded and the circuit breaker is closed."""
     paused: _builtins.bool
@@ -1584,7 +1584,9 @@ class RenderResponse(_message.Message):
     FEATURES_FIELD_NUMBER: _builtins.int
     ENGINE_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
-    """The engine that rendered it (it caches the processed media)."""
+    """The engine that rendered it (it caches the processed media); an opaque `engine-<8 hex>` label
+    for non-admin callers.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The token ids the engine will see, placeholders expanded."""

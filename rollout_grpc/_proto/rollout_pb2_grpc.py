@@ -92,28 +92,30 @@ class RolloutServiceServicer:
 
     def Abort(self, request, context):
         """Aborts in-flight generations. Every aborted stream still ends with its final sample (status
-        ABORTED) carrying every token generated before the abort.
+        ABORTED) carrying every token generated before the abort. With authentication on, a caller
+        reaches only its own generations; `all` needs the admin role (else PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Pause(self, request, context):
-        """Pauses generation on every engine (for a weight update). See `PauseMode`.
+        """Pauses generation on every engine (for a weight update). See `PauseMode`. Admin role only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Resume(self, request, context):
-        """Optionally sets a new weight version on every engine, then resumes them.
+        """Optionally sets a new weight version on every engine, then resumes them. Admin role only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetServerInfo(self, request, context):
-        """Reports the engines this replica uses, their health, paused state and weight version.
+        """Reports the engines this replica uses, their health, paused state and weight version (engine
+        URLs only to the admin role).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

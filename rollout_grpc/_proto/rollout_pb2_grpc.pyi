@@ -67,14 +67,17 @@ class RolloutServiceStub:
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortRequest, _rollout_pb2.AbortResponse]
     """Aborts in-flight generations. Every aborted stream still ends with its final sample (status
-    ABORTED) carrying every token generated before the abort.
+    ABORTED) carrying every token generated before the abort. With authentication on, a caller
+    reaches only its own generations; `all` needs the admin role (else PERMISSION_DENIED).
     """
     Pause: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.PauseRequest, _rollout_pb2.PauseResponse]
-    """Pauses generation on every engine (for a weight update). See `PauseMode`."""
+    """Pauses generation on every engine (for a weight update). See `PauseMode`. Admin role only."""
     Resume: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ResumeRequest, _rollout_pb2.ResumeResponse]
-    """Optionally sets a new weight version on every engine, then resumes them."""
+    """Optionally sets a new weight version on every engine, then resumes them. Admin role only."""
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetServerInfoRequest, _rollout_pb2.GetServerInfoResponse]
-    """Reports the engines this replica uses, their health, paused state and weight version."""
+    """Reports the engines this replica uses, their health, paused state and weight version (engine
+    URLs only to the admin role).
+    """
     Render: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.RenderRequest, _rollout_pb2.RenderResponse]
     """Renders chat messages (text and images) into the exact token ids an engine will see, with image
     placeholders expanded, plus the multimodal features to attach to a `Sample`.
@@ -102,14 +105,17 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """
     Abort: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortRequest, _rollout_pb2.AbortResponse]  # type: ignore[assignment]
     """Aborts in-flight generations. Every aborted stream still ends with its final sample (status
-    ABORTED) carrying every token generated before the abort.
+    ABORTED) carrying every token generated before the abort. With authentication on, a caller
+    reaches only its own generations; `all` needs the admin role (else PERMISSION_DENIED).
     """
     Pause: _aio.UnaryUnaryMultiCallable[_rollout_pb2.PauseRequest, _rollout_pb2.PauseResponse]  # type: ignore[assignment]
-    """Pauses generation on every engine (for a weight update). See `PauseMode`."""
+    """Pauses generation on every engine (for a weight update). See `PauseMode`. Admin role only."""
     Resume: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ResumeRequest, _rollout_pb2.ResumeResponse]  # type: ignore[assignment]
-    """Optionally sets a new weight version on every engine, then resumes them."""
+    """Optionally sets a new weight version on every engine, then resumes them. Admin role only."""
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetServerInfoRequest, _rollout_pb2.GetServerInfoResponse]  # type: ignore[assignment]
-    """Reports the engines this replica uses, their health, paused state and weight version."""
+    """Reports the engines this replica uses, their health, paused state and weight version (engine
+    URLs only to the admin role).
+    """
     Render: _aio.UnaryUnaryMultiCallable[_rollout_pb2.RenderRequest, _rollout_pb2.RenderResponse]  # type: ignore[assignment]
     """Renders chat messages (text and images) into the exact token ids an engine will see, with image
     placeholders expanded, plus the multimodal features to attach to a `Sample`.
@@ -146,7 +152,8 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.AbortResponse, _abc.Awaitable[_rollout_pb2.AbortResponse]]:
         """Aborts in-flight generations. Every aborted stream still ends with its final sample (status
-        ABORTED) carrying every token generated before the abort.
+        ABORTED) carrying every token generated before the abort. With authentication on, a caller
+        reaches only its own generations; `all` needs the admin role (else PERMISSION_DENIED).
         """
 
     @_abc_1.abstractmethod
@@ -155,7 +162,7 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.PauseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.PauseResponse, _abc.Awaitable[_rollout_pb2.PauseResponse]]:
-        """Pauses generation on every engine (for a weight update). See `PauseMode`."""
+        """Pauses generation on every engine (for a weight update). See `PauseMode`. Admin role only."""
 
     @_abc_1.abstractmethod
     def Resume(
@@ -163,7 +170,7 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.ResumeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.ResumeResponse, _abc.Awaitable[_rollout_pb2.ResumeResponse]]:
-        """Optionally sets a new weight version on every engine, then resumes them."""
+        """Optionally sets a new weight version on every engine, then resumes them. Admin role only."""
 
     @_abc_1.abstractmethod
     def GetServerInfo(
@@ -171,7 +178,9 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.GetServerInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.GetServerInfoResponse, _abc.Awaitable[_rollout_pb2.GetServerInfoResponse]]:
-        """Reports the engines this replica uses, their health, paused state and weight version."""
+        """Reports the engines this replica uses, their health, paused state and weight version (engine
+        URLs only to the admin role).
+        """
 
     @_abc_1.abstractmethod
     def Render(

@@ -12,6 +12,7 @@
 //    "invalid": {"target": ...},
 //    "abort_by_id": {"target": ..., "continue_tokens": 5}, "abort_all": {"target": ...},
 //    "render": {"target": ..., "png_path": "/tmp/x.png"},
+//    "auth": {"target": ..., "trainer_token": "...", "admin_token": "..."},
 //    "routed_experts": [{"name": "uint8", "target": ..., "max_new_tokens": 12}, ...]}
 // Scenarios that the plan leaves out are not run.
 //
@@ -350,6 +351,36 @@ async function routedExperts(cfg) {
   };
 }
 
+// Calls `method` with a bearer token (or none) and reports the outcome instead of throwing.
+function unaryAs(target, token, method, request) {
+  const metadata = new grpc.Metadata();
+  if (token) metadata.add('authorization', 'Bearer ' + token);
+  return new Promise((resolve) => {
+    client(target)[method](request, metadata, {deadline: deadline()}, (err, response) =>
+      resolve(err ? {code: grpc.status[err.code], details: err.details} : {code: 'OK', response}),
+    );
+  });
+}
+
+// (c) Authentication and roles as another language sees them: the token travels as
+// `authorization: Bearer` metadata; a trainer sees no engine URL and may not Pause or Abort(all);
+// the replica-internal forwarding flag is gone from AbortRequest.
+async function auth(cfg) {
+  const abortFields = packageDefinition['rollout.v1.AbortRequest'].type.field.map((f) => f.name);
+  const anonymous = await unaryAs(cfg.target, null, 'GetServerInfo', {});
+  const trainerInfo = await unaryAs(cfg.target, cfg.trainer_token, 'GetServerInfo', {});
+  return {
+    abort_request_fields: abortFields,
+    replica_service: 'rollout.v1.ReplicaService' in packageDefinition,
+    anonymous_info: anonymous.code,
+    trainer_engine_urls: trainerInfo.code === 'OK' ? trainerInfo.response.engines.map((e) => e.url) : trainerInfo.code,
+    trainer_pause: (await unaryAs(cfg.target, cfg.trainer_token, 'Pause', {mode: 'PAUSE_MODE_KEEP'})).code,
+    trainer_abort_all: (await unaryAs(cfg.target, cfg.trainer_token, 'Abort', {all: true})).code,
+    admin_pause: (await unaryAs(cfg.target, cfg.admin_token, 'Pause', {mode: 'PAUSE_MODE_KEEP'})).code,
+    admin_resume: (await unaryAs(cfg.target, cfg.admin_token, 'Resume', {})).code,
+  };
+}
+
 async function main() {
   const out = {node: process.version, grpc_js: require('@grpc/grpc-js/package.json').version, proto_loader: require('@grpc/proto-loader/package.json').version};
   if (plan.server_info) out.server_info = await serverInfo(plan.server_info);
@@ -358,6 +389,7 @@ async function main() {
   if (plan.abort_by_id) out.abort_by_id = await abortById(plan.abort_by_id);
   if (plan.abort_all) out.abort_all = await abortAll(plan.abort_all);
   if (plan.render) out.render = await render(plan.render);
+  if (plan.auth) out.auth = await auth(plan.auth);
   if (plan.routed_experts) out.routed_experts = [];
   for (const cfg of plan.routed_experts || []) out.routed_experts.push(await routedExperts(cfg));
   return out;

@@ -36,6 +36,7 @@ from google.rpc import error_details_pb2, status_pb2
 from PIL import Image
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb, routed_experts_array
+from rollout_grpc.server import redact
 from tests.harness import Harness, harness
 
 pytestmark = [pytest.mark.crosslang, pytest.mark.asyncio(loop_scope="module")]
@@ -51,6 +52,8 @@ STREAM_TOKENS, STREAM_BATCH = 30, 8
 CONTINUE_TOKENS = 5
 RENDER_TOKENS = 6
 GREEDY = {"temperature": 0, "ignore_eos": True}
+#: Bearer tokens of the replica with authentication on (a trainer and an admin).
+NODE_TRAINER, NODE_ADMIN = "node-trainer-token", "node-admin-token"
 #: The MoE engines: (name, moe_layers, moe_experts, moe_topk, expected dtype, typed array, new tokens).
 MOE = [
     ("uint8", 3, 8, 2, "D_TYPE_UINT8", "Uint8Array", 12),
@@ -168,6 +171,9 @@ async def run(node_client: Path, tmp_path_factory: pytest.TempPathFactory) -> As
                     },
                 )
             )
+        tokens = tmp / "tokens"
+        tokens.write_text(f"node-trainer trainer {NODE_TRAINER}\nnode-admin admin {NODE_ADMIN}\n")
+        replicas["authed"] = await stack.enter_async_context(harness("sim", auth_tokens_file=str(tokens)))
         dense = replicas["dense"].target
         plan = {
             "server_info": {"target": dense},
@@ -176,6 +182,11 @@ async def run(node_client: Path, tmp_path_factory: pytest.TempPathFactory) -> As
             "abort_by_id": {"target": dense, "continue_tokens": CONTINUE_TOKENS},
             "abort_all": {"target": dense},
             "render": {"target": replicas["multimodal"].target, "png_path": str(tmp / "image.png")},
+            "auth": {
+                "target": replicas["authed"].target,
+                "trainer_token": NODE_TRAINER,
+                "admin_token": NODE_ADMIN,
+            },
             "routed_experts": [
                 {"name": name, "target": replicas[name].target, "max_new_tokens": n} for name, *_, n in MOE
             ],
@@ -491,3 +502,16 @@ async def _drain(stream: asyncio.StreamReader, lines: list[str]) -> None:
     """Keep reading the server's log so a full pipe never blocks it."""
     while line := await stream.readline():
         lines.append(line.decode())
+
+
+async def test_auth_roles_from_node(run: Run) -> None:
+    report = run.out["auth"]
+    assert "local_only" not in report["abort_request_fields"]
+    assert report["abort_request_fields"] == ["all", "request_ids", "session_id", "group_index"]
+    assert report["replica_service"] is True
+    assert report["anonymous_info"] == "UNAUTHENTICATED"
+    urls = [e.url for e in run.replicas["authed"].server.pool.engines]
+    assert report["trainer_engine_urls"] == [redact.engine_label(u) for u in urls]
+    assert report["trainer_pause"] == "PERMISSION_DENIED"
+    assert report["trainer_abort_all"] == "PERMISSION_DENIED"
+    assert report["admin_pause"] == "OK" and report["admin_resume"] == "OK"
