@@ -136,7 +136,7 @@ targeted_aborts = st.one_of(
     st.just(pb.AbortRequest(all=True)),
 )
 
-#: (method name, request strategy), every unary or server-streaming RPC of the public service.
+#: (method name, request strategy): every RPC of the public service, and the internal AbortLocal.
 RPCS: list[tuple[str, st.SearchStrategy[Message]]] = [
     ("Generate", messages(pb.GenerateRequest.DESCRIPTOR)),
     ("Generate", runnable_generates()),
@@ -152,11 +152,17 @@ RPCS: list[tuple[str, st.SearchStrategy[Message]]] = [
     ),
     ("Resume", messages(pb.ResumeRequest.DESCRIPTOR)),
     ("GetServerInfo", messages(pb.GetServerInfoRequest.DESCRIPTOR)),
+    ("AbortLocal", messages(pb.AbortLocalRequest.DESCRIPTOR)),
 ]
 calls = st.lists(st.one_of(*(st.tuples(st.just(name), s) for name, s in RPCS)), min_size=1, max_size=4)
 
 
-def _invoke(stub: Any, method: str, request: Message) -> None:
+def _invoke(channel: grpc.Channel, method: str, request: Message) -> None:
+    stub: Any
+    if method == "AbortLocal":
+        stub = pb_grpc.ReplicaServiceStub(channel)
+    else:
+        stub = pb_grpc.RolloutServiceStub(channel)
     if method == "Generate":
         for _ in stub.Generate(request, timeout=CALL_TIMEOUT_S):
             pass
@@ -189,7 +195,7 @@ def test_random_requests_never_crash_or_leak(
 
     def one(method: str, request: Message) -> str | None:
         try:
-            _invoke(stub, method, request)
+            _invoke(channel, method, request)
         except grpc.RpcError as err:
             call: Any = err
             if call.code() in FORBIDDEN:
