@@ -129,6 +129,11 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("ROLLOUT_GRPC_PEER_CA"),
         help="PEM CA verifying peer replicas [ROLLOUT_GRPC_PEER_CA]",
     )
+    group.add_argument(
+        "--peer-tls-name",
+        default=_env("ROLLOUT_GRPC_PEER_TLS_NAME"),
+        help="name in the peers' certificates (they are dialed by IP) [ROLLOUT_GRPC_PEER_TLS_NAME]",
+    )
     group.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
     group.add_argument(
         "--reflection-open", action="store_true", help="serve reflection without credentials when auth is on"
@@ -201,6 +206,7 @@ def _config(args: argparse.Namespace, engines: list[str]) -> ServerConfig:
         mtls_roles=dict(args.mtls_role),
         peer_token_file=args.peer_token_file,
         peer_ca_file=args.peer_ca,
+        peer_tls_name=args.peer_tls_name,
         reflection=not args.no_reflection,
         reflection_open=args.reflection_open,
         max_abort_ids=args.max_abort_ids,

@@ -112,6 +112,8 @@ class ServerConfig:
     peer_token_file: str | None = None
     #: CA that verifies the peers' certificates (default: the client CA, else the system roots).
     peer_ca_file: str | None = None
+    #: Name the peers' certificates are checked against (peers are dialed by IP when resolved).
+    peer_tls_name: str | None = None
     #: Request bounds (limits.RequestLimits) and per-caller limits.
     max_abort_ids: int = 1024
     max_metadata_bytes: int = 1 << 20
@@ -238,7 +240,9 @@ class RolloutServer:
             token = Path(cfg.peer_token_file).read_text().strip()
             metadata.append(("authorization", f"Bearer {token}"))
         credentials = peer_channel_credentials(tls, cfg.peer_ca_file) if tls is not None else None
-        return PeerAborter(cfg.peers, credentials=credentials, metadata=metadata)
+        return PeerAborter(
+            cfg.peers, credentials=credentials, metadata=metadata, tls_server_name=cfg.peer_tls_name
+        )
 
     async def start(self) -> None:
         """Create the HTTP session and engine pool, then serve."""

@@ -59,12 +59,18 @@ class PeerAborter:
         *,
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        tls_server_name: str | None = None,
     ) -> None:
         self._peers = peers
         self._own_port = own_port
         self._timeout_s = timeout_s
         self._credentials = credentials
         self._metadata = tuple(metadata)
+        # Peers resolved from DNS are dialed by pod IP, which their certificates rarely name: the
+        # name to verify instead (e.g. the headless Service's DNS name in the certificate).
+        self._options: list[tuple[str, str]] = (
+            [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+        )
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._own = _own_addresses()
 
@@ -97,7 +103,7 @@ class PeerAborter:
         channel = self._channels.get(target)
         if channel is None:
             if self._credentials is not None:
-                channel = grpc.aio.secure_channel(target, self._credentials)
+                channel = grpc.aio.secure_channel(target, self._credentials, options=self._options)
             else:
                 channel = grpc.aio.insecure_channel(target)
             self._channels[target] = channel

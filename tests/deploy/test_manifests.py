@@ -110,8 +110,14 @@ def test_tls_overlay_flags_exist_and_match_its_mount() -> None:
         [*replica_command(), "serve", "--help"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     flags = re.findall(r"value: (--[a-z0-9-]+)(?:=(\S+))?", text)
-    assert {f for f, _ in flags} == {"--tls-cert", "--tls-key", "--peer-ca", "--health-plaintext"}
+    assert {f for f, _ in flags} == {
+        "--tls-cert",
+        "--tls-key",
+        "--peer-ca",
+        "--peer-tls-name",
+        "--health-plaintext",
+    }
     assert {f for f, _ in flags} <= set(re.findall(r"(--[a-z0-9-]+)", help_text))
     mount = re.search(r"name: tls, mountPath: (\S+),", text)
     assert mount is not None
-    assert all(path.startswith(mount[1] + "/") for _, path in flags if path)
+    assert all(path.startswith(mount[1] + "/") for flag, path in flags if path and flag != "--peer-tls-name")

@@ -73,14 +73,23 @@ class CertAuthority:
         """The CA certificate, PEM."""
         return self.cert.read_bytes()
 
-    def issue(self, common_name: str, *, server: bool, file_stem: str | None = None) -> Issued:
+    def issue(
+        self,
+        common_name: str,
+        *,
+        server: bool,
+        file_stem: str | None = None,
+        dns_names: list[str] | None = None,
+    ) -> Issued:
         """A leaf certificate: for `localhost`/127.0.0.1 when `server`, else a client certificate
-        whose SAN is the DNS name `common_name`."""
+        whose SAN is the DNS name `common_name`; `dns_names` replaces the SANs."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         names: list[x509.GeneralName] = [x509.DNSName(common_name)]
         if server:
             names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        if dns_names is not None:
+            names = [x509.DNSName(name) for name in dns_names]
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         cert = (
             x509.CertificateBuilder()

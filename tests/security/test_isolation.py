@@ -14,7 +14,7 @@ from rollout_grpc.server.app import RolloutServer
 from tests.harness import running_server, sim_engines
 from tests.integration.test_abort_pause import LONG, SLOW_SIM, assert_lossless, start_stream, started
 from tests.integration.test_generate import PROMPT
-from tests.security.conftest import ADMIN, PEER, TRAINER_A, TRAINER_B
+from tests.security.conftest import ADMIN, PEER, TRAINER_A, TRAINER_B, Pki
 
 SHORT = {**LONG, "max_new_tokens": 300}
 
@@ -117,3 +117,47 @@ async def test_replica_service_refuses_trainers(tokens_file: Path) -> None:
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             reply = await stub.AbortLocal(request, metadata=(("authorization", f"Bearer {PEER}"),))
             assert reply.aborted == 0
+
+
+@pytest.mark.parametrize("peer_tls_name", ["rollout-grpc-headless", None])
+async def test_forwarded_aborts_travel_over_mtls_with_a_verified_peer_name(
+    pki: Pki, peer_tls_name: str | None
+) -> None:
+    """Peers are dialed by IP, which their certificate does not name: --peer-tls-name says which
+    name to verify; each replica presents its own certificate, mapped to the peer role."""
+    replica_cert = pki.ca.issue(
+        "rollout-replica", server=True, file_stem="replica", dns_names=["rollout-grpc-headless"]
+    )
+    tls: dict[str, object] = {
+        "tls_cert_file": str(replica_cert.cert),
+        "tls_key_file": str(replica_cert.key),
+        "tls_client_ca_file": str(pki.ca.cert),
+        "mtls_roles": {"rollout-grpc-headless": "peer", "alice.trainers.example": "trainer"},
+        "peer_tls_name": peer_tls_name,
+    }
+    async with (
+        sim_engines(1, **SLOW_SIM) as sims,
+        running_server([s.url for s in sims], **tls) as r1,
+        running_server([s.url for s in sims], peers=[f"127.0.0.1:{r1.port}"], **tls) as r2,
+    ):
+
+        def alice(server: RolloutServer) -> AsyncRolloutClient:
+            return AsyncRolloutClient(
+                f"127.0.0.1:{server.port}",
+                root_certificates=pki.ca.cert,
+                certificate_chain=pki.alice.cert,
+                private_key=pki.alice.key,
+                server_name="rollout-grpc-headless",
+            )
+
+        async with alice(r1) as a1, alice(r2) as a2:
+            far = start_stream(
+                a1, "far", {**LONG, "max_new_tokens": 200}, sample=make_sample(PROMPT, session_id="t")
+            )
+            await started(far)
+            reached = (await a2.abort(session_id="t")).aborted
+            sample = await far.task
+        if peer_tls_name is None:  # the peer's certificate does not name 127.0.0.1: not reached
+            assert reached == 0 and sample.status == pb.SAMPLE_STATUS_TRUNCATED
+        else:
+            assert reached == 1 and sample.status == pb.SAMPLE_STATUS_ABORTED
