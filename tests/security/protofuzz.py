@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf import descriptor
+from google.protobuf import descriptor, message_factory
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
@@ -55,8 +55,6 @@ def _is_map(field: descriptor.FieldDescriptor) -> bool:
 
 def messages(desc: descriptor.Descriptor, depth: int = 0, max_depth: int = 4) -> st.SearchStrategy[Message]:
     """A strategy of `desc` messages with random subsets of fields set, to `max_depth` nesting."""
-    from google.protobuf import message_factory
-
     cls = message_factory.GetMessageClass(desc)
     if depth > max_depth:
         return st.just(cls())

@@ -19,7 +19,7 @@ from rollout_grpc.server.auth import TokenFileError, TokenStore, parse_tokens
 from rollout_grpc.server.redact import engine_label
 from tests.harness import running_server, sim_engines
 from tests.integration.test_generate import PROMPT
-from tests.security.conftest import ADMIN, TRAINER_A, Pki
+from tests.security.conftest import ADMIN, PEER, TRAINER_A, Pki
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
@@ -93,8 +93,6 @@ async def test_admin_pauses_resumes_and_sees_engine_urls(tokens_file: Path) -> N
 
 
 async def test_peer_role_may_only_forward_aborts(tokens_file: Path) -> None:
-    from tests.security.conftest import PEER
-
     async with authed_server(tokens_file) as server, client(server, PEER) as peer:
         assert await _code(peer.server_info()) == grpc.StatusCode.PERMISSION_DENIED
         assert await _code(peer.generate(make_sample(PROMPT), GREEDY)) == grpc.StatusCode.PERMISSION_DENIED

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.app import RolloutServer
 from tests.harness import running_server, sim_engines
@@ -106,17 +107,15 @@ async def test_replica_service_refuses_trainers(tokens_file: Path) -> None:
     async with (
         sim_engines(1) as sims,
         running_server([s.url for s in sims], auth_tokens_file=str(tokens_file)) as server,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
     ):
-        from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.ReplicaServiceStub(channel)
-            request = pb.AbortLocalRequest(owner="", group_index=0)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.AbortLocal(request, metadata=(("authorization", f"Bearer {TRAINER_A}"),))
-            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            reply = await stub.AbortLocal(request, metadata=(("authorization", f"Bearer {PEER}"),))
-            assert reply.aborted == 0
+        stub = pb_grpc.ReplicaServiceStub(channel)
+        request = pb.AbortLocalRequest(owner="", group_index=0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.AbortLocal(request, metadata=(("authorization", f"Bearer {TRAINER_A}"),))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        reply = await stub.AbortLocal(request, metadata=(("authorization", f"Bearer {PEER}"),))
+        assert reply.aborted == 0
 
 
 @pytest.mark.parametrize("peer_tls_name", ["rollout-grpc-headless", None])

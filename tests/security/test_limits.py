@@ -10,6 +10,8 @@ import pytest
 from google.protobuf import struct_pb2
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
+from rollout_grpc.server.errors import ResourceExhausted
+from rollout_grpc.server.limits import ControlRateLimiter
 from tests.harness import harness, running_server, sim_engines
 from tests.integration.test_abort_pause import SLOW_SIM, start_stream, started
 from tests.integration.test_generate import PROMPT, field_violation
@@ -100,9 +102,6 @@ async def test_control_rpcs_are_rate_limited_per_caller(tokens_file: Path) -> No
 
 
 def test_rate_limiter_refills_over_time() -> None:
-    from rollout_grpc.server.errors import ResourceExhausted
-    from rollout_grpc.server.limits import ControlRateLimiter
-
     now = [0.0]
     limiter = ControlRateLimiter(rate_per_s=2.0, burst=1, clock=lambda: now[0])
     limiter.acquire("a")

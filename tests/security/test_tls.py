@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -86,8 +88,6 @@ async def test_mtls_requires_a_client_certificate(pki: Pki) -> None:
                 private_key=pki.alice.key_pem,
             ) as sync_client:
                 return sync_client.server_info(timeout=10)
-
-        import asyncio
 
         info = await asyncio.to_thread(blocking_call)
         assert len(info.engines) == 1
