@@ -63,6 +63,12 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="never ask engines for stream_interval batching (for engines that reject it)",
     )
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible agent front door on this port (0 = any; off unless set)",
+    )
     parser.add_argument("--port-file", help="write {grpc, health, engines} as JSON once serving")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", choices=("json", "console"), default="json")
@@ -107,6 +113,7 @@ def _config(args: argparse.Namespace, engines: list[str]) -> ServerConfig:
         peers=list(args.peer),
         engine_stream_interval=not args.no_engine_stream_interval,
         max_connection_age_s=args.max_connection_age or None,
+        openai_port=args.openai_port,
         default_options=GenerateOptions(
             stream_batch_tokens=args.stream_batch_tokens,
             stream_batch_interval_s=args.stream_batch_interval_ms / 1000,

@@ -27,10 +27,12 @@ from rollout_grpc.server.admission import Admission
 from rollout_grpc.server.control import Control
 from rollout_grpc.server.engines import EnginePool
 from rollout_grpc.server.inflight import InFlightRegistry
+from rollout_grpc.server.openai_front import FrontDoorConfig, OpenAIFrontDoor
 from rollout_grpc.server.peers import PeerAborter
 from rollout_grpc.server.render import RenderService
 from rollout_grpc.server.rollout import Rollout, RolloutConfig
 from rollout_grpc.server.service import RolloutServicer
+from rollout_grpc.server.trajectory import TrajectoryStore
 from rollout_grpc.server.vllm import EngineTimeouts
 
 log = structlog.get_logger(__name__)
@@ -80,6 +82,9 @@ class ServerConfig:
     peers: list[str] = field(default_factory=list)
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
+    #: Port of the OpenAI-compatible front door (0 = pick a free one, None = off); docs/agentic.md.
+    openai_port: int | None = None
+    openai: FrontDoorConfig = field(default_factory=FrontDoorConfig)
 
     def in_flight_limit(self) -> int:
         """server_concurrency x engine count (slime's semaphore size)."""
@@ -124,6 +129,9 @@ class RolloutServer:
         self.rollout: Rollout
         self.control: Control
         self.peers: PeerAborter | None = None
+        self.trajectories = TrajectoryStore()
+        self.front_door: OpenAIFrontDoor | None = None
+        self.openai_port: int | None = None
 
     async def start(self) -> None:
         """Create the HTTP session and engine pool, then serve."""
@@ -151,8 +159,13 @@ class RolloutServer:
         self.control = Control(
             self.pool, self.registry, self.rollout, peer_abort=self.peers.abort if self.peers else None
         )
+        self.trajectories = TrajectoryStore(cfg.openai.max_sessions)
         servicer = RolloutServicer(
-            self.rollout, self.control, RenderService(self.pool, cfg.max_images), cfg.default_options
+            self.rollout,
+            self.control,
+            RenderService(self.pool, cfg.max_images),
+            cfg.default_options,
+            trajectories=self.trajectories,
         )
 
         await self.pool.probe_all()
@@ -176,10 +189,16 @@ class RolloutServer:
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
             self.health_port = self._health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
             await self._health_server.start()
+        if cfg.openai_port is not None:
+            self.front_door = OpenAIFrontDoor(
+                self.rollout, self.pool, self.control, self.trajectories, cfg.openai
+            )
+            self.openai_port = await self.front_door.start(cfg.host, cfg.openai_port)
         log.info(
             "serving",
             port=self.port,
             health_port=self.health_port,
+            openai_port=self.openai_port,
             engines=[e.url for e in self.pool.engines],
             in_flight_limit=limit,
         )
@@ -230,6 +249,8 @@ class RolloutServer:
                         await self.control.abort_ids(remaining)
                 await self.rollout.wait_idle(self.config.abort_grace_s)
             await server_stopped
+        if self.front_door is not None:
+            await self.front_door.stop()
         if self._health_server is not None:
             await self._health_server.stop(None)
         await self.pool.stop()

@@ -1,0 +1,333 @@
+"""The OpenAI front door driven by the official `openai` client, on the simulator and real vLLM.
+
+Checks what a trainer relies on: the trajectory GetTrajectory returns holds exactly the tokens the
+engine produced (replayed token-in/token-out through Generate), with mask 0 on everything the
+template and the environment inserted, and that Abort and Pause/Resume with a new weight version
+act on front-door turns as on Generate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from rollout_grpc.client import make_sample, pb
+from rollout_grpc.server import tools
+from rollout_grpc.server.openai_front import FrontDoorConfig
+from rollout_grpc.server.tools import ParsedOutput, ToolCall
+from rollout_grpc.server.trajectory import DriftPolicy
+from tests.harness import Harness, harness
+
+pytestmark = pytest.mark.timeout(300)
+
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12}
+
+
+@contextlib.asynccontextmanager
+async def front_door(
+    backend: str,
+    engine_url: str | None,
+    policy: DriftPolicy = DriftPolicy.KEEP_PREFIX,
+    tool_parser: str = "hermes",
+    **sim: Any,
+) -> AsyncIterator[Harness]:
+    """A replica with the front door on a free port."""
+    config = FrontDoorConfig(drift_policy=policy, tool_parser=tool_parser)
+    async with harness(backend, engine_url, sim_config=sim or None, openai_port=0, openai=config) as running:
+        yield running
+
+
+def openai_client(h: Harness, session_id: str) -> openai.AsyncOpenAI:
+    """The official client, pointed at the session by its base URL alone."""
+    base = f"http://127.0.0.1:{h.server.openai_port}/sessions/{session_id}/v1"
+    return openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+
+
+async def model_name(client: openai.AsyncOpenAI) -> str:
+    models = await client.models.list()
+    return models.data[0].id
+
+
+async def trajectory(h: Harness, session_id: str) -> pb.GetTrajectoryResponse:
+    return await h.client.get_trajectory(session_id)
+
+
+async def replay(h: Harness, turn: pb.TrajectoryTurn) -> list[int]:
+    """The engine's greedy output for the turn's exact prompt, token-in/token-out via Generate."""
+    sample = make_sample(turn.prompt_token_ids)
+    params = {"temperature": 0.0, "max_new_tokens": len(turn.response_token_ids)}
+    final = await h.client.generate(sample, params)
+    return list(final.tokens[len(turn.prompt_token_ids) :])
+
+
+def assert_training_ready(response: pb.GetTrajectoryResponse) -> None:
+    """Every turn's output sits in its sample with mask 1 and its logprobs; the rest is mask 0."""
+    trainable = [0] * len(response.samples)
+    for turn in response.turns:
+        sample = response.samples[turn.sample_index]
+        prompt_len = len(sample.tokens) - sample.response_length
+        start = len(turn.prompt_token_ids) - prompt_len
+        end = start + len(turn.response_token_ids)
+        assert list(sample.tokens[: len(turn.prompt_token_ids)]) == list(turn.prompt_token_ids)
+        assert list(sample.tokens[prompt_len + start : prompt_len + end]) == list(turn.response_token_ids)
+        assert list(sample.loss_mask[start:end]) == [1] * (end - start)
+        assert list(sample.rollout_log_probs[start:end]) == pytest.approx(list(turn.response_logprobs))
+        trainable[turn.sample_index] += end - start
+    for sample, count in zip(response.samples, trainable, strict=True):
+        assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
+        assert sum(sample.loss_mask) == count, "only generated tokens are trainable"
+        for mask, logprob in zip(sample.loss_mask, sample.rollout_log_probs, strict=True):
+            if mask == 0:
+                assert logprob == 0.0
+        if sample.weight_versions:
+            covered = sum(w.end - w.start for w in sample.weight_versions)
+            assert covered == count, "weight-version spans cover exactly the generated positions"
+
+
+async def test_three_turn_tool_conversation_is_captured_token_exact(
+    backend: str, engine_url: str | None
+) -> None:
+    session = "s-" + secrets.token_hex(4)
+    async with front_door(backend, engine_url) as h:
+        client = openai_client(h, session)
+        model = await model_name(client)
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You can call tools."},
+            {"role": "user", "content": "What is the weather in Paris?"},
+        ]
+        first = await client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[WEATHER_TOOL],
+            extra_body={"return_token_ids": True},
+            **GREEDY,
+        )
+        # The random-weight model writes no tool call: the harness scripts the call it would make.
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "celsius": 21}'},
+        ]
+        second = await client.chat.completions.create(
+            model=model, messages=messages, tools=[WEATHER_TOOL], **GREEDY
+        )
+        messages += [
+            {"role": "assistant", "content": second.choices[0].message.content},
+            {"role": "user", "content": "Thanks!"},
+        ]
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model=model, messages=messages, tools=[WEATHER_TOOL], stream=True, **GREEDY
+            )
+        ]
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+        response = await trajectory(h, session)
+        assert len(response.turns) == 3
+        assert len(response.samples) == 1, "keep_prefix keeps the session one sample"
+        assert_training_ready(response)
+        first_ids = first.model_extra["prompt_token_ids"], first.choices[0].model_extra["token_ids"]
+        assert list(response.turns[0].prompt_token_ids) == first_ids[0]
+        assert list(response.turns[0].response_token_ids) == first_ids[1]
+        assert response.samples[0].response.endswith(streamed)
+        for turn in response.turns:
+            assert await replay(h, turn) == list(turn.response_token_ids)
+
+
+class ScriptedToolParser:
+    """Reads every output as one call: the random-weight model never writes a real one."""
+
+    start_marker = ""
+
+    def parse(self, text: str) -> ParsedOutput:
+        arguments = json.dumps({"city": "Oslo", "model_said": text})
+        return ParsedOutput(content=None, tool_calls=[ToolCall("get_weather", arguments)])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_parsed_tool_calls_come_back_as_openai_tool_calls(stream: bool) -> None:
+    tools.PARSERS["scripted"] = ScriptedToolParser  # type: ignore[assignment]
+    session = "tools-" + secrets.token_hex(4)
+    try:
+        async with front_door("sim", None, tool_parser="scripted") as h:
+            client = openai_client(h, session)
+            model = await model_name(client)
+            request: dict[str, Any] = {
+                "model": model,
+                "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                "tools": [WEATHER_TOOL],
+                **GREEDY,
+            }
+            if stream:
+                chunks = [c async for c in await client.chat.completions.create(stream=True, **request)]
+                deltas = [c.choices[0].delta for c in chunks if c.choices]
+                calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+                finish = chunks[-1].choices[0].finish_reason
+                name, arguments = calls[0].function.name, calls[0].function.arguments  # type: ignore[union-attr]
+            else:
+                result = await client.chat.completions.create(**request)
+                finish = result.choices[0].finish_reason
+                calls = result.choices[0].message.tool_calls or []
+                name, arguments = calls[0].function.name, calls[0].function.arguments  # type: ignore[union-attr]
+            assert len(calls) == 1
+            assert finish == "tool_calls"
+            assert name == "get_weather"
+            assert json.loads(arguments or "{}")["city"] == "Oslo"
+            recorded = (await trajectory(h, session)).turns[0]
+            assert json.loads(recorded.tool_calls_json[0])["function"]["name"] == "get_weather"
+    finally:
+        del tools.PARSERS["scripted"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", [DriftPolicy.KEEP_PREFIX, DriftPolicy.SPLIT])
+async def test_drift_keeps_the_prefix_or_splits(
+    backend: str, engine_url: str | None, policy: DriftPolicy
+) -> None:
+    """An assistant message re-rendered without its tool call (this template drops it) drifts."""
+    session = "drift-" + secrets.token_hex(4)
+    async with front_door(backend, engine_url, policy) as h:
+        client = openai_client(h, session)
+        model = await model_name(client)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather?"}]
+        await client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], **GREEDY)
+        call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "rain"},
+        ]
+        await client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], **GREEDY)
+        response = await trajectory(h, session)
+        assert response.turns[1].drift
+        assert len(response.samples) == (1 if policy == DriftPolicy.KEEP_PREFIX else 2)
+        assert_training_ready(response)
+        if policy == DriftPolicy.KEEP_PREFIX:
+            # The engine was sent the recorded tokens: the first turn's output is its prefix.
+            recorded = list(response.turns[0].prompt_token_ids) + list(response.turns[0].response_token_ids)
+            assert list(response.turns[1].prompt_token_ids[: len(recorded)]) == recorded
+
+
+async def test_an_extending_template_needs_no_drift_handling(backend: str, engine_url: str | None) -> None:
+    """When the model's reply re-renders to its own tokens, turns simply extend each other."""
+    session = "ext-" + secrets.token_hex(4)
+    async with front_door(backend, engine_url, DriftPolicy.SPLIT) as h:
+        client = openai_client(h, session)
+        model = await model_name(client)
+        # A reply of just the end-of-turn token renders back identically: content "".
+        eos_only = {"temperature": 0.0, "max_tokens": 4, "logit_bias": {"2": 100}}
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Say nothing."}]
+        first = await client.chat.completions.create(model=model, messages=messages, **eos_only)
+        assert first.choices[0].message.content == ""
+        messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": "Again."}]
+        await client.chat.completions.create(model=model, messages=messages, **eos_only)
+        response = await trajectory(h, session)
+        assert not response.turns[1].drift
+        assert len(response.samples) == 1
+        assert_training_ready(response)
+        sample = response.samples[0]
+        inserted = sample.response_length - sum(sample.loss_mask)
+        assert inserted > 0, "the template's glue and the user message are in the sample, masked"
+
+
+async def test_abort_mid_turn_returns_partial_output(backend: str, engine_url: str | None) -> None:
+    session = "abort-" + secrets.token_hex(4)
+    async with front_door(backend, engine_url, token_delay_s=0.005) as h:
+        client = openai_client(h, session)
+        model = await model_name(client)
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Tell me a long story."}],
+            stream=True,
+            max_tokens=3000,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
+        )
+        text = ""
+        finish = None
+        aborted = False
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            text += chunk.choices[0].delta.content or ""
+            if text and not aborted:
+                aborted = True
+                result = await h.client.abort(session_id=session)
+                assert result.aborted == 1
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "abort"
+        response = await trajectory(h, session)
+        (turn,) = response.turns
+        assert turn.finish_reason == pb.FINISH_REASON_ABORT
+        assert 0 < len(turn.response_token_ids) < 3000
+        assert response.samples[0].status == pb.SAMPLE_STATUS_ABORTED
+        assert response.samples[0].response == text
+
+
+async def test_pause_resume_new_weight_version_between_turns(backend: str, engine_url: str | None) -> None:
+    session = "weights-" + secrets.token_hex(4)
+    async with front_door(backend, engine_url) as h:
+        client = openai_client(h, session)
+        model = await model_name(client)
+        await h.client.resume(weight_version="v1")
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "One."}]
+        first = await client.chat.completions.create(model=model, messages=messages, **GREEDY)
+        await h.client.pause("wait")
+        await h.client.resume(weight_version="v2")
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Two."},
+        ]
+        await client.chat.completions.create(model=model, messages=messages, **GREEDY)
+        response = await trajectory(h, session)
+        assert [w.version for w in response.turns[0].weight_versions] == ["v1"]
+        assert [w.version for w in response.turns[1].weight_versions] == ["v2"]
+        sample = response.samples[0]
+        assert [w.version for w in sample.weight_versions] == ["v1", "v2"]
+        assert_training_ready(response)
+
+
+async def test_header_sessions_errors_and_unknown_trajectory() -> None:
+    async with front_door("sim", None) as h:
+        base = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{h.server.openai_port}/v1", api_key="x", max_retries=0
+        )
+        model = await model_name(base)
+        raw = await base.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            extra_headers={"X-Session-Id": "by-header"},
+        )
+        assert raw.headers["x-session-id"] == "by-header"
+        assert len((await trajectory(h, "by-header")).turns) == 1
+        with pytest.raises(openai.BadRequestError) as bad:
+            await base.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2)
+        assert "n" in str(bad.value)
+        with pytest.raises(openai.BadRequestError) as bad_temp:
+            await base.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], temperature=-1.0
+            )
+        assert "temperature" in str(bad_temp.value)
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await trajectory(h, "never-seen")
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
