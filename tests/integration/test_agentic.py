@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from rollout_grpc.client import make_sample, pb
+from rollout_grpc.client.multiturn import append_observation, turn_params
 from rollout_grpc.server import tools
 from rollout_grpc.server.openai_front import FrontDoorConfig
 from rollout_grpc.server.tools import ParsedOutput, ToolCall
@@ -56,6 +57,12 @@ def openai_client(h: Harness, session_id: str) -> openai.AsyncOpenAI:
     """The official client, pointed at the session by its base URL alone."""
     base = f"http://127.0.0.1:{h.server.openai_port}/sessions/{session_id}/v1"
     return openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+
+
+async def chat(client: openai.AsyncOpenAI, raw: bool = False, **request: Any) -> Any:
+    """One chat completion through the official client (loosely typed: tests send vLLM's extras)."""
+    completions: Any = client.chat.completions.with_raw_response if raw else client.chat.completions
+    return await completions.create(**request)
 
 
 async def model_name(client: openai.AsyncOpenAI) -> str:
@@ -110,7 +117,8 @@ async def test_three_turn_tool_conversation_is_captured_token_exact(
             {"role": "system", "content": "You can call tools."},
             {"role": "user", "content": "What is the weather in Paris?"},
         ]
-        first = await client.chat.completions.create(
+        first = await chat(
+            client,
             model=model,
             messages=messages,
             tools=[WEATHER_TOOL],
@@ -127,17 +135,15 @@ async def test_three_turn_tool_conversation_is_captured_token_exact(
             {"role": "assistant", "content": first.choices[0].message.content, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "celsius": 21}'},
         ]
-        second = await client.chat.completions.create(
-            model=model, messages=messages, tools=[WEATHER_TOOL], **GREEDY
-        )
+        second = await chat(client, model=model, messages=messages, tools=[WEATHER_TOOL], **GREEDY)
         messages += [
             {"role": "assistant", "content": second.choices[0].message.content},
             {"role": "user", "content": "Thanks!"},
         ]
         chunks = [
             c
-            async for c in await client.chat.completions.create(
-                model=model, messages=messages, tools=[WEATHER_TOOL], stream=True, **GREEDY
+            async for c in await chat(
+                client, model=model, messages=messages, tools=[WEATHER_TOOL], stream=True, **GREEDY
             )
         ]
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -180,16 +186,16 @@ async def test_parsed_tool_calls_come_back_as_openai_tool_calls(stream: bool) ->
                 **GREEDY,
             }
             if stream:
-                chunks = [c async for c in await client.chat.completions.create(stream=True, **request)]
+                chunks = [c async for c in await chat(client, stream=True, **request)]
                 deltas = [c.choices[0].delta for c in chunks if c.choices]
                 calls = [tc for d in deltas for tc in (d.tool_calls or [])]
                 finish = chunks[-1].choices[0].finish_reason
-                name, arguments = calls[0].function.name, calls[0].function.arguments  # type: ignore[union-attr]
+                name, arguments = calls[0].function.name, calls[0].function.arguments
             else:
-                result = await client.chat.completions.create(**request)
+                result = await chat(client, **request)
                 finish = result.choices[0].finish_reason
                 calls = result.choices[0].message.tool_calls or []
-                name, arguments = calls[0].function.name, calls[0].function.arguments  # type: ignore[union-attr]
+                name, arguments = calls[0].function.name, calls[0].function.arguments
             assert len(calls) == 1
             assert finish == "tool_calls"
             assert name == "get_weather"
@@ -197,7 +203,7 @@ async def test_parsed_tool_calls_come_back_as_openai_tool_calls(stream: bool) ->
             recorded = (await trajectory(h, session)).turns[0]
             assert json.loads(recorded.tool_calls_json[0])["function"]["name"] == "get_weather"
     finally:
-        del tools.PARSERS["scripted"]  # type: ignore[arg-type]
+        del tools.PARSERS["scripted"]
 
 
 @pytest.mark.parametrize("policy", [DriftPolicy.KEEP_PREFIX, DriftPolicy.SPLIT])
@@ -210,13 +216,13 @@ async def test_drift_keeps_the_prefix_or_splits(
         client = openai_client(h, session)
         model = await model_name(client)
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather?"}]
-        await client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], **GREEDY)
+        await chat(client, model=model, messages=messages, tools=[WEATHER_TOOL], **GREEDY)
         call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
         messages += [
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c", "content": "rain"},
         ]
-        await client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], **GREEDY)
+        await chat(client, model=model, messages=messages, tools=[WEATHER_TOOL], **GREEDY)
         response = await trajectory(h, session)
         assert response.turns[1].drift
         assert len(response.samples) == (1 if policy == DriftPolicy.KEEP_PREFIX else 2)
@@ -234,12 +240,12 @@ async def test_an_extending_template_needs_no_drift_handling(backend: str, engin
         client = openai_client(h, session)
         model = await model_name(client)
         # A reply of just the end-of-turn token renders back identically: content "".
-        eos_only = {"temperature": 0.0, "max_tokens": 4, "logit_bias": {"2": 100}}
+        eos_only: dict[str, Any] = {"temperature": 0.0, "max_tokens": 4, "logit_bias": {"2": 100}}
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Say nothing."}]
-        first = await client.chat.completions.create(model=model, messages=messages, **eos_only)
+        first = await chat(client, model=model, messages=messages, **eos_only)
         assert first.choices[0].message.content == ""
         messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": "Again."}]
-        await client.chat.completions.create(model=model, messages=messages, **eos_only)
+        await chat(client, model=model, messages=messages, **eos_only)
         response = await trajectory(h, session)
         assert not response.turns[1].drift
         assert len(response.samples) == 1
@@ -254,7 +260,8 @@ async def test_abort_mid_turn_returns_partial_output(backend: str, engine_url: s
     async with front_door(backend, engine_url, token_delay_s=0.005) as h:
         client = openai_client(h, session)
         model = await model_name(client)
-        stream = await client.chat.completions.create(
+        stream = await chat(
+            client,
             model=model,
             messages=[{"role": "user", "content": "Tell me a long story."}],
             stream=True,
@@ -290,14 +297,14 @@ async def test_pause_resume_new_weight_version_between_turns(backend: str, engin
         model = await model_name(client)
         await h.client.resume(weight_version="v1")
         messages: list[dict[str, Any]] = [{"role": "user", "content": "One."}]
-        first = await client.chat.completions.create(model=model, messages=messages, **GREEDY)
+        first = await chat(client, model=model, messages=messages, **GREEDY)
         await h.client.pause("wait")
         await h.client.resume(weight_version="v2")
         messages += [
             {"role": "assistant", "content": first.choices[0].message.content},
             {"role": "user", "content": "Two."},
         ]
-        await client.chat.completions.create(model=model, messages=messages, **GREEDY)
+        await chat(client, model=model, messages=messages, **GREEDY)
         response = await trajectory(h, session)
         assert [w.version for w in response.turns[0].weight_versions] == ["v1"]
         assert [w.version for w in response.turns[1].weight_versions] == ["v2"]
@@ -312,7 +319,9 @@ async def test_header_sessions_errors_and_unknown_trajectory() -> None:
             base_url=f"http://127.0.0.1:{h.server.openai_port}/v1", api_key="x", max_retries=0
         )
         model = await model_name(base)
-        raw = await base.chat.completions.with_raw_response.create(
+        raw = await chat(
+            base,
+            raw=True,
             model=model,
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=3,
@@ -321,13 +330,35 @@ async def test_header_sessions_errors_and_unknown_trajectory() -> None:
         assert raw.headers["x-session-id"] == "by-header"
         assert len((await trajectory(h, "by-header")).turns) == 1
         with pytest.raises(openai.BadRequestError) as bad:
-            await base.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2)
+            await chat(base, model=model, messages=[{"role": "user", "content": "hi"}], n=2)
         assert "n" in str(bad.value)
         with pytest.raises(openai.BadRequestError) as bad_temp:
-            await base.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "hi"}], temperature=-1.0
-            )
+            await chat(base, model=model, messages=[{"role": "user", "content": "hi"}], temperature=-1.0)
         assert "temperature" in str(bad_temp.value)
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await trajectory(h, "never-seen")
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_multi_turn_over_generate_with_observations_and_a_turn_budget(
+    backend: str, engine_url: str | None
+) -> None:
+    """Without the front door: one sample, observations masked, each turn within its own budget."""
+    async with front_door(backend, engine_url) as h:
+        rendered = await h.client.render([{"role": "user", "content": "Count."}], session_id="mt")
+        sample = make_sample(rendered.token_ids, session_id="mt")
+        base = {"temperature": 1.0, "ignore_eos": True}
+        sample = await h.client.generate(sample, turn_params(sample, base, 5))
+        assert sample.response_length == 5
+        observation = list(rendered.token_ids[:4])  # stands for a tokenised tool result
+        sample = append_observation(sample, observation)
+        sample = await h.client.generate(sample, turn_params(sample, base, 6, total=100))
+        assert sample.status == pb.SAMPLE_STATUS_TRUNCATED
+        assert sample.response_length == 5 + 4 + 6, "the turn budget excludes earlier tokens"
+        assert list(sample.loss_mask) == [1] * 5 + [0] * 4 + [1] * 6
+        assert list(sample.rollout_log_probs[5:9]) == [0.0] * 4
+        assert list(sample.tokens[len(rendered.token_ids) + 5 :][:4]) == observation
+        spans = [(w.start, w.end) for w in sample.weight_versions]
+        if spans:
+            assert spans[0][0] == 0 and spans[-1][1] == 15
+            assert all(not (s < 9 and e > 5) for s, e in spans), "no span covers the observation"
