@@ -246,6 +246,13 @@ class OpenAIFrontDoor:
                 or not all(isinstance(m, dict) for m in messages)
             ):
                 raise _HTTPError(400, "messages: must be a non-empty list of message objects", "messages")
+            if body.get("tool_choice") not in (None, "auto", "none"):
+                raise _HTTPError(
+                    400,
+                    'tool_choice: only "auto" and "none" are supported (the front door does not force '
+                    "calls with guided decoding)",
+                    "tool_choice",
+                )
             if body.get("n") not in (None, 1):
                 raise _HTTPError(400, "n: only n=1 is supported", "n")
             session_id = (

