@@ -142,7 +142,14 @@ async def _serve(args: argparse.Namespace) -> int:
         if args.port_file:
             tmp = args.port_file + ".tmp"
             Path(tmp).write_text(
-                json.dumps({"grpc": server.port, "health": server.health_port, "engines": engines})
+                json.dumps(
+                    {
+                        "grpc": server.port,
+                        "health": server.health_port,
+                        "openai": server.openai_port,
+                        "engines": engines,
+                    }
+                )
             )
             os.replace(tmp, args.port_file)
         loop = asyncio.get_running_loop()
