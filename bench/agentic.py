@@ -77,7 +77,12 @@ async def _one(client: openai.AsyncOpenAI, model: str, i: int) -> tuple[float, f
 
 
 async def _measure(base_urls: list[str], workload: Workload) -> dict[str, Any]:
-    clients = [openai.AsyncOpenAI(base_url=u, api_key="unused", max_retries=0) for u in base_urls]
+    # A generous connect timeout: 64 connections opened at once on a loaded 2-core machine can take
+    # longer than the client's default 5 s to be accepted.
+    timeout = openai.Timeout(600.0, connect=60.0)
+    clients = [
+        openai.AsyncOpenAI(base_url=u, api_key="unused", max_retries=0, timeout=timeout) for u in base_urls
+    ]
     try:
         model = (await clients[0].models.list()).data[0].id
         queue = list(range(workload.requests))
@@ -144,7 +149,8 @@ def write(results: dict[str, Any], out_dir: Path) -> None:
         "client, to the simulated engines' `/v1/chat/completions` and to the front door on the same",
         "engines (`python -m bench.agentic`; best of the alternating repetitions).",
         "",
-        "| workload | engine chat tok/s | front door tok/s | ratio | engine TTFT p50 ms | front door TTFT p50 ms | added TTFT ms |",
+        "| workload | engine chat tok/s | front door tok/s | ratio "
+        "| engine TTFT p50 ms | front door TTFT p50 ms | added TTFT ms |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results["rows"]:
