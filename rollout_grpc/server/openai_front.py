@@ -404,6 +404,7 @@ class OpenAIFrontDoor:
             drift=drift,
             failure=final.failure_reason,
             usage=final.usage,
+            engine_attempts=list(final.engine_attempts),
         )
         session.turns.append(turn)
         session.roles = [str(m.get("role", "")) for m in messages] + ["assistant"]

@@ -32,7 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_grpc.server import routed_experts, sample_ops
-from rollout_grpc.server.domain import Finish, RoutedExperts, Sample, Status, Usage, WeightSpan
+from rollout_grpc.server.domain import (
+    EngineAttempt,
+    Finish,
+    RoutedExperts,
+    Sample,
+    Status,
+    Usage,
+    WeightSpan,
+)
 
 
 class DriftPolicy(enum.StrEnum):
@@ -65,6 +73,8 @@ class Turn:
     drift: bool = False
     failure: str = ""
     usage: Usage = field(default_factory=Usage)
+    #: Engine calls of this turn over its response positions (more than one after a failover).
+    engine_attempts: list[EngineAttempt] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -167,6 +177,9 @@ def to_samples_indexed(session: Session) -> tuple[list[Sample], list[int]]:
         current.response_length += len(turn.response_ids)
         current.response += turn.text
         sample_ops.add_weight_spans(current, turn.weight_versions, offset)
+        current.engine_attempts.extend(
+            EngineAttempt(a.engine, a.start + offset, a.end + offset, a.error) for a in turn.engine_attempts
+        )
         current.usage.prompt_tokens += turn.usage.prompt_tokens
         current.usage.completion_tokens += turn.usage.completion_tokens
         current.usage.cached_tokens += turn.usage.cached_tokens

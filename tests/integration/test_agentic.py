@@ -18,13 +18,14 @@ import grpc
 import openai
 import pytest
 
-from rollout_grpc.client import make_sample, pb
+from rollout_grpc.client import make_sample, pb, routed_experts_array
 from rollout_grpc.client.multiturn import append_observation, turn_params
 from rollout_grpc.server import tools
 from rollout_grpc.server.openai_front import FrontDoorConfig
 from rollout_grpc.server.tools import ParsedOutput, ToolCall
 from rollout_grpc.server.trajectory import DriftPolicy
 from tests.harness import Harness, harness
+from tests.integration.test_fleet import session_on
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -362,3 +363,64 @@ async def test_multi_turn_over_generate_with_observations_and_a_turn_budget(
         if spans:
             assert spans[0][0] == 0 and spans[-1][1] == 15
             assert all(not (s < 9 and e > 5) for s, e in spans), "no span covers the observation"
+
+
+async def test_a_turn_fails_over_to_another_engine_without_loss() -> None:
+    """The session's engine drops the stream mid-turn: the turn continues on the other engine."""
+    config = FrontDoorConfig()
+    async with harness(
+        "sim", sim_count=2, sim_config={"token_delay_s": 0.001}, openai_port=0, openai=config
+    ) as h:
+        bad, good = h.sims
+        bad.faults.drop_connection = 1
+        bad.faults.drop_after_tokens = 40
+        session = session_on(h.sims, bad, h.server.pool.pick)
+        client = openai_client(h, session)
+        model = await model_name(client)
+        reply = await chat(
+            client,
+            model=model,
+            messages=[{"role": "user", "content": "Go on."}],
+            max_tokens=120,
+            temperature=1.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert reply.choices[0].finish_reason == "length"
+        assert len(reply.choices[0].model_extra["token_ids"]) == 120
+        response = await trajectory(h, session)
+        assert list(response.turns[0].response_token_ids) == reply.choices[0].model_extra["token_ids"]
+        assert_training_ready(response)
+        attempts = response.samples[0].engine_attempts
+        assert [a.engine for a in attempts] == [bad.url, good.url]
+        assert 40 <= attempts[0].end < 120 and attempts[0].error, "the first engine dropped mid-turn"
+
+
+async def test_routed_experts_are_joined_across_turns() -> None:
+    """R3 per turn asks only for new positions; the trajectory's rows cover every token but the last."""
+    moe = {"moe_layers": 4, "moe_experts": 16, "moe_topk": 2, "return_routed_experts": True}
+    config = FrontDoorConfig(return_routed_experts=True)
+    async with harness("sim", sim_config=moe, openai_port=0, openai=config) as h:
+        session = "r3-" + secrets.token_hex(4)
+        client = openai_client(h, session)
+        model = await model_name(client)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "One."}]
+        first = await chat(client, model=model, messages=messages, **GREEDY)
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Two."},
+        ]
+        await chat(client, model=model, messages=messages, **GREEDY)
+        (sample,) = (await trajectory(h, session)).samples
+        experts = routed_experts_array(sample)
+        assert experts is not None
+        assert sample.routed_experts.start == 0
+        assert experts.shape == (len(sample.tokens) - 1, 4, 2)
+        # The same routing as one engine call over the whole trajectory (the sim routes by context).
+        whole = await h.client.generate(
+            make_sample(sample.tokens[:-1]),
+            {"temperature": 0.0, "max_new_tokens": 1},
+            {"return_routed_experts": True},
+        )
+        replayed = routed_experts_array(whole)
+        assert replayed is not None
+        assert (replayed[: len(sample.tokens) - 1] == experts).all()
