@@ -339,6 +339,24 @@ async def test_header_sessions_errors_and_unknown_trajectory() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await trajectory(h, "never-seen")
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as empty:
+            await trajectory(h, "")
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "session_id" in (empty.value.details() or "")
+        with pytest.raises(openai.BadRequestError) as forced:
+            await chat(
+                base,
+                model=model,
+                messages=[{"role": "user", "content": "hi"}],
+                tools=[WEATHER_TOOL],
+                tool_choice="required",
+            )
+        assert "tool_choice" in str(forced.value)
+        removed = await h.client.get_trajectory("by-header", remove=True)
+        assert len(removed.turns) == 1
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await trajectory(h, "by-header")
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_multi_turn_over_generate_with_observations_and_a_turn_budget(
