@@ -197,9 +197,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise InvalidArgument("session_id", "must not be empty")
         store = self._trajectories
         session = store.get(request.session_id) if store is not None else None
+        missing = NotFound(f"session {request.session_id!r} is not recorded on this replica")
         if store is None or session is None:
-            raise NotFound(f"session {request.session_id!r} is not recorded on this replica")
-        async with session.lock:  # a running turn is recorded whole or not at all
+            raise missing
+        async with session.lock:  # a running turn is waited for: recorded whole or not at all
+            if not session.turns:  # every request of the session failed before generating
+                raise missing
             samples, turn_samples = trajectory.to_samples_indexed(session)
             if request.remove:
                 store.pop(request.session_id)

@@ -333,6 +333,17 @@ async def test_header_sessions_errors_and_unknown_trajectory() -> None:
         with pytest.raises(openai.BadRequestError) as bad:
             await chat(base, model=model, messages=[{"role": "user", "content": "hi"}], n=2)
         assert "n" in str(bad.value)
+        with pytest.raises(openai.BadRequestError):
+            await chat(
+                base,
+                model=model,
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"X-Session-Id": "failed"},
+                temperature=-1.0,
+            )
+        with pytest.raises(grpc.aio.AioRpcError) as never_generated:
+            await trajectory(h, "failed")
+        assert never_generated.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(openai.BadRequestError) as bad_temp:
             await chat(base, model=model, messages=[{"role": "user", "content": "hi"}], temperature=-1.0)
         assert "temperature" in str(bad_temp.value)
