@@ -32,15 +32,16 @@ from aiohttp import web
 
 from rollout_grpc.server import trajectory, vllm_chat
 from rollout_grpc.server.control import Control
-from rollout_grpc.server.domain import Finish, GenerateOptions, Sample, SamplingParams, TokenBatch
+from rollout_grpc.server.domain import GenerateOptions, Sample, SamplingParams, TokenBatch
 from rollout_grpc.server.engines import EnginePool
-from rollout_grpc.server.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    RolloutError,
-    Unavailable,
+from rollout_grpc.server.errors import FailedPrecondition, RolloutError, Unavailable
+from rollout_grpc.server.openai_protocol import (
+    OpenAIError,
+    error_response,
+    finish_reason,
+    from_domain,
+    sampling_params,
+    usage,
 )
 from rollout_grpc.server.rollout import Rollout
 from rollout_grpc.server.tools import ParsedOutput, ToolCallParser, get_parser, held_back
@@ -54,15 +55,6 @@ SESSION_HEADER = "X-Session-Id"
 #: A neutral conversation the KEEP_PREFIX policy renders new messages after (see `_delta`).
 _BASE: list[dict[str, Any]] = [{"role": "user", "content": "."}]
 
-_FINISH = {
-    Finish.STOP: "stop",
-    Finish.LENGTH: "length",
-    Finish.ABORT: "abort",
-    Finish.ERROR: "error",
-    Finish.REPETITION: "stop",
-    Finish.UNSPECIFIED: "stop",
-}
-
 
 @dataclass(slots=True)
 class FrontDoorConfig:
@@ -75,96 +67,6 @@ class FrontDoorConfig:
     return_routed_experts: bool = False
     stream_batch_tokens: int = 16
     stream_batch_interval_s: float = 0.02
-
-
-class _HTTPError(Exception):
-    """An OpenAI error envelope with its HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, etype: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.etype = etype or ("invalid_request_error" if status < 500 else "server_error")
-        self.headers: dict[str, str] = {}
-
-
-def _from_domain(exc: RolloutError) -> _HTTPError:
-    """Domain errors as OpenAI errors (400 naming the request field, 404, 429, 503)."""
-    if isinstance(exc, InvalidArgument):
-        param = exc.field.removeprefix("sampling_params.").replace("max_new_tokens", "max_tokens")
-        return _HTTPError(400, f"{param}: {exc.description}", param)
-    if isinstance(exc, FailedPrecondition):
-        return _HTTPError(400, exc.message)
-    if isinstance(exc, NotFound):
-        return _HTTPError(404, exc.message, etype="not_found_error")
-    if isinstance(exc, ResourceExhausted):
-        err = _HTTPError(429, exc.message, etype="rate_limit_error")
-        err.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-        return err
-    return _HTTPError(503, exc.message)
-
-
-def _error_response(err: _HTTPError) -> web.Response:
-    body = {"error": {"message": err.message, "type": err.etype, "param": err.param, "code": err.status}}
-    return web.Response(
-        status=err.status, body=orjson.dumps(body), content_type="application/json", headers=err.headers
-    )
-
-
-def _number(body: dict[str, Any], key: str, kind: type[int] | type[float]) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or (kind is int and isinstance(value, float))
-    ):
-        raise _HTTPError(400, f"{key}: must be a {kind.__name__}", key)
-    return kind(value)
-
-
-def sampling_params(body: dict[str, Any]) -> SamplingParams:
-    """OpenAI (and vLLM extra) sampling fields as domain parameters; wrong types name the field."""
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise _HTTPError(400, "stop: must be a string or a list of strings", "stop")
-    max_tokens = _number(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", int)
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-        raise _HTTPError(400, "stop_token_ids: must be a list of token ids", "stop_token_ids")
-    bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict):
-        raise _HTTPError(400, "logit_bias: must map token ids to biases", "logit_bias")
-    try:
-        logit_bias = {int(k): float(v) for k, v in bias.items()}
-    except (TypeError, ValueError):
-        raise _HTTPError(400, "logit_bias: must map token ids to biases", "logit_bias") from None
-    return SamplingParams(
-        temperature=_number(body, "temperature", float),
-        top_p=_number(body, "top_p", float),
-        top_k=_number(body, "top_k", int),
-        min_p=_number(body, "min_p", float),
-        max_new_tokens=max_tokens,
-        min_new_tokens=_number(body, "min_tokens", int),
-        stop=list(stop or []),
-        stop_token_ids=list(stop_ids),
-        ignore_eos=body.get("ignore_eos") if isinstance(body.get("ignore_eos"), bool) else None,
-        # OpenAI's (and vLLM's chat endpoint's) default: no special tokens in the content.
-        skip_special_tokens=body.get("skip_special_tokens")
-        if isinstance(body.get("skip_special_tokens"), bool)
-        else True,
-        seed=_number(body, "seed", int),
-        repetition_penalty=_number(body, "repetition_penalty", float),
-        presence_penalty=_number(body, "presence_penalty", float),
-        frequency_penalty=_number(body, "frequency_penalty", float),
-        logit_bias=logit_bias,
-    )
 
 
 class OpenAIFrontDoor:
@@ -214,11 +116,11 @@ class OpenAIFrontDoor:
     async def _models(self, request: web.Request) -> web.Response:
         engine = self._pool.pick()
         if engine is None:
-            return _error_response(_HTTPError(503, "no healthy engine is available"))
+            return error_response(OpenAIError(503, "no healthy engine is available"))
         try:
             models = await engine.client.models()
         except (EngineHTTPError, EngineUnavailable) as exc:
-            return _error_response(_HTTPError(503, f"engine {exc.url}: {exc.message}"))
+            return error_response(OpenAIError(503, f"engine {exc.url}: {exc.message}"))
         data = [
             {
                 "id": m.get("id"),
@@ -236,40 +138,40 @@ class OpenAIFrontDoor:
             try:
                 body = orjson.loads(await request.read())
             except orjson.JSONDecodeError as exc:
-                raise _HTTPError(400, f"the body is not JSON: {exc}") from None
+                raise OpenAIError(400, f"the body is not JSON: {exc}") from None
             if not isinstance(body, dict):
-                raise _HTTPError(400, "the body must be a JSON object")
+                raise OpenAIError(400, "the body must be a JSON object")
             messages = body.get("messages")
             if (
                 not isinstance(messages, list)
                 or not messages
                 or not all(isinstance(m, dict) for m in messages)
             ):
-                raise _HTTPError(400, "messages: must be a non-empty list of message objects", "messages")
+                raise OpenAIError(400, "messages: must be a non-empty list of message objects", "messages")
             if body.get("tool_choice") not in (None, "auto", "none"):
-                raise _HTTPError(
+                raise OpenAIError(
                     400,
                     'tool_choice: only "auto" and "none" are supported (the front door does not force '
                     "calls with guided decoding)",
                     "tool_choice",
                 )
             if body.get("n") not in (None, 1):
-                raise _HTTPError(400, "n: only n=1 is supported", "n")
+                raise OpenAIError(400, "n: only n=1 is supported", "n")
             session_id = (
                 request.match_info.get("session_id")
                 or request.headers.get(SESSION_HEADER)
                 or "sess-" + secrets.token_hex(8)
             )
             if len(session_id) > 200:
-                raise _HTTPError(400, "the session id must be at most 200 characters", "session_id")
+                raise OpenAIError(400, "the session id must be at most 200 characters", "session_id")
             params = sampling_params(body)
             session = self.store.open(session_id)
             async with session.lock:
                 return await self._turn(request, body, messages, session, params)
-        except _HTTPError as err:
-            return _error_response(err)
+        except OpenAIError as err:
+            return error_response(err)
         except RolloutError as exc:
-            return _error_response(_from_domain(exc))
+            return error_response(from_domain(exc))
 
     # ----------------------------------------------------------------------------- one turn
 
@@ -369,9 +271,9 @@ class OpenAIFrontDoor:
             )
         except EngineHTTPError as exc:
             if exc.status == 404:
-                raise _HTTPError(404, exc.message, "model", "not_found_error") from exc
+                raise OpenAIError(404, exc.message, "model", "not_found_error") from exc
             if exc.status < 500:
-                raise _HTTPError(
+                raise OpenAIError(
                     400, f"rejected by the engine's chat template: {exc.message}", exc.param
                 ) from exc
             raise Unavailable(f"engine {exc.url} failed to render: {exc.message}") from exc
@@ -429,7 +331,7 @@ class OpenAIFrontDoor:
             "index": 0,
             "message": message,
             "logprobs": None,
-            "finish_reason": _finish_reason(turn.finish, bool(turn.tool_calls)),
+            "finish_reason": finish_reason(turn.finish, bool(turn.tool_calls)),
             "stop_reason": None,
         }
         result: dict[str, Any] = {
@@ -438,7 +340,7 @@ class OpenAIFrontDoor:
             "created": created,
             "model": model,
             "choices": [choice],
-            "usage": _usage(turn),
+            "usage": usage(len(turn.prompt_ids), len(turn.response_ids)),
         }
         if body.get("return_token_ids"):
             result["prompt_token_ids"] = turn.prompt_ids
@@ -487,7 +389,7 @@ class OpenAIFrontDoor:
             event = await anext(events, None)
         assert final is not None, "Rollout.generate always ends with the sample"
         parsed = self._parser.parse(final.response) if use_tools else ParsedOutput(content=final.response)
-        finish = _finish_reason(final.finish_reason, bool(parsed.tool_calls))
+        finish = finish_reason(final.finish_reason, bool(parsed.tool_calls))
         if parsed.tool_calls:
             # The content before the first marker went out already; the calls go out whole.
             calls = [{"index": i, **c.to_openai()} for i, c in enumerate(parsed.tool_calls)]
@@ -498,11 +400,6 @@ class OpenAIFrontDoor:
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             prompt = len(final.tokens) - final.response_length
-            usage = {
-                "prompt_tokens": prompt,
-                "completion_tokens": final.response_length,
-                "total_tokens": len(final.tokens),
-            }
             await writer.raw(
                 {
                     "id": chat_id,
@@ -510,7 +407,7 @@ class OpenAIFrontDoor:
                     "created": created,
                     "model": model,
                     "choices": [],
-                    "usage": usage,
+                    "usage": usage(prompt, final.response_length),
                 }
             )
         await writer.done()
@@ -559,19 +456,3 @@ async def _last(events: AsyncIterator[TokenBatch | Sample]) -> Sample:
             final = event
     assert final is not None, "Rollout.generate always ends with the sample"
     return final
-
-
-def _finish_reason(finish: Finish, tool_calls: bool) -> str:
-    """OpenAI's finish_reason; parsed tool calls make it "tool_calls" unless the turn was cut off
-    by an abort or an error (as vLLM's chat endpoint does)."""
-    if tool_calls and finish in (Finish.STOP, Finish.LENGTH, Finish.REPETITION):
-        return "tool_calls"
-    return _FINISH[finish]
-
-
-def _usage(turn: Turn) -> dict[str, int]:
-    return {
-        "prompt_tokens": len(turn.prompt_ids),
-        "completion_tokens": len(turn.response_ids),
-        "total_tokens": len(turn.prompt_ids) + len(turn.response_ids),
-    }
