@@ -10,6 +10,8 @@ import pytest
 from rollout_grpc.client import make_sample, pb
 from rollout_grpc.client.multiturn import append_observation, turn_params
 from rollout_grpc.server.domain import Finish, RoutedExperts, Status, WeightSpan
+from rollout_grpc.server.errors import InvalidArgument, ResourceExhausted, Unavailable
+from rollout_grpc.server.openai_protocol import OpenAIError, finish_reason, from_domain, sampling_params
 from rollout_grpc.server.tools import HermesToolParser, NoToolParser, get_parser, held_back
 from rollout_grpc.server.trajectory import Session, Turn, extends, splice, to_samples
 
@@ -121,3 +123,42 @@ def test_append_observation_and_turn_budget() -> None:
         turn_params(nxt, None, 0)
     with pytest.raises(ValueError):
         append_observation(sample, [-1])
+
+
+def test_openai_sampling_fields_map_to_domain_and_bad_types_name_the_field() -> None:
+    params = sampling_params(
+        {
+            "temperature": 0,
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+            "stop": "END",
+            "logit_bias": {"2": 100},
+            "top_k": 3,
+            "ignore_eos": True,
+        }
+    )
+    assert params.temperature == 0.0 and params.max_new_tokens == 7 and params.top_k == 3
+    assert params.stop == ["END"] and params.logit_bias == {2: 100.0} and params.ignore_eos is True
+    assert params.skip_special_tokens is True, "OpenAI's default: no special tokens in content"
+    for body, field in [
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ]:
+        with pytest.raises(OpenAIError) as bad:
+            sampling_params(body)
+        assert bad.value.status == 400 and bad.value.param == field
+
+
+def test_domain_errors_and_finish_reasons_in_openai_terms() -> None:
+    err = from_domain(InvalidArgument("sampling_params.max_new_tokens", "too big"))
+    assert (err.status, err.param) == (400, "max_tokens")
+    busy = from_domain(ResourceExhausted("queue full", 2.4))
+    assert busy.status == 429 and busy.headers["Retry-After"] == "2"
+    assert from_domain(Unavailable("no engine")).status == 503
+    assert finish_reason(Finish.STOP, tool_calls=True) == "tool_calls"
+    assert finish_reason(Finish.ABORT, tool_calls=True) == "abort"
+    assert finish_reason(Finish.LENGTH, tool_calls=False) == "length"
