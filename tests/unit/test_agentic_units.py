@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -140,14 +141,15 @@ def test_openai_sampling_fields_map_to_domain_and_bad_types_name_the_field() -> 
     assert params.temperature == 0.0 and params.max_new_tokens == 7 and params.top_k == 3
     assert params.stop == ["END"] and params.logit_bias == {2: 100.0} and params.ignore_eos is True
     assert params.skip_special_tokens is True, "OpenAI's default: no special tokens in content"
-    for body, field in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"max_tokens": 1.5}, "max_tokens"),
         ({"temperature": "hot"}, "temperature"),
         ({"temperature": True}, "temperature"),
         ({"stop": [1]}, "stop"),
         ({"stop_token_ids": ["a"]}, "stop_token_ids"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ]:
+    ]
+    for body, field in cases:
         with pytest.raises(OpenAIError) as bad:
             sampling_params(body)
         assert bad.value.status == 400 and bad.value.param == field
