@@ -453,3 +453,37 @@ async def test_routed_experts_are_joined_across_turns() -> None:
         replayed = routed_experts_array(whole)
         assert replayed is not None
         assert (replayed[: len(sample.tokens) - 1] == experts).all()
+
+
+async def test_admission_applies_to_front_door_turns() -> None:
+    """One slot, no queue: a second concurrent turn is refused with 429 and Retry-After."""
+    config = FrontDoorConfig()
+    async with harness(
+        "sim",
+        sim_config={"token_delay_s": 0.01},
+        server_concurrency=1,
+        max_queue=0,
+        retry_after_s=2.0,
+        openai_port=0,
+        openai=config,
+    ) as h:
+        busy = openai_client(h, "busy")
+        model = await model_name(busy)
+        stream = await chat(
+            busy,
+            model=model,
+            messages=[{"role": "user", "content": "Long."}],
+            stream=True,
+            max_tokens=2000,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = stream.__aiter__()
+        await anext(chunks)  # the turn holds the only slot
+        with pytest.raises(openai.RateLimitError) as refused:
+            await chat(openai_client(h, "second"), model=model, messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.response.headers["retry-after"] == "2"
+        await h.client.abort(session_id="busy")
+        finish = [
+            c.choices[0].finish_reason async for c in chunks if c.choices and c.choices[0].finish_reason
+        ]
+        assert finish == ["abort"]
