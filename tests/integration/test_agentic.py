@@ -487,3 +487,25 @@ async def test_admission_applies_to_front_door_turns() -> None:
             c.choices[0].finish_reason async for c in chunks if c.choices and c.choices[0].finish_reason
         ]
         assert finish == ["abort"]
+
+
+async def test_a_harness_that_hangs_up_aborts_its_turn_which_stays_recorded() -> None:
+    async with front_door("sim", None, token_delay_s=0.005) as h:
+        client = openai_client(h, "hangup")
+        model = await model_name(client)
+        stream = await chat(
+            client,
+            model=model,
+            messages=[{"role": "user", "content": "Long."}],
+            stream=True,
+            max_tokens=3000,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = stream.__aiter__()
+        await anext(chunks)
+        await stream.close()
+        response = await trajectory(h, "hangup")  # waits for the turn to end
+        (turn,) = response.turns
+        assert turn.finish_reason == pb.FINISH_REASON_ABORT
+        assert 0 < len(turn.response_token_ids) < 3000
+        assert_training_ready(response)
