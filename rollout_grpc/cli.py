@@ -69,7 +69,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve the OpenAI-compatible agent front door on this port (0 = any; off unless set)",
     )
-    parser.add_argument("--port-file", help="write {grpc, health, engines} as JSON once serving")
+    parser.add_argument("--port-file", help="write {grpc, health, openai, engines} as JSON once serving")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", choices=("json", "console"), default="json")
 
