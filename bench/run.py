@@ -11,6 +11,8 @@ kept for each path. The rows:
   `AsyncRolloutClient` (token deltas, then the final sample).
 * `nginx x2` — through nginx (the teammates' `deploy/nginx/rollout-grpc.conf.template`) in front
   of two replicas, when nginx and the template exist; left out otherwise (the report says so).
+* `bench/agentic.py`: the agent front door vs the engines' own `/v1/chat/completions`
+  (`docs/benchmarks.agentic.md`).
 * extra service rows at concurrency 64 without delay: `final_only` (what `client.generate()` asks
   for: no deltas) and `text` mode (the service's default when the caller does not set `skip_text`).
 
@@ -52,7 +54,7 @@ from typing import Any
 import grpc
 import psutil
 
-from bench import load, procs, r3
+from bench import agentic, load, procs, r3
 from bench.report import write_markdown, write_plot
 from rollout_grpc.client import AsyncRolloutClient
 
@@ -474,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-nginx", action="store_true", help="leave out the nginx + 2 replicas rows")
     parser.add_argument("--no-abort", action="store_true")
     parser.add_argument("--no-r3", action="store_true")
+    parser.add_argument("--no-agentic", action="store_true", help="leave out the agent front door rows")
     parser.add_argument("--out-dir", type=Path, default=DOCS)
     args = parser.parse_args(argv)
 
@@ -526,11 +529,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_r3:
         print("R3 encodings", flush=True)
         results["r3"] = r3.run(quick=args.quick)
+    if not args.no_agentic:
+        print("agent front door vs engine chat", flush=True)
+        results["agentic"] = agentic.run(quick=args.quick)
     results["duration_s"] = round(time.monotonic() - started, 1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
     if "r3" in results:
         r3.write(results["r3"], args.out_dir)
+    if "agentic" in results:
+        agentic.write(results["agentic"], args.out_dir)
     write_plot(results, args.out_dir / "benchmarks.png")
     write_markdown(results, args.out_dir / "benchmarks.md")
     print(f"done in {results['duration_s']} s: {args.out_dir}/benchmarks.{{json,md,png}}")

@@ -64,7 +64,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="never ask engines for stream_interval batching (for engines that reject it)",
     )
     _add_security_arguments(parser)
-    parser.add_argument("--port-file", help="write {grpc, health, engines} as JSON once serving")
+        parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible agent front door on this port (0 = any; off unless set)",
+    )
+    parser.add_argument("--port-file", help="write {grpc, health, openai, engines} as JSON once serving")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", choices=("json", "console"), default="json")
 
@@ -217,6 +223,7 @@ def _config(args: argparse.Namespace, engines: list[str]) -> ServerConfig:
         max_in_flight_per_caller=args.max_in_flight_per_caller,
         control_rate_per_s=args.control_rate,
         control_burst=args.control_burst,
+        openai_port=args.openai_port,
         default_options=GenerateOptions(
             stream_batch_tokens=args.stream_batch_tokens,
             stream_batch_interval_s=args.stream_batch_interval_ms / 1000,
@@ -252,7 +259,14 @@ async def _serve(args: argparse.Namespace) -> int:
         if args.port_file:
             tmp = args.port_file + ".tmp"
             Path(tmp).write_text(
-                json.dumps({"grpc": server.port, "health": server.health_port, "engines": engines})
+                json.dumps(
+                    {
+                        "grpc": server.port,
+                        "health": server.health_port,
+                        "openai": server.openai_port,
+                        "engines": engines,
+                    }
+                )
             )
             os.replace(tmp, args.port_file)
         loop = asyncio.get_running_loop()

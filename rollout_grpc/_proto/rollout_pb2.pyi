@@ -1677,3 +1677,134 @@ class AbortLocalResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortLocalResponse: _TypeAlias = AbortLocalResponse  # noqa: Y015
+
+@_typing.final
+class GetTrajectoryRequest(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    Trajectories (OpenAI front door sessions)
+    ---------------------------------------------------------------------------------------------
+
+    Which session to return.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    REMOVE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session id: the `{id}` of `/sessions/{id}/v1/...` or the `X-Session-Id` header."""
+    remove: _builtins.bool
+    """Forget the session after returning it (the trainer has collected it)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        remove: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["remove", b"remove", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTrajectoryRequest: _TypeAlias = GetTrajectoryRequest  # noqa: Y015
+
+@_typing.final
+class TrajectoryTurn(_message.Message):
+    """One chat completion of a session, exactly as the engine saw and produced it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    RESPONSE_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    RESPONSE_LOGPROBS_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSIONS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_JSON_FIELD_NUMBER: _builtins.int
+    SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
+    DRIFT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request id the turn was generated under (Abort accepts it)."""
+    finish_reason: Global___FinishReason.ValueType
+    """Why the turn ended."""
+    sample_index: _builtins.int
+    """Index into `GetTrajectoryResponse.samples` of the sample holding this turn."""
+    drift: _builtins.bool
+    """True when the chat template's rendering of this turn did not extend the previous turn's
+    tokens (re-tokenisation drift); see docs/agentic.md for what the drift policy then does.
+    """
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tokens the engine was sent for this turn."""
+
+    @_builtins.property
+    def response_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tokens the engine produced."""
+
+    @_builtins.property
+    def response_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The engine's logprob of every response token."""
+
+    @_builtins.property
+    def weight_versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightVersionSpan]:
+        """Weight-version spans over this turn's response positions [0, len(response_token_ids))."""
+
+    @_builtins.property
+    def tool_calls_json(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The OpenAI `tool_calls` parsed from the output, each as a JSON object string."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        response_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        response_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        weight_versions: _abc.Iterable[Global___WeightVersionSpan] | None = ...,
+        finish_reason: Global___FinishReason.ValueType = ...,
+        tool_calls_json: _abc.Iterable[_builtins.str] | None = ...,
+        sample_index: _builtins.int = ...,
+        drift: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drift", b"drift", "finish_reason", b"finish_reason", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "response_logprobs", b"response_logprobs", "response_token_ids", b"response_token_ids", "sample_index", b"sample_index", "tool_calls_json", b"tool_calls_json", "weight_versions", b"weight_versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrajectoryTurn: _TypeAlias = TrajectoryTurn  # noqa: Y015
+
+@_typing.final
+class GetTrajectoryResponse(_message.Message):
+    """The session as training data."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    TURNS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___Sample]:
+        """The training samples, in order: one per run of turns whose prompts extend each other (several
+        only after drift under the `split` policy, or when the harness rewrote history). `tokens` =
+        first prompt + everything after it; `response_length`, `loss_mask`, `rollout_log_probs` and
+        `weight_versions` cover every position after the first prompt.
+        """
+
+    @_builtins.property
+    def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrajectoryTurn]:
+        """The turns, in order."""
+
+    def __init__(
+        self,
+        *,
+        samples: _abc.Iterable[Global___Sample] | None = ...,
+        turns: _abc.Iterable[Global___TrajectoryTurn] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["samples", b"samples", "turns", b"turns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTrajectoryResponse: _TypeAlias = GetTrajectoryResponse  # noqa: Y015

@@ -66,6 +66,11 @@ class RolloutServiceStub:
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.RenderRequest.SerializeToString,
                 response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.RenderResponse.FromString,
                 _registered_method=True)
+        self.GetTrajectory = channel.unary_unary(
+                '/rollout.v1.RolloutService/GetTrajectory',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -129,6 +134,18 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrajectory(self, request, context):
+        """Returns a session recorded by this replica's OpenAI-compatible front door as training samples:
+        every turn's prompt and response tokens, loss mask 1 on model-generated tokens and 0 on the
+        tokens the chat template and the environment inserted, logprobs aligned (0.0 on masked
+        positions), weight-version spans over generated positions, routed experts when recorded.
+        Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
+        or the front door is off), INVALID_ARGUMENT (empty session_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +178,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Render,
                     request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.RenderRequest.FromString,
                     response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.RenderResponse.SerializeToString,
+            ),
+            'GetTrajectory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrajectory,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -327,6 +349,33 @@ class RolloutService:
             '/rollout.v1.RolloutService/Render',
             rollout__grpc_dot___proto_dot_rollout__pb2.RenderRequest.SerializeToString,
             rollout__grpc_dot___proto_dot_rollout__pb2.RenderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrajectory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/GetTrajectory',
+            rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,6 +82,14 @@ class RolloutServiceStub:
     """Renders chat messages (text and images) into the exact token ids an engine will see, with image
     placeholders expanded, plus the multimodal features to attach to a `Sample`.
     """
+    GetTrajectory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetTrajectoryRequest, _rollout_pb2.GetTrajectoryResponse]
+    """Returns a session recorded by this replica's OpenAI-compatible front door as training samples:
+    every turn's prompt and response tokens, loss mask 1 on model-generated tokens and 0 on the
+    tokens the chat template and the environment inserted, logprobs aligned (0.0 on masked
+    positions), weight-version spans over generated positions, routed experts when recorded.
+    Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
+    or the front door is off), INVALID_ARGUMENT (empty session_id).
+    """
 
 @_typing.type_check_only
 class RolloutServiceAsyncStub(RolloutServiceStub):
@@ -119,6 +127,14 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     Render: _aio.UnaryUnaryMultiCallable[_rollout_pb2.RenderRequest, _rollout_pb2.RenderResponse]  # type: ignore[assignment]
     """Renders chat messages (text and images) into the exact token ids an engine will see, with image
     placeholders expanded, plus the multimodal features to attach to a `Sample`.
+    """
+    GetTrajectory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetTrajectoryRequest, _rollout_pb2.GetTrajectoryResponse]  # type: ignore[assignment]
+    """Returns a session recorded by this replica's OpenAI-compatible front door as training samples:
+    every turn's prompt and response tokens, loss mask 1 on model-generated tokens and 0 on the
+    tokens the chat template and the environment inserted, logprobs aligned (0.0 on masked
+    positions), weight-version spans over generated positions, routed experts when recorded.
+    Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
+    or the front door is off), INVALID_ARGUMENT (empty session_id).
     """
 
 class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -190,6 +206,20 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_rollout_pb2.RenderResponse, _abc.Awaitable[_rollout_pb2.RenderResponse]]:
         """Renders chat messages (text and images) into the exact token ids an engine will see, with image
         placeholders expanded, plus the multimodal features to attach to a `Sample`.
+        """
+
+    @_abc_1.abstractmethod
+    def GetTrajectory(
+        self,
+        request: _rollout_pb2.GetTrajectoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.GetTrajectoryResponse, _abc.Awaitable[_rollout_pb2.GetTrajectoryResponse]]:
+        """Returns a session recorded by this replica's OpenAI-compatible front door as training samples:
+        every turn's prompt and response tokens, loss mask 1 on model-generated tokens and 0 on the
+        tokens the chat template and the environment inserted, logprobs aligned (0.0 on masked
+        positions), weight-version spans over generated positions, routed experts when recorded.
+        Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
+        or the front door is off), INVALID_ARGUMENT (empty session_id).
         """
 
 def add_RolloutServiceServicer_to_server(servicer: RolloutServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -219,3 +219,10 @@ class AsyncRolloutClient:
             session_id=session_id,
         )
         return await self._stub.Render(request, timeout=timeout, metadata=self._metadata)
+
+    async def get_trajectory(
+        self, session_id: str, *, remove: bool = False, timeout: float | None = 30.0
+    ) -> pb.GetTrajectoryResponse:
+        """A front-door session as training samples (ask the replica whose front door served it)."""
+        request = pb.GetTrajectoryRequest(session_id=session_id, remove=remove)
+        return await self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)

@@ -166,3 +166,10 @@ class RolloutClient:
         )
         response: pb.RenderResponse = self._stub.Render(request, timeout=timeout, metadata=self._metadata)
         return response
+
+    def get_trajectory(
+        self, session_id: str, *, remove: bool = False, timeout: float | None = 30.0
+    ) -> pb.GetTrajectoryResponse:
+        """A front-door session as training samples (ask the replica whose front door served it)."""
+        request = pb.GetTrajectoryRequest(session_id=session_id, remove=remove)
+        return self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)

@@ -31,12 +31,14 @@ from rollout_grpc.server.engines import EnginePool
 from rollout_grpc.server.identity import Role
 from rollout_grpc.server.inflight import InFlightRegistry
 from rollout_grpc.server.limits import ControlRateLimiter, LimitsInterceptor, RequestLimits
+from rollout_grpc.server.openai_front import FrontDoorConfig, OpenAIFrontDoor
 from rollout_grpc.server.peers import PeerAborter
 from rollout_grpc.server.render import RenderService
 from rollout_grpc.server.replica import ReplicaServicer
 from rollout_grpc.server.rollout import Rollout, RolloutConfig
 from rollout_grpc.server.service import RolloutServicer
 from rollout_grpc.server.tls import TlsConfig, peer_channel_credentials, server_credentials
+from rollout_grpc.server.trajectory import TrajectoryStore
 from rollout_grpc.server.vllm import EngineTimeouts
 
 log = structlog.get_logger(__name__)
@@ -127,6 +129,10 @@ class ServerConfig:
     control_rate_per_s: float = 10.0
     control_burst: int = 50
 
+    #: Port of the OpenAI-compatible front door (0 = pick a free one, None = off); docs/agentic.md.
+    openai_port: int | None = None
+    openai: FrontDoorConfig = field(default_factory=FrontDoorConfig)
+
     def tls(self) -> TlsConfig | None:
         """The TLS settings, or None for plaintext; a key without a certificate is a config error."""
         if not self.tls_cert_file and not self.tls_key_file:
@@ -197,6 +203,9 @@ class RolloutServer:
         self.rollout: Rollout
         self.control: Control
         self.peers: PeerAborter | None = None
+        self.trajectories = TrajectoryStore()
+        self.front_door: OpenAIFrontDoor | None = None
+        self.openai_port: int | None = None
 
     @staticmethod
     def _auth_config(cfg: ServerConfig) -> AuthConfig:
@@ -271,8 +280,13 @@ class RolloutServer:
         self.control = Control(
             self.pool, self.registry, self.rollout, peer_abort=self.peers.abort if self.peers else None
         )
+        self.trajectories = TrajectoryStore(cfg.openai.max_sessions)
         servicer = RolloutServicer(
-            self.rollout, self.control, RenderService(self.pool, cfg.max_images), cfg.default_options
+            self.rollout,
+            self.control,
+            RenderService(self.pool, cfg.max_images),
+            cfg.default_options,
+            trajectories=self.trajectories,
         )
 
         await self.pool.probe_all()
@@ -316,10 +330,16 @@ class RolloutServer:
             else:
                 self.health_port = self._health_server.add_insecure_port(health_address)
             await self._health_server.start()
+        if cfg.openai_port is not None:
+            self.front_door = OpenAIFrontDoor(
+                self.rollout, self.pool, self.control, self.trajectories, cfg.openai
+            )
+            self.openai_port = await self.front_door.start(cfg.host, cfg.openai_port)
         log.info(
             "serving",
             port=self.port,
             health_port=self.health_port,
+            openai_port=self.openai_port,
             engines=[e.url for e in self.pool.engines],
             in_flight_limit=limit,
             tls="mutual" if tls is not None and tls.mutual else ("on" if tls is not None else "off"),
@@ -373,6 +393,8 @@ class RolloutServer:
                         await self.control.abort_ids(remaining)
                 await self.rollout.wait_idle(self.config.abort_grace_s)
             await server_stopped
+        if self.front_door is not None:
+            await self.front_door.stop()
         if self._health_server is not None:
             await self._health_server.stop(None)
         await self.pool.stop()

@@ -53,6 +53,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     _ROLLOUT + "Generate": frozenset({Role.TRAINER, Role.ADMIN}),
     _ROLLOUT + "Render": frozenset({Role.TRAINER, Role.ADMIN}),
     _ROLLOUT + "GetServerInfo": frozenset({Role.TRAINER, Role.ADMIN}),
+    # Front-door sessions are collected by the trainer that drives the agent harness.
+    _ROLLOUT + "GetTrajectory": frozenset({Role.TRAINER, Role.ADMIN}),
     # Abort(all) and other callers' generations are admin-only; control.py scopes the rest.
     _ROLLOUT + "Abort": frozenset({Role.TRAINER, Role.ADMIN}),
     _ROLLOUT + "Pause": frozenset({Role.ADMIN}),

@@ -11,18 +11,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import orjson
 import structlog
 from google.protobuf import json_format
 
 from rollout_grpc import __version__
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.server import convert, domain, redact, status
+from rollout_grpc.server import convert, domain, redact, status, trajectory
 from rollout_grpc.server.control import Control, FleetResult
-from rollout_grpc.server.errors import InvalidArgument
+from rollout_grpc.server.errors import InvalidArgument, NotFound
 from rollout_grpc.server.identity import current_caller
 from rollout_grpc.server.render import RenderService
 from rollout_grpc.server.rollout import Rollout
+from rollout_grpc.server.trajectory import TrajectoryStore
 
 log = structlog.get_logger(__name__)
 
@@ -42,11 +44,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         control: Control,
         renderer: RenderService,
         default_options: domain.GenerateOptions | None = None,
+        *,
+        trajectories: TrajectoryStore | None = None,
     ) -> None:
         self._rollout = rollout
         self._control = control
         self._renderer = renderer
         self._defaults = default_options or domain.GenerateOptions()
+        self._trajectories = trajectories
 
     @status.streaming
     async def Generate(
@@ -187,3 +192,42 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if rendered.features:
             convert.features_to_pb(rendered.features, response.features)
         return response
+
+    @status.unary
+    async def GetTrajectory(
+        self, request: pb.GetTrajectoryRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetTrajectoryResponse:
+        if not request.session_id:
+            raise InvalidArgument("session_id", "must not be empty")
+        store = self._trajectories
+        session = store.get(request.session_id) if store is not None else None
+        missing = NotFound(f"session {request.session_id!r} is not recorded on this replica")
+        if store is None or session is None:
+            raise missing
+        async with session.lock:  # a running turn is waited for: recorded whole or not at all
+            if not session.turns:  # every request of the session failed before generating
+                raise missing
+            samples, turn_samples = trajectory.to_samples_indexed(session)
+            if request.remove:
+                store.pop(request.session_id)
+        original = pb.Sample(session_id=request.session_id)
+        return pb.GetTrajectoryResponse(
+            samples=[convert.sample_to_pb(s, original) for s in samples],
+            turns=[
+                pb.TrajectoryTurn(
+                    request_id=t.request_id,
+                    prompt_token_ids=t.prompt_ids,
+                    response_token_ids=t.response_ids,
+                    response_logprobs=t.logprobs,
+                    weight_versions=[
+                        pb.WeightVersionSpan(version=w.version, start=w.start, end=w.end)
+                        for w in t.weight_versions
+                    ],
+                    finish_reason=int(t.finish),  # type: ignore[arg-type]
+                    tool_calls_json=[orjson.dumps(c).decode() for c in t.tool_calls],
+                    sample_index=index,
+                    drift=t.drift,
+                )
+                for t, index in zip(session.turns, turn_samples, strict=True)
+            ],
+        )

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from . import admin, control, discovery, render
+from . import admin, chat, control, discovery, render
 from .config import SimConfig
 from .core import CORE_KEY, EngineCore
 from .errors import SCALE_OUT_DISABLED, ApiError, not_found_route
@@ -83,6 +83,7 @@ def create_app(config: SimConfig | None = None, *, core: EngineCore | None = Non
     r.add_post("/inference/v1/generate", _scale_out(handle_generate))
     r.add_post("/inference/v1/abort_requests", _scale_out(control.scaleout_abort))
     r.add_post("/v1/chat/completions/render", _scale_out(render.chat_render))
+    r.add_post("/v1/chat/completions", chat.chat_completions)
     r.add_post("/v1/completions/render", _scale_out(render.completions_render))
     # development router (404 when dev mode is off)
     dev: list[tuple[str, str, Handler]] = [
