@@ -64,7 +64,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="never ask engines for stream_interval batching (for engines that reject it)",
     )
     _add_security_arguments(parser)
-        parser.add_argument(
+    parser.add_argument(
         "--openai-port",
         type=int,
         default=None,
