@@ -1,4 +1,5 @@
-"""`rollout-grpc`: run a replica (`serve`) or a demo rollout on embedded simulated engines (`demo`)."""
+"""`rollout-grpc`: run a replica (`serve`), a simulated engine (`sim`), inspect a replica (`info`) or
+run a demo rollout on embedded simulated engines (`demo`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from pathlib import Path
 
 import structlog
 
-from rollout_grpc import logs
-from rollout_grpc.server.app import RolloutServer, ServerConfig
-from rollout_grpc.server.domain import GenerateOptions
+from rollout_grpc import logs, settings
+from rollout_grpc.server.app import RolloutServer
 
 log = structlog.get_logger("rollout_grpc.cli")
 
@@ -27,59 +27,26 @@ def _read_engines_file(path: str) -> list[str]:
     return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
 
 
-def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", action="append", default=[], help="vLLM base URL (repeatable)")
-    parser.add_argument("--engines-file", help="file with one engine URL per line; re-read on SIGHUP")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
-    parser.add_argument("--health-port", type=int, default=0, help="separate grpc.health.v1 port (0 = any)")
-    parser.add_argument(
-        "--sim-engines", type=int, default=2, help="simulated engines when no --engine is given"
-    )
-    parser.add_argument(
-        "--sim-token-delay-ms", type=float, default=0.0, help="per-token delay of simulated engines"
-    )
-    parser.add_argument(
-        "--server-concurrency", type=int, default=512, help="in-flight generations per engine"
-    )
-    parser.add_argument("--rollout-num-gpus", type=int, default=None)
-    parser.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
-    parser.add_argument("--max-queue", type=int, default=4096, help="generations that may wait for a slot")
-    parser.add_argument(
-        "--grace", type=float, default=30.0, help="seconds in-flight generations get at shutdown"
-    )
-    parser.add_argument("--health-interval", type=float, default=2.0)
-    parser.add_argument("--stream-batch-tokens", type=int, default=16)
-    parser.add_argument("--stream-batch-interval-ms", type=float, default=200.0)
-    parser.add_argument(
-        "--peer",
-        action="append",
-        default=[],
-        help="another replica (host:port), or dns:///name:port resolved to every replica at each abort",
-    )
-    parser.add_argument("--max-connection-age", type=float, default=300.0, help="seconds; 0 disables")
-    parser.add_argument(
-        "--no-engine-stream-interval",
-        action="store_true",
-        help="never ask engines for stream_interval batching (for engines that reject it)",
-    )
-    parser.add_argument("--port-file", help="write {grpc, health, engines} as JSON once serving")
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-format", choices=("json", "console"), default="json")
-
-
 @contextlib.asynccontextmanager
 async def _engines(args: argparse.Namespace) -> AsyncIterator[list[str]]:
-    """The engine URLs: given ones, or simulated engines started in this process."""
+    """The engine URLs: the given ones, or (only with --sim N) simulated engines in this process."""
     urls = list(args.engine)
     if args.engines_file:
         urls += _read_engines_file(args.engines_file)
         if not urls:
             # Never fall back to toy engines in a deployment whose engine list came out empty.
             raise SystemExit(f"rollout-grpc: {args.engines_file} lists no engine URL")
+    if urls and args.sim:
+        raise SystemExit("rollout-grpc: give engines (--engine/--engines-file) or --sim N, not both")
     if urls:
         yield urls
         return
+    if not args.sim:
+        raise SystemExit(
+            "rollout-grpc serve: no engine given. Pass --engine URL (repeatable) or --engines-file FILE "
+            "(or ROLLOUT_GRPC_ENGINE / ROLLOUT_GRPC_ENGINES_FILE); --sim N runs N simulated engines "
+            "for demos and tests"
+        )
     from rollout_grpc.sim import SimConfig, SimEngine
 
     async with contextlib.AsyncExitStack() as stack:
@@ -87,31 +54,14 @@ async def _engines(args: argparse.Namespace) -> AsyncIterator[list[str]]:
             await stack.enter_async_context(
                 SimEngine(SimConfig(token_delay_s=args.sim_token_delay_ms / 1000, seed=i))
             )
-            for i in range(max(1, args.sim_engines))
+            for i in range(args.sim)
         ]
+        log.warning(
+            "simulated_engines",
+            engines=[s.url for s in sims],
+            note="SIMULATED ENGINES (--sim): toy tokens, not a model; never train on them",
+        )
         yield [s.url for s in sims]
-
-
-def _config(args: argparse.Namespace, engines: list[str]) -> ServerConfig:
-    return ServerConfig(
-        engines=engines,
-        host=args.host,
-        port=args.port,
-        health_port=args.health_port,
-        server_concurrency=args.server_concurrency,
-        rollout_num_gpus=args.rollout_num_gpus,
-        rollout_num_gpus_per_engine=args.rollout_num_gpus_per_engine,
-        max_queue=args.max_queue,
-        grace_s=args.grace,
-        health_interval_s=args.health_interval,
-        peers=list(args.peer),
-        engine_stream_interval=not args.no_engine_stream_interval,
-        max_connection_age_s=args.max_connection_age or None,
-        default_options=GenerateOptions(
-            stream_batch_tokens=args.stream_batch_tokens,
-            stream_batch_interval_s=args.stream_batch_interval_ms / 1000,
-        ),
-    )
 
 
 def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
@@ -130,12 +80,19 @@ def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace) -> int:
     async with _engines(args) as engines:
-        server = RolloutServer(_config(args, engines))
+        server = RolloutServer(settings.server_config(args, engines, simulated=bool(args.sim)))
         await server.start()
         if args.port_file:
             tmp = args.port_file + ".tmp"
             Path(tmp).write_text(
-                json.dumps({"grpc": server.port, "health": server.health_port, "engines": engines})
+                json.dumps(
+                    {
+                        "grpc": server.port,
+                        "health": server.health_port,
+                        "metrics": server.metrics_port,
+                        "engines": engines,
+                    }
+                )
             )
             os.replace(tmp, args.port_file)
         loop = asyncio.get_running_loop()
@@ -152,22 +109,51 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `rollout-grpc` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        from rollout_grpc.sim.__main__ import main as sim_main
+
+        sim_main(argv[1:], prog="rollout-grpc sim")
+        return 0
     parser = argparse.ArgumentParser(prog="rollout-grpc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run one service replica")
-    _add_server_arguments(serve)
+    serve = sub.add_parser(
+        "serve",
+        help="run one service replica",
+        description="Run one service replica. Every flag can also come from the environment "
+        f"({settings.ENV_PREFIX}<FLAG>) or a TOML file (--config); precedence: flag > environment "
+        "> config file > default.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    settings.add_serve_arguments(serve)
+    sub.add_parser("sim", help="run one simulated vLLM engine (see `rollout-grpc sim --help`)")
+    info = sub.add_parser("info", help="show a replica and its engines (GetServerInfo) as a table")
+    info.add_argument("--target", required=True, help="replica address host:port")
+    info.add_argument("--json", action="store_true", help="print GetServerInfo as JSON instead")
+    info.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
     demo = sub.add_parser("demo", help="start a replica on simulated engines and run a demo rollout")
     demo.add_argument("--prompts", type=int, default=8)
     demo.add_argument("--samples-per-prompt", type=int, default=4)
     demo.add_argument("--max-new-tokens", type=int, default=128)
-    args = parser.parse_args(argv)
+    demo.add_argument("--progress", action="store_true", help="show a progress bar (tqdm)")
+    if argv[:1] == ["serve"]:
+        args = settings.parse_serve_args(serve, argv[1:])
+        args.command = "serve"
+    else:
+        args = parser.parse_args(argv)
     if args.command == "serve":
         logs.configure(args.log_level, args.log_format)
         return asyncio.run(_serve(args))
+    if args.command == "info":
+        from rollout_grpc.info import run_info
+
+        return run_info(args.target, as_json=args.json, timeout=args.timeout)
     from rollout_grpc.demo import run_demo
 
     logs.configure("warning", "console")
-    return asyncio.run(run_demo(args.prompts, args.samples_per_prompt, args.max_new_tokens))
+    return asyncio.run(
+        run_demo(args.prompts, args.samples_per_prompt, args.max_new_tokens, progress=args.progress)
+    )
 
 
 if __name__ == "__main__":

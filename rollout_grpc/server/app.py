@@ -23,10 +23,13 @@ from grpc_reflection.v1alpha import reflection
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server import domain
-from rollout_grpc.server.admission import Admission
+from rollout_grpc.server.calls import CallInterceptor, TimedAdmission, log_generate
+from rollout_grpc.server.capabilities import CapabilityChecker
 from rollout_grpc.server.control import Control
 from rollout_grpc.server.engines import EnginePool
+from rollout_grpc.server.httplog import engine_call_logging
 from rollout_grpc.server.inflight import InFlightRegistry
+from rollout_grpc.server.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.peers import PeerAborter
 from rollout_grpc.server.render import RenderService
 from rollout_grpc.server.rollout import Rollout, RolloutConfig
@@ -80,6 +83,15 @@ class ServerConfig:
     peers: list[str] = field(default_factory=list)
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
+    #: Port of the Prometheus /metrics endpoint (0 = any free port, None = no endpoint).
+    metrics_port: int | None = None
+    #: OTLP/gRPC collector for OpenTelemetry traces ("" = tracing off; needs the `tracing` extra).
+    otlp_endpoint: str = ""
+    #: Engines whose logprobs mode is vLLM's default `raw_logprobs`: "refuse" (not routed to) or
+    #: "warn" (routed to, with a warning in the log and in GetServerInfo).
+    raw_logprobs: str = "warn"
+    #: The engines are simulated (`--sim`): said loudly in the log and in GetServerInfo.
+    simulated_engines: bool = False
 
     def in_flight_limit(self) -> int:
         """server_concurrency x engine count (slime's semaphore size)."""
@@ -109,10 +121,15 @@ class ServerConfig:
 class RolloutServer:
     """One running replica."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, tracer_provider: Any = None) -> None:
+        """`tracer_provider`: an OpenTelemetry TracerProvider (tests); else `otlp_endpoint` decides."""
         self.config = config
         self.port = 0
         self.health_port: int | None = None
+        self.metrics_port: int | None = None
+        self.metrics: Metrics
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self._tracer_provider = tracer_provider
         self._session: aiohttp.ClientSession | None = None
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -132,12 +149,25 @@ class RolloutServer:
         # One session for the process; the connector must allow every admitted generation plus
         # control calls (aiohttp's default of 100 would silently cap concurrent engine streams).
         connector = aiohttp.TCPConnector(limit=limit + 64, limit_per_host=0, keepalive_timeout=30)
-        self._session = aiohttp.ClientSession(connector=connector)
+        if self._tracer_provider is None and cfg.otlp_endpoint:
+            from rollout_grpc.server.tracing import otlp_provider
+
+            self._tracer_provider = otlp_provider(cfg.otlp_endpoint)
+        trace_configs = [engine_call_logging()]
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self._tracer_provider is not None:
+            from rollout_grpc.server.tracing import TracingInterceptor, engine_tracing
+
+            trace_configs.append(engine_tracing(self._tracer_provider))
+            interceptors.append(TracingInterceptor(self._tracer_provider))
+        self._session = aiohttp.ClientSession(connector=connector, trace_configs=trace_configs)
         timeouts = EngineTimeouts(connect=cfg.engine_connect_timeout_s, sock_read=cfg.engine_read_timeout_s)
         self.pool = EnginePool(
             cfg.engines, self._session, timeouts=timeouts, health_interval_s=cfg.health_interval_s
         )
-        admission = Admission(limit, cfg.max_queue, cfg.retry_after_s)
+        admission = TimedAdmission(limit, cfg.max_queue, cfg.retry_after_s)
+        self.metrics = Metrics(self.pool, admission)
+        interceptors.append(CallInterceptor([log_generate, self.metrics.observe]))
         self.rollout = Rollout(
             self.pool,
             admission,
@@ -152,14 +182,19 @@ class RolloutServer:
             self.pool, self.registry, self.rollout, peer_abort=self.peers.abort if self.peers else None
         )
         servicer = RolloutServicer(
-            self.rollout, self.control, RenderService(self.pool, cfg.max_images), cfg.default_options
+            self.rollout,
+            self.control,
+            RenderService(self.pool, cfg.max_images),
+            cfg.default_options,
+            simulated_engines=cfg.simulated_engines,
         )
 
+        self.pool.capability_check = CapabilityChecker(cfg.raw_logprobs)
         await self.pool.probe_all()
         self.pool.add_listener(self._on_engines_changed)
         self.pool.start()
 
-        self._server = grpc.aio.server(options=cfg.grpc_options())
+        self._server = grpc.aio.server(options=cfg.grpc_options(), interceptors=interceptors)
         pb_grpc.add_RolloutServiceServicer_to_server(servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
@@ -176,10 +211,15 @@ class RolloutServer:
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
             self.health_port = self._health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
             await self._health_server.start()
+        if cfg.metrics_port is not None:
+            self._metrics_endpoint = MetricsEndpoint(self.metrics)
+            self.metrics_port = await self._metrics_endpoint.start(cfg.host, cfg.metrics_port)
         log.info(
             "serving",
             port=self.port,
             health_port=self.health_port,
+            metrics_port=self.metrics_port,
+            simulated_engines=cfg.simulated_engines or None,
             engines=[e.url for e in self.pool.engines],
             in_flight_limit=limit,
         )
@@ -232,6 +272,10 @@ class RolloutServer:
             await server_stopped
         if self._health_server is not None:
             await self._health_server.stop(None)
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.stop()
+        if self._tracer_provider is not None and hasattr(self._tracer_provider, "force_flush"):
+            self._tracer_provider.force_flush()
         await self.pool.stop()
         if self.peers is not None:
             await self.peers.close()

@@ -18,8 +18,9 @@ import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import structlog
@@ -71,11 +72,16 @@ class EngineHandle:
             self.token_gap_s = gap if self.token_gap_s is None else 0.8 * self.token_gap_s + 0.2 * gap
 
     _opened_at: float = field(default=0.0, repr=False)
+    #: Why the engine cannot serve the contract (each names the vLLM flag to add); set by the
+    #: capability check (`capabilities.py`). An engine with problems receives no generations.
+    problems: list[str] = field(default_factory=list)
+    #: `capabilities.Capabilities` once checked, None before (or after a failed check).
+    capabilities: Any = None
 
     @property
     def usable(self) -> bool:
-        """Healthy and not draining: may receive new generations."""
-        return self.healthy and not self.draining
+        """Healthy, not draining and able to serve the contract: may receive new generations."""
+        return self.healthy and not self.draining and not self.problems
 
 
 def _rendezvous_weight(key: str, url: str) -> int:
@@ -106,6 +112,9 @@ class EnginePool:
         self._health_task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[bool], None]] = []
         self._rr = 0
+        #: Classifies an engine at start and whenever it joins or comes back healthy (sets its
+        #: `problems`); installed by the server (`capabilities.CapabilityChecker`).
+        self.capability_check: Callable[[EngineHandle], Awaitable[None]] | None = None
         for url in urls:
             self.add(url)
 
@@ -127,6 +136,8 @@ class EnginePool:
         if handle is None:
             handle = EngineHandle(url=url, client=VllmEngine(url, self._session, self._timeouts))
             self._engines[url] = handle
+            if self.capability_check is not None:
+                handle.problems = ["capabilities not checked yet"]
             log.info("engine_added", engine=url)
         handle.draining = False
         self._notify()
@@ -226,6 +237,13 @@ class EnginePool:
         cooling = handle.consecutive_failures > 0 and (
             time.monotonic() - handle._opened_at < self._breaker_cooldown_s
         )
+        usable_before = handle.usable
+        if (
+            ok
+            and self.capability_check is not None
+            and (handle.capabilities is None or (not handle.healthy and not cooling))
+        ):
+            await self.capability_check(handle)
         if ok and not handle.healthy and not cooling:
             handle.healthy = True
             handle.consecutive_failures = 0
@@ -235,6 +253,8 @@ class EnginePool:
             handle.healthy = False
             handle.last_error = "health probe failed"
             log.warning("engine_unhealthy", engine=handle.url, error="health probe failed")
+            self._notify()
+        if handle.usable != usable_before:
             self._notify()
         return ok
 

@@ -274,7 +274,7 @@ async def server_info(request: web.Request) -> web.StreamResponse:
             "dtype": "bfloat16",
             "max_model_len": cfg.max_model_len,
             "max_logprobs": cfg.max_logprobs,
-            "logprobs_mode": "raw_logprobs",
+            "logprobs_mode": cfg.logprobs_mode,
             "hf_config": {
                 "vocab_size": cfg.vocab_size,
                 "num_hidden_layers": cfg.moe_layers,
