@@ -205,10 +205,10 @@ def flag_default(flag: Flag) -> Any:
     value = _field_default(flag.field)
     if flag.kind == "off-switch":
         return not value
+    if flag.kind == "list":
+        return list(value or [])
     if value is None:
         return None
-    if flag.kind == "list":
-        return list(value)
     return value * flag.scale if flag.scale != 1.0 else value
 
 
