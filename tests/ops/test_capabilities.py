@@ -86,14 +86,17 @@ async def test_moe_engine_without_routed_experts_is_flagged() -> None:
 
 
 async def test_an_engine_that_joins_is_checked_before_it_is_routed_to() -> None:
-    async with sim_engines(1) as good, sim_engines(1, dev_mode=False) as bad:
-        async with running_server([good[0].url]) as server:
-            server.pool.replace([good[0].url, bad[0].url])
-            joined = server.pool.get(bad[0].url)
-            assert joined is not None and not joined.usable  # unchecked: not routed yet
-            await server.pool.probe_all()
-            assert any("VLLM_SERVER_DEV_MODE=1" in p for p in joined.problems)
-            assert not joined.usable
+    async with (
+        sim_engines(1) as good,
+        sim_engines(1, dev_mode=False) as bad,
+        running_server([good[0].url]) as server,
+    ):
+        server.pool.replace([good[0].url, bad[0].url])
+        joined = server.pool.get(bad[0].url)
+        assert joined is not None and not joined.usable  # unchecked: not routed yet
+        await server.pool.probe_all()
+        assert any("VLLM_SERVER_DEV_MODE=1" in p for p in joined.problems)
+        assert not joined.usable
 
 
 def test_logits_modes_are_always_problems() -> None:
