@@ -167,7 +167,9 @@ class RolloutServer:
         )
         admission = TimedAdmission(limit, cfg.max_queue, cfg.retry_after_s)
         self.metrics = Metrics(self.pool, admission)
-        interceptors.append(CallInterceptor([log_generate, self.metrics.observe]))
+        #: Per-RPC observers (log line, metrics); more may be added (e.g. by tests) before calls.
+        self.calls = CallInterceptor([log_generate, self.metrics.observe])
+        interceptors.append(self.calls)
         self.rollout = Rollout(
             self.pool,
             admission,
