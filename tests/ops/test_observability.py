@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
+from typing import Any, cast
 
 import aiohttp
 import grpc
@@ -15,6 +16,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client import make_sample, pb
 from rollout_grpc.server.app import RolloutServer, ServerConfig
 from rollout_grpc.server.calls import CallRecord
@@ -36,6 +38,11 @@ async def scrape(port: int) -> Samples:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+def stub(h: Harness) -> pb_grpc.RolloutServiceAsyncStub:
+    """The harness client's stub, typed as the grpc.aio stub it is."""
+    return cast("pb_grpc.RolloutServiceAsyncStub", h.client.stub)
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -85,7 +92,7 @@ async def slow() -> AsyncIterator[Harness]:
         yield h
 
 
-async def first_delta(call: grpc.aio.UnaryStreamCall) -> None:  # type: ignore[type-arg]
+async def first_delta(call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]) -> None:
     async with asyncio.timeout(WAIT_S):
         async for message in call:
             if message.HasField("delta") and message.delta.token_ids:
@@ -103,7 +110,7 @@ async def test_metrics_move_with_generations_refusals_aborts_and_pauses(slow: Ha
 
     # Two complete generations of 6 tokens each.
     for i in range(2):
-        async for _ in h.client.stub.Generate(request(6, f"ok-{i}")):
+        async for _ in stub(h).Generate(request(6, f"ok-{i}")):
             pass
     await ended.wait(2)
     after = await scrape(port)
@@ -117,24 +124,24 @@ async def test_metrics_move_with_generations_refusals_aborts_and_pauses(slow: Ha
     assert handled == 2
 
     # A long generation holds the only slot: the next one is refused.
-    long_call = h.client.stub.Generate(request(5000, "long"))
+    long_call = stub(h).Generate(request(5000, "long"))
     await first_delta(long_call)
     during = await scrape(port)
     assert value(during, "rollout_grpc_num_requests_running") == 1
     assert value(during, "rollout_grpc_engine_in_flight", engine=h.sims[0].url) == 1
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        async for _ in h.client.stub.Generate(request(4, "refused")):
+        async for _ in stub(h).Generate(request(4, "refused")):
             pass
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     # Abort(all) ends it ABORTED; Pause/Resume are timed.
-    await h.client.stub.Abort(pb.AbortRequest(all=True))
+    await stub(h).Abort(pb.AbortRequest(all=True))
     async for _ in long_call:
         pass
-    await h.client.stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP))
+    await stub(h).Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP))
     paused = await scrape(port)
     assert value(paused, "rollout_grpc_engine_paused", engine=h.sims[0].url) == 1
-    await h.client.stub.Resume(pb.ResumeRequest(weight_version="v7"))
+    await stub(h).Resume(pb.ResumeRequest(weight_version="v7"))
     await ended.wait(4)
     end = await scrape(port)
     assert value(end, "rollout_grpc_admission_rejections_total") == 1
@@ -160,7 +167,7 @@ async def test_metrics_report_engine_capability_problems() -> None:
         assert value(samples, "rollout_grpc_engine_capability_problems", engine=h.sims[0].url) == 1
 
 
-def _done(logs: list[dict[str, object]], request_id: str) -> dict[str, object]:
+def _done(logs: list[MutableMapping[str, Any]], request_id: str) -> MutableMapping[str, Any]:
     lines = [e for e in logs if e.get("event") == "generate_done" and e.get("request_id") == request_id]
     assert len(lines) == 1, f"{request_id}: {lines}"
     return lines[0]
@@ -171,28 +178,28 @@ async def test_every_generate_that_ends_leaves_one_log_line(slow: Harness) -> No
     ended = Ended(h)
     with capture_logs() as logs:
         # Completed, with its identity.
-        async for _ in h.client.stub.Generate(request(4, "done-1", index=3, group_index=2, session_id="s")):
+        async for _ in stub(h).Generate(request(4, "done-1", index=3, group_index=2, session_id="s")):
             pass
         # Cancelled by the caller after its first tokens.
-        call = h.client.stub.Generate(request(5000, "cancelled-1"))
+        call = stub(h).Generate(request(5000, "cancelled-1"))
         await first_delta(call)
         call.cancel()
         await ended.wait(2)
         # Past its deadline (the engine needs 100 s for 5000 tokens).
         with pytest.raises(grpc.aio.AioRpcError) as late:
-            async for _ in h.client.stub.Generate(request(5000, "late-1"), timeout=0.5):
+            async for _ in stub(h).Generate(request(5000, "late-1"), timeout=0.5):
                 pass
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await ended.wait(3)
         # Refused: a long call holds the only slot.
-        holder = h.client.stub.Generate(request(5000, "holder"))
+        holder = stub(h).Generate(request(5000, "holder"))
         await first_delta(holder)
         with pytest.raises(grpc.aio.AioRpcError):
-            async for _ in h.client.stub.Generate(request(4, "refused-1")):
+            async for _ in stub(h).Generate(request(4, "refused-1")):
                 pass
         # Invalid: no request id given, so the replica makes one up for the line.
         with pytest.raises(grpc.aio.AioRpcError):
-            async for _ in h.client.stub.Generate(pb.GenerateRequest()):
+            async for _ in stub(h).Generate(pb.GenerateRequest()):
                 pass
         holder.cancel()
         await ended.wait(6)
@@ -213,7 +220,7 @@ async def test_every_generate_that_ends_leaves_one_log_line(slow: Harness) -> No
 
 async def test_debug_level_logs_each_engine_call(slow: Harness) -> None:
     with capture_logs() as logs:
-        async for _ in slow.client.stub.Generate(request(4, "dbg-1")):
+        async for _ in stub(slow).Generate(request(4, "dbg-1")):
             pass
     calls = [e for e in logs if e.get("event") == "engine_call" and e.get("request_id") == "dbg-1"]
     assert calls and str(calls[0]["url"]).endswith("/inference/v1/generate")
@@ -235,12 +242,10 @@ async def test_traces_continue_the_callers_context_to_the_engine() -> None:
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-                from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-
-                stub = pb_grpc.RolloutServiceStub(channel)
+                traced = pb_grpc.RolloutServiceStub(channel)
                 metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),)
                 req = request(4, "traced-1", index=9, group_index=4, session_id="sess")
-                async for _ in stub.Generate(req, metadata=metadata):
+                async for _ in traced.Generate(req, metadata=metadata):
                     pass
         finally:
             await server.stop(grace_s=0.5)
