@@ -121,7 +121,7 @@ def _final_code(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException 
     code = context.code()
     if isinstance(code, grpc.StatusCode) and (code is not grpc.StatusCode.OK or exc is None):
         return code
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             return grpc.StatusCode.DEADLINE_EXCEEDED

@@ -140,11 +140,12 @@ class CapabilityChecker:
             scale_out = await vllm_info.probe_scale_out(client)
             dev_mode = await vllm_info.probe_dev_mode(client)
             info = await vllm_info.read_server_info(client) if dev_mode else None
-        except EngineError as exc:
+        except (EngineError, ValueError) as exc:  # ValueError: a body that is not JSON
             # Checked again at the next successful health probe.
+            message = exc.message if isinstance(exc, EngineError) else f"unreadable answer: {exc}"
             engine.capabilities = None
-            engine.problems = [f"capability check failed: {exc.message}"]
-            log.warning("engine_capability_check_failed", engine=engine.url, error=exc.message)
+            engine.problems = [f"capability check failed: {message}"]
+            log.warning("engine_capability_check_failed", engine=engine.url, error=message)
             return
         caps = classify(
             scale_out=scale_out,

@@ -115,6 +115,7 @@ class EnginePool:
         #: Classifies an engine at start and whenever it joins or comes back healthy (sets its
         #: `problems`); installed by the server (`capabilities.CapabilityChecker`).
         self.capability_check: Callable[[EngineHandle], Awaitable[None]] | None = None
+        self._joining: set[asyncio.Task[bool]] = set()
         for url in urls:
             self.add(url)
 
@@ -136,9 +137,14 @@ class EnginePool:
         if handle is None:
             handle = EngineHandle(url=url, client=VllmEngine(url, self._session, self._timeouts))
             self._engines[url] = handle
-            if self.capability_check is not None:
-                handle.problems = ["capabilities not checked yet"]
             log.info("engine_added", engine=url)
+            if self.capability_check is not None:
+                # Not routed to until checked; the check starts now, not at the next probe.
+                handle.problems = ["capabilities not checked yet"]
+                with contextlib.suppress(RuntimeError):  # no running loop: the first probe checks
+                    task = asyncio.get_running_loop().create_task(self.probe(handle))
+                    self._joining.add(task)
+                    task.add_done_callback(self._joining.discard)
         handle.draining = False
         self._notify()
         return handle
