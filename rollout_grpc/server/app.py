@@ -163,7 +163,11 @@ class RolloutServer:
         self._session = aiohttp.ClientSession(connector=connector, trace_configs=trace_configs)
         timeouts = EngineTimeouts(connect=cfg.engine_connect_timeout_s, sock_read=cfg.engine_read_timeout_s)
         self.pool = EnginePool(
-            cfg.engines, self._session, timeouts=timeouts, health_interval_s=cfg.health_interval_s
+            cfg.engines,
+            self._session,
+            timeouts=timeouts,
+            health_interval_s=cfg.health_interval_s,
+            breaker_cooldown_s=cfg.breaker_cooldown_s,
         )
         admission = TimedAdmission(limit, cfg.max_queue, cfg.retry_after_s)
         self.metrics = Metrics(self.pool, admission)

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from rollout_grpc import settings
+from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import ServerConfig
+from tests.harness import harness
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,3 +106,15 @@ def test_bad_values_are_named(
     with pytest.raises(SystemExit):
         _parse(argv, env)
     assert needle in capsys.readouterr().err
+
+
+async def test_breaker_cooldown_setting_reaches_the_engine_pool() -> None:
+    """`--breaker-cooldown` decides how long an engine that broke a stream stays out of rotation."""
+    async with harness("sim", breaker_cooldown_s=0.0) as h:
+        h.sims[0].faults.drop_connection = 1
+        sample = await h.client.generate(make_sample([5, 6, 7]), {"max_new_tokens": 50, "ignore_eos": True})
+        assert sample.engine_attempts[0].error  # the stream broke: the breaker opened
+        engine = h.server.pool.engines[0]
+        # No cooldown: the next successful probe closes the breaker (the default, 5 s, would not).
+        await h.server.pool.probe(engine)
+        assert engine.usable
