@@ -52,7 +52,14 @@ async def _engines(args: argparse.Namespace) -> AsyncIterator[list[str]]:
     async with contextlib.AsyncExitStack() as stack:
         sims = [
             await stack.enter_async_context(
-                SimEngine(SimConfig(token_delay_s=args.sim_token_delay_ms / 1000, seed=i))
+                # Configured as the README says to start vLLM (processed logprobs).
+                SimEngine(
+                    SimConfig(
+                        token_delay_s=args.sim_token_delay_ms / 1000,
+                        seed=i,
+                        logprobs_mode="processed_logprobs",
+                    )
+                )
             )
             for i in range(args.sim)
         ]

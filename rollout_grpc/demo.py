@@ -55,7 +55,9 @@ async def run_demo(prompts: int, samples_per_prompt: int, max_new_tokens: int, p
     """
     async with contextlib.AsyncExitStack() as stack:
         engines = [
-            await stack.enter_async_context(SimEngine(SimConfig(token_delay_s=0.002, seed=i)))
+            await stack.enter_async_context(
+                SimEngine(SimConfig(token_delay_s=0.002, seed=i, logprobs_mode="processed_logprobs"))
+            )
             for i in range(2)
         ]
         server = RolloutServer(ServerConfig(engines=[e.url for e in engines], port=0, health_port=None))

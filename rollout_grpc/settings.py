@@ -62,6 +62,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     default: Any = None
     aliases: tuple[str, ...] = ()
+    metavar: str | None = None
 
     @property
     def dest(self) -> str:
@@ -83,6 +84,7 @@ FLAGS: Final[tuple[Flag, ...]] = (
         type=int,
         default=0,
         aliases=("--sim-engines",),
+        metavar="N",
     ),
     Flag("--sim-token-delay-ms", "per-token delay of the simulated engines", type=float, default=0.0),
     Flag("--host", "address to bind the gRPC (and health and metrics) ports to", "host"),
@@ -237,7 +239,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         if flag.kind in ("switch", "off-switch"):
             parser.add_argument(*names, dest=flag.dest, action="store_true", default=default, help=text)
         elif flag.kind == "list":
-            parser.add_argument(*names, dest=flag.dest, action=_ListAction, default=default, help=text)
+            parser.add_argument(
+                *names, dest=flag.dest, action=_ListAction, default=default, metavar=flag.metavar, help=text
+            )
         else:
             parser.add_argument(
                 *names,
@@ -245,6 +249,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                 type=_flag_type(flag),
                 default=default,
                 choices=flag.choices,
+                metavar=flag.metavar,
                 help=text,
             )
 

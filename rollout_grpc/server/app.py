@@ -150,8 +150,12 @@ class RolloutServer:
         # control calls (aiohttp's default of 100 would silently cap concurrent engine streams).
         connector = aiohttp.TCPConnector(limit=limit + 64, limit_per_host=0, keepalive_timeout=30)
         if self._tracer_provider is None and cfg.otlp_endpoint:
-            from rollout_grpc.server.tracing import otlp_provider
-
+            try:
+                from rollout_grpc.server.tracing import otlp_provider
+            except ImportError as exc:
+                raise RuntimeError(
+                    "--otlp-endpoint needs the tracing extra: pip install 'rollout-grpc[tracing]'"
+                ) from exc
             self._tracer_provider = otlp_provider(cfg.otlp_endpoint)
         trace_configs = [engine_call_logging()]
         interceptors: list[grpc.aio.ServerInterceptor] = []
