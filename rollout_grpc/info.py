@@ -64,7 +64,6 @@ def render(info: pb.GetServerInfoResponse, health: str, target: str) -> str:
             facts = [
                 f"logprobs_mode={caps.logprobs_mode or '?'}",
                 f"max_model_len={caps.max_model_len or '?'}",
-                f"vocab={caps.vocab_size or '?'}",
                 f"moe={_opt(caps, 'moe')}",
                 f"routed_experts={_opt(caps, 'routed_experts')}",
                 f"scale_out={_opt(caps, 'scale_out')}",

@@ -1395,7 +1395,6 @@ class EngineCapabilities(_message.Message):
     ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
-    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     scale_out: _builtins.bool
     """The scale-out routes answer (`vllm serve --enable-scale-out`); unset when unknown."""
     dev_mode: _builtins.bool
@@ -1410,8 +1409,6 @@ class EngineCapabilities(_message.Message):
     """Served model name."""
     max_model_len: _builtins.int
     """Longest prompt plus response, in tokens; 0 when unknown."""
-    vocab_size: _builtins.int
-    """Vocabulary size; 0 when the engine does not say."""
     def __init__(
         self,
         *,
@@ -1422,11 +1419,10 @@ class EngineCapabilities(_message.Message):
         routed_experts: _builtins.bool | None = ...,
         model: _builtins.str = ...,
         max_model_len: _builtins.int = ...,
-        vocab_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_dev_mode", b"_dev_mode", "_moe", b"_moe", "_routed_experts", b"_routed_experts", "_scale_out", b"_scale_out", "dev_mode", b"dev_mode", "moe", b"moe", "routed_experts", b"routed_experts", "scale_out", b"scale_out"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dev_mode", b"_dev_mode", "_moe", b"_moe", "_routed_experts", b"_routed_experts", "_scale_out", b"_scale_out", "dev_mode", b"dev_mode", "logprobs_mode", b"logprobs_mode", "max_model_len", b"max_model_len", "model", b"model", "moe", b"moe", "routed_experts", b"routed_experts", "scale_out", b"scale_out", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dev_mode", b"_dev_mode", "_moe", b"_moe", "_routed_experts", b"_routed_experts", "_scale_out", b"_scale_out", "dev_mode", b"dev_mode", "logprobs_mode", b"logprobs_mode", "max_model_len", b"max_model_len", "model", b"model", "moe", b"moe", "routed_experts", b"routed_experts", "scale_out", b"scale_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__dev_mode: _TypeAlias = _typing.Literal["dev_mode"]  # noqa: Y015
     _WhichOneofArgType__dev_mode: _TypeAlias = _typing.Literal["_dev_mode", b"_dev_mode"]  # noqa: Y015

@@ -49,7 +49,6 @@ class Capabilities:
     routed_experts: bool | None = None
     model: str = ""
     max_model_len: int | None = None
-    vocab_size: int | None = None
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -73,7 +72,6 @@ def classify(
         routed_experts=info.routed_experts_enabled,
         model=model or info.served_model_name or "",
         max_model_len=max_model_len if max_model_len is not None else info.max_model_len,
-        vocab_size=info.vocab_size,
     )
     if scale_out is False:
         caps.problems.append(
@@ -169,7 +167,6 @@ class CapabilityChecker:
             "moe": caps.is_moe,
             "routed_experts": caps.routed_experts,
             "max_model_len": caps.max_model_len,
-            "vocab_size": caps.vocab_size,
         }
         if caps.problems:
             log.error("engine_not_usable", **fields, problems=caps.problems)

@@ -21,7 +21,6 @@ def engine_info_extras(engine: EngineHandle | None) -> dict[str, Any]:
             logprobs_mode=caps.logprobs_mode,
             model=caps.model,
             max_model_len=caps.max_model_len or 0,
-            vocab_size=caps.vocab_size or 0,
         )
         for name, value in (
             ("scale_out", caps.scale_out),

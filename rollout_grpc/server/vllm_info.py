@@ -10,8 +10,8 @@ Reads `/v1/models`, `/server_info?config_format=json` and two cheap probes, and 
 * In the `/server_info` JSON (`vllm_config` is `VllmConfig` dumped by pydantic):
   `model_config.logprobs_mode` (`raw_logprobs` by default, `processed_logprobs` with
   `--logprobs-mode processed_logprobs`), `model_config.max_model_len`,
-  `model_config.hf_config.vocab_size` (when the dump carries the HF config as an object),
-  `parallel_config.is_moe_model`, `aux_output_config.enable_return_routed_experts`.
+  `parallel_config.is_moe_model`, `aux_output_config.enable_return_routed_experts`. vLLM 0.32
+  reports no vocabulary size there (the HF config is not part of the dump).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class ServerInfo:
 
     logprobs_mode: str | None = None
     max_model_len: int | None = None
-    vocab_size: int | None = None
     is_moe: bool | None = None
     routed_experts_enabled: bool | None = None
     served_model_name: str | None = None
@@ -52,7 +51,6 @@ def parse_server_info(info: dict[str, Any]) -> ServerInfo:
     """The facts of a `/server_info?config_format=json` body (`{"vllm_config": {...}, ...}`)."""
     config = _dict(info.get("vllm_config"))
     model = _dict(config.get("model_config"))
-    hf = _dict(model.get("hf_config"))
     served = model.get("served_model_name")
     if isinstance(served, list):
         served = served[0] if served else None
@@ -60,7 +58,6 @@ def parse_server_info(info: dict[str, Any]) -> ServerInfo:
     return ServerInfo(
         logprobs_mode=mode if isinstance(mode, str) else None,
         max_model_len=_int(model.get("max_model_len")),
-        vocab_size=_int(hf.get("vocab_size")),
         is_moe=_bool(_dict(config.get("parallel_config")).get("is_moe_model")),
         routed_experts_enabled=_bool(
             _dict(config.get("aux_output_config")).get("enable_return_routed_experts")

@@ -66,14 +66,14 @@ async def test_raw_logprobs_policy(policy: str, usable: bool) -> None:
 
 
 async def test_processed_logprobs_engine_is_clean_and_fully_described() -> None:
-    config = {"logprobs_mode": "processed_logprobs", "vocab_size": 3000, "max_model_len": 2048}
+    config = {"logprobs_mode": "processed_logprobs", "max_model_len": 2048}
     async with harness("sim", sim_config=config, raw_logprobs="refuse") as h:
         info = await h.client.server_info()
         engine = info.engines[0]
         assert engine.usable and not engine.problems and not engine.warnings
         caps = engine.capabilities
         assert (caps.scale_out, caps.dev_mode, caps.moe) == (True, True, False)
-        assert (caps.max_model_len, caps.vocab_size, caps.model) == (2048, 3000, "sim-llama")
+        assert (caps.max_model_len, caps.model) == (2048, "sim-llama")
         assert not info.simulated_engines  # engines given by URL are not flagged as simulated
 
 
@@ -119,14 +119,13 @@ def test_server_info_parsing_reads_vllm_keys() -> None:
                 "logprobs_mode": "processed_logprobs",
                 "max_model_len": 512,
                 "served_model_name": ["tiny"],
-                "hf_config": "LlamaConfig {...}",  # vLLM dumps the HF config as a string
             },
             "parallel_config": {"is_moe_model": True},
             "aux_output_config": {"enable_return_routed_experts": False},
         }
     }
     info = parse_server_info(body)
-    assert info == ServerInfo("processed_logprobs", 512, None, True, False, "tiny")
+    assert info == ServerInfo("processed_logprobs", 512, True, False, "tiny")
 
 
 def test_routed_experts_decision_for_dense_and_moe_engines() -> None:
