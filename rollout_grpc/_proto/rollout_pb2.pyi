@@ -1384,7 +1384,10 @@ Global___EngineInfo: _TypeAlias = EngineInfo  # noqa: Y015
 
 @_typing.final
 class EngineCapabilities(_message.Message):
-    """An engine's configuration as its capability check found it."""
+    """An engine's configuration as its capability check found it (from `/v1/models`,
+    `/server_info` and probes of the scale-out and development routes). vLLM 0.32 does not report
+    its vocabulary size on these routes, so there is no field for it.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
