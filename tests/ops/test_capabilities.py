@@ -137,3 +137,19 @@ def test_routed_experts_decision_for_dense_and_moe_engines() -> None:
     assert "--enable-return-routed-experts" in (routed_experts_problem(handle) or "")
     handle.routed_experts_enabled = True
     assert routed_experts_problem(handle) is None
+
+
+async def test_an_engine_that_comes_back_is_checked_again() -> None:
+    """An engine restarted with another configuration is reclassified when it is healthy again."""
+    async with harness("sim") as h:
+        engine = h.server.pool.engines[0]
+        assert engine.usable
+        sim = h.sims[0]
+        sim.faults.dead = True
+        await h.server.pool.probe(engine)
+        assert not engine.healthy
+        sim.config.dev_mode = False  # "restarted" without VLLM_SERVER_DEV_MODE=1
+        sim.faults.dead = False
+        await h.server.pool.probe(engine)
+        assert engine.healthy and not engine.usable
+        assert any("VLLM_SERVER_DEV_MODE=1" in p for p in engine.problems)
