@@ -283,7 +283,9 @@ class EnginePool:
             self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
 
     async def stop(self) -> None:
-        """Stop periodic health probes."""
+        """Stop periodic health probes (and the checks of engines that just joined)."""
+        for task in list(self._joining):
+            task.cancel()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
