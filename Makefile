@@ -19,7 +19,7 @@ venv: $(STAMP)
 
 # Start the service on embedded simulated engines, run a demo rollout, print a table, exit 0.
 run: $(STAMP)
-	$(VENV)/bin/rollout-grpc demo
+	$(VENV)/bin/rollout-grpc demo --progress
 
 # The whole suite except the live-vLLM tier (see test-vllm).
 test: $(STAMP)

@@ -1,4 +1,5 @@
-"""`rollout-grpc`: run a replica (`serve`) or a demo rollout on embedded simulated engines (`demo`)."""
+"""`rollout-grpc`: run a replica (`serve`), a simulated engine (`sim`), inspect a replica (`info`) or
+run a demo rollout on embedded simulated engines (`demo`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from pathlib import Path
 
 import structlog
 
-from rollout_grpc import logs
-from rollout_grpc.server.app import RolloutServer, ServerConfig
-from rollout_grpc.server.domain import GenerateOptions
+from rollout_grpc import logs, settings
+from rollout_grpc.server.app import RolloutServer
 
 log = structlog.get_logger("rollout_grpc.cli")
 
@@ -27,208 +27,48 @@ def _read_engines_file(path: str) -> list[str]:
     return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
 
 
-def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", action="append", default=[], help="vLLM base URL (repeatable)")
-    parser.add_argument("--engines-file", help="file with one engine URL per line; re-read on SIGHUP")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
-    parser.add_argument("--health-port", type=int, default=0, help="separate grpc.health.v1 port (0 = any)")
-    parser.add_argument(
-        "--sim-engines", type=int, default=2, help="simulated engines when no --engine is given"
-    )
-    parser.add_argument(
-        "--sim-token-delay-ms", type=float, default=0.0, help="per-token delay of simulated engines"
-    )
-    parser.add_argument(
-        "--server-concurrency", type=int, default=512, help="in-flight generations per engine"
-    )
-    parser.add_argument("--rollout-num-gpus", type=int, default=None)
-    parser.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
-    parser.add_argument("--max-queue", type=int, default=4096, help="generations that may wait for a slot")
-    parser.add_argument(
-        "--grace", type=float, default=30.0, help="seconds in-flight generations get at shutdown"
-    )
-    parser.add_argument("--health-interval", type=float, default=2.0)
-    parser.add_argument("--stream-batch-tokens", type=int, default=16)
-    parser.add_argument("--stream-batch-interval-ms", type=float, default=200.0)
-    parser.add_argument(
-        "--peer",
-        action="append",
-        default=[],
-        help="another replica (host:port), or dns:///name:port resolved to every replica at each abort",
-    )
-    parser.add_argument("--max-connection-age", type=float, default=300.0, help="seconds; 0 disables")
-    parser.add_argument(
-        "--no-engine-stream-interval",
-        action="store_true",
-        help="never ask engines for stream_interval batching (for engines that reject it)",
-    )
-    _add_security_arguments(parser)
-    parser.add_argument(
-        "--openai-port",
-        type=int,
-        default=None,
-        help="serve the OpenAI-compatible agent front door on this port (0 = any; off unless set)",
-    )
-    parser.add_argument("--port-file", help="write {grpc, health, openai, engines} as JSON once serving")
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-format", choices=("json", "console"), default="json")
-
-
-def _env(name: str) -> str | None:
-    """An environment default for a flag (empty counts as unset)."""
-    return os.environ.get(name) or None
-
-
-def _mtls_role(value: str) -> tuple[str, str]:
-    name, sep, role = value.rpartition("=")
-    if not sep or not name or role not in ("trainer", "admin", "peer"):
-        raise argparse.ArgumentTypeError(f"expected NAME=trainer|admin|peer, got {value!r}")
-    return name, role
-
-
-def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
-    """TLS, authentication and request-bound flags (docs/security.md). Env vars give defaults."""
-    group = parser.add_argument_group("security (docs/security.md)")
-    group.add_argument(
-        "--tls-cert",
-        default=_env("ROLLOUT_GRPC_TLS_CERT"),
-        help="PEM server certificate chain [ROLLOUT_GRPC_TLS_CERT]",
-    )
-    group.add_argument(
-        "--tls-key",
-        default=_env("ROLLOUT_GRPC_TLS_KEY"),
-        help="PEM server private key [ROLLOUT_GRPC_TLS_KEY]",
-    )
-    group.add_argument(
-        "--tls-client-ca",
-        default=_env("ROLLOUT_GRPC_TLS_CLIENT_CA"),
-        help="PEM CA of client certificates: require mTLS [ROLLOUT_GRPC_TLS_CLIENT_CA]",
-    )
-    group.add_argument(
-        "--health-plaintext",
-        action="store_true",
-        default=bool(_env("ROLLOUT_GRPC_HEALTH_PLAINTEXT")),
-        help="health port stays plaintext under TLS (k8s gRPC probes) [ROLLOUT_GRPC_HEALTH_PLAINTEXT]",
-    )
-    group.add_argument(
-        "--auth-tokens-file",
-        default=_env("ROLLOUT_GRPC_AUTH_TOKENS_FILE"),
-        help="`identity role token` lines; turns authentication on; re-read on change and SIGHUP "
-        "[ROLLOUT_GRPC_AUTH_TOKENS_FILE]",
-    )
-    group.add_argument(
-        "--mtls-role",
-        action="append",
-        type=_mtls_role,
-        default=[],
-        metavar="NAME=ROLE",
-        help="map a client certificate SAN or CN to a role (repeatable; needs --tls-client-ca)",
-    )
-    group.add_argument(
-        "--peer-token-file",
-        default=_env("ROLLOUT_GRPC_PEER_TOKEN_FILE"),
-        help="token this replica sends to its --peer replicas [ROLLOUT_GRPC_PEER_TOKEN_FILE]",
-    )
-    group.add_argument(
-        "--peer-ca",
-        default=_env("ROLLOUT_GRPC_PEER_CA"),
-        help="PEM CA verifying peer replicas [ROLLOUT_GRPC_PEER_CA]",
-    )
-    group.add_argument(
-        "--peer-tls-name",
-        default=_env("ROLLOUT_GRPC_PEER_TLS_NAME"),
-        help="name in the peers' certificates (they are dialed by IP) [ROLLOUT_GRPC_PEER_TLS_NAME]",
-    )
-    group.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
-    group.add_argument(
-        "--reflection-open", action="store_true", help="serve reflection without credentials when auth is on"
-    )
-    group.add_argument("--max-abort-ids", type=int, default=1024, help="request ids in one Abort")
-    group.add_argument("--max-metadata-bytes", type=int, default=1 << 20, help="serialized Sample.metadata")
-    group.add_argument("--max-stop-strings", type=int, default=64, help="SamplingParams.stop entries")
-    group.add_argument(
-        "--max-stop-string-chars", type=int, default=1024, help="characters of one stop string"
-    )
-    group.add_argument(
-        "--max-chat-template-kwargs-bytes", type=int, default=64 << 10, help="serialized chat_template_kwargs"
-    )
-    group.add_argument(
-        "--max-in-flight-per-caller",
-        type=int,
-        default=0,
-        help="generations (running + queued) per authenticated caller; 0 = half of in-flight limit + queue",
-    )
-    group.add_argument(
-        "--control-rate", type=float, default=10.0, help="Abort/Pause/Resume per second per caller (0 = off)"
-    )
-    group.add_argument("--control-burst", type=int, default=50, help="control RPC burst per caller")
-
-
 @contextlib.asynccontextmanager
 async def _engines(args: argparse.Namespace) -> AsyncIterator[list[str]]:
-    """The engine URLs: given ones, or simulated engines started in this process."""
+    """The engine URLs: the given ones, or (only with --sim N) simulated engines in this process."""
     urls = list(args.engine)
     if args.engines_file:
         urls += _read_engines_file(args.engines_file)
         if not urls:
             # Never fall back to toy engines in a deployment whose engine list came out empty.
             raise SystemExit(f"rollout-grpc: {args.engines_file} lists no engine URL")
+    if urls and args.sim:
+        raise SystemExit("rollout-grpc: give engines (--engine/--engines-file) or --sim N, not both")
     if urls:
         yield urls
         return
+    if not args.sim:
+        raise SystemExit(
+            "rollout-grpc serve: no engine given. Pass --engine URL (repeatable) or --engines-file FILE "
+            "(or ROLLOUT_GRPC_ENGINE / ROLLOUT_GRPC_ENGINES_FILE); --sim N runs N simulated engines "
+            "for demos and tests"
+        )
     from rollout_grpc.sim import SimConfig, SimEngine
 
     async with contextlib.AsyncExitStack() as stack:
         sims = [
             await stack.enter_async_context(
-                SimEngine(SimConfig(token_delay_s=args.sim_token_delay_ms / 1000, seed=i))
+                # Configured as the README says to start vLLM (processed logprobs).
+                SimEngine(
+                    SimConfig(
+                        token_delay_s=args.sim_token_delay_ms / 1000,
+                        seed=i,
+                        logprobs_mode="processed_logprobs",
+                    )
+                )
             )
-            for i in range(max(1, args.sim_engines))
+            for i in range(args.sim)
         ]
+        log.warning(
+            "simulated_engines",
+            engines=[s.url for s in sims],
+            note="SIMULATED ENGINES (--sim): toy tokens, not a model; never train on them",
+        )
         yield [s.url for s in sims]
-
-
-def _config(args: argparse.Namespace, engines: list[str]) -> ServerConfig:
-    return ServerConfig(
-        engines=engines,
-        host=args.host,
-        port=args.port,
-        health_port=args.health_port,
-        server_concurrency=args.server_concurrency,
-        rollout_num_gpus=args.rollout_num_gpus,
-        rollout_num_gpus_per_engine=args.rollout_num_gpus_per_engine,
-        max_queue=args.max_queue,
-        grace_s=args.grace,
-        health_interval_s=args.health_interval,
-        peers=list(args.peer),
-        engine_stream_interval=not args.no_engine_stream_interval,
-        max_connection_age_s=args.max_connection_age or None,
-        tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key,
-        tls_client_ca_file=args.tls_client_ca,
-        health_plaintext=args.health_plaintext,
-        auth_tokens_file=args.auth_tokens_file,
-        mtls_roles=dict(args.mtls_role),
-        peer_token_file=args.peer_token_file,
-        peer_ca_file=args.peer_ca,
-        peer_tls_name=args.peer_tls_name,
-        reflection=not args.no_reflection,
-        reflection_open=args.reflection_open,
-        max_abort_ids=args.max_abort_ids,
-        max_metadata_bytes=args.max_metadata_bytes,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_string_chars=args.max_stop_string_chars,
-        max_chat_template_kwargs_bytes=args.max_chat_template_kwargs_bytes,
-        max_in_flight_per_caller=args.max_in_flight_per_caller,
-        control_rate_per_s=args.control_rate,
-        control_burst=args.control_burst,
-        openai_port=args.openai_port,
-        default_options=GenerateOptions(
-            stream_batch_tokens=args.stream_batch_tokens,
-            stream_batch_interval_s=args.stream_batch_interval_ms / 1000,
-        ),
-    )
 
 
 def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
@@ -254,7 +94,11 @@ def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace) -> int:
     async with _engines(args) as engines:
-        server = RolloutServer(_config(args, engines))
+        try:
+            config = settings.server_config(args, engines, simulated=bool(args.sim))
+        except settings.SettingsError as exc:
+            raise SystemExit(f"rollout-grpc serve: {exc}") from None
+        server = RolloutServer(config)
         await server.start()
         if args.port_file:
             tmp = args.port_file + ".tmp"
@@ -264,6 +108,7 @@ async def _serve(args: argparse.Namespace) -> int:
                         "grpc": server.port,
                         "health": server.health_port,
                         "openai": server.openai_port,
+                        "metrics": server.metrics_port,
                         "engines": engines,
                     }
                 )
@@ -282,22 +127,51 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `rollout-grpc` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        from rollout_grpc.sim.__main__ import main as sim_main
+
+        sim_main(argv[1:], prog="rollout-grpc sim")
+        return 0
     parser = argparse.ArgumentParser(prog="rollout-grpc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run one service replica")
-    _add_server_arguments(serve)
+    serve = sub.add_parser(
+        "serve",
+        help="run one service replica",
+        description="Run one service replica. Every flag can also come from the environment "
+        f"({settings.ENV_PREFIX}<FLAG>) or a TOML file (--config); precedence: flag > environment "
+        "> config file > default.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    settings.add_serve_arguments(serve)
+    sub.add_parser("sim", help="run one simulated vLLM engine (see `rollout-grpc sim --help`)")
+    info = sub.add_parser("info", help="show a replica and its engines (GetServerInfo) as a table")
+    info.add_argument("--target", required=True, help="replica address host:port")
+    info.add_argument("--json", action="store_true", help="print GetServerInfo as JSON instead")
+    info.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
     demo = sub.add_parser("demo", help="start a replica on simulated engines and run a demo rollout")
     demo.add_argument("--prompts", type=int, default=8)
     demo.add_argument("--samples-per-prompt", type=int, default=4)
     demo.add_argument("--max-new-tokens", type=int, default=128)
-    args = parser.parse_args(argv)
+    demo.add_argument("--progress", action="store_true", help="show a progress bar (tqdm)")
+    if argv[:1] == ["serve"]:
+        args = settings.parse_serve_args(serve, argv[1:])
+        args.command = "serve"
+    else:
+        args = parser.parse_args(argv)
     if args.command == "serve":
         logs.configure(args.log_level, args.log_format)
         return asyncio.run(_serve(args))
+    if args.command == "info":
+        from rollout_grpc.info import run_info
+
+        return run_info(args.target, as_json=args.json, timeout=args.timeout)
     from rollout_grpc.demo import run_demo
 
     logs.configure("warning", "console")
-    return asyncio.run(run_demo(args.prompts, args.samples_per_prompt, args.max_new_tokens))
+    return asyncio.run(
+        run_demo(args.prompts, args.samples_per_prompt, args.max_new_tokens, progress=args.progress)
+    )
 
 
 if __name__ == "__main__":

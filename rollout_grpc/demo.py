@@ -15,6 +15,10 @@ import asyncio
 import collections
 import contextlib
 import time
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
+
+from tqdm import tqdm
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.app import RolloutServer, ServerConfig
@@ -28,16 +32,32 @@ def _prompt(group: int) -> list[int]:
     return [100 + (group * 37 + i * 11) % 1500 for i in range(24)]
 
 
+T = TypeVar("T")
+
+
+def _completed(tasks: Iterable[Awaitable[T]], bar: tqdm[Any] | None) -> Iterable[Awaitable[T]]:
+    """`asyncio.as_completed`, advancing the progress bar (if any) as each one finishes."""
+    for next_done in asyncio.as_completed(tasks):
+        yield next_done
+        if bar is not None:
+            bar.update(1)
+
+
 def _check(sample: pb.Sample) -> bool:
     n = sample.response_length
     return len(sample.loss_mask) == n == len(sample.rollout_log_probs) and len(sample.tokens) > n
 
 
-async def run_demo(prompts: int, samples_per_prompt: int, max_new_tokens: int) -> int:
-    """Run the demo and print its table; returns the process exit code."""
+async def run_demo(prompts: int, samples_per_prompt: int, max_new_tokens: int, progress: bool = False) -> int:
+    """Run the demo and print its table; returns the process exit code.
+
+    `progress` shows a tqdm bar (on stderr) of finished samples in each phase.
+    """
     async with contextlib.AsyncExitStack() as stack:
         engines = [
-            await stack.enter_async_context(SimEngine(SimConfig(token_delay_s=0.002, seed=i)))
+            await stack.enter_async_context(
+                SimEngine(SimConfig(token_delay_s=0.002, seed=i, logprobs_mode="processed_logprobs"))
+            )
             for i in range(2)
         ]
         server = RolloutServer(ServerConfig(engines=[e.url for e in engines], port=0, health_port=None))
@@ -54,18 +74,27 @@ async def run_demo(prompts: int, samples_per_prompt: int, max_new_tokens: int) -
         started = time.perf_counter()
         tasks = [asyncio.create_task(client.generate(s, {**params, "seed": 7 + s.index})) for s in samples]
         target = len(tasks) // 2
-        for done, next_done in enumerate(asyncio.as_completed(tasks), start=1):
+        bar = tqdm(total=len(tasks), desc="phase 1", unit="sample", leave=False) if progress else None
+        for done, next_done in enumerate(_completed(tasks, bar), start=1):
             await next_done
             if done == target:
                 break
         aborted = await client.abort(all=True)
         round1 = list(await asyncio.gather(*tasks))
         round1_s = time.perf_counter() - started
+        if bar is not None:
+            bar.close()
 
         started = time.perf_counter()
         pending = [s for s in round1 if s.status == pb.SAMPLE_STATUS_ABORTED]
-        continued: list[pb.Sample] = await client.generate(pending, params) if pending else []
+        bar = tqdm(total=len(pending), desc="phase 2", unit="sample", leave=False) if progress else None
+        continuing = [asyncio.create_task(client.generate(s, params)) for s in pending]
+        for next_done in _completed(continuing, bar):
+            await next_done
+        continued: list[pb.Sample] = [t.result() for t in continuing]
         round2_s = time.perf_counter() - started
+        if bar is not None:
+            bar.close()
         final = {s.index: s for s in round1}
         final.update({s.index: s for s in continued})
 

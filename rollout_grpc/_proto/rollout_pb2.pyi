@@ -1325,6 +1325,10 @@ class EngineInfo(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    CAPABILITIES_FIELD_NUMBER: _builtins.int
+    PROBLEMS_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
+    USABLE_FIELD_NUMBER: _builtins.int
     url: _builtins.str
     """Base URL (admins only; other callers see an opaque, stable `engine-<8 hex>` label)."""
     healthy: _builtins.bool
@@ -1339,6 +1343,24 @@ class EngineInfo(_message.Message):
     """The engine is draining: it receives no new generations."""
     model: _builtins.str
     """Served model name."""
+    usable: _builtins.bool
+    """Healthy, not draining and without problems: the engine receives new generations."""
+    @_builtins.property
+    def capabilities(self) -> Global___EngineCapabilities:
+        """What the engine can do, from its capability check (at start, and whenever it joins or
+        comes back healthy). Unset until the first check succeeded.
+        """
+
+    @_builtins.property
+    def problems(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Why the engine cannot serve the rollout contract, each naming the vLLM flag to add. An
+        engine with problems receives no generations.
+        """
+
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Findings that leave the engine in rotation (e.g. raw logprobs under `--raw-logprobs warn`)."""
+
     def __init__(
         self,
         *,
@@ -1349,14 +1371,82 @@ class EngineInfo(_message.Message):
         in_flight: _builtins.int = ...,
         draining: _builtins.bool = ...,
         model: _builtins.str = ...,
+        capabilities: Global___EngineCapabilities | None = ...,
+        problems: _abc.Iterable[_builtins.str] | None = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
+        usable: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "healthy", b"healthy", "in_flight", b"in_flight", "model", b"model", "paused", b"paused", "url", b"url", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "draining", b"draining", "healthy", b"healthy", "in_flight", b"in_flight", "model", b"model", "paused", b"paused", "problems", b"problems", "url", b"url", "usable", b"usable", "warnings", b"warnings", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EngineInfo: _TypeAlias = EngineInfo  # noqa: Y015
+
+@_typing.final
+class EngineCapabilities(_message.Message):
+    """An engine's configuration as its capability check found it (from `/v1/models`,
+    `/server_info` and probes of the scale-out and development routes). vLLM 0.32 does not report
+    its vocabulary size on these routes, so there is no field for it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCALE_OUT_FIELD_NUMBER: _builtins.int
+    DEV_MODE_FIELD_NUMBER: _builtins.int
+    LOGPROBS_MODE_FIELD_NUMBER: _builtins.int
+    MOE_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+    scale_out: _builtins.bool
+    """The scale-out routes answer (`vllm serve --enable-scale-out`); unset when unknown."""
+    dev_mode: _builtins.bool
+    """The development routes answer (`VLLM_SERVER_DEV_MODE=1`): pause, resume, weight versions."""
+    logprobs_mode: _builtins.str
+    """vLLM's `--logprobs-mode` ("raw_logprobs", "processed_logprobs", ...); "" when unknown."""
+    moe: _builtins.bool
+    """The model is a mixture of experts; unset when unknown."""
+    routed_experts: _builtins.bool
+    """Routed experts (R3) are returned (`--enable-return-routed-experts`); unset when unknown."""
+    model: _builtins.str
+    """Served model name."""
+    max_model_len: _builtins.int
+    """Longest prompt plus response, in tokens; 0 when unknown."""
+    def __init__(
+        self,
+        *,
+        scale_out: _builtins.bool | None = ...,
+        dev_mode: _builtins.bool | None = ...,
+        logprobs_mode: _builtins.str = ...,
+        moe: _builtins.bool | None = ...,
+        routed_experts: _builtins.bool | None = ...,
+        model: _builtins.str = ...,
+        max_model_len: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dev_mode", b"_dev_mode", "_moe", b"_moe", "_routed_experts", b"_routed_experts", "_scale_out", b"_scale_out", "dev_mode", b"dev_mode", "moe", b"moe", "routed_experts", b"routed_experts", "scale_out", b"scale_out"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dev_mode", b"_dev_mode", "_moe", b"_moe", "_routed_experts", b"_routed_experts", "_scale_out", b"_scale_out", "dev_mode", b"dev_mode", "logprobs_mode", b"logprobs_mode", "max_model_len", b"max_model_len", "model", b"model", "moe", b"moe", "routed_experts", b"routed_experts", "scale_out", b"scale_out"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__dev_mode: _TypeAlias = _typing.Literal["dev_mode"]  # noqa: Y015
+    _WhichOneofArgType__dev_mode: _TypeAlias = _typing.Literal["_dev_mode", b"_dev_mode"]  # noqa: Y015
+    _WhichOneofReturnType__moe: _TypeAlias = _typing.Literal["moe"]  # noqa: Y015
+    _WhichOneofArgType__moe: _TypeAlias = _typing.Literal["_moe", b"_moe"]  # noqa: Y015
+    _WhichOneofReturnType__routed_experts: _TypeAlias = _typing.Literal["routed_experts"]  # noqa: Y015
+    _WhichOneofArgType__routed_experts: _TypeAlias = _typing.Literal["_routed_experts", b"_routed_experts"]  # noqa: Y015
+    _WhichOneofReturnType__scale_out: _TypeAlias = _typing.Literal["scale_out"]  # noqa: Y015
+    _WhichOneofArgType__scale_out: _TypeAlias = _typing.Literal["_scale_out", b"_scale_out"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dev_mode) -> _WhichOneofReturnType__dev_mode | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__moe) -> _WhichOneofReturnType__moe | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_experts) -> _WhichOneofReturnType__routed_experts | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_out) -> _WhichOneofReturnType__scale_out | None: ...
+
+Global___EngineCapabilities: _TypeAlias = EngineCapabilities  # noqa: Y015
 
 @_typing.final
 class GetServerInfoResponse(_message.Message):
@@ -1370,6 +1460,7 @@ class GetServerInfoResponse(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    SIMULATED_ENGINES_FIELD_NUMBER: _builtins.int
     paused: _builtins.bool
     """Any engine reports paused."""
     weight_version: _builtins.str
@@ -1380,6 +1471,8 @@ class GetServerInfoResponse(_message.Message):
     """Generations waiting for a slot on this replica."""
     version: _builtins.str
     """Service version."""
+    simulated_engines: _builtins.bool
+    """The engines are simulated (`rollout-grpc serve --sim N`): toy tokens, never train on them."""
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineInfo]:
         """Every engine in the pool."""
@@ -1393,10 +1486,11 @@ class GetServerInfoResponse(_message.Message):
         in_flight: _builtins.int = ...,
         queued: _builtins.int = ...,
         version: _builtins.str = ...,
+        simulated_engines: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "in_flight", b"in_flight", "paused", b"paused", "queued", b"queued", "version", b"version", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "in_flight", b"in_flight", "paused", b"paused", "queued", b"queued", "simulated_engines", b"simulated_engines", "version", b"version", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

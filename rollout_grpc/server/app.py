@@ -24,13 +24,16 @@ from grpc_reflection.v1alpha import reflection
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server import domain
-from rollout_grpc.server.admission import Admission
 from rollout_grpc.server.auth import AuthConfig, AuthInterceptor, TokenStore
+from rollout_grpc.server.calls import CallInterceptor, TimedAdmission, log_generate
+from rollout_grpc.server.capabilities import CapabilityChecker
 from rollout_grpc.server.control import Control
 from rollout_grpc.server.engines import EnginePool
+from rollout_grpc.server.httplog import engine_call_logging
 from rollout_grpc.server.identity import Role
 from rollout_grpc.server.inflight import InFlightRegistry
 from rollout_grpc.server.limits import ControlRateLimiter, LimitsInterceptor, RequestLimits
+from rollout_grpc.server.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.openai_front import FrontDoorConfig, OpenAIFrontDoor
 from rollout_grpc.server.peers import PeerAborter
 from rollout_grpc.server.render import RenderService
@@ -132,6 +135,15 @@ class ServerConfig:
     #: Port of the OpenAI-compatible front door (0 = pick a free one, None = off); docs/agentic.md.
     openai_port: int | None = None
     openai: FrontDoorConfig = field(default_factory=FrontDoorConfig)
+    #: Port of the Prometheus /metrics endpoint (0 = any free port, None = no endpoint).
+    metrics_port: int | None = None
+    #: OTLP/gRPC collector for OpenTelemetry traces ("" = tracing off; needs the `tracing` extra).
+    otlp_endpoint: str = ""
+    #: Engines whose logprobs mode is vLLM's default `raw_logprobs`: "refuse" (not routed to) or
+    #: "warn" (routed to, with a warning in the log and in GetServerInfo).
+    raw_logprobs: str = "warn"
+    #: The engines are simulated (`--sim`): said loudly in the log and in GetServerInfo.
+    simulated_engines: bool = False
 
     def tls(self) -> TlsConfig | None:
         """The TLS settings, or None for plaintext; a key without a certificate is a config error."""
@@ -187,10 +199,15 @@ class ServerConfig:
 class RolloutServer:
     """One running replica."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, tracer_provider: Any = None) -> None:
+        """`tracer_provider`: an OpenTelemetry TracerProvider (tests); else `otlp_endpoint` decides."""
         self.config = config
         self.port = 0
         self.health_port: int | None = None
+        self.metrics_port: int | None = None
+        self.metrics: Metrics
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self._tracer_provider = tracer_provider
         self._session: aiohttp.ClientSession | None = None
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -260,12 +277,35 @@ class RolloutServer:
         # One session for the process; the connector must allow every admitted generation plus
         # control calls (aiohttp's default of 100 would silently cap concurrent engine streams).
         connector = aiohttp.TCPConnector(limit=limit + 64, limit_per_host=0, keepalive_timeout=30)
-        self._session = aiohttp.ClientSession(connector=connector)
+        if self._tracer_provider is None and cfg.otlp_endpoint:
+            try:
+                from rollout_grpc.server.tracing import otlp_provider
+            except ImportError as exc:
+                raise RuntimeError(
+                    "--otlp-endpoint needs the tracing extra: pip install 'rollout-grpc[tracing]'"
+                ) from exc
+            self._tracer_provider = otlp_provider(cfg.otlp_endpoint)
+        trace_configs = [engine_call_logging()]
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self._tracer_provider is not None:
+            from rollout_grpc.server.tracing import TracingInterceptor, engine_tracing
+
+            trace_configs.append(engine_tracing(self._tracer_provider))
+            interceptors.append(TracingInterceptor(self._tracer_provider))
+        self._session = aiohttp.ClientSession(connector=connector, trace_configs=trace_configs)
         timeouts = EngineTimeouts(connect=cfg.engine_connect_timeout_s, sock_read=cfg.engine_read_timeout_s)
         self.pool = EnginePool(
-            cfg.engines, self._session, timeouts=timeouts, health_interval_s=cfg.health_interval_s
+            cfg.engines,
+            self._session,
+            timeouts=timeouts,
+            health_interval_s=cfg.health_interval_s,
+            breaker_cooldown_s=cfg.breaker_cooldown_s,
         )
-        admission = Admission(limit, cfg.max_queue, cfg.retry_after_s)
+        admission = TimedAdmission(limit, cfg.max_queue, cfg.retry_after_s)
+        self.metrics = Metrics(self.pool, admission)
+        #: Per-RPC observers (log line, metrics); more may be added (e.g. by tests) before calls.
+        self.calls = CallInterceptor([log_generate, self.metrics.observe])
+        interceptors.append(self.calls)
         self.rollout = Rollout(
             self.pool,
             admission,
@@ -287,14 +327,18 @@ class RolloutServer:
             RenderService(self.pool, cfg.max_images),
             cfg.default_options,
             trajectories=self.trajectories,
+            simulated_engines=cfg.simulated_engines,
         )
 
+        self.pool.capability_check = CapabilityChecker(cfg.raw_logprobs)
         await self.pool.probe_all()
         self.pool.add_listener(self._on_engines_changed)
         self.pool.start()
 
-        # Order matters: auth binds the caller that the limits (per-caller rate) then read.
-        interceptors = [
+        # Order matters: tracing and the call record (metrics, the per-Generate log line) wrap
+        # everything, so refusals by auth and limits are traced and counted too; auth binds the
+        # caller that the limits (per-caller rate) then read.
+        interceptors += [
             AuthInterceptor(self.auth),
             LimitsInterceptor(
                 cfg.request_limits(), ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst)
@@ -335,11 +379,16 @@ class RolloutServer:
                 self.rollout, self.pool, self.control, self.trajectories, cfg.openai
             )
             self.openai_port = await self.front_door.start(cfg.host, cfg.openai_port)
+        if cfg.metrics_port is not None:
+            self._metrics_endpoint = MetricsEndpoint(self.metrics)
+            self.metrics_port = await self._metrics_endpoint.start(cfg.host, cfg.metrics_port)
         log.info(
             "serving",
             port=self.port,
             health_port=self.health_port,
             openai_port=self.openai_port,
+            metrics_port=self.metrics_port,
+            simulated_engines=cfg.simulated_engines or None,
             engines=[e.url for e in self.pool.engines],
             in_flight_limit=limit,
             tls="mutual" if tls is not None and tls.mutual else ("on" if tls is not None else "off"),
@@ -397,6 +446,10 @@ class RolloutServer:
             await self.front_door.stop()
         if self._health_server is not None:
             await self._health_server.stop(None)
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.stop()
+        if self._tracer_provider is not None and hasattr(self._tracer_provider, "force_flush"):
+            self._tracer_provider.force_flush()
         await self.pool.stop()
         if self.peers is not None:
             await self.peers.close()

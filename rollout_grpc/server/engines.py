@@ -18,8 +18,9 @@ import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import structlog
@@ -71,11 +72,16 @@ class EngineHandle:
             self.token_gap_s = gap if self.token_gap_s is None else 0.8 * self.token_gap_s + 0.2 * gap
 
     _opened_at: float = field(default=0.0, repr=False)
+    #: Why the engine cannot serve the contract (each names the vLLM flag to add); set by the
+    #: capability check (`capabilities.py`). An engine with problems receives no generations.
+    problems: list[str] = field(default_factory=list)
+    #: `capabilities.Capabilities` once checked, None before (or after a failed check).
+    capabilities: Any = None
 
     @property
     def usable(self) -> bool:
-        """Healthy and not draining: may receive new generations."""
-        return self.healthy and not self.draining
+        """Healthy, not draining and able to serve the contract: may receive new generations."""
+        return self.healthy and not self.draining and not self.problems
 
 
 def _rendezvous_weight(key: str, url: str) -> int:
@@ -106,6 +112,10 @@ class EnginePool:
         self._health_task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[bool], None]] = []
         self._rr = 0
+        #: Classifies an engine at start and whenever it joins or comes back healthy (sets its
+        #: `problems`); installed by the server (`capabilities.CapabilityChecker`).
+        self.capability_check: Callable[[EngineHandle], Awaitable[None]] | None = None
+        self._joining: set[asyncio.Task[bool]] = set()
         for url in urls:
             self.add(url)
 
@@ -128,6 +138,13 @@ class EnginePool:
             handle = EngineHandle(url=url, client=VllmEngine(url, self._session, self._timeouts))
             self._engines[url] = handle
             log.info("engine_added", engine=url)
+            if self.capability_check is not None:
+                # Not routed to until checked; the check starts now, not at the next probe.
+                handle.problems = ["capabilities not checked yet"]
+                with contextlib.suppress(RuntimeError):  # no running loop: the first probe checks
+                    task = asyncio.get_running_loop().create_task(self.probe(handle))
+                    self._joining.add(task)
+                    task.add_done_callback(self._joining.discard)
         handle.draining = False
         self._notify()
         return handle
@@ -226,6 +243,13 @@ class EnginePool:
         cooling = handle.consecutive_failures > 0 and (
             time.monotonic() - handle._opened_at < self._breaker_cooldown_s
         )
+        usable_before = handle.usable
+        if (
+            ok
+            and self.capability_check is not None
+            and (handle.capabilities is None or (not handle.healthy and not cooling))
+        ):
+            await self.capability_check(handle)
         if ok and not handle.healthy and not cooling:
             handle.healthy = True
             handle.consecutive_failures = 0
@@ -235,6 +259,8 @@ class EnginePool:
             handle.healthy = False
             handle.last_error = "health probe failed"
             log.warning("engine_unhealthy", engine=handle.url, error="health probe failed")
+            self._notify()
+        if handle.usable != usable_before:
             self._notify()
         return ok
 
@@ -257,7 +283,9 @@ class EnginePool:
             self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
 
     async def stop(self) -> None:
-        """Stop periodic health probes."""
+        """Stop periodic health probes (and the checks of engines that just joined)."""
+        for task in list(self._joining):
+            task.cancel()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -20,6 +20,7 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server import convert, domain, redact, status, trajectory
 from rollout_grpc.server.control import Control, FleetResult
+from rollout_grpc.server.engine_info import engine_info_extras
 from rollout_grpc.server.errors import InvalidArgument, NotFound
 from rollout_grpc.server.identity import current_caller
 from rollout_grpc.server.render import RenderService
@@ -46,7 +47,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         default_options: domain.GenerateOptions | None = None,
         *,
         trajectories: TrajectoryStore | None = None,
+        simulated_engines: bool = False,
     ) -> None:
+        self._simulated_engines = simulated_engines
         self._rollout = rollout
         self._control = control
         self._renderer = renderer
@@ -140,9 +143,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     in_flight=s.in_flight,
                     draining=s.draining,
                     model=s.model,
+                    **engine_info_extras(self._rollout.pool.get(s.url)),
                 )
                 for s in statuses
             ],
+            simulated_engines=self._simulated_engines,
             paused=any(s.paused for s in statuses),
             weight_version=versions.pop() if len(versions) == 1 else "",
             in_flight=self._rollout.admission.running,

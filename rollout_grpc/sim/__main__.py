@@ -1,4 +1,4 @@
-"""``python -m rollout_grpc.sim``: run one simulated engine in the foreground.
+"""``rollout-grpc sim`` (or ``python -m rollout_grpc.sim``): run one simulated engine in the foreground.
 
 Writes the bound port to ``--port-file`` (atomically, via a rename) once the socket listens, so a
 parent process can start it with ``--port 0`` and read the port without racing.
@@ -17,8 +17,12 @@ from .config import SimConfig
 from .engine import SimEngine
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rollout_grpc.sim", description="Simulated vLLM 0.32 engine")
+def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="A simulated vLLM 0.32 engine (HTTP) for demos and tests: toy tokens, real API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--port-file", default=None, help="write the bound port here")
@@ -36,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dev-mode", action="store_true", help="as without VLLM_SERVER_DEV_MODE=1")
     p.add_argument("--no-scale-out", action="store_true", help="as without --enable-scale-out")
     p.add_argument("--tokens-only", action="store_true")
+    p.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
+        help="reported in /server_info as vLLM's --logprobs-mode",
+    )
     p.add_argument(
         "--moe", action="store_true", help="return routed experts (--enable-return-routed-experts)"
     )
@@ -68,6 +78,7 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         moe_topk=a.moe_topk,
         return_routed_experts=a.moe,
         multimodal=a.multimodal,
+        logprobs_mode=a.logprobs_mode,
     )
     cfg.faults.dead = a.dead
     return cfg
@@ -93,8 +104,8 @@ async def _serve(cfg: SimConfig, host: str, port: int, port_file: str | None) ->
         await stop.wait()
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m rollout_grpc.sim") -> None:
+    a = build_parser(prog).parse_args(argv)
     asyncio.run(_serve(config_from_args(a), a.host, a.port, a.port_file))
 
 

@@ -7,6 +7,7 @@ Gating mirrors vLLM: without ``scale_out`` the scale-out routes still exist but 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -18,6 +19,17 @@ from .errors import SCALE_OUT_DISABLED, ApiError, not_found_route
 from .generate import handle_generate
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: The headers of the latest requests to the scale-out routes (``/inference/...``), newest last, as
+#: (path, headers) pairs: lets tests check what a client sent (e.g. W3C ``traceparent``).
+RECEIVED_HEADERS = web.AppKey("received_headers", collections.deque)
+
+
+@web.middleware
+async def _record_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith("/inference/"):
+        request.app[RECEIVED_HEADERS].append((request.path, dict(request.headers)))
+    return await handler(request)
 
 
 @web.middleware
@@ -66,7 +78,8 @@ async def _abort_requests(request: web.Request) -> web.StreamResponse:
 def create_app(config: SimConfig | None = None, *, core: EngineCore | None = None) -> web.Application:
     """Build the simulated engine's app. ``app["core"]`` is its ``EngineCore``."""
     cfg = config if config is not None else SimConfig()
-    app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
+    app = web.Application(middlewares=[_record_headers, _errors], client_max_size=256 * 1024 * 1024)
+    app[RECEIVED_HEADERS] = collections.deque(maxlen=64)
     app[CORE_KEY] = core if core is not None else EngineCore(cfg)
     r = app.router
     # discovery

@@ -132,6 +132,8 @@ class SimConfig:
     moe_topk: int = 2
     return_routed_experts: bool = False
     multimodal: bool = False
+    #: vLLM's ``--logprobs-mode`` as reported by ``/server_info`` (vLLM's default is raw_logprobs).
+    logprobs_mode: str = "raw_logprobs"
     image_min_tokens: int = 4
     image_max_tokens: int = 16
     limit_images: int = 2

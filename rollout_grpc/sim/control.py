@@ -274,16 +274,7 @@ async def server_info(request: web.Request) -> web.StreamResponse:
             "dtype": "bfloat16",
             "max_model_len": cfg.max_model_len,
             "max_logprobs": cfg.max_logprobs,
-            "logprobs_mode": "raw_logprobs",
-            "hf_config": {
-                "vocab_size": cfg.vocab_size,
-                "num_hidden_layers": cfg.moe_layers,
-                **(
-                    {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_topk}
-                    if cfg.is_moe
-                    else {}
-                ),
-            },
+            "logprobs_mode": cfg.logprobs_mode,
         },
         "cache_config": {"enable_prefix_caching": True},
         "parallel_config": {

@@ -51,7 +51,7 @@ def reloadable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[
 async def usable_engines(client: AsyncRolloutClient) -> list[str]:
     """Engines the replica would send new generations to."""
     info = await client.server_info()
-    return [e.url for e in info.engines if e.healthy and not e.draining]
+    return [e.url for e in info.engines if e.usable]
 
 
 async def wait_for_engines(client: AsyncRolloutClient, expected: list[str]) -> None:

@@ -121,3 +121,31 @@ def test_tls_overlay_flags_exist_and_match_its_mount() -> None:
     mount = re.search(r"name: tls, mountPath: (\S+),", text)
     assert mount is not None
     assert all(path.startswith(mount[1] + "/") for flag, path in flags if path and flag != "--peer-tls-name")
+
+
+def test_metrics_port_is_exposed_and_annotated_for_scraping() -> None:
+    port = container_args()["--metrics-port"]
+    assert re.search(rf"- name: metrics\n\s+containerPort: {port}\n", DEPLOYMENT)
+    assert 'prometheus.io/scrape: "true"' in DEPLOYMENT
+    assert f'prometheus.io/port: "{port}"' in DEPLOYMENT
+
+
+async def test_grafana_dashboard_queries_only_metrics_the_server_exports() -> None:
+    import json
+
+    import aiohttp
+
+    from rollout_grpc.server.admission import Admission
+    from rollout_grpc.server.engines import EnginePool
+    from rollout_grpc.server.metrics import PREFIX, Metrics
+
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "rollout-grpc.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert exprs
+    used = {n for e in exprs for n in re.findall(rf"\b({PREFIX}[a-z0-9_]+)", e)}
+    async with aiohttp.ClientSession() as session:
+        metrics = Metrics(EnginePool([], session), Admission(1, 0))
+        families = list(metrics.registry.collect())
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    exported = {f.name + s for f in families for s in suffixes.get(f.type, ("",))}
+    assert not used - exported, used - exported

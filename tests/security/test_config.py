@@ -7,14 +7,14 @@ import argparse
 import pytest
 import structlog
 
-from rollout_grpc import cli
+from rollout_grpc import settings
 from rollout_grpc.server.app import RolloutServer, ServerConfig
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    cli._add_server_arguments(parser)
-    return parser.parse_args(argv)
+    settings.add_serve_arguments(parser)
+    return settings.parse_serve_args(parser, argv)
 
 
 def test_flags_and_env_vars_fill_the_security_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,7 +32,7 @@ def test_flags_and_env_vars_fill_the_security_config(monkeypatch: pytest.MonkeyP
             "--no-reflection",
         ]
     )
-    config = cli._config(args, ["http://engine:8000"])
+    config = settings.server_config(args, ["http://engine:8000"])
     assert (config.tls_cert_file, config.tls_key_file) == ("/secrets/tls.crt", "/secrets/tls.key")
     assert config.tls_client_ca_file == "/secrets/ca.crt"
     assert config.auth_tokens_file == "/secrets/tokens"
@@ -44,8 +44,8 @@ def test_flags_and_env_vars_fill_the_security_config(monkeypatch: pytest.MonkeyP
 
 
 def test_bad_security_flags_are_refused() -> None:
-    with pytest.raises(SystemExit):
-        parse(["--mtls-role=nobody"])
+    with pytest.raises(settings.SettingsError, match="--mtls-role"):
+        settings.server_config(parse(["--mtls-role=nobody"]), [])
     with pytest.raises(ValueError, match="go together"):
         ServerConfig(engines=[], tls_cert_file="x.crt").tls()
     with pytest.raises(ValueError, match="needs --tls-cert"):

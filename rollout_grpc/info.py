@@ -1,0 +1,112 @@
+"""`rollout-grpc info --target host:port`: a replica and its engines at a glance.
+
+Calls GetServerInfo and the standard health service of one replica and prints a table (or, with
+`--json`, GetServerInfo as JSON with the health status added). Exit code 0 when the replica is
+SERVING, 1 when it answers but is not, 2 when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def render(info: pb.GetServerInfoResponse, health: str, target: str) -> str:
+    """The human-readable report of one replica."""
+    lines = [
+        f"replica {target}  version {info.version or '?'}  health {health}",
+        f"in flight {info.in_flight}  queued {info.queued}  paused {_yes(info.paused)}  "
+        f"weight version {info.weight_version or '(engines disagree or unknown)'}",
+    ]
+    if info.simulated_engines:
+        lines.append("SIMULATED ENGINES: toy tokens, not a model (started with --sim)")
+    lines.append("")
+    header = ["engine", "usable", "healthy", "paused", "draining", "weight version", "in flight", "model"]
+    rows = [header]
+    for e in info.engines:
+        rows.append(
+            [
+                e.url,
+                _yes(e.usable),
+                _yes(e.healthy),
+                _yes(e.paused),
+                _yes(e.draining),
+                e.weight_version or "-",
+                str(e.in_flight),
+                e.model or "-",
+            ]
+        )
+    lines += _table(rows) if info.engines else ["(no engines)"]
+    for e in info.engines:
+        caps = e.capabilities if e.HasField("capabilities") else None
+        if caps is not None:
+            facts = [
+                f"logprobs_mode={caps.logprobs_mode or '?'}",
+                f"max_model_len={caps.max_model_len or '?'}",
+                f"moe={_opt(caps, 'moe')}",
+                f"routed_experts={_opt(caps, 'routed_experts')}",
+                f"scale_out={_opt(caps, 'scale_out')}",
+                f"dev_mode={_opt(caps, 'dev_mode')}",
+            ]
+            lines.append(f"\n{e.url}: {' '.join(facts)}")
+        for problem in e.problems:
+            lines.append(f"  PROBLEM  {problem}")
+        for warning in e.warnings:
+            lines.append(f"  warning  {warning}")
+    return "\n".join(lines)
+
+
+def _opt(caps: pb.EngineCapabilities, name: str) -> str:
+    return _yes(bool(getattr(caps, name))) if caps.HasField(name) else "?"  # type: ignore[arg-type]
+
+
+def fetch(target: str, timeout: float) -> tuple[pb.GetServerInfoResponse, str]:
+    """GetServerInfo and the health status of the rollout service on `target`."""
+    with grpc.insecure_channel(target) as channel:
+        info = pb_grpc.RolloutServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
+            )
+            health = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.RpcError as exc:
+            health = f"unknown ({exc.code().name})"
+    return info, health
+
+
+def run_info(target: str, *, as_json: bool = False, timeout: float = 10.0, out: TextIO | None = None) -> int:
+    """The `info` command; returns the exit code."""
+    out = out or sys.stdout
+    try:
+        info, health = fetch(target, timeout)
+    except grpc.RpcError as exc:
+        print(f"rollout-grpc info: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    if as_json:
+        body: dict[str, Any] = json_format.MessageToDict(info, always_print_fields_with_no_presence=True)
+        body["health"] = health
+        print(json.dumps(body, indent=2), file=out)
+    else:
+        print(render(info, health, target), file=out)
+    return 0 if health == "SERVING" else 1

@@ -1,0 +1,85 @@
+"""The command line: simulated engines only when asked, `sim` and `info` subcommands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollout_grpc.info import run_info
+from tests.deploy.fleet import Processes, child_env, read_port_file, replica_command
+from tests.harness import harness
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Processes]:
+    group = Processes(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+def test_serve_without_engines_fails_and_says_how_to_fix_it() -> None:
+    result = subprocess.run(
+        [*replica_command(), "serve", "--port", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in child_env().items() if not k.startswith("ROLLOUT_GRPC_")},
+    )
+    assert result.returncode != 0
+    assert "no engine given" in result.stderr
+    assert "--engine" in result.stderr and "--sim N" in result.stderr
+
+
+def test_serve_with_sim_is_loud_and_flagged(procs: Processes, tmp_path: Path) -> None:
+    port_file = tmp_path / "ports.json"
+    proc = procs.start(
+        "replica",
+        [*replica_command(), "serve", "--sim", "1", "--port", "0", "--port-file", str(port_file)],
+    )
+    ports = json.loads(read_port_file(port_file, proc))
+    target = f"127.0.0.1:{ports['grpc']}"
+    assert "SIMULATED ENGINES" in proc.log_text()
+    info = subprocess.run(
+        [*replica_command(), "info", "--target", target, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    body = json.loads(info.stdout)
+    assert body["simulatedEngines"] is True
+    assert body["health"] == "SERVING"
+    assert len(body["engines"]) == 1 and body["engines"][0]["usable"] is True
+
+
+def test_sim_subcommand_has_help() -> None:
+    out = subprocess.run(
+        [*replica_command(), "sim", "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert out.startswith("usage: rollout-grpc sim")
+    assert "--no-scale-out" in out and "--logprobs-mode" in out
+
+
+async def test_info_prints_a_table_with_problems(capsys: pytest.CaptureFixture[str]) -> None:
+    async with harness("sim", sim_count=1, sim_config={"dev_mode": False}) as h:
+        # run_info uses a blocking channel: run it off the event loop that serves the replica.
+        import asyncio
+
+        code = await asyncio.to_thread(run_info, h.target)
+    out = capsys.readouterr().out
+    assert code == 1  # the only engine is unusable: the replica is NOT_SERVING
+    assert "health NOT_SERVING" in out
+    assert h.sims[0].url in out
+    assert "PROBLEM" in out and "VLLM_SERVER_DEV_MODE=1" in out
+
+
+def test_info_on_an_unreachable_target_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_info("127.0.0.1:1", timeout=2.0) == 2
+    assert "UNAVAILABLE" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+"""`serve` configuration: one source of defaults; flag > environment > config file > default."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollout_grpc import settings
+from rollout_grpc.client import make_sample
+from rollout_grpc.server.app import ServerConfig
+from tests.harness import harness
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="serve")
+    settings.add_serve_arguments(parser)
+    return parser
+
+
+def _parse(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
+    return settings.parse_serve_args(_parser(), argv, env or {})
+
+
+def test_every_server_config_field_is_a_flag_or_excluded_with_a_reason() -> None:
+    covered = {f.field.split(".")[0] for f in settings.FLAGS if f.field}
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    missing = fields - covered - set(settings.NOT_FLAGS)
+    assert not missing, f"ServerConfig fields without a flag: {sorted(missing)}"
+    assert all(settings.NOT_FLAGS.values())
+
+
+def test_defaults_come_from_the_dataclasses() -> None:
+    parsed = settings.server_config(_parse([]), ["http://e"])
+    assert parsed == ServerConfig(engines=["http://e"])
+
+
+def test_every_flag_has_help_and_shows_its_default_and_variable() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_grpc.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    flat = " ".join(out.split())
+    for flag in settings.FLAGS:
+        assert flag.help, flag.name
+        assert flag.env in flat, flag.name
+    assert flat.count("(default:") >= len(settings.FLAGS)
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    config = tmp_path / "replica.toml"
+    config.write_text('grace = 11.0\nmax-queue = 7\nport = 6000\nengine = ["http://from-file"]\n')
+    env = {"ROLLOUT_GRPC_MAX_QUEUE": "8", "ROLLOUT_GRPC_PORT": "6001", "ROLLOUT_GRPC_CONFIG": str(config)}
+    args = _parse(["--port", "6002"], env)
+    cfg = settings.server_config(args, list(args.engine))
+    assert cfg.port == 6002  # flag
+    assert cfg.max_queue == 8  # environment
+    assert cfg.grace_s == 11.0  # config file
+    assert cfg.health_interval_s == ServerConfig(engines=[]).health_interval_s  # default
+    assert cfg.engines == ["http://from-file"]
+
+
+def test_list_flags_replace_rather_than_extend_lower_sources() -> None:
+    assert _parse([]).engine == []
+    env = {"ROLLOUT_GRPC_ENGINE": "http://a, http://b"}
+    assert _parse([], env).engine == ["http://a", "http://b"]
+    assert _parse(["--engine", "http://c", "--engine", "http://d"], env).engine == ["http://c", "http://d"]
+
+
+def test_units_switches_and_none_values_convert() -> None:
+    args = _parse(
+        ["--stream-batch-interval-ms", "50", "--max-connection-age", "0", "--engine-read-timeout", "0"],
+        {"ROLLOUT_GRPC_NO_ENGINE_STREAM_INTERVAL": "true", "ROLLOUT_GRPC_METRICS_PORT": "0"},
+    )
+    cfg = settings.server_config(args, ["http://e"])
+    assert cfg.default_options.stream_batch_interval_s == pytest.approx(0.05)
+    assert cfg.max_connection_age_s is None and cfg.engine_read_timeout_s is None
+    assert cfg.engine_stream_interval is False
+    assert cfg.metrics_port == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "config", "needle"),
+    [
+        ({"ROLLOUT_GRPC_GRACE": "soon"}, "", "ROLLOUT_GRPC_GRACE"),
+        ({"ROLLOUT_GRPC_RAW_LOGPROBS": "maybe"}, "", "--raw-logprobs"),
+        ({}, "no_such_flag = 1\n", "unknown key 'no_such_flag'"),
+        ({}, "grace = true\n", "--grace"),
+    ],
+)
+def test_bad_values_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], env: dict[str, str], config: str, needle: str
+) -> None:
+    argv: list[str] = []
+    if config:
+        path = tmp_path / "c.toml"
+        path.write_text(config)
+        argv = ["--config", str(path)]
+    with pytest.raises(SystemExit):
+        _parse(argv, env)
+    assert needle in capsys.readouterr().err
+
+
+async def test_breaker_cooldown_setting_reaches_the_engine_pool() -> None:
+    """`--breaker-cooldown` decides how long an engine that broke a stream stays out of rotation."""
+    async with harness("sim", breaker_cooldown_s=0.0) as h:
+        h.sims[0].faults.drop_connection = 1
+        sample = await h.client.generate(make_sample([5, 6, 7]), {"max_new_tokens": 50, "ignore_eos": True})
+        assert sample.engine_attempts[0].error  # the stream broke: the breaker opened
+        engine = h.server.pool.engines[0]
+        # No cooldown: the next successful probe closes the breaker (the default, 5 s, would not).
+        await h.server.pool.probe(engine)
+        assert engine.usable
