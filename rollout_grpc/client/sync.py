@@ -10,7 +10,15 @@ import grpc
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.client.aio import DEFAULT_CHANNEL_OPTIONS, build_request
+from rollout_grpc.client.channel import (
+    DEFAULT_RETRY,
+    RetryPolicy,
+    batch_request_ids,
+    build_request,
+    channel_options,
+    is_batch,
+    resolve_timeout,
+)
 from rollout_grpc.client.samples import (
     OptionsLike,
     ParamsLike,
@@ -26,11 +34,20 @@ class RolloutClient:
     """Blocking calls to a rollout service replica; lists of samples run on a thread pool."""
 
     def __init__(
-        self, target: str, *, max_workers: int = 64, options: Sequence[tuple[str, Any]] = ()
+        self,
+        target: str,
+        *,
+        max_workers: int = 64,
+        options: Sequence[tuple[str, Any]] = (),
+        timeout: float | None = None,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
     ) -> None:
-        self._channel = grpc.insecure_channel(target, options=[*DEFAULT_CHANNEL_OPTIONS, *options])
+        """`timeout` and `retry` as in AsyncRolloutClient: a default deadline for generate calls,
+        and gRPC retries of refused calls honouring the server's pushback (None disables)."""
+        self._channel = grpc.insecure_channel(target, options=channel_options(options, retry))
         self._stub = pb_grpc.RolloutServiceStub(self._channel)
         self._max_workers = max_workers
+        self._default_timeout = timeout
 
     def __enter__(self) -> RolloutClient:
         return self
@@ -52,7 +69,8 @@ class RolloutClient:
         request_id: str | None = None,
     ) -> Iterator[pb.GenerateResponse]:
         """Stream the Generate messages: deltas, then the final sample."""
-        call = self._stub.Generate(build_request(sample, params, options, request_id), timeout=timeout)
+        request = build_request(sample, params, options, request_id)
+        call = self._stub.Generate(request, timeout=resolve_timeout(timeout, self._default_timeout))
         try:
             yield from call
         finally:
@@ -68,26 +86,38 @@ class RolloutClient:
     ) -> pb.Sample:
         request = build_request(sample, params, options, request_id)
         request.options.final_only = True
-        for message in self._stub.Generate(request, timeout=timeout):
+        deadline = resolve_timeout(timeout, self._default_timeout)
+        for message in self._stub.Generate(request, timeout=deadline):
             if message.HasField("sample"):
                 return message.sample
         raise RuntimeError("the Generate stream ended without a sample")
 
     def generate(
         self,
-        sample: SampleLike | list[SampleLike],
+        sample: Any,
         params: ParamsLike = None,
         options: OptionsLike = None,
         *,
         timeout: float | None = None,
         request_id: str | None = None,
-    ) -> pb.Sample | list[pb.Sample]:
-        """Generate one sample, or a list concurrently (results in input order)."""
-        if isinstance(sample, list) and sample and not isinstance(sample[0], int):
+        request_ids: Sequence[str] | None = None,
+    ) -> Any:
+        """Generate one sample (-> Sample), or a batch concurrently (-> list, in input order).
+
+        The same inputs as AsyncRolloutClient.generate: tuples, numpy ids, `[]` -> `[]`, and
+        `request_ids` to name a batch's calls so one can be aborted from another thread.
+        """
+        if is_batch(sample):
+            if not len(sample):
+                return []
+            ids = batch_request_ids(len(sample), request_ids)
             with ThreadPoolExecutor(max_workers=min(self._max_workers, len(sample))) as pool:
-                futures = [pool.submit(self._generate_one, s, params, options, timeout, None) for s in sample]
+                futures = [
+                    pool.submit(self._generate_one, s, params, options, timeout, rid)
+                    for s, rid in zip(sample, ids, strict=True)
+                ]
                 return [f.result() for f in futures]
-        return self._generate_one(sample, params, options, timeout, request_id)  # type: ignore[arg-type]
+        return self._generate_one(sample, params, options, timeout, request_id)
 
     def abort(
         self,
