@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import grpc
+import numpy as np
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client.channel import (
     DEFAULT_CHANNEL_OPTIONS,
     DEFAULT_RETRY,
@@ -30,6 +30,10 @@ from rollout_grpc.client.samples import (
     render_request,
     resume_request,
 )
+from rollout_grpc.client.stubs import async_stub
+
+if TYPE_CHECKING:
+    from rollout_grpc._proto.rollout_pb2_grpc import RolloutServiceAsyncStub
 
 __all__ = ["DEFAULT_CHANNEL_OPTIONS", "AsyncRolloutClient", "build_request"]
 
@@ -63,16 +67,16 @@ class AsyncRolloutClient:
         self._target = target
         self._options = channel_options(options, retry)
         self._default_timeout = timeout
-        self._given = (channel, pb_grpc.RolloutServiceStub(channel)) if channel is not None else None
+        self._given = (channel, async_stub(channel)) if channel is not None else None
         self._per_loop: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, pb_grpc.RolloutServiceAsyncStub]
+            asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, RolloutServiceAsyncStub]
         ] = weakref.WeakKeyDictionary()
 
     def _make_channel(self) -> grpc.aio.Channel:
         """A new channel to the target (called once per event loop)."""
         return grpc.aio.insecure_channel(self._target, options=self._options)
 
-    def _connection(self) -> tuple[grpc.aio.Channel, pb_grpc.RolloutServiceAsyncStub]:
+    def _connection(self) -> tuple[grpc.aio.Channel, RolloutServiceAsyncStub]:
         if self._given is not None:
             return self._given
         try:
@@ -82,11 +86,11 @@ class AsyncRolloutClient:
         found = self._per_loop.get(loop)
         if found is None:
             channel = self._make_channel()
-            found = self._per_loop[loop] = (channel, pb_grpc.RolloutServiceStub(channel))
+            found = self._per_loop[loop] = (channel, async_stub(channel))
         return found
 
     @property
-    def _stub(self) -> pb_grpc.RolloutServiceAsyncStub:
+    def _stub(self) -> RolloutServiceAsyncStub:
         return self._connection()[1]
 
     async def __aenter__(self) -> AsyncRolloutClient:
@@ -109,7 +113,7 @@ class AsyncRolloutClient:
             await found[0].close()
 
     @property
-    def stub(self) -> pb_grpc.RolloutServiceAsyncStub:
+    def stub(self) -> RolloutServiceAsyncStub:
         """The generated stub, for calls this class does not wrap."""
         return self._stub
 
@@ -161,7 +165,7 @@ class AsyncRolloutClient:
     @overload
     async def generate(
         self,
-        sample: Sequence[Any],
+        sample: Sequence[Any] | np.ndarray,
         params: ParamsLike = ...,
         options: OptionsLike = ...,
         *,

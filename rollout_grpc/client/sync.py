@@ -9,7 +9,6 @@ from typing import Any
 import grpc
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client.channel import (
     DEFAULT_RETRY,
     RetryPolicy,
@@ -28,6 +27,7 @@ from rollout_grpc.client.samples import (
     render_request,
     resume_request,
 )
+from rollout_grpc.client.stubs import sync_stub
 
 
 class RolloutClient:
@@ -45,7 +45,7 @@ class RolloutClient:
         """`timeout` and `retry` as in AsyncRolloutClient: a default deadline for generate calls,
         and gRPC retries of refused calls honouring the server's pushback (None disables)."""
         self._channel = grpc.insecure_channel(target, options=channel_options(options, retry))
-        self._stub = pb_grpc.RolloutServiceStub(self._channel)
+        self._stub = sync_stub(self._channel)
         self._max_workers = max_workers
         self._default_timeout = timeout
 

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -43,7 +44,8 @@ async def test_client_created_outside_the_loop_works_in_later_loops(target: str)
     def in_another_loop() -> pb.Sample:
         async def run() -> pb.Sample:
             try:
-                return await client.generate(PROMPT, SHORT)
+                done: pb.Sample = await client.generate(PROMPT, SHORT)
+                return done
             finally:
                 await client.close()
 
@@ -113,7 +115,7 @@ def test_sync_client_batches_and_default_deadline(target: str) -> None:
         assert [s.response_length for s in done] == [8, 8]
     with RolloutClient(target, timeout=0.2) as client, pytest.raises(grpc.RpcError) as err:
         client.generate(PROMPT, LONG)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 async def test_unspecified_status_means_pending(target: str) -> None:
@@ -128,6 +130,7 @@ async def test_unspecified_status_means_pending(target: str) -> None:
 
 # ---- the default retry policy honours the server's pushback -------------------------------------
 
+Ctx = grpc.aio.ServicerContext[Any, Any]
 PUSHBACK_MS = 700  # well above the policy's 0.2 s initial backoff, so only the pushback explains it
 
 
@@ -138,7 +141,7 @@ class RefuseOnce:
         self.arrivals: list[float] = []
         self.lock = threading.Lock()
 
-    async def _refuse_first(self, context: grpc.aio.ServicerContext) -> None:
+    async def _refuse_first(self, context: Ctx) -> None:
         with self.lock:
             self.arrivals.append(time.monotonic())
             first = len(self.arrivals) == 1
@@ -146,13 +149,11 @@ class RefuseOnce:
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(PUSHBACK_MS)),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "admission queue full")
 
-    async def info(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> object:
+    async def info(self, request: pb.GetServerInfoRequest, context: Ctx) -> object:
         await self._refuse_first(context)
         return pb.GetServerInfoResponse(in_flight=7)
 
-    async def generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, request: pb.GenerateRequest, context: Ctx) -> AsyncIterator[pb.GenerateResponse]:
         await self._refuse_first(context)
         yield pb.GenerateResponse(sample=pb.Sample(tokens=list(request.sample.tokens), response_length=0))
 

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The client on every supported interpreter and at both ends of its protobuf/grpcio range.
+#
+# For each Python (3.10, 3.11, 3.12, 3.13) and each dependency set (oldest, newest), create a
+# virtualenv, pip-install ONLY the client (the wheel built from this tree, no [server] extra) and run
+# tests/client against one live replica on simulated engines (started once by tools/serve_sim.sh
+# from the dev virtualenv). Under CI=true a missing interpreter is a failure; otherwise it is skipped
+# with a warning. Usage: tools/client_matrix.sh [3.10 3.12 ...]
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+PYTHONS=("${@:-3.10 3.11 3.12 3.13}")
+read -r -a PYTHONS <<<"${PYTHONS[*]}"
+WORK="$ROOT/.cache/client-matrix"
+TEST_DEPS=(pytest pytest-asyncio pytest-timeout)
+
+# The oldest supported versions (pyproject.toml): grpcio has no cp313 wheel before 1.66.2 and
+# numpy none before 2.1, so Python 3.13's oldest set starts there.
+oldest_pins() {
+  case "$1" in
+    3.13) echo "protobuf==4.21.12 grpcio==1.66.2 numpy==2.1.3" ;;
+    *) echo "protobuf==4.21.12 grpcio==1.62.2 numpy==1.26.4" ;;
+  esac
+}
+
+find_python() {
+  local version="$1" candidate
+  for candidate in "$HOME"/.pyenv/versions/"$version".*/bin/python "$(command -v "python$version" || true)"; do
+    if [[ -n "$candidate" && -x "$candidate" ]]; then echo "$candidate"; return 0; fi
+  done
+  return 1
+}
+
+start=$(date +%s)
+mkdir -p "$WORK"
+rm -f "$WORK"/*.whl
+.venv/bin/python -m pip wheel -q --no-deps -w "$WORK" . 2>&1 | grep -v "^WARNING: Location" || true
+WHEEL=$(ls "$WORK"/rollout_grpc-*.whl)
+
+PORT_FILE="$WORK/server.json"
+rm -f "$PORT_FILE"
+bash tools/serve_sim.sh "$PORT_FILE" &
+SERVER_PID=$!
+trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+  [[ -s "$PORT_FILE" ]] && break
+  kill -0 "$SERVER_PID" 2>/dev/null || { echo "the replica did not start"; exit 1; }
+  # Bounded wait for the port file, the replica's readiness signal.
+  read -r -t 0.1 <> <(:) || true
+done
+[[ -s "$PORT_FILE" ]] || { echo "the replica wrote no port file"; exit 1; }
+TARGET="127.0.0.1:$(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["grpc"])' "$PORT_FILE")"
+
+failures=()
+for version in "${PYTHONS[@]}"; do
+  if ! python=$(find_python "$version"); then
+    if [[ "${CI:-}" == "true" ]]; then failures+=("python$version missing"); else echo "SKIP python$version: not found"; fi
+    continue
+  fi
+  for set in oldest newest; do
+    venv="$WORK/py$version-$set"
+    rm -rf "$venv"
+    "$python" -m venv "$venv"
+    if [[ $set == oldest ]]; then
+      # shellcheck disable=SC2046
+      pins=($(oldest_pins "$version"))
+    else
+      pins=(--upgrade protobuf grpcio numpy)
+    fi
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "$WHEEL" "${pins[@]}" "${TEST_DEPS[@]}" \
+      2> >(grep -v "^WARNING: Location" >&2)
+    versions=$("$venv/bin/python" -c 'import sys, google.protobuf as p, grpc, numpy
+print(f"python {sys.version.split()[0]} protobuf {p.__version__} grpcio {grpc.__version__} numpy {numpy.__version__}")')
+    if "$venv/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("aiohttp") is None)'; then
+      failures+=("$version/$set: installing the client pulled aiohttp (a server dependency)")
+    fi
+    echo "== $set: $versions"
+    if ! (cd "$ROOT" && ROLLOUT_CLIENT_MATRIX=1 ROLLOUT_GRPC_TARGET="$TARGET" "$venv/bin/pytest" -q \
+        -p no:cacheprovider --import-mode=importlib --confcutdir=tests/client tests/client); then
+      failures+=("$version/$set ($versions)")
+    fi
+  done
+done
+
+echo "client matrix: $(( $(date +%s) - start )) s"
+if ((${#failures[@]})); then
+  printf 'FAILED: %s\n' "${failures[@]}"
+  exit 1
+fi
+echo "client matrix passed: Python ${PYTHONS[*]} x {oldest, newest}"
