@@ -75,6 +75,10 @@ print(f"python {sys.version.split()[0]} protobuf {p.__version__} grpcio {grpc.__
       failures+=("$version/$set: installing the client pulled aiohttp (a server dependency)")
     fi
     echo "== $set: $versions"
+    # The console script exists in a client-only install; `serve` must say what to install.
+    if serve_out=$("$venv/bin/rollout-grpc" serve 2>&1) || [[ "$serve_out" != *"rollout-grpc[server]"* ]]; then
+      failures+=("$version/$set: rollout-grpc serve without the server extra did not explain itself: $serve_out")
+    fi
     if ! (cd "$ROOT" && ROLLOUT_CLIENT_MATRIX=1 ROLLOUT_GRPC_TARGET="$TARGET" "$venv/bin/pytest" -q \
         -p no:cacheprovider --import-mode=importlib --confcutdir=tests/client tests/client); then
       failures+=("$version/$set ($versions)")
