@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The client on every supported interpreter and at both ends of its protobuf/grpcio range.
 #
-# For each Python (3.10, 3.11, 3.12, 3.13) and each dependency set (oldest, newest), create a
-# virtualenv, pip-install ONLY the client (the wheel built from this tree, no [server] extra) and run
-# tests/client against one live replica on simulated engines (started once by tools/serve_sim.sh
-# from the dev virtualenv). Under CI=true a missing interpreter is a failure; otherwise it is skipped
-# with a warning. Usage: tools/client_matrix.sh [3.10 3.12 ...]
+# For each Python (3.10, 3.11, 3.12, 3.13) and each dependency set (oldest, newest): a virtualenv with
+# ONLY the client installed (the wheel built from this tree, no [server] extra) runs tests/client
+# against one live replica on simulated engines (started once by tools/serve_sim.sh from the dev
+# virtualenv). Virtualenvs are kept in .cache/client-matrix and reused: each run reinstalls the
+# fresh wheel, re-applies the pins (the newest set re-resolves against the index) and checks that
+# no server dependency crept in. MATRIX_JOBS (default 2) combinations run at once.
+# Under CI=true a missing interpreter is a failure; otherwise it is skipped with a warning.
+# Usage: tools/client_matrix.sh [3.10 3.12 ...]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
-PYTHONS=("${@:-3.10 3.11 3.12 3.13}")
-read -r -a PYTHONS <<<"${PYTHONS[*]}"
+read -r -a PYTHONS <<<"${*:-3.10 3.11 3.12 3.13}"
 WORK="$ROOT/.cache/client-matrix"
+JOBS="${MATRIX_JOBS:-2}"
 TEST_DEPS=(pytest pytest-asyncio pytest-timeout)
 
 # The oldest supported versions (pyproject.toml): grpcio has no cp313 wheel before 1.66.2 and
@@ -31,9 +34,38 @@ find_python() {
   return 1
 }
 
+# One combination: prints its report to its log; exit status 0 = passed.
+run_combo() {
+  local version="$1" set="$2" python="$3" venv="$WORK/py$1-$2" pins versions serve_out
+  if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c 'import sys; sys.exit(0)' 2>/dev/null; then
+    rm -rf "$venv"
+    "$python" -m venv "$venv"
+  fi
+  if [[ $set == oldest ]]; then
+    read -r -a pins <<<"$(oldest_pins "$version")"
+  else
+    pins=(--upgrade protobuf grpcio numpy)
+  fi
+  "$venv/bin/python" -m pip uninstall -q -y rollout-grpc 2>/dev/null || true
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$WHEEL" "${pins[@]}" "${TEST_DEPS[@]}" \
+    2> >(grep -v "^WARNING: Location" >&2)
+  versions=$("$venv/bin/python" -c 'import sys, google.protobuf as p, grpc, numpy
+print(f"python {sys.version.split()[0]} protobuf {p.__version__} grpcio {grpc.__version__} numpy {numpy.__version__}")')
+  echo "== $set: $versions"
+  if "$venv/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("aiohttp") is None)'; then
+    echo "FAIL: the client install holds aiohttp (a server dependency)"; return 1
+  fi
+  # The console script exists in a client-only install; `serve` must say what to install.
+  if serve_out=$("$venv/bin/rollout-grpc" serve 2>&1) || [[ "$serve_out" != *"rollout-grpc[server]"* ]]; then
+    echo "FAIL: rollout-grpc serve without the server extra did not explain itself: $serve_out"; return 1
+  fi
+  ROLLOUT_CLIENT_MATRIX=1 ROLLOUT_GRPC_TARGET="$TARGET" "$venv/bin/pytest" -q -p no:cacheprovider \
+    -W ignore::DeprecationWarning --import-mode=importlib --confcutdir=tests/client tests/client
+}
+
 start=$(date +%s)
 mkdir -p "$WORK"
-rm -f "$WORK"/*.whl
+rm -f "$WORK"/*.whl "$WORK"/*.log
 .venv/bin/python -m pip wheel -q --no-deps -w "$WORK" . 2>&1 | grep -v "^WARNING: Location" || true
 WHEEL=$(ls "$WORK"/rollout_grpc-*.whl)
 
@@ -45,45 +77,33 @@ trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || 
 for _ in $(seq 600); do
   [[ -s "$PORT_FILE" ]] && break
   kill -0 "$SERVER_PID" 2>/dev/null || { echo "the replica did not start"; exit 1; }
-  # Bounded wait for the port file, the replica's readiness signal.
-  read -r -t 0.1 <> <(:) || true
+  read -r -t 0.1 <> <(:) || true  # bounded wait for the port file, the replica's readiness signal
 done
 [[ -s "$PORT_FILE" ]] || { echo "the replica wrote no port file"; exit 1; }
 TARGET="127.0.0.1:$(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["grpc"])' "$PORT_FILE")"
 
 failures=()
+declare -A pids=()
 for version in "${PYTHONS[@]}"; do
   if ! python=$(find_python "$version"); then
     if [[ "${CI:-}" == "true" ]]; then failures+=("python$version missing"); else echo "SKIP python$version: not found"; fi
     continue
   fi
   for set in oldest newest; do
-    venv="$WORK/py$version-$set"
-    rm -rf "$venv"
-    "$python" -m venv "$venv"
-    if [[ $set == oldest ]]; then
-      # shellcheck disable=SC2046
-      pins=($(oldest_pins "$version"))
-    else
-      pins=(--upgrade protobuf grpcio numpy)
-    fi
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "$WHEEL" "${pins[@]}" "${TEST_DEPS[@]}" \
-      2> >(grep -v "^WARNING: Location" >&2)
-    versions=$("$venv/bin/python" -c 'import sys, google.protobuf as p, grpc, numpy
-print(f"python {sys.version.split()[0]} protobuf {p.__version__} grpcio {grpc.__version__} numpy {numpy.__version__}")')
-    if "$venv/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("aiohttp") is None)'; then
-      failures+=("$version/$set: installing the client pulled aiohttp (a server dependency)")
-    fi
-    echo "== $set: $versions"
-    # The console script exists in a client-only install; `serve` must say what to install.
-    if serve_out=$("$venv/bin/rollout-grpc" serve 2>&1) || [[ "$serve_out" != *"rollout-grpc[server]"* ]]; then
-      failures+=("$version/$set: rollout-grpc serve without the server extra did not explain itself: $serve_out")
-    fi
-    if ! (cd "$ROOT" && ROLLOUT_CLIENT_MATRIX=1 ROLLOUT_GRPC_TARGET="$TARGET" "$venv/bin/pytest" -q \
-        -p no:cacheprovider --import-mode=importlib --confcutdir=tests/client tests/client); then
-      failures+=("$version/$set ($versions)")
-    fi
+    while (( $(jobs -rp | wc -l) > JOBS )); do wait -n || true; done  # the replica is one job too
+    run_combo "$version" "$set" "$python" >"$WORK/py$version-$set.log" 2>&1 &
+    pids["$version/$set"]=$!
   done
+done
+for combo in $(printf '%s\n' "${!pids[@]}" | sort); do
+  status=0
+  wait "${pids[$combo]}" || status=$?
+  echo "---- python $combo"
+  grep -E "^== |passed|failed|FAIL|Error" "$WORK/py${combo/\//-}.log" || true
+  if ((status != 0)); then
+    cat "$WORK/py${combo/\//-}.log"
+    failures+=("$combo")
+  fi
 done
 
 echo "client matrix: $(( $(date +%s) - start )) s"

@@ -123,6 +123,7 @@ async def test_unspecified_status_means_pending(target: str) -> None:
     async with AsyncRolloutClient(target) as client:
         request = pb.GenerateRequest(sample=pb.Sample(tokens=PROMPT), request_id=new_request_id())
         request.sampling_params.max_new_tokens = 4
+        request.sampling_params.ignore_eos = True
         request.options.final_only = True
         finals = [m.sample async for m in client.stub.Generate(request) if m.HasField("sample")]
         assert finals[0].status == pb.SAMPLE_STATUS_TRUNCATED and finals[0].response_length == 4
