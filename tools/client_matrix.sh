@@ -3,8 +3,8 @@
 #
 # For each Python (3.10, 3.11, 3.12, 3.13) and each dependency set (oldest, newest): a virtualenv with
 # ONLY the client installed (the wheel built from this tree, no [server] extra) runs tests/client
-# against one live replica on simulated engines (started once by tools/serve_sim.sh from the dev
-# virtualenv). Virtualenvs are kept in .cache/client-matrix and reused: each run reinstalls the
+# against a live replica on simulated engines (started by tools/serve_sim.sh from the dev
+# virtualenv; one per combination). Virtualenvs are kept in .cache/client-matrix and reused: each run reinstalls the
 # fresh wheel, re-applies the pins (the newest set re-resolves against the index) and checks that
 # no server dependency crept in. MATRIX_JOBS (default 2) combinations run at once.
 # Under CI=true a missing interpreter is a failure; otherwise it is skipped with a warning.
@@ -34,6 +34,22 @@ find_python() {
   return 1
 }
 
+# A replica of its own for one combination (parallel combinations must not abort or pause each
+# other's generations); sets TARGET and SERVER_PID.
+start_server() {
+  local port_file="$1"
+  rm -f "$port_file"
+  bash tools/serve_sim.sh "$port_file" &
+  SERVER_PID=$!
+  for _ in $(seq 600); do
+    [[ -s "$port_file" ]] && break
+    kill -0 "$SERVER_PID" 2>/dev/null || { echo "the replica did not start"; return 1; }
+    read -r -t 0.1 <> <(:) || true  # bounded wait for the port file, the replica's readiness signal
+  done
+  [[ -s "$port_file" ]] || { echo "the replica wrote no port file"; return 1; }
+  TARGET="127.0.0.1:$(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["grpc"])' "$port_file")"
+}
+
 # One combination: prints its report to its log; exit status 0 = passed.
 run_combo() {
   local version="$1" set="$2" python="$3" venv="$WORK/py$1-$2" pins versions serve_out
@@ -59,6 +75,8 @@ print(f"python {sys.version.split()[0]} protobuf {p.__version__} grpcio {grpc.__
   if serve_out=$("$venv/bin/rollout-grpc" serve 2>&1) || [[ "$serve_out" != *"rollout-grpc[server]"* ]]; then
     echo "FAIL: rollout-grpc serve without the server extra did not explain itself: $serve_out"; return 1
   fi
+  start_server "$WORK/py$version-$set.server.json"
+  trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
   ROLLOUT_CLIENT_MATRIX=1 ROLLOUT_GRPC_TARGET="$TARGET" "$venv/bin/pytest" -q -p no:cacheprovider \
     -W ignore::DeprecationWarning --import-mode=importlib --confcutdir=tests/client tests/client
 }
@@ -69,19 +87,6 @@ rm -f "$WORK"/*.whl "$WORK"/*.log
 .venv/bin/python -m pip wheel -q --no-deps -w "$WORK" . 2>&1 | grep -v "^WARNING: Location" || true
 WHEEL=$(ls "$WORK"/rollout_grpc-*.whl)
 
-PORT_FILE="$WORK/server.json"
-rm -f "$PORT_FILE"
-bash tools/serve_sim.sh "$PORT_FILE" &
-SERVER_PID=$!
-trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-  [[ -s "$PORT_FILE" ]] && break
-  kill -0 "$SERVER_PID" 2>/dev/null || { echo "the replica did not start"; exit 1; }
-  read -r -t 0.1 <> <(:) || true  # bounded wait for the port file, the replica's readiness signal
-done
-[[ -s "$PORT_FILE" ]] || { echo "the replica wrote no port file"; exit 1; }
-TARGET="127.0.0.1:$(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["grpc"])' "$PORT_FILE")"
-
 failures=()
 declare -A pids=()
 for version in "${PYTHONS[@]}"; do
@@ -90,8 +95,8 @@ for version in "${PYTHONS[@]}"; do
     continue
   fi
   for set in oldest newest; do
-    while (( $(jobs -rp | wc -l) > JOBS )); do wait -n || true; done  # the replica is one job too
-    run_combo "$version" "$set" "$python" >"$WORK/py$version-$set.log" 2>&1 &
+    while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || true; done
+    (run_combo "$version" "$set" "$python") >"$WORK/py$version-$set.log" 2>&1 &
     pids["$version/$set"]=$!
   done
 done

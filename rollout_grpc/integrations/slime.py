@@ -358,6 +358,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], eval
         rendered = await client.render(chat_for_render(sample), session_id=wire.session_id)
         if not wire.tokens:
             wire.tokens.extend(rendered.token_ids)
+            wire.ClearField("prompt")  # the rendered ids are the prompt now
         wire.multimodal_features.CopyFrom(rendered.features)
     result = await client.generate(wire, params, _options(args))
     return apply_result(sample, result, wire)
