@@ -61,9 +61,9 @@ class AsyncRolloutClient:
         retry: RetryPolicy | None = DEFAULT_RETRY,
     ) -> None:
         """`timeout`: default deadline in seconds of generate and generate_stream calls that give
-        none (None: no deadline; a call opts out with `timeout=math.inf`). `retry`: the gRPC retry policy for
-        refused calls (RESOURCE_EXHAUSTED, UNAVAILABLE; honours the server's pushback); None
-        disables it. A given `channel` is used as is, in its own event loop."""
+        none (None: no deadline; one call opts out with `timeout=math.inf`). `retry`: the gRPC
+        retry policy for refused calls (RESOURCE_EXHAUSTED, UNAVAILABLE; honours the server's
+        pushback); None disables it. A given `channel` is used as is, in its own event loop."""
         self._target = target
         self._options = channel_options(options, retry)
         self._default_timeout = timeout
