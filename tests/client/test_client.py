@@ -199,6 +199,14 @@ async def test_a_refused_call_is_retried_after_the_servers_pushback(refusing: tu
         assert list(done.tokens) == PROMPT and len(fake.arrivals) == 2
 
 
+async def test_the_blocking_client_retries_too(refusing: tuple[str, RefuseOnce]) -> None:
+    address, fake = refusing
+    with RolloutClient(address) as client:
+        info = await asyncio.to_thread(client.server_info, timeout=10)  # the fake serves in this loop
+    assert info.in_flight == 7 and len(fake.arrivals) == 2
+    assert fake.arrivals[1] - fake.arrivals[0] >= PUSHBACK_MS / 1000
+
+
 async def test_without_a_retry_policy_the_refusal_reaches_the_caller(
     refusing: tuple[str, RefuseOnce],
 ) -> None:
