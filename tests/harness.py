@@ -72,5 +72,6 @@ async def harness(
             assert engine_url is not None
             urls = [engine_url]
         server = await stack.enter_async_context(running_server(urls, **config))
-        client = await stack.enter_async_context(AsyncRolloutClient(f"127.0.0.1:{server.port}"))
+        # retry=None: server tests observe the replica's own answers (a refusal is not retried).
+        client = await stack.enter_async_context(AsyncRolloutClient(f"127.0.0.1:{server.port}", retry=None))
         yield Harness(backend, server, client, sims)

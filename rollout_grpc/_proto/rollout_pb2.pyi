@@ -44,7 +44,9 @@ class _SampleStatus:
 class _SampleStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SampleStatus.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     SAMPLE_STATUS_UNSPECIFIED: _SampleStatus.ValueType  # 0
-    """Not set. Rejected as input with INVALID_ARGUMENT."""
+    """Not set: on input it means PENDING (so a new sample needs no explicit status in any language);
+    never returned.
+    """
     SAMPLE_STATUS_PENDING: _SampleStatus.ValueType  # 1
     """Not generated yet."""
     SAMPLE_STATUS_COMPLETED: _SampleStatus.ValueType  # 2
@@ -69,7 +71,9 @@ class SampleStatus(_SampleStatus, metaclass=_SampleStatusEnumTypeWrapper):
     """
 
 SAMPLE_STATUS_UNSPECIFIED: SampleStatus.ValueType  # 0
-"""Not set. Rejected as input with INVALID_ARGUMENT."""
+"""Not set: on input it means PENDING (so a new sample needs no explicit status in any language);
+never returned.
+"""
 SAMPLE_STATUS_PENDING: SampleStatus.ValueType  # 1
 """Not generated yet."""
 SAMPLE_STATUS_COMPLETED: SampleStatus.ValueType  # 2
@@ -547,7 +551,9 @@ class Sample(_message.Message):
     response_length: _builtins.int
     """Number of response tokens (the tail of `tokens`)."""
     status: Global___SampleStatus.ValueType
-    """Lifecycle state. Input: PENDING or ABORTED generate, COMPLETED/TRUNCATED are returned as is."""
+    """Lifecycle state. Input: PENDING (or unset) or ABORTED generate, COMPLETED/TRUNCATED are returned
+    as is.
+    """
     finish_reason: Global___FinishReason.ValueType
     """Why the last generation call ended."""
     failure_reason: _builtins.str

@@ -2,22 +2,27 @@
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.client.aio import AsyncRolloutClient
+from rollout_grpc.client.channel import RetryPolicy, new_request_id
 from rollout_grpc.client.samples import (
     chat_messages,
     image_part,
     make_sample,
     routed_experts_array,
     routed_experts_message,
+    token_ids,
 )
 from rollout_grpc.client.sync import RolloutClient
 
 __all__ = [
     "AsyncRolloutClient",
+    "RetryPolicy",
     "RolloutClient",
     "chat_messages",
     "image_part",
     "make_sample",
+    "new_request_id",
     "pb",
     "routed_experts_array",
     "routed_experts_message",
+    "token_ids",
 ]

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
+import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import grpc
+import numpy as np
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.client.channel import (
+    DEFAULT_CHANNEL_OPTIONS,
+    DEFAULT_RETRY,
+    RetryPolicy,
+    batch_request_ids,
+    build_request,
+    channel_options,
+    is_batch,
+    resolve_timeout,
+)
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
 from rollout_grpc.client.samples import (
     OptionsLike,
@@ -20,32 +30,27 @@ from rollout_grpc.client.samples import (
     pause_request,
     render_request,
     resume_request,
-    to_options,
-    to_params,
-    to_sample,
 )
+from rollout_grpc.client.stubs import async_stub
 
-#: Receive limit large enough for a long sample's routed experts in one message.
-DEFAULT_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-]
+if TYPE_CHECKING:
+    from rollout_grpc._proto.rollout_pb2_grpc import RolloutServiceAsyncStub
 
+__all__ = ["DEFAULT_CHANNEL_OPTIONS", "AsyncRolloutClient", "build_request"]
 
-def build_request(
-    sample: SampleLike, params: ParamsLike, options: OptionsLike, request_id: str | None
-) -> pb.GenerateRequest:
-    """A GenerateRequest with a request id (generated when not given, so Abort can target it)."""
-    return pb.GenerateRequest(
-        sample=to_sample(sample),
-        sampling_params=to_params(params),
-        options=to_options(options),
-        request_id=request_id or uuid.uuid4().hex,
-    )
+_NO_LOOP = (
+    "AsyncRolloutClient calls must run inside an event loop (await them from a coroutine); "
+    "use rollout_grpc.client.RolloutClient from blocking code"
+)
 
 
 class AsyncRolloutClient:
-    """Calls a rollout service replica (or a load balancer in front of several)."""
+    """Calls a rollout service replica (or a load balancer in front of several).
+
+    The client may be created anywhere, including at import time outside any event loop (what a
+    slime custom-generate module does): the gRPC channel is opened lazily, one per event loop,
+    because a grpc.aio channel belongs to the loop it was created in.
+    """
 
     def __init__(
         self,
@@ -53,6 +58,8 @@ class AsyncRolloutClient:
         *,
         channel: grpc.aio.Channel | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        timeout: float | None = None,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
         tls: bool = False,
         root_certificates: PemLike | None = None,
         certificate_chain: PemLike | None = None,
@@ -60,24 +67,51 @@ class AsyncRolloutClient:
         token: str | None = None,
         server_name: str | None = None,
     ) -> None:
-        """Connect to `target`.
+        """`timeout`: default deadline in seconds of generate and generate_stream calls that give
+        none (None: no deadline; one call opts out with `timeout=math.inf`). `retry`: the gRPC
+        retry policy for refused calls (RESOURCE_EXHAUSTED, UNAVAILABLE; honours the server's
+        pushback); None disables it. A given `channel` is used as is, in its own event loop.
 
         TLS: `tls=True` (system roots) or `root_certificates` (PEM bytes or path); mTLS adds
         `certificate_chain` and `private_key`. `token` is sent as `authorization: Bearer` on
         every call of this client. `server_name` overrides the name checked in the server's
         certificate.
         """
-        security = ClientSecurity(tls, root_certificates, certificate_chain, private_key, token, server_name)
-        self._metadata = security.metadata()
-        if channel is None:
-            channel_options = [*DEFAULT_CHANNEL_OPTIONS, *security.channel_options(), *options]
-            credentials = security.channel_credentials()
-            if credentials is not None:
-                channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
-            else:
-                channel = grpc.aio.insecure_channel(target, options=channel_options)
-        self._channel = channel
-        self._stub = pb_grpc.RolloutServiceStub(self._channel)
+        self._security = ClientSecurity(
+            tls, root_certificates, certificate_chain, private_key, token, server_name
+        )
+        self._metadata = self._security.metadata()
+        self._credentials = self._security.channel_credentials()
+        self._target = target
+        self._options = channel_options([*self._security.channel_options(), *options], retry)
+        self._default_timeout = timeout
+        self._given = (channel, async_stub(channel)) if channel is not None else None
+        self._per_loop: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, RolloutServiceAsyncStub]
+        ] = weakref.WeakKeyDictionary()
+
+    def _make_channel(self) -> grpc.aio.Channel:
+        """A new channel to the target (called once per event loop)."""
+        if self._credentials is not None:
+            return grpc.aio.secure_channel(self._target, self._credentials, options=self._options)
+        return grpc.aio.insecure_channel(self._target, options=self._options)
+
+    def _connection(self) -> tuple[grpc.aio.Channel, RolloutServiceAsyncStub]:
+        if self._given is not None:
+            return self._given
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(_NO_LOOP) from None
+        found = self._per_loop.get(loop)
+        if found is None:
+            channel = self._make_channel()
+            found = self._per_loop[loop] = (channel, async_stub(channel))
+        return found
+
+    @property
+    def _stub(self) -> RolloutServiceAsyncStub:
+        return self._connection()[1]
 
     async def __aenter__(self) -> AsyncRolloutClient:
         return self
@@ -86,11 +120,20 @@ class AsyncRolloutClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel."""
-        await self._channel.close()
+        """Close this event loop's channel (a given channel is closed too)."""
+        if self._given is not None:
+            await self._given[0].close()
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(_NO_LOOP) from None
+        found = self._per_loop.pop(loop, None)
+        if found is not None:
+            await found[0].close()
 
     @property
-    def stub(self) -> pb_grpc.RolloutServiceStub:
+    def stub(self) -> RolloutServiceAsyncStub:
         """The generated stub, for calls this class does not wrap."""
         return self._stub
 
@@ -105,7 +148,9 @@ class AsyncRolloutClient:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the Generate messages: deltas, then the final sample."""
         request = build_request(sample, params, options, request_id)
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        call = self._stub.Generate(
+            request, timeout=resolve_timeout(timeout, self._default_timeout), metadata=self._metadata
+        )
         try:
             async for message in call:
                 yield message
@@ -122,7 +167,8 @@ class AsyncRolloutClient:
     ) -> pb.Sample:
         request = build_request(sample, params, options, request_id)
         request.options.final_only = True
-        async for message in self._stub.Generate(request, timeout=timeout, metadata=self._metadata):
+        deadline = resolve_timeout(timeout, self._default_timeout)
+        async for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
             if message.HasField("sample"):
                 return message.sample
         raise RuntimeError("the Generate stream ended without a sample")
@@ -130,7 +176,7 @@ class AsyncRolloutClient:
     @overload
     async def generate(
         self,
-        sample: SampleLike,
+        sample: pb.Sample | Mapping[str, Any],
         params: ParamsLike = ...,
         options: OptionsLike = ...,
         *,
@@ -141,32 +187,44 @@ class AsyncRolloutClient:
     @overload
     async def generate(
         self,
-        sample: list[pb.Sample] | list[SampleLike],
+        sample: Sequence[Any] | np.ndarray,
         params: ParamsLike = ...,
         options: OptionsLike = ...,
         *,
         timeout: float | None = ...,
         request_id: str | None = ...,
-    ) -> list[pb.Sample]: ...
+        request_ids: Sequence[str] | None = ...,
+    ) -> Any: ...
 
     async def generate(
         self,
-        sample: SampleLike | list[pb.Sample] | list[SampleLike],
+        sample: Any,
         params: ParamsLike = None,
         options: OptionsLike = None,
         *,
         timeout: float | None = None,
         request_id: str | None = None,
+        request_ids: Sequence[str] | None = None,
     ) -> pb.Sample | list[pb.Sample]:
-        """Generate one sample, or a list of samples concurrently (results in input order).
+        """Generate one sample, or a batch of samples concurrently (results in input order).
 
-        A list of plain token ids counts as one sample; pass `[ids_a, ids_b]` for two.
+        One sample: a `pb.Sample`, a dict of Sample fields, or prompt token ids (a list, tuple or
+        1-D integer numpy array; numpy integers are fine). A batch: a list or tuple of those
+        (`[ids_a, ids_b]`, `(s1, s2)`); `[]` returns `[]`. `request_ids` names the batch's calls
+        (one per sample), so `abort(request_ids=[...])` can stop one of them; without it each
+        call gets a fresh id.
         """
-        if isinstance(sample, list) and sample and not isinstance(sample[0], int):
+        if is_batch(sample):
+            ids = batch_request_ids(len(sample), request_ids)
             return list(
-                await asyncio.gather(*(self._generate_one(s, params, options, timeout, None) for s in sample))
+                await asyncio.gather(
+                    *(
+                        self._generate_one(s, params, options, timeout, rid)
+                        for s, rid in zip(sample, ids, strict=True)
+                    )
+                )
             )
-        return await self._generate_one(sample, params, options, timeout, request_id)  # type: ignore[arg-type]
+        return await self._generate_one(sample, params, options, timeout, request_id)
 
     async def abort(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,13 +22,25 @@ _PB_DTYPES: dict[np.dtype[Any], Any] = {
     np.dtype("<i4"): pb.D_TYPE_INT32,
 }
 
-SampleLike = pb.Sample | Mapping[str, Any] | Sequence[int]
+SampleLike = pb.Sample | Mapping[str, Any] | Sequence[int] | np.ndarray
 ParamsLike = pb.SamplingParams | Mapping[str, Any] | None
 OptionsLike = pb.GenerateOptions | Mapping[str, Any] | None
 
 
+def token_ids(tokens: Iterable[int] | np.ndarray) -> list[int]:
+    """Plain ints from a list, tuple, generator or 1-D integer numpy array (numpy ints included)."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
+        return [int(t) for t in tokens.tolist()]
+    try:
+        return [operator.index(t) for t in tokens]
+    except TypeError:
+        raise TypeError("token ids must be integers (int or numpy integer)") from None
+
+
 def make_sample(
-    tokens: Iterable[int] = (),
+    tokens: Iterable[int] | np.ndarray = (),
     *,
     prompt: str | None = None,
     index: int = 0,
@@ -36,9 +49,14 @@ def make_sample(
     metadata: Mapping[str, Any] | None = None,
     features: pb.MultimodalFeatures | None = None,
 ) -> pb.Sample:
-    """A PENDING sample from prompt token ids (or a prompt text the engine will render)."""
+    """A PENDING sample from prompt token ids (or a prompt text the engine will render).
+
+    `metadata` travels as a `google.protobuf.Struct`, i.e. JSON: numbers are doubles, so an int
+    comes back as a float (`3` -> `3.0`; exact up to 2**53). Carry ints that must stay ints as
+    strings, or keep metadata on your side (the slime integration never sends it).
+    """
     sample = pb.Sample(
-        tokens=list(tokens),
+        tokens=token_ids(tokens),
         index=index,
         group_index=group_index,
         session_id=session_id,

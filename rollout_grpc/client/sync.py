@@ -9,8 +9,15 @@ from typing import Any
 import grpc
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.client.aio import DEFAULT_CHANNEL_OPTIONS, build_request
+from rollout_grpc.client.channel import (
+    DEFAULT_RETRY,
+    RetryPolicy,
+    batch_request_ids,
+    build_request,
+    channel_options,
+    is_batch,
+    resolve_timeout,
+)
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
 from rollout_grpc.client.samples import (
     OptionsLike,
@@ -21,6 +28,7 @@ from rollout_grpc.client.samples import (
     render_request,
     resume_request,
 )
+from rollout_grpc.client.stubs import sync_stub
 
 
 class RolloutClient:
@@ -32,6 +40,8 @@ class RolloutClient:
         *,
         max_workers: int = 64,
         options: Sequence[tuple[str, Any]] = (),
+        timeout: float | None = None,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
         tls: bool = False,
         root_certificates: PemLike | None = None,
         certificate_chain: PemLike | None = None,
@@ -39,17 +49,20 @@ class RolloutClient:
         token: str | None = None,
         server_name: str | None = None,
     ) -> None:
-        """Connect to `target`; TLS, mTLS and token options as in `AsyncRolloutClient`."""
+        """`timeout` and `retry` as in AsyncRolloutClient: a default deadline for generate calls,
+        and gRPC retries of refused calls honouring the server's pushback (None disables); TLS,
+        mTLS and token options as in `AsyncRolloutClient`."""
         security = ClientSecurity(tls, root_certificates, certificate_chain, private_key, token, server_name)
         self._metadata = security.metadata()
-        channel_options = [*DEFAULT_CHANNEL_OPTIONS, *security.channel_options(), *options]
+        options = channel_options([*security.channel_options(), *options], retry)
         credentials = security.channel_credentials()
         if credentials is not None:
-            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
         else:
-            self._channel = grpc.insecure_channel(target, options=channel_options)
-        self._stub = pb_grpc.RolloutServiceStub(self._channel)
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = sync_stub(self._channel)
         self._max_workers = max_workers
+        self._default_timeout = timeout
 
     def __enter__(self) -> RolloutClient:
         return self
@@ -71,8 +84,9 @@ class RolloutClient:
         request_id: str | None = None,
     ) -> Iterator[pb.GenerateResponse]:
         """Stream the Generate messages: deltas, then the final sample."""
+        request = build_request(sample, params, options, request_id)
         call = self._stub.Generate(
-            build_request(sample, params, options, request_id), timeout=timeout, metadata=self._metadata
+            request, timeout=resolve_timeout(timeout, self._default_timeout), metadata=self._metadata
         )
         try:
             yield from call
@@ -89,26 +103,38 @@ class RolloutClient:
     ) -> pb.Sample:
         request = build_request(sample, params, options, request_id)
         request.options.final_only = True
-        for message in self._stub.Generate(request, timeout=timeout, metadata=self._metadata):
+        deadline = resolve_timeout(timeout, self._default_timeout)
+        for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
             if message.HasField("sample"):
                 return message.sample
         raise RuntimeError("the Generate stream ended without a sample")
 
     def generate(
         self,
-        sample: SampleLike | list[SampleLike],
+        sample: Any,
         params: ParamsLike = None,
         options: OptionsLike = None,
         *,
         timeout: float | None = None,
         request_id: str | None = None,
-    ) -> pb.Sample | list[pb.Sample]:
-        """Generate one sample, or a list concurrently (results in input order)."""
-        if isinstance(sample, list) and sample and not isinstance(sample[0], int):
+        request_ids: Sequence[str] | None = None,
+    ) -> Any:
+        """Generate one sample (-> Sample), or a batch concurrently (-> list, in input order).
+
+        The same inputs as AsyncRolloutClient.generate: tuples, numpy ids, `[]` -> `[]`, and
+        `request_ids` to name a batch's calls so one can be aborted from another thread.
+        """
+        if is_batch(sample):
+            if not len(sample):
+                return []
+            ids = batch_request_ids(len(sample), request_ids)
             with ThreadPoolExecutor(max_workers=min(self._max_workers, len(sample))) as pool:
-                futures = [pool.submit(self._generate_one, s, params, options, timeout, None) for s in sample]
+                futures = [
+                    pool.submit(self._generate_one, s, params, options, timeout, rid)
+                    for s, rid in zip(sample, ids, strict=True)
+                ]
                 return [f.result() for f in futures]
-        return self._generate_one(sample, params, options, timeout, request_id)  # type: ignore[arg-type]
+        return self._generate_one(sample, params, options, timeout, request_id)
 
     def abort(
         self,

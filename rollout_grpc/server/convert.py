@@ -122,7 +122,8 @@ def features_from_pb(msg: pb.MultimodalFeatures) -> domain.MultimodalFeatures:
 
 def sample_from_pb(msg: pb.Sample) -> domain.Sample:
     """The domain view of an incoming sample."""
-    status_value = int(msg.status)
+    # UNSPECIFIED (proto3's zero, what every language sends when the field is not set) is PENDING.
+    status_value = int(msg.status) or int(domain.Status.PENDING)
     try:
         status = domain.Status(status_value)
     except ValueError:

@@ -55,7 +55,7 @@ async def test_sigterm_delivers_every_sample_refuses_new_calls_and_exits_zero(
 ) -> None:
     server, _ = replica
     async with (
-        AsyncRolloutClient(server.target) as client,
+        AsyncRolloutClient(server.target, retry=None) as client,  # the refusal itself is under test
         grpc.aio.insecure_channel(server.health_target) as health_channel,
     ):
         short = [start_stream(client, f"short-{i}", SHORT) for i in range(8)]

@@ -213,7 +213,7 @@ async def test_bad_abort_is_invalid_argument(h: Harness, kwargs: dict[str, objec
 
 async def test_pause_with_unknown_mode_is_invalid_argument(h: Harness) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await h.client.stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_UNSPECIFIED))  # type: ignore[misc]
+        await h.client.stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_UNSPECIFIED))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_violation(info.value) == "mode"
 

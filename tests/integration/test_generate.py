@@ -170,7 +170,7 @@ async def test_finished_samples_come_back_unchanged(h: Harness) -> None:
         (make_sample(PROMPT), {"max_new_tokens": 0}, "sampling_params.max_new_tokens"),
         (pb.Sample(tokens=PROMPT, status=pb.SAMPLE_STATUS_COMPLETED), {}, "sample.response_length"),
         (pb.Sample(status=pb.SAMPLE_STATUS_COMPLETED), {}, "sample.tokens"),
-        (pb.Sample(tokens=PROMPT), {}, "sample.status"),
+        (pb.Sample(tokens=PROMPT, status=pb.SAMPLE_STATUS_FAILED), {}, "sample.status"),
         (pb.Sample(tokens=PROMPT, status=42), {}, "sample.status"),  # type: ignore[arg-type]
     ],
     ids=[
@@ -181,7 +181,7 @@ async def test_finished_samples_come_back_unchanged(h: Harness) -> None:
         "max_new_tokens",
         "completed-no-response",
         "completed-empty",
-        "unspecified-status",
+        "failed-status",  # unset (UNSPECIFIED) means PENDING: tests/client
         "unknown-status",
     ],
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, MutableMapping
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import grpc
@@ -42,7 +42,7 @@ async def scrape(port: int) -> Samples:
 
 def stub(h: Harness) -> pb_grpc.RolloutServiceAsyncStub:
     """The harness client's stub, typed as the grpc.aio stub it is."""
-    return cast("pb_grpc.RolloutServiceAsyncStub", h.client.stub)
+    return h.client.stub
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

@@ -63,8 +63,8 @@ async def test_one_caller_cannot_take_every_slot(tokens_file: Path) -> None:
         running_server(
             [s.url for s in sims], auth_tokens_file=str(tokens_file), max_in_flight_per_caller=2
         ) as server,
-        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_A) as a,
-        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_B) as b,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_A, retry=None) as a,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_B, retry=None) as b,
     ):
         streams = [start_stream(a, f"a-{i}") for i in range(2)]
         await started(*streams)
@@ -87,8 +87,8 @@ async def test_control_rpcs_are_rate_limited_per_caller(tokens_file: Path) -> No
         running_server(
             [s.url for s in sims], auth_tokens_file=str(tokens_file), control_rate_per_s=0.01, control_burst=3
         ) as server,
-        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_A) as a,
-        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_B) as b,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_A, retry=None) as a,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_B, retry=None) as b,
     ):
         for _ in range(3):
             await a.abort(request_ids=["x"])

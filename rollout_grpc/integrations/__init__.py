@@ -1,0 +1,1 @@
+"""Drop-ins for trainers' rollout hooks, built on rollout_grpc.client (no server imports)."""
