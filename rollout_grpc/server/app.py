@@ -10,7 +10,6 @@ shutdown; "" (liveness) stays SERVING while the process runs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.server import domain
+from rollout_grpc.server import bounds, decoding, domain
 from rollout_grpc.server.admission import Admission
 from rollout_grpc.server.control import Control
 from rollout_grpc.server.engines import EnginePool
@@ -65,7 +63,10 @@ class ServerConfig:
     max_queue: int = 4096
     retry_after_s: float = 1.0
     grace_s: float = 30.0
-    abort_grace_s: float = 10.0
+    #: After the grace: time the aborted generations get to end as samples (bounds.py).
+    abort_grace_s: float = bounds.SHUTDOWN_ABORT_DRAIN_S
+    #: One overall deadline for Abort(all), Pause (ABORT, KEEP) and Resume fan-outs (bounds.py).
+    control_deadline_s: float = bounds.CONTROL_DEADLINE_S
     health_interval_s: float = 2.0
     breaker_cooldown_s: float = 5.0
     engine_connect_timeout_s: float = 5.0
@@ -80,6 +81,23 @@ class ServerConfig:
     peers: list[str] = field(default_factory=list)
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
+    #: Largest image accepted by Render, in pixels (width x height, read from the header before
+    #: decoding: decompression bombs are refused unopened) and in encoded bytes.
+    max_image_pixels: int = 64_000_000
+    max_image_bytes: int = 32 * 1024 * 1024
+    #: How long gRPC core may hold a call the application has not yet picked up before it cancels
+    #: it unseen (`grpc.server_max_unrequested_time_in_server`, 30 s by default). The aio server
+    #: picks calls up one per event-loop turn, so a burst of thousands of streams on a busy loop
+    #: can wait longer than that; every call must reach admission (run, queue or
+    #: RESOURCE_EXHAUSTED with a retry hint) instead, so the hold is as long as a day (the
+    #: caller's own deadline still applies).
+    max_unrequested_time_s: float = 86_400.0
+
+    def shutdown_bound_s(self, grace_s: float | None = None) -> float:
+        """The longest this replica takes from SIGTERM to exit (bounds.py), hung engines included."""
+        return bounds.shutdown_bound_s(
+            self.grace_s if grace_s is None else grace_s, self.control_deadline_s, self.abort_grace_s
+        )
 
     def in_flight_limit(self) -> int:
         """server_concurrency x engine count (slime's semaphore size)."""
@@ -97,6 +115,7 @@ class ServerConfig:
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.server_max_unrequested_time_in_server", int(self.max_unrequested_time_s)),
         ]
         if self.max_connection_age_s:
             options += [
@@ -129,13 +148,18 @@ class RolloutServer:
         """Create the HTTP session and engine pool, then serve."""
         cfg = self.config
         limit = cfg.in_flight_limit()
-        # One session for the process; the connector must allow every admitted generation plus
-        # control calls (aiohttp's default of 100 would silently cap concurrent engine streams).
-        connector = aiohttp.TCPConnector(limit=limit + 64, limit_per_host=0, keepalive_timeout=30)
+        # One session for the process. Admission is the one limit on engine streams: the HTTP
+        # connector has none of its own (aiohttp's default of 100, or any fixed number, would
+        # silently cap concurrent engine streams below it, and not follow an engines-file reload).
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         self._session = aiohttp.ClientSession(connector=connector)
         timeouts = EngineTimeouts(connect=cfg.engine_connect_timeout_s, sock_read=cfg.engine_read_timeout_s)
         self.pool = EnginePool(
-            cfg.engines, self._session, timeouts=timeouts, health_interval_s=cfg.health_interval_s
+            cfg.engines,
+            self._session,
+            timeouts=timeouts,
+            health_interval_s=cfg.health_interval_s,
+            breaker_cooldown_s=cfg.breaker_cooldown_s,
         )
         admission = Admission(limit, cfg.max_queue, cfg.retry_after_s)
         self.rollout = Rollout(
@@ -147,20 +171,25 @@ class RolloutServer:
             ),
         )
         if cfg.peers:
-            self.peers = PeerAborter(cfg.peers)
+            self.peers = PeerAborter(cfg.peers, timeout_s=cfg.control_deadline_s)
         self.control = Control(
-            self.pool, self.registry, self.rollout, peer_abort=self.peers.abort if self.peers else None
+            self.pool,
+            self.registry,
+            self.rollout,
+            deadline_s=cfg.control_deadline_s,
+            peer_abort=self.peers.abort if self.peers else None,
         )
-        servicer = RolloutServicer(
-            self.rollout, self.control, RenderService(self.pool, cfg.max_images), cfg.default_options
+        renderer = RenderService(
+            self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
+        servicer = RolloutServicer(self.rollout, self.control, renderer, cfg.default_options)
 
         await self.pool.probe_all()
         self.pool.add_listener(self._on_engines_changed)
         self.pool.start()
 
         self._server = grpc.aio.server(options=cfg.grpc_options())
-        pb_grpc.add_RolloutServiceServicer_to_server(servicer, self._server)
+        decoding.add_rollout_service(servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
@@ -196,15 +225,26 @@ class RolloutServer:
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)
 
+    def reload_engines(self, urls: list[str]) -> None:
+        """Make the engine list `urls` (SIGHUP): engines join or drain, and the admission limit
+        follows the new engine count (the HTTP connector has no limit of its own to resize)."""
+        self.config.engines = list(urls)
+        self.pool.replace(urls)
+        limit = self.config.in_flight_limit()
+        self.rollout.admission.resize(limit)
+        log.info("engines_reloaded", engines=list(urls), in_flight_limit=limit)
+
     async def stop(self, grace_s: float | None = None) -> None:
-        """Graceful shutdown: refuse new work, let generations finish, abort the rest into samples.
+        """Graceful shutdown within `ServerConfig.shutdown_bound_s()`, hung engines included.
 
         1. health NOT_SERVING for good; the gRPC server stops accepting calls at once (GOAWAY, so
            clients and proxies send new calls to other replicas) while in-flight ones continue;
         2. wait up to `grace_s` for in-flight generations to finish;
-        3. abort the remaining ones on their engines: their streams end with ABORTED samples
-           carrying every token, delivered to the callers;
-        4. close the HTTP session once the gRPC server has finished.
+        3. abort the remaining ones (locally and on their engines, one control deadline for the
+           engines): their streams end with ABORTED samples carrying every token;
+        4. give them `abort_grace_s` to deliver those samples; the gRPC server's own grace ends
+           there, so nothing outlives the bound;
+        5. stop the health server and close the HTTP session (bounded too).
         """
         if self._stopping:
             return
@@ -213,8 +253,8 @@ class RolloutServer:
         server_stopped: asyncio.Task[None] | None = None
         if self._server is not None:
             self.rollout.close()
-            # The server's own grace outlasts ours: it must never cut a stream before its sample.
-            server_stopped = asyncio.create_task(self._server.stop(grace + self.config.abort_grace_s + 5.0))
+            server_grace = grace + self.config.control_deadline_s + self.config.abort_grace_s
+            server_stopped = asyncio.create_task(self._server.stop(server_grace))
             # Let the shutdown begin (GOAWAY, listener closed) before readiness drops: a caller that
             # reacts to NOT_SERVING then gets UNAVAILABLE, never a call cancelled mid-shutdown.
             await asyncio.sleep(0)
@@ -226,10 +266,20 @@ class RolloutServer:
                 for entry in self.registry.all():
                     entry.request_abort("server shutting down")
                 if remaining:
-                    with contextlib.suppress(Exception):
+                    try:
                         await self.control.abort_ids(remaining)
+                    except Exception:  # the local aborts are set; engines are best effort
+                        log.exception("shutdown_abort_failed")
                 await self.rollout.wait_idle(self.config.abort_grace_s)
             await server_stopped
+        try:
+            async with asyncio.timeout(bounds.SHUTDOWN_CLOSE_S):
+                await self._close()
+        except TimeoutError:
+            log.warning("shutdown_close_timeout", seconds=bounds.SHUTDOWN_CLOSE_S)
+        log.info("stopped")
+
+    async def _close(self) -> None:
         if self._health_server is not None:
             await self._health_server.stop(None)
         await self.pool.stop()
@@ -237,9 +287,3 @@ class RolloutServer:
             await self.peers.close()
         if self._session is not None:
             await self._session.close()
-        log.info("stopped")
-
-    async def wait_for_termination(self) -> None:
-        """Block until the gRPC server has stopped."""
-        if self._server is not None:
-            await self._server.wait_for_termination()
