@@ -2,6 +2,7 @@
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.client.aio import AsyncRolloutClient
+from rollout_grpc.client.errors import EngineErrors
 from rollout_grpc.client.samples import (
     chat_messages,
     image_part,
@@ -13,6 +14,7 @@ from rollout_grpc.client.sync import RolloutClient
 
 __all__ = [
     "AsyncRolloutClient",
+    "EngineErrors",
     "RolloutClient",
     "chat_messages",
     "image_part",
