@@ -115,7 +115,12 @@ def _config(args: argparse.Namespace, engines: list[str]) -> ServerConfig:
 
 
 def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
-    """SIGHUP: re-read the engines file; new engines join, missing ones drain and leave."""
+    """SIGHUP: re-read the engines file; new engines join, missing ones drain and leave, and the
+    admission limit follows. Without an engines file there is nothing to reload: log and serve on
+    (SIGHUP's default action would kill the replica and cut every stream without its sample)."""
+    if not args.engines_file:
+        log.info("sighup_ignored", reason="no --engines-file to reload")
+        return
     try:
         urls = list(args.engine) + _read_engines_file(args.engines_file)
     except OSError as exc:
@@ -124,8 +129,7 @@ def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
     if not urls:
         log.error("engines_file_empty", path=args.engines_file, action="kept the current engines")
         return
-    log.info("engines_reloaded", engines=urls)
-    server.pool.replace(urls)
+    server.reload_engines(urls)
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -142,8 +146,7 @@ async def _serve(args: argparse.Namespace) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        if args.engines_file:
-            loop.add_signal_handler(signal.SIGHUP, lambda: _reload_engines(server, args))
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload_engines(server, args))
         await stop.wait()
         log.info("shutdown_requested")
         await server.stop()
