@@ -33,7 +33,7 @@ def field_violation(error: grpc.aio.AioRpcError) -> str:
     from google.rpc import error_details_pb2
 
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    status = rpc_status.from_call(error)
     assert status is not None
     for detail in status.details:
         bad = error_details_pb2.BadRequest()
@@ -120,7 +120,8 @@ def _deeply_nested_request(depth: int) -> bytes:
 )
 async def test_undecodable_requests_are_invalid_argument(raw: bytes) -> None:
     async with harness("sim") as h, grpc.aio.insecure_channel(h.target) as channel:
-        call = channel.unary_stream(GENERATE)(raw, timeout=10)
+        method: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(GENERATE)
+        call = method(raw, timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             async for _ in call:
                 pass
