@@ -237,6 +237,8 @@ class Control:
             log.info("engine_resumed_late", engine=engine.url)
         except _StepFailed as exc:
             log.warning("engine_resume_failed", engine=engine.url, error=str(exc.cause))
+        except Exception as exc:  # e.g. the HTTP session closed at shutdown: nothing left to do
+            log.warning("engine_resume_failed", engine=engine.url, error=repr(exc))
 
     # ----------------------------------------------------------------------------- abort
 
@@ -426,24 +428,35 @@ class Control:
     # ----------------------------------------------------------------------------- info
 
     async def engine_statuses(self) -> list[EngineStatus]:
-        """Every engine with its paused state and weight version (unknown ones reported as such)."""
+        """Every engine with its paused state and weight version (unknown ones reported as such).
 
-        async def one(engine: EngineHandle) -> EngineStatus:
-            paused, version = False, engine.weight_version
-            if engine.healthy:
-                try:
-                    paused, version = await asyncio.gather(
-                        engine.client.is_paused(), engine.client.weight_version()
-                    )
-                    engine.weight_version = version
-                except EngineError as exc:
-                    log.warning("engine_info_failed", engine=engine.url, error=exc.message)
-            if not engine.model and engine.healthy:
+        A hung engine costs at most the control deadline: it is reported with what was known.
+        """
+
+        async def ask(engine: EngineHandle) -> bool:
+            paused = False
+            try:
+                paused, engine.weight_version = await asyncio.gather(
+                    engine.client.is_paused(), engine.client.weight_version()
+                )
+            except EngineError as exc:
+                log.warning("engine_info_failed", engine=engine.url, error=exc.message)
+            if not engine.model:
                 try:
                     models = await engine.client.models()
                     engine.model = str(models[0].get("id", "")) if models else ""
                 except EngineError:
                     pass
+            return paused
+
+        async def one(engine: EngineHandle) -> EngineStatus:
+            paused, version = False, engine.weight_version
+            if engine.healthy:
+                try:
+                    paused = await asyncio.wait_for(ask(engine), self._deadline_s)
+                except TimeoutError:
+                    log.warning("engine_info_timeout", engine=engine.url, deadline_s=self._deadline_s)
+                version = engine.weight_version
             return EngineStatus(
                 url=engine.url,
                 healthy=engine.healthy,

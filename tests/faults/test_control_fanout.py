@@ -99,7 +99,7 @@ async def test_unhealthy_engines_are_skipped_and_reported() -> None:
             ]
 
 
-async def test_pause_and_resume_with_a_silent_engine_end_by_the_deadline() -> None:
+async def test_pause_resume_and_info_with_a_silent_engine_end_by_the_deadline() -> None:
     async with (
         sim_engines(1) as sims,
         silent_server() as silent,
@@ -120,6 +120,10 @@ async def test_pause_and_resume_with_a_silent_engine_end_by_the_deadline() -> No
             assert time.monotonic() - began < DEADLINE_S + SLACK_S
             assert list(getattr(response, done)) == [sims[0].url]
             assert [e.engine for e in response.engine_errors] == [silent]
+        began = time.monotonic()
+        info = await client.server_info()
+        assert time.monotonic() - began < DEADLINE_S + SLACK_S
+        assert [e.url for e in info.engines] == [sims[0].url, silent]
 
 
 async def test_engines_without_dev_mode_fail_the_control_calls_loudly() -> None:
