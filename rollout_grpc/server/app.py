@@ -283,6 +283,7 @@ class RolloutServer:
         if self._health_server is not None:
             await self._health_server.stop(None)
         await self.pool.stop()
+        await self.control.close()
         if self.peers is not None:
             await self.peers.close()
         if self._session is not None:

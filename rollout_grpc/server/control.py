@@ -120,13 +120,17 @@ def attempt_request_ids(request_id: str, attempts: int) -> list[str]:
     ]
 
 
-_background: set[asyncio.Task[None]] = set()
-
-
-def _spawn(coro: Coroutine[Any, Any, None]) -> None:
-    task = asyncio.create_task(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
+def _split(engines: Sequence[EngineHandle]) -> tuple[list[EngineHandle], FleetResult]:
+    """(engines to ask, a result listing the unhealthy ones as skipped)."""
+    result = FleetResult()
+    asked: list[EngineHandle] = []
+    for engine in engines:
+        if engine.healthy:
+            asked.append(engine)
+        else:
+            reason = engine.last_error or "no answer"
+            result.fail(engine.url, Failure.SKIPPED, f"skipped: marked unhealthy ({reason})")
+    return asked, result
 
 
 class _StepFailed(Exception):
@@ -157,6 +161,19 @@ class Control:
         self._deadline_s = deadline_s
         self._resume_attempts = resume_attempts
         self._peer_abort = peer_abort
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a background task (late resumes), kept referenced and cancelled by `close()`."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Cancel background work (at shutdown, before the HTTP session closes)."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     @property
     def deadline_s(self) -> float:
@@ -178,14 +195,7 @@ class Control:
         Unhealthy engines are not asked (reported as skipped); engines still busy at the deadline
         are reported as hung and their calls cancelled.
         """
-        result = FleetResult()
-        asked: list[EngineHandle] = []
-        for engine in engines:
-            if engine.healthy:
-                asked.append(engine)
-            else:
-                reason = engine.last_error or "no answer"
-                result.fail(engine.url, Failure.SKIPPED, f"skipped: marked unhealthy ({reason})")
+        asked, result = _split(engines)
         if not asked:
             return result
         tasks = [asyncio.ensure_future(action(engine)) for engine in asked]
@@ -226,6 +236,15 @@ class Control:
                     raise _StepFailed("/resume", exc) from exc
                 await asyncio.sleep(0.05 * 2**attempt)
 
+    async def _resume_now_or_later(self, engine: EngineHandle) -> None:
+        """Resume within the caller's deadline; if the deadline cancels it, keep trying in the
+        background (a paused vLLM holds every new request)."""
+        try:
+            await self._resume_one(engine)
+        except asyncio.CancelledError:
+            self._spawn(self._resume_later(engine))
+            raise
+
     async def _resume_later(self, engine: EngineHandle) -> None:
         """Best-effort resume of an engine whose pause did not answer in time.
 
@@ -259,28 +278,29 @@ class Control:
             for entry in local:
                 entry.request_abort("abort all")
             result = AbortResult(aborted=len(local))
-            engines = self._pool.engines
-            pausing = sum(1 for e in engines if e.healthy)
+            engines, fleet = _split(self._pool.engines)
+            pausing = len(engines)
             all_paused = asyncio.Event()
             if pausing == 0:
                 all_paused.set()
 
             async def pause_then_resume(engine: EngineHandle) -> None:
                 nonlocal pausing
+                pause_error: EngineError | None = None
                 try:
                     await engine.client.pause("abort")
                 except asyncio.CancelledError:
-                    _spawn(self._resume_later(engine))
+                    self._spawn(self._resume_later(engine))
                     raise
                 except EngineError as exc:
-                    # An error reply may come from an engine that paused anyway: resume regardless.
-                    await self._resume_one(engine)
-                    raise _StepFailed("/pause?mode=abort", exc) from exc
+                    pause_error = exc  # it may have paused anyway: resume regardless
                 finally:
                     pausing -= 1
                     if pausing == 0:
                         all_paused.set()
-                await self._resume_one(engine)
+                await self._resume_now_or_later(engine)
+                if pause_error is not None:
+                    raise _StepFailed("/pause?mode=abort", pause_error) from pause_error
 
             fan_out = asyncio.ensure_future(
                 self._fan_out(engines, pause_then_resume, route="/pause", timeout_s=self._timeout(deadline))
@@ -294,7 +314,9 @@ class Control:
             finally:
                 self._rollout.end_abort_all()
                 window_open = False
-            fleet = await fan_out
+            done = await fan_out
+            fleet.ok.extend(done.ok)
+            fleet.extend(done)
         finally:
             if window_open:
                 self._rollout.end_abort_all()
@@ -405,7 +427,7 @@ class Control:
                 else:
                     relabel.ok.append(engine.url)
                     engine.weight_version = weight_version
-            await self._resume_one(engine)
+            await self._resume_now_or_later(engine)
 
         resumed = await self._fan_out(
             self._pool.engines, relabel_then_resume, route="/resume", timeout_s=self._deadline_s
