@@ -5,6 +5,12 @@ still answer when the rollout RPCs are saturated (no `maximum_concurrent_rpcs` i
 control is per generation, see `admission.py`). The service name's status follows engine
 availability: SERVING while at least one engine is usable, NOT_SERVING otherwise and during
 shutdown; "" (liveness) stays SERVING while the process runs.
+
+Every call reaches admission: grpc.aio picks calls up from gRPC core one per event-loop turn, and
+core cancels calls left unpicked longer than `grpc.server_max_unrequested_time_in_server` (30 s by
+default) — CANCELLED, unseen, without a queue slot or a retry hint, which a busy loop under
+thousands of streams reaches. `maximum_concurrent_rpcs` would make it worse (calls beyond it stay
+unpicked), so it is not used, and the hold is raised (`ServerConfig.max_unrequested_time_s`).
 """
 
 from __future__ import annotations
