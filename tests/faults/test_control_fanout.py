@@ -73,11 +73,11 @@ async def test_abort_all_with_a_stopped_engine_returns_within_the_deadline(
             assert fresh.final is not None and fresh.final.status == pb.SAMPLE_STATUS_TRUNCATED
 
             outcomes = [await asyncio.wait_for(task, 30) for _, task in streams]
+            # Greedy on one prompt: every stream is a prefix of the longest one.
+            longest = max((out.streamed for out in outcomes), key=len)
+            record("Abort(all) with a SIGSTOPped engine", outcomes, longest)
             for out in outcomes:
                 assert out.final is not None and out.final.status == pb.SAMPLE_STATUS_ABORTED, out.error
-            # Greedy on one prompt: every stream is a prefix of the longest one.
-            longest = max((out.response for out in outcomes), key=len)
-            record("Abort(all) with a SIGSTOPped engine", outcomes, longest)
 
 
 async def test_unhealthy_engines_are_skipped_and_reported() -> None:

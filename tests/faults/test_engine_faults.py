@@ -90,9 +90,9 @@ async def test_an_engine_process_killed_or_stopped_mid_stream(
                 victim.proc.popen.send_signal(sig)
 
             outcomes = await run_streams(client, inject)
+            record(f"engine {signal.Signals(sig).name} mid-stream", outcomes, ref)
             completed(outcomes)
             assert any(len(o.final.engine_attempts) == 2 for o in outcomes if o.final)  # failed over
-            record(f"engine {signal.Signals(sig).name} mid-stream", outcomes, ref)
 
 
 # ------------------------------------------------------------------------------------ sockets
@@ -130,8 +130,8 @@ async def test_an_engine_that_never_answers(record: Record, kind: str) -> None:
         ref = await reference(client)
         server.pool.engines[1].healthy = True  # as a probe saw it just before it wedged
         outcomes = await run_streams(client)
-        completed(outcomes)
         record(f"engine {kind}", outcomes, ref)
+        completed(outcomes)
 
 
 # ------------------------------------------------------------------------------------ HTTP faults
@@ -142,8 +142,8 @@ async def test_http_500_engine_wide(record: Record) -> None:
         ref = await reference(client)
         sims[0].faults.http_500 = -1
         outcomes = await run_streams(client)
-        completed(outcomes)
         record("HTTP 500 engine-wide", outcomes, ref)
+        completed(outcomes)
 
 
 @pytest.mark.xfail(strict=True, reason="needs wip/engine: a request-specific 500 must not open every breaker")
@@ -153,11 +153,11 @@ async def test_http_500_request_specific(record: Record) -> None:
         for sim in sims:
             sim.faults.http_500 = 1  # this request fails on every engine it tries
         bad = await consume(client, "bad", TOKENS)
+        outcomes = await run_streams(client)  # the other callers are not hurt
+        record("HTTP 500 request-specific", [bad, *outcomes], ref)
         assert bad.final is None and bad.error is not None
         assert bad.error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
-        outcomes = await run_streams(client)  # the other callers are not hurt
         completed(outcomes)
-        record("HTTP 500 request-specific", [bad, *outcomes], ref)
 
 
 async def test_sse_error_event_mid_stream(record: Record) -> None:
@@ -166,10 +166,10 @@ async def test_sse_error_event_mid_stream(record: Record) -> None:
         sims[0].faults.stream_error = STREAMS
         sims[0].faults.stream_error_after = 5
         outcomes = await run_streams(client)
+        record("SSE error event after 5 tokens", outcomes, ref)
         for out in outcomes:
             assert out.final is not None and out.final.status == pb.SAMPLE_STATUS_FAILED
             assert out.final.response_length == 5
-        record("SSE error event after 5 tokens", outcomes, ref)
 
 
 @pytest.mark.xfail(
@@ -182,10 +182,10 @@ async def test_all_engines_down(record: Record) -> None:
         for sim in sims:
             await sim.stop()
         outcomes = await run_streams(client)
+        record("all engines down", outcomes, ref)
         for out in outcomes:
             assert out.final is None and out.error is not None
             assert out.error.code() == grpc.StatusCode.UNAVAILABLE, out.error
-        record("all engines down", outcomes, ref)
 
 
 # ------------------------------------------------------------------------------------ malformed replies
@@ -208,7 +208,7 @@ async def test_malformed_engine_reply(record: Record, kind: str) -> None:
         ref = await reference(client)
         sims[0].faults.update({"malformed": STREAMS, "malformed_kind": kind, "malformed_after": 3})
         outcomes = await run_streams(client)
+        record(f"malformed reply: {kind}", outcomes, ref)
         for out in outcomes:
             if out.final is not None:
                 assert all(t >= 0 for t in out.final.tokens)
-        record(f"malformed reply: {kind}", outcomes, ref)
