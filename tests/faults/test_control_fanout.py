@@ -99,7 +99,7 @@ async def test_unhealthy_engines_are_skipped_and_reported() -> None:
             ]
 
 
-async def test_pause_resume_and_info_with_a_silent_engine_end_by_the_deadline() -> None:
+async def test_pause_resume_abort_and_info_with_a_silent_engine_end_by_the_deadline() -> None:
     async with (
         sim_engines(1) as sims,
         silent_server() as silent,
@@ -120,6 +120,10 @@ async def test_pause_resume_and_info_with_a_silent_engine_end_by_the_deadline() 
             assert time.monotonic() - began < DEADLINE_S + SLACK_S
             assert list(getattr(response, done)) == [sims[0].url]
             assert [e.engine for e in response.engine_errors] == [silent]
+        began = time.monotonic()
+        aborted = await client.abort(request_ids=["nobody"], raise_on_engine_errors=False)
+        assert time.monotonic() - began < DEADLINE_S + SLACK_S
+        assert [e.engine for e in aborted.engine_errors] == [silent]
         began = time.monotonic()
         info = await client.server_info()
         assert time.monotonic() - began < DEADLINE_S + SLACK_S
