@@ -395,13 +395,14 @@ class Control:
         if mode == "abort":
             for entry in self._registry.all():
                 entry.request_abort("pause abort")
-        # `wait` blocks until the engines drained: no limit of ours (the caller's deadline applies).
-        timeout = None if mode == "wait" else self._deadline_s
+        # `wait` blocks until the engines drained: no limit of ours (the caller's deadline applies),
+        # neither on the fan-out nor on the HTTP call (vllm.py: None = no limit).
+        wait = mode == "wait"
         result = await self._fan_out(
             self._pool.engines,
-            lambda e: e.client.pause(mode, timeout=None if mode == "wait" else ...),
+            lambda e: e.client.pause(mode, timeout=None) if wait else e.client.pause(mode),
             route=f"/pause?mode={mode}",
-            timeout_s=timeout,
+            timeout_s=None if wait else self._deadline_s,
         )
         log.info("pause", mode=mode, paused=len(result.ok), errors=len(result.errors))
         result.raise_if_none_ok(f"pause ({mode})")
