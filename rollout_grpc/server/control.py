@@ -175,11 +175,6 @@ class Control:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
 
-    @property
-    def deadline_s(self) -> float:
-        """The overall deadline of one fan-out."""
-        return self._deadline_s
-
     # ----------------------------------------------------------------------------- helpers
 
     async def _fan_out(
@@ -207,7 +202,7 @@ class Control:
         if pending:
             await asyncio.wait(pending)
         for engine, task in zip(asked, tasks, strict=True):
-            if task in pending:
+            if task in pending or task.cancelled():
                 wait = f"{timeout_s:.1f} s" if timeout_s is not None else "the deadline"
                 result.fail(engine.url, Failure.TIMEOUT, f"{route}: no answer within {wait} (engine hung?)")
                 continue
