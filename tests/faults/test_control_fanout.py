@@ -198,3 +198,18 @@ def test_the_sync_client_raises_on_engine_errors_too(tmp_path: Path) -> None:
             await asyncio.to_thread(call)
 
     asyncio.run(serve_and_call())
+
+
+async def test_a_silent_peer_delays_a_session_abort_by_at_most_the_deadline() -> None:
+    async with (
+        sim_engines(1) as sims,
+        silent_server() as silent,
+        running_server(
+            [sims[0].url], peers=[silent.removeprefix("http://")], control_deadline_s=DEADLINE_S
+        ) as server,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}") as client,
+    ):
+        began = time.monotonic()
+        response = await client.abort(session_id="sess")
+        assert time.monotonic() - began < DEADLINE_S + SLACK_S
+        assert response.aborted == 0
