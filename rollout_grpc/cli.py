@@ -72,7 +72,12 @@ async def _engines(args: argparse.Namespace) -> AsyncIterator[list[str]]:
 
 
 def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
-    """SIGHUP: re-read the engines file; new engines join, missing ones drain and leave."""
+    """SIGHUP: re-read the engines file; new engines join, missing ones drain and leave, and the
+    admission limit follows. Without an engines file there is nothing to reload: log and serve on
+    (SIGHUP's default action would kill the replica and cut every stream without its sample)."""
+    if not args.engines_file:
+        log.info("sighup_engines_unchanged", reason="no --engines-file to reload")
+        return
     try:
         urls = list(args.engine) + _read_engines_file(args.engines_file)
     except OSError as exc:
@@ -81,14 +86,12 @@ def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
     if not urls:
         log.error("engines_file_empty", path=args.engines_file, action="kept the current engines")
         return
-    log.info("engines_reloaded", engines=urls)
-    server.pool.replace(urls)
+    server.reload_engines(urls)
 
 
 def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
     """SIGHUP: re-read the engines file (when given) and the tokens file."""
-    if args.engines_file:
-        _reload_engines(server, args)
+    _reload_engines(server, args)
     server.reload_credentials()
 
 

@@ -179,6 +179,20 @@ FLAGS: Final[tuple[Flag, ...]] = (
     ),
     Flag("--max-images", "images per Render request", "max_images"),
     Flag(
+        "--max-image-pixels", "pixels of one image (read from its header before decoding)", "max_image_pixels"
+    ),
+    Flag("--max-image-bytes", "encoded bytes of one image", "max_image_bytes"),
+    Flag(
+        "--control-deadline",
+        "seconds the Abort(all)/Pause/Resume fan-out may take, retries included (Pause WAIT: no limit)",
+        "control_deadline_s",
+    ),
+    Flag(
+        "--max-unrequested-time",
+        "seconds gRPC core may hold a call the busy event loop has not picked up yet before cancelling it",
+        "max_unrequested_time_s",
+    ),
+    Flag(
         "--openai-port",
         "serve the OpenAI-compatible agent front door on this port (0 = any free port; unset = off)",
         "openai_port",

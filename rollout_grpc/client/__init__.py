@@ -3,6 +3,7 @@
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.client.aio import AsyncRolloutClient
 from rollout_grpc.client.channel import RetryPolicy, new_request_id
+from rollout_grpc.client.errors import EngineErrors
 from rollout_grpc.client.samples import (
     chat_messages,
     image_part,
@@ -15,6 +16,7 @@ from rollout_grpc.client.sync import RolloutClient
 
 __all__ = [
     "AsyncRolloutClient",
+    "EngineErrors",
     "RetryPolicy",
     "RolloutClient",
     "chat_messages",

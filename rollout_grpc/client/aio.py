@@ -22,6 +22,7 @@ from rollout_grpc.client.channel import (
     resolve_timeout,
 )
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
+from rollout_grpc.client.errors import check_engine_errors
 from rollout_grpc.client.samples import (
     OptionsLike,
     ParamsLike,
@@ -234,23 +235,39 @@ class AsyncRolloutClient:
         session_id: str | None = None,
         group_index: int | None = None,
         timeout: float | None = 30.0,
+        raise_on_engine_errors: bool = True,
     ) -> pb.AbortResponse:
-        """Abort all in-flight generations, some request ids, a session or a prompt group."""
+        """Abort all in-flight generations, some request ids, a session or a prompt group.
+
+        Raises `EngineErrors` when engines failed (`raise_on_engine_errors=False`: return them).
+        """
         request = abort_request(
             all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
         )
-        return await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
+        response = await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
+        return check_engine_errors("Abort", response, raise_on_engine_errors)
 
-    async def pause(self, mode: str = "keep", *, timeout: float | None = None) -> pb.PauseResponse:
-        """Pause every engine: "abort", "wait" or "keep"."""
-        return await self._stub.Pause(pause_request(mode), timeout=timeout, metadata=self._metadata)
+    async def pause(
+        self, mode: str = "keep", *, timeout: float | None = None, raise_on_engine_errors: bool = True
+    ) -> pb.PauseResponse:
+        """Pause every engine: "abort", "wait" or "keep" (`EngineErrors` when some failed)."""
+        response = await self._stub.Pause(pause_request(mode), timeout=timeout, metadata=self._metadata)
+        return check_engine_errors("Pause", response, raise_on_engine_errors)
 
     async def resume(
-        self, weight_version: str | None = None, *, timeout: float | None = 60.0
+        self,
+        weight_version: str | None = None,
+        *,
+        timeout: float | None = 60.0,
+        raise_on_engine_errors: bool = True,
     ) -> pb.ResumeResponse:
-        """Resume every engine, optionally labelling its weights with `weight_version` first."""
+        """Resume every engine, optionally labelling its weights with `weight_version` first.
+
+        Raises `EngineErrors` when some engines failed (`raise_on_engine_errors=False`: return them).
+        """
         request = resume_request(weight_version)
-        return await self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
+        response = await self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
+        return check_engine_errors("Resume", response, raise_on_engine_errors)
 
     async def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""

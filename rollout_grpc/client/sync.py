@@ -19,6 +19,7 @@ from rollout_grpc.client.channel import (
     resolve_timeout,
 )
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
+from rollout_grpc.client.errors import check_engine_errors
 from rollout_grpc.client.samples import (
     OptionsLike,
     ParamsLike,
@@ -144,26 +145,39 @@ class RolloutClient:
         session_id: str | None = None,
         group_index: int | None = None,
         timeout: float | None = 30.0,
+        raise_on_engine_errors: bool = True,
     ) -> pb.AbortResponse:
-        """Abort all in-flight generations, some request ids, a session or a prompt group."""
+        """Abort all in-flight generations, some request ids, a session or a prompt group.
+
+        Raises `EngineErrors` when engines failed (`raise_on_engine_errors=False`: return them).
+        """
         request = abort_request(
             all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
         )
         response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
-        return response
+        return check_engine_errors("Abort", response, raise_on_engine_errors)
 
-    def pause(self, mode: str = "keep", *, timeout: float | None = None) -> pb.PauseResponse:
-        """Pause every engine: "abort", "wait" or "keep"."""
+    def pause(
+        self, mode: str = "keep", *, timeout: float | None = None, raise_on_engine_errors: bool = True
+    ) -> pb.PauseResponse:
+        """Pause every engine: "abort", "wait" or "keep" (`EngineErrors` when some failed)."""
         response: pb.PauseResponse = self._stub.Pause(
             pause_request(mode), timeout=timeout, metadata=self._metadata
         )
-        return response
+        return check_engine_errors("Pause", response, raise_on_engine_errors)
 
-    def resume(self, weight_version: str | None = None, *, timeout: float | None = 60.0) -> pb.ResumeResponse:
-        """Resume every engine, optionally labelling its weights first."""
+    def resume(
+        self,
+        weight_version: str | None = None,
+        *,
+        timeout: float | None = 60.0,
+        raise_on_engine_errors: bool = True,
+    ) -> pb.ResumeResponse:
+        """Resume every engine, optionally labelling its weights first (`EngineErrors` when some
+        failed; `raise_on_engine_errors=False` returns them)."""
         request = resume_request(weight_version)
         response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
-        return response
+        return check_engine_errors("Resume", response, raise_on_engine_errors)
 
     def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""

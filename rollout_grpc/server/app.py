@@ -5,12 +5,17 @@ still answer when the rollout RPCs are saturated (no `maximum_concurrent_rpcs` i
 control is per generation, see `admission.py`). The service name's status follows engine
 availability: SERVING while at least one engine is usable, NOT_SERVING otherwise and during
 shutdown; "" (liveness) stays SERVING while the process runs.
+
+Every call reaches admission: grpc.aio picks calls up from gRPC core one per event-loop turn, and
+core cancels calls left unpicked longer than `grpc.server_max_unrequested_time_in_server` (30 s by
+default) — CANCELLED, unseen, without a queue slot or a retry hint, which a busy loop under
+thousands of streams reaches. `maximum_concurrent_rpcs` would make it worse (calls beyond it stay
+unpicked), so it is not used, and the hold is raised (`ServerConfig.max_unrequested_time_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.server import domain
+from rollout_grpc.server import bounds, decoding, domain
 from rollout_grpc.server.auth import AuthConfig, AuthInterceptor, TokenStore
 from rollout_grpc.server.calls import CallInterceptor, TimedAdmission, log_generate
 from rollout_grpc.server.capabilities import CapabilityChecker
@@ -83,7 +88,10 @@ class ServerConfig:
     max_queue: int = 4096
     retry_after_s: float = 1.0
     grace_s: float = 30.0
-    abort_grace_s: float = 10.0
+    #: After the grace: time the aborted generations get to end as samples (bounds.py).
+    abort_grace_s: float = bounds.SHUTDOWN_ABORT_DRAIN_S
+    #: One overall deadline for Abort(all), Pause (ABORT, KEEP) and Resume fan-outs (bounds.py).
+    control_deadline_s: float = bounds.CONTROL_DEADLINE_S
     health_interval_s: float = 2.0
     breaker_cooldown_s: float = 5.0
     engine_connect_timeout_s: float = 5.0
@@ -144,6 +152,17 @@ class ServerConfig:
     raw_logprobs: str = "warn"
     #: The engines are simulated (`--sim`): said loudly in the log and in GetServerInfo.
     simulated_engines: bool = False
+    #: Largest image accepted by Render, in pixels (width x height, read from the header before
+    #: decoding: decompression bombs are refused unopened) and in encoded bytes.
+    max_image_pixels: int = 64_000_000
+    max_image_bytes: int = 32 * 1024 * 1024
+    #: How long gRPC core may hold a call the application has not yet picked up before it cancels
+    #: it unseen (`grpc.server_max_unrequested_time_in_server`, 30 s by default). The aio server
+    #: picks calls up one per event-loop turn, so a burst of thousands of streams on a busy loop
+    #: can wait longer than that; every call must reach admission (run, queue or
+    #: RESOURCE_EXHAUSTED with a retry hint) instead, so the hold is as long as a day (the
+    #: caller's own deadline still applies).
+    max_unrequested_time_s: float = 86_400.0
 
     def tls(self) -> TlsConfig | None:
         """The TLS settings, or None for plaintext; a key without a certificate is a config error."""
@@ -171,6 +190,12 @@ class ServerConfig:
             return self.max_in_flight_per_caller
         return max(1, (self.in_flight_limit() + self.max_queue) // 2)
 
+    def shutdown_bound_s(self, grace_s: float | None = None) -> float:
+        """The longest this replica takes from SIGTERM to exit (bounds.py), hung engines included."""
+        return bounds.shutdown_bound_s(
+            self.grace_s if grace_s is None else grace_s, self.control_deadline_s, self.abort_grace_s
+        )
+
     def in_flight_limit(self) -> int:
         """server_concurrency x engine count (slime's semaphore size)."""
         engines = rollout_num_engines(
@@ -187,6 +212,7 @@ class ServerConfig:
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.server_max_unrequested_time_in_server", int(self.max_unrequested_time_s)),
         ]
         if self.max_connection_age_s:
             options += [
@@ -267,16 +293,21 @@ class RolloutServer:
             metadata.append(("authorization", f"Bearer {token}"))
         credentials = peer_channel_credentials(tls, cfg.peer_ca_file) if tls is not None else None
         return PeerAborter(
-            cfg.peers, credentials=credentials, metadata=metadata, tls_server_name=cfg.peer_tls_name
+            cfg.peers,
+            timeout_s=cfg.control_deadline_s,
+            credentials=credentials,
+            metadata=metadata,
+            tls_server_name=cfg.peer_tls_name,
         )
 
     async def start(self) -> None:
         """Create the HTTP session and engine pool, then serve."""
         cfg = self.config
         limit = cfg.in_flight_limit()
-        # One session for the process; the connector must allow every admitted generation plus
-        # control calls (aiohttp's default of 100 would silently cap concurrent engine streams).
-        connector = aiohttp.TCPConnector(limit=limit + 64, limit_per_host=0, keepalive_timeout=30)
+        # One session for the process. Admission is the one limit on engine streams: the HTTP
+        # connector has none of its own (aiohttp's default of 100, or any fixed number, would
+        # silently cap concurrent engine streams below it, and not follow an engines-file reload).
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         if self._tracer_provider is None and cfg.otlp_endpoint:
             try:
                 from rollout_grpc.server.tracing import otlp_provider
@@ -318,13 +349,20 @@ class RolloutServer:
         if cfg.peers:
             self.peers = self._peer_aborter(tls)
         self.control = Control(
-            self.pool, self.registry, self.rollout, peer_abort=self.peers.abort if self.peers else None
+            self.pool,
+            self.registry,
+            self.rollout,
+            deadline_s=cfg.control_deadline_s,
+            peer_abort=self.peers.abort if self.peers else None,
         )
         self.trajectories = TrajectoryStore(cfg.openai.max_sessions)
+        renderer = RenderService(
+            self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
+        )
         servicer = RolloutServicer(
             self.rollout,
             self.control,
-            RenderService(self.pool, cfg.max_images),
+            renderer,
             cfg.default_options,
             trajectories=self.trajectories,
             simulated_engines=cfg.simulated_engines,
@@ -345,7 +383,7 @@ class RolloutServer:
             ),
         ]
         self._server = grpc.aio.server(options=cfg.grpc_options(), interceptors=interceptors)
-        pb_grpc.add_RolloutServiceServicer_to_server(servicer, self._server)
+        decoding.add_rollout_service(servicer, self._server)
         pb_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(self.control), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         if cfg.reflection:
@@ -408,15 +446,26 @@ class RolloutServer:
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)
 
+    def reload_engines(self, urls: list[str]) -> None:
+        """Make the engine list `urls` (SIGHUP): engines join or drain, and the admission limit
+        follows the new engine count (the HTTP connector has no limit of its own to resize)."""
+        self.config.engines = list(urls)
+        self.pool.replace(urls)
+        limit = self.config.in_flight_limit()
+        self.rollout.admission.resize(limit)
+        log.info("engines_reloaded", engines=list(urls), in_flight_limit=limit)
+
     async def stop(self, grace_s: float | None = None) -> None:
-        """Graceful shutdown: refuse new work, let generations finish, abort the rest into samples.
+        """Graceful shutdown within `ServerConfig.shutdown_bound_s()`, hung engines included.
 
         1. health NOT_SERVING for good; the gRPC server stops accepting calls at once (GOAWAY, so
            clients and proxies send new calls to other replicas) while in-flight ones continue;
         2. wait up to `grace_s` for in-flight generations to finish;
-        3. abort the remaining ones on their engines: their streams end with ABORTED samples
-           carrying every token, delivered to the callers;
-        4. close the HTTP session once the gRPC server has finished.
+        3. abort the remaining ones (locally and on their engines, one control deadline for the
+           engines): their streams end with ABORTED samples carrying every token;
+        4. give them `abort_grace_s` to deliver those samples; the gRPC server's own grace ends
+           there, so nothing outlives the bound;
+        5. stop the health server and close the HTTP session (bounded too).
         """
         if self._stopping:
             return
@@ -425,8 +474,8 @@ class RolloutServer:
         server_stopped: asyncio.Task[None] | None = None
         if self._server is not None:
             self.rollout.close()
-            # The server's own grace outlasts ours: it must never cut a stream before its sample.
-            server_stopped = asyncio.create_task(self._server.stop(grace + self.config.abort_grace_s + 5.0))
+            server_grace = grace + self.config.control_deadline_s + self.config.abort_grace_s
+            server_stopped = asyncio.create_task(self._server.stop(server_grace))
             # Let the shutdown begin (GOAWAY, listener closed) before readiness drops: a caller that
             # reacts to NOT_SERVING then gets UNAVAILABLE, never a call cancelled mid-shutdown.
             await asyncio.sleep(0)
@@ -438,10 +487,20 @@ class RolloutServer:
                 for entry in self.registry.all():
                     entry.request_abort("server shutting down")
                 if remaining:
-                    with contextlib.suppress(Exception):
+                    try:
                         await self.control.abort_ids(remaining)
+                    except Exception:  # the local aborts are set; engines are best effort
+                        log.exception("shutdown_abort_failed")
                 await self.rollout.wait_idle(self.config.abort_grace_s)
             await server_stopped
+        try:
+            async with asyncio.timeout(bounds.SHUTDOWN_CLOSE_S):
+                await self._close()
+        except TimeoutError:
+            log.warning("shutdown_close_timeout", seconds=bounds.SHUTDOWN_CLOSE_S)
+        log.info("stopped")
+
+    async def _close(self) -> None:
         if self.front_door is not None:
             await self.front_door.stop()
         if self._health_server is not None:
@@ -451,13 +510,8 @@ class RolloutServer:
         if self._tracer_provider is not None and hasattr(self._tracer_provider, "force_flush"):
             self._tracer_provider.force_flush()
         await self.pool.stop()
+        await self.control.close()
         if self.peers is not None:
             await self.peers.close()
         if self._session is not None:
             await self._session.close()
-        log.info("stopped")
-
-    async def wait_for_termination(self) -> None:
-        """Block until the gRPC server has stopped."""
-        if self._server is not None:
-            await self._server.wait_for_termination()

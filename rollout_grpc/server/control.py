@@ -3,8 +3,13 @@
 Engines are shared by every service replica, so these operations act on the engines themselves
 (vLLM's `/pause`, `/resume`, `/inference/v1/abort_requests`, `/update_weight_version`): whichever
 replica receives the call, the streams served by the other replicas end too, because their engine
-calls end with `finish_reason: "abort"`. Pause and abort-all always end in resume when asked to
-(try/finally with bounded retries): a paused vLLM holds every new request.
+calls end with `finish_reason: "abort"`.
+
+Every fan-out has ONE overall deadline (`bounds.CONTROL_DEADLINE_S` by default), retries included,
+except Pause WAIT, which waits until the engines drained. Engines the health probe marked unhealthy
+are skipped (and reported as such). When no engine did what was asked, the RPC fails:
+FAILED_PRECONDITION when engines answered 404 (vLLM's development routes are off), UNAVAILABLE
+otherwise; partial failures are reported per engine with an actionable message.
 
 Aborts are scoped to the caller (`identity.current_caller()`): a trainer reaches only the
 generations it owns, here and (through `ReplicaService.AbortLocal` on the peers) on the other
@@ -16,21 +21,41 @@ shared engines, where they could end another caller's generation of the same id.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import enum
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
+from rollout_grpc.server.bounds import CONTROL_DEADLINE_S
 from rollout_grpc.server.engines import EngineHandle, EnginePool
-from rollout_grpc.server.errors import InvalidArgument, PermissionDenied
+from rollout_grpc.server.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from rollout_grpc.server.identity import current_caller
 from rollout_grpc.server.inflight import InFlight, InFlightRegistry
 from rollout_grpc.server.rollout import Rollout
-from rollout_grpc.server.vllm import EngineError, engine_request_id
+from rollout_grpc.server.vllm import EngineError, EngineHTTPError, engine_request_id
 
 log = structlog.get_logger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
+
+#: The separator of failover attempts in engine request ids (`X`, `X~1`, `X~2`, ...). Request ids
+#: may not contain it (service.py), so an attempt id can never equal another caller's request id.
+ATTEMPT_SEPARATOR = "~"
+
+DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (the route is in its development router)"
+
+
+class Failure(enum.Enum):
+    """Why an engine did not do what was asked."""
+
+    NOT_FOUND = "not_found"  # 404: the route is off (dev mode) — a deployment problem
+    REJECTED = "rejected"  # another HTTP error
+    UNREACHABLE = "unreachable"  # connection refused or broken
+    TIMEOUT = "timeout"  # no answer within the deadline (hung engine)
+    SKIPPED = "skipped"  # marked unhealthy by the health probe: not asked
+    OTHER = "other"
 
 
 @dataclass(slots=True)
@@ -54,10 +79,42 @@ class AbortScope:
 
 @dataclass(slots=True)
 class FleetResult:
-    """Engines that did what was asked, and those that did not (with the error)."""
+    """Engines that did what was asked, and those that did not (with the error and its kind)."""
 
     ok: list[str] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)
+    kinds: list[Failure] = field(default_factory=list)
+
+    def fail(self, url: str, kind: Failure, message: str) -> None:
+        """Record one engine's failure."""
+        self.errors.append((url, message))
+        self.kinds.append(kind)
+
+    def extend(self, other: FleetResult, prefix: str = "") -> None:
+        """Add another fan-out's failures (e.g. resume after pause), messages prefixed."""
+        for (url, message), kind in zip(other.errors, other.kinds, strict=True):
+            self.fail(url, kind, prefix + message)
+
+    def raise_if_none_ok(self, what: str) -> None:
+        """Fail the RPC when engines were asked and none did it, with every engine's reason."""
+        if self.ok or not self.errors:
+            return
+        reasons = "; ".join(f"{url}: {message}" for url, message in self.errors)
+        text = f"no engine could {what} ({reasons})"
+        if Failure.NOT_FOUND in self.kinds:
+            raise FailedPrecondition(text)
+        raise Unavailable(text)
+
+
+def describe_failure(exc: BaseException, route: str) -> tuple[Failure, str]:
+    """An engine failure as (kind, actionable message) — never a raw `{"detail":...}` body."""
+    if isinstance(exc, EngineHTTPError):
+        if exc.status == 404:
+            return Failure.NOT_FOUND, f"{route} answered 404: {DEV_MODE_HINT}"
+        return Failure.REJECTED, f"{route} answered HTTP {exc.status}: {exc.message}"
+    if isinstance(exc, EngineError):
+        return Failure.UNREACHABLE, f"{route}: engine unreachable ({exc.message})"
+    return Failure.OTHER, f"{route} failed ({type(exc).__name__})"
 
 
 @dataclass(slots=True)
@@ -73,6 +130,35 @@ class EngineStatus:
     model: str
 
 
+def attempt_request_ids(request_id: str, attempts: int) -> list[str]:
+    """The engine ids of a generation's engine calls: the first and every failover attempt."""
+    return [engine_request_id(request_id)] + [
+        engine_request_id(f"{request_id}{ATTEMPT_SEPARATOR}{n}") for n in range(1, attempts)
+    ]
+
+
+def _split(engines: Sequence[EngineHandle]) -> tuple[list[EngineHandle], FleetResult]:
+    """(engines to ask, a result listing the unhealthy ones as skipped)."""
+    result = FleetResult()
+    asked: list[EngineHandle] = []
+    for engine in engines:
+        if engine.healthy:
+            asked.append(engine)
+        else:
+            reason = engine.last_error or "no answer"
+            result.fail(engine.url, Failure.SKIPPED, f"skipped: marked unhealthy ({reason})")
+    return asked, result
+
+
+class _StepFailed(Exception):
+    """An engine failed at `route` (one step of a multi-step per-engine action)."""
+
+    def __init__(self, route: str, cause: BaseException) -> None:
+        super().__init__(route)
+        self.route = route
+        self.cause = cause
+
+
 class Control:
     """Abort / pause / resume / info over the engine pool."""
 
@@ -82,47 +168,108 @@ class Control:
         registry: InFlightRegistry,
         rollout: Rollout,
         *,
+        deadline_s: float = CONTROL_DEADLINE_S,
         resume_attempts: int = 3,
         peer_abort: Callable[[AbortScope], Awaitable[int]] | None = None,
     ) -> None:
         self._pool = pool
         self._registry = registry
         self._rollout = rollout
+        self._deadline_s = deadline_s
         self._resume_attempts = resume_attempts
         self._peer_abort = peer_abort
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a background task (late resumes), kept referenced and cancelled by `close()`."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Cancel background work (at shutdown, before the HTTP session closes)."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     # ----------------------------------------------------------------------------- helpers
 
-    async def _each(
+    async def _fan_out(
         self,
         engines: Sequence[EngineHandle],
         action: Callable[[EngineHandle], Awaitable[object]],
+        *,
+        route: str,
+        timeout_s: float | None,
     ) -> FleetResult:
-        """Run `action` on every engine concurrently and sort the outcomes."""
-        outcomes = await asyncio.gather(*(action(e) for e in engines), return_exceptions=True)
-        result = FleetResult()
-        for engine, outcome in zip(engines, outcomes, strict=True):
-            if isinstance(outcome, EngineError):
-                result.errors.append((engine.url, outcome.message))
-            elif isinstance(outcome, BaseException):
-                if not isinstance(outcome, Exception):
-                    raise outcome
-                result.errors.append((engine.url, f"{type(outcome).__name__}"))
-                log.error("engine_control_failed", engine=engine.url, error=repr(outcome))
-            else:
+        """Run `action` on every healthy engine concurrently, all of it within `timeout_s`.
+
+        Unhealthy engines are not asked (reported as skipped); engines still busy at the deadline
+        are reported as hung and their calls cancelled.
+        """
+        asked, result = _split(engines)
+        if not asked:
+            return result
+        tasks = [asyncio.ensure_future(action(engine)) for engine in asked]
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=None if timeout_s is None else max(0.0, timeout_s))
+        finally:
+            for task in tasks:
+                task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        for engine, task in zip(asked, tasks, strict=True):
+            if task in pending or task.cancelled():
+                wait = f"{timeout_s:.1f} s" if timeout_s is not None else "the deadline"
+                result.fail(engine.url, Failure.TIMEOUT, f"{route}: no answer within {wait} (engine hung?)")
+                continue
+            exc = task.exception()
+            if exc is None:
                 result.ok.append(engine.url)
+                continue
+            step, cause = (exc.route, exc.cause) if isinstance(exc, _StepFailed) else (route, exc)
+            kind, message = describe_failure(cause, step)
+            if kind is Failure.OTHER:
+                log.error("engine_control_failed", engine=engine.url, route=step, error=repr(cause))
+            result.fail(engine.url, kind, message)
         return result
 
+    def _timeout(self, deadline: float) -> float:
+        return deadline - asyncio.get_running_loop().time()
+
     async def _resume_one(self, engine: EngineHandle) -> None:
-        """POST /resume with bounded retries; the last error propagates."""
+        """POST /resume with bounded retries (the caller's deadline bounds them in time)."""
         for attempt in range(1, self._resume_attempts + 1):
             try:
                 await engine.client.resume()
                 return
-            except EngineError:
+            except EngineError as exc:
                 if attempt == self._resume_attempts:
-                    raise
+                    raise _StepFailed("/resume", exc) from exc
                 await asyncio.sleep(0.05 * 2**attempt)
+
+    async def _resume_now_or_later(self, engine: EngineHandle) -> None:
+        """Resume within the caller's deadline; if the deadline cancels it, keep trying in the
+        background (a paused vLLM holds every new request)."""
+        try:
+            await self._resume_one(engine)
+        except asyncio.CancelledError:
+            self._spawn(self._resume_later(engine))
+            raise
+
+    async def _resume_later(self, engine: EngineHandle) -> None:
+        """Best-effort resume of an engine whose pause did not answer in time.
+
+        A hung engine may still read the pause once it wakes up; a paused vLLM holds every new
+        request, so it is resumed in the background (the RPC has already answered).
+        """
+        try:
+            await self._resume_one(engine)
+            log.info("engine_resumed_late", engine=engine.url)
+        except _StepFailed as exc:
+            log.warning("engine_resume_failed", engine=engine.url, error=str(exc.cause))
+        except Exception as exc:  # e.g. the HTTP session closed at shutdown: nothing left to do
+            log.warning("engine_resume_failed", engine=engine.url, error=repr(exc))
 
     # ----------------------------------------------------------------------------- abort
 
@@ -133,27 +280,71 @@ class Control:
         return None if caller.is_admin else caller.identity
 
     async def abort_all(self) -> AbortResult:
-        """Abort everything in flight on every engine: pause(abort), then always resume. Admin only."""
+        """Abort everything in flight on every engine: pause(abort), then always resume. Admin only.
+
+        Each engine is paused then resumed on its own, so a hung engine delays nobody; the whole
+        fan-out ends by the deadline. The abort-all window (new generations here end ABORTED at
+        once) closes when the local streams have ended and every pause answered, or at the
+        deadline, whichever is first.
+        """
         if not current_caller().is_admin:
             raise PermissionDenied(
                 "Abort(all) needs the admin role; abort your own request_ids, session or group"
             )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._deadline_s
         self._rollout.begin_abort_all()
-        local = self._registry.all()
-        for entry in local:
-            entry.request_abort("abort all")
-        engines = self._pool.engines
-        result = AbortResult(aborted=len(local))
+        window_open = True
         try:
-            paused = await self._each(engines, lambda e: e.client.pause("abort"))
-            result.engine_errors.extend(paused.errors)
-        finally:
+            local = self._registry.all()
+            for entry in local:
+                entry.request_abort("abort all")
+            result = AbortResult(aborted=len(local))
+            engines, fleet = _split(self._pool.engines)
+            pausing = len(engines)
+            all_paused = asyncio.Event()
+            if pausing == 0:
+                all_paused.set()
+
+            async def pause_then_resume(engine: EngineHandle) -> None:
+                nonlocal pausing
+                pause_error: EngineError | None = None
+                try:
+                    await engine.client.pause("abort")
+                except asyncio.CancelledError:
+                    self._spawn(self._resume_later(engine))
+                    raise
+                except EngineError as exc:
+                    pause_error = exc  # it may have paused anyway: resume regardless
+                finally:
+                    pausing -= 1
+                    if pausing == 0:
+                        all_paused.set()
+                await self._resume_now_or_later(engine)
+                if pause_error is not None:
+                    raise _StepFailed("/pause?mode=abort", pause_error) from pause_error
+
+            fan_out = asyncio.ensure_future(
+                self._fan_out(engines, pause_then_resume, route="/pause", timeout_s=self._timeout(deadline))
+            )
             try:
-                resumed = await self._each(engines, self._resume_one)
-                result.engine_errors.extend((url, f"not resumed: {err}") for url, err in resumed.errors)
+                async with asyncio.timeout_at(deadline):
+                    await all_paused.wait()
+                    await self._registry.wait_idle(max(0.0, self._timeout(deadline)))
+            except TimeoutError:
+                log.warning("abort_all_window_deadline", deadline_s=self._deadline_s)
             finally:
                 self._rollout.end_abort_all()
+                window_open = False
+            done = await fan_out
+            fleet.ok.extend(done.ok)
+            fleet.extend(done)
+        finally:
+            if window_open:
+                self._rollout.end_abort_all()
+        result.engine_errors.extend(fleet.errors)
         log.info("abort_all", aborted=result.aborted, engine_errors=len(result.engine_errors))
+        fleet.raise_if_none_ok("abort (pause and resume)")
         return result
 
     async def abort_ids(self, request_ids: Sequence[str]) -> AbortResult:
@@ -168,17 +359,21 @@ class Control:
         found, unknown = self._registry.select(request_ids, owner)
         for entry in found:
             entry.request_abort("abort by id")
+        # Engine ids of local generations, plus (for an admin, whose abort may reach any owner) the
+        # exact ids another replica would use for the unknown ones (first call and failover
+        # attempts) — never another caller's request id.
         engine_ids = [eid for entry in found for eid in entry.engine_request_ids]
         if owner is None:
             for rid in unknown:
-                engine_ids.append(engine_request_id(rid))
-                engine_ids.extend(
-                    engine_request_id(f"{rid}.{n}")
-                    for n in range(1, self._rollout.config.max_engine_attempts)
-                )
+                engine_ids.extend(attempt_request_ids(rid, self._rollout.config.max_engine_attempts))
         result = AbortResult(aborted=len(found), unknown_request_ids=list(unknown))
         if engine_ids:
-            outcome = await self._each(self._pool.engines, lambda e: e.client.abort_requests(engine_ids))
+            outcome = await self._fan_out(
+                self._pool.engines,
+                lambda e: e.client.abort_requests(engine_ids),
+                route="/inference/v1/abort_requests",
+                timeout_s=self._deadline_s,
+            )
             result.engine_errors.extend(outcome.errors)
         if owner is not None and unknown and self._peer_abort is not None:
             result.aborted += await self._peer_abort(AbortScope(owner=owner, request_ids=tuple(unknown)))
@@ -222,10 +417,11 @@ class Control:
                     entry.engine_request_ids[-1]
                 )
         if by_engine:
-            groups = list(by_engine.values())
-            outcome = await self._each(
-                [engine for engine, _ in groups],
+            outcome = await self._fan_out(
+                [engine for engine, _ in by_engine.values()],
                 lambda e: e.client.abort_requests(by_engine[e.url][1]),
+                route="/inference/v1/abort_requests",
+                timeout_s=self._deadline_s,
             )
             result.engine_errors.extend(outcome.errors)
         return result
@@ -233,56 +429,97 @@ class Control:
     # ----------------------------------------------------------------------------- pause / resume
 
     async def pause(self, mode: str) -> FleetResult:
-        """Pause every engine (`abort`, `wait` or `keep`)."""
+        """Pause every engine (`abort`, `wait` or `keep`); fails when no engine paused."""
         if mode not in PAUSE_MODES:
             raise InvalidArgument("mode", f"must be one of ABORT, WAIT, KEEP; got {mode!r}")
         if mode == "abort":
             for entry in self._registry.all():
                 entry.request_abort("pause abort")
-        # `wait` blocks until the engine drained: no timeout of our own.
-        timeout = None if mode == "wait" else 30.0
-        result = await self._each(self._pool.engines, lambda e: e.client.pause(mode, timeout=timeout))
+        # `wait` blocks until the engines drained: no limit of ours (the caller's deadline applies),
+        # neither on the fan-out nor on the HTTP call (vllm.py: None = no limit).
+        wait = mode == "wait"
+        result = await self._fan_out(
+            self._pool.engines,
+            lambda e: e.client.pause(mode, timeout=None) if wait else e.client.pause(mode),
+            route=f"/pause?mode={mode}",
+            timeout_s=None if wait else self._deadline_s,
+        )
         log.info("pause", mode=mode, paused=len(result.ok), errors=len(result.errors))
+        result.raise_if_none_ok(f"pause ({mode})")
         return result
 
     async def resume(self, weight_version: str | None) -> FleetResult:
-        """Relabel the weights (when given), then resume every engine — resume happens regardless."""
-        engines = self._pool.engines
-        errors: list[tuple[str, str]] = []
-        if weight_version is not None:
-            if not weight_version:
-                raise InvalidArgument("weight_version", "must not be empty when set")
-            relabel = await self._each(engines, lambda e: e.client.update_weight_version(weight_version))
-            errors.extend((url, f"weight version not set: {err}") for url, err in relabel.errors)
-            for engine in engines:
-                if engine.url in relabel.ok:
+        """Relabel the weights (when given), then resume every engine — resume happens regardless.
+
+        Each engine is relabelled then resumed on its own within the one deadline. Fails when no
+        engine took the weight version, or when none resumed.
+        """
+        if weight_version is not None and not weight_version:
+            raise InvalidArgument("weight_version", "must not be empty when set")
+        relabel = FleetResult()
+
+        async def relabel_then_resume(engine: EngineHandle) -> None:
+            if weight_version is not None:
+                try:
+                    await engine.client.update_weight_version(weight_version)
+                except EngineError as exc:
+                    kind, message = describe_failure(exc, "/update_weight_version")
+                    relabel.fail(engine.url, kind, f"weight version not set: {message}")
+                else:
+                    relabel.ok.append(engine.url)
                     engine.weight_version = weight_version
-        resumed = await self._each(engines, self._resume_one)
-        resumed.errors = errors + resumed.errors
+            await self._resume_now_or_later(engine)
+
+        resumed = await self._fan_out(
+            self._pool.engines, relabel_then_resume, route="/resume", timeout_s=self._deadline_s
+        )
         log.info("resume", weight_version=weight_version, resumed=len(resumed.ok), errors=len(resumed.errors))
-        return resumed
+        if weight_version is not None:
+            versioned = FleetResult(ok=list(relabel.ok))
+            versioned.extend(relabel)
+            answered = {url for url in relabel.ok} | {url for url, _ in relabel.errors}
+            for (url, message), kind in zip(resumed.errors, resumed.kinds, strict=True):
+                if url not in answered:
+                    versioned.fail(url, kind, message)
+            versioned.raise_if_none_ok(f"set weight version {weight_version!r}")
+        resumed.raise_if_none_ok("resume")
+        merged = FleetResult(ok=resumed.ok)
+        merged.extend(relabel)
+        merged.extend(resumed)
+        return merged
 
     # ----------------------------------------------------------------------------- info
 
     async def engine_statuses(self) -> list[EngineStatus]:
-        """Every engine with its paused state and weight version (unknown ones reported as such)."""
+        """Every engine with its paused state and weight version (unknown ones reported as such).
 
-        async def one(engine: EngineHandle) -> EngineStatus:
-            paused, version = False, engine.weight_version
-            if engine.healthy:
-                try:
-                    paused, version = await asyncio.gather(
-                        engine.client.is_paused(), engine.client.weight_version()
-                    )
-                    engine.weight_version = version
-                except EngineError as exc:
-                    log.warning("engine_info_failed", engine=engine.url, error=exc.message)
-            if not engine.model and engine.healthy:
+        A hung engine costs at most the control deadline: it is reported with what was known.
+        """
+
+        async def ask(engine: EngineHandle) -> bool:
+            paused = False
+            try:
+                paused, engine.weight_version = await asyncio.gather(
+                    engine.client.is_paused(), engine.client.weight_version()
+                )
+            except EngineError as exc:
+                log.warning("engine_info_failed", engine=engine.url, error=exc.message)
+            if not engine.model:
                 try:
                     models = await engine.client.models()
                     engine.model = str(models[0].get("id", "")) if models else ""
                 except EngineError:
                     pass
+            return paused
+
+        async def one(engine: EngineHandle) -> EngineStatus:
+            paused, version = False, engine.weight_version
+            if engine.healthy:
+                try:
+                    paused = await asyncio.wait_for(ask(engine), self._deadline_s)
+                except TimeoutError:
+                    log.warning("engine_info_timeout", engine=engine.url, deadline_s=self._deadline_s)
+                version = engine.weight_version
             return EngineStatus(
                 url=engine.url,
                 healthy=engine.healthy,

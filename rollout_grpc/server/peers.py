@@ -49,7 +49,11 @@ def _split(target: str) -> tuple[str, int]:
 
 
 class PeerAborter:
-    """gRPC channels to the peer replicas, opened on first use and kept."""
+    """gRPC channels to the peer replicas, opened on first use and kept.
+
+    `timeout_s` bounds name resolution and each peer's Abort (the replica passes its control
+    deadline), so a hung peer delays a session or group abort by at most that much.
+    """
 
     def __init__(
         self,
@@ -88,8 +92,10 @@ class PeerAborter:
                 continue
             host, port = _split(peer.removeprefix(DNS_PREFIX))
             try:
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except OSError as exc:
+                infos = await asyncio.wait_for(
+                    loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), self._timeout_s
+                )
+            except (OSError, TimeoutError) as exc:
                 log.warning("peer_resolve_failed", peer=peer, error=str(exc))
                 continue
             for info in infos:

@@ -8,6 +8,7 @@ engine that rendered (and cached) the media also serves the session's generation
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
@@ -39,33 +40,57 @@ class Rendered:
     engine: str
 
 
-def _image_data_url(payload: str | bytes, mime: str, field: str) -> str:
-    """Validate an image part and return it as a data URL."""
-    if isinstance(payload, str):
-        if not payload.startswith("data:") or ";base64," not in payload:
-            raise InvalidArgument(field + ".image.data_url", "must be a data:<mime>;base64,<data> URL")
-        header, encoded = payload[5:].split(";base64,", 1)
-        mime = header
-        try:
-            data = base64.b64decode(encoded, validate=True)
-        except binascii.Error as exc:
-            raise InvalidArgument(field + ".image.data_url", f"invalid base64: {exc}") from None
-        where = field + ".image.data_url"
-    else:
-        data = payload
-        where = field + ".image.data"
+def _decode_payload(payload: str | bytes, mime: str, field: str) -> tuple[bytes, str, str]:
+    """(bytes, mime type, field naming them) of an image part given as bytes or a data URL."""
+    if isinstance(payload, bytes):
+        return payload, mime, field + ".image.data"
+    where = field + ".image.data_url"
+    if not payload.startswith("data:") or ";base64," not in payload:
+        raise InvalidArgument(where, "must be a data:<mime>;base64,<data> URL")
+    header, encoded = payload[5:].split(";base64,", 1)
+    try:
+        return base64.b64decode(encoded, validate=True), header, where
+    except binascii.Error as exc:
+        raise InvalidArgument(where, f"invalid base64: {exc}") from None
+
+
+def _check_image(data: bytes, mime: str, where: str, max_pixels: int) -> None:
+    """Open the image, check its size from the header BEFORE decoding, then decode it fully.
+
+    CPU-bound (seconds for a large image): run it off the event loop. A decompression bomb (a small
+    file that decodes to billions of pixels) is refused from its header, never decoded.
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format != SUPPORTED_MIME[mime]:
+                raise InvalidArgument(where, f"the bytes are {image.format}, not {mime}")
+            width, height = image.size
+            if width * height > max_pixels:
+                raise InvalidArgument(
+                    where, f"the image is {width}x{height} pixels, more than the limit of {max_pixels}"
+                )
+            image.load()
+    except Image.DecompressionBombError as exc:
+        raise InvalidArgument(where, f"the image is too large: {exc}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise InvalidArgument(where, f"cannot decode the image: {exc}") from None
+
+
+async def _image_data_url(
+    payload: str | bytes, mime: str, field: str, *, max_pixels: int, max_bytes: int
+) -> str:
+    """Validate an image part (size limits first, decoding off the event loop); a data URL."""
+    if isinstance(payload, str) and len(payload) > max_bytes * 4 // 3 + 64:
+        raise InvalidArgument(field + ".image.data_url", f"more than {max_bytes} bytes of image data")
+    data, mime, where = _decode_payload(payload, mime, field)
+    if len(data) > max_bytes:
+        raise InvalidArgument(where, f"{len(data)} bytes of image data, more than the limit of {max_bytes}")
     if mime not in SUPPORTED_MIME:
         raise InvalidArgument(
             field + ".image.mime_type",
             f"unsupported {mime!r}; use one of {', '.join(sorted(SUPPORTED_MIME))}",
         )
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            if image.format != SUPPORTED_MIME[mime]:
-                raise InvalidArgument(where, f"the bytes are {image.format}, not {mime}")
-            image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise InvalidArgument(where, f"cannot decode the image: {exc}") from None
+    await asyncio.to_thread(_check_image, data, mime, where, max_pixels)
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
@@ -87,9 +112,18 @@ def _engine_errors(field: str) -> Iterator[None]:
 class RenderService:
     """Renders prompts on the engine pool."""
 
-    def __init__(self, pool: EnginePool, max_images: int = 8) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        max_images: int = 8,
+        *,
+        max_pixels: int = 64_000_000,
+        max_bytes: int = 32 * 1024 * 1024,
+    ) -> None:
         self._pool = pool
         self._max_images = max_images
+        self._max_pixels = max_pixels
+        self._max_bytes = max_bytes
 
     def _engine(self, session_id: str) -> EngineHandle:
         """The session's engine (it will cache the media for the session's generations)."""
@@ -124,9 +158,10 @@ class RenderService:
                     images += 1
                     if images > self._max_images:
                         raise InvalidArgument(field, f"more than {self._max_images} images in one prompt")
-                    content.append(
-                        {"type": "image_url", "image_url": {"url": _image_data_url(payload, mime, field)}}
+                    url = await _image_data_url(
+                        payload, mime, field, max_pixels=self._max_pixels, max_bytes=self._max_bytes
                     )
+                    content.append({"type": "image_url", "image_url": {"url": url}})
             body_messages.append({"role": role, "content": content})
         body: dict[str, Any] = {"messages": body_messages, "add_generation_prompt": add_generation_prompt}
         if chat_template_kwargs:

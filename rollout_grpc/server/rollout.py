@@ -261,7 +261,7 @@ class Rollout:
             if options.return_routed_experts:
                 await self._check_routed_experts(engine)
             attempts += 1
-            engine_rid = entry.request_id if attempts == 1 else f"{entry.request_id}.{attempts - 1}"
+            engine_rid = entry.request_id if attempts == 1 else f"{entry.request_id}~{attempts - 1}"
             mm_cached: Container[str] = () if mm_with_kwargs else engine.mm_cached
             body = self._body(sample, params, options, engine_rid, mm_cached)
             sent_hash_only = sample.features is not None and (

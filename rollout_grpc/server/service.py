@@ -6,6 +6,7 @@ exception is mapped to a status code by the decorators of `status.py`.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +29,19 @@ from rollout_grpc.server.rollout import Rollout
 from rollout_grpc.server.trajectory import TrajectoryStore
 
 log = structlog.get_logger(__name__)
+
+#: Request ids: 1-256 characters safe in gRPC metadata, HTTP bodies and logs. `~` is excluded: the
+#: engine request ids of failover attempts are `<request id>~<n>`, so no caller's id can equal
+#: another caller's attempt id (an abort of an unknown `X` then never touches someone else's call).
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/@+=-]{1,256}")
+REQUEST_ID_RULE = "must be 1-256 characters of A-Z a-z 0-9 . _ : / @ + = -"
+
+
+def check_request_id(request_id: str, field: str) -> None:
+    """INVALID_ARGUMENT naming `field` unless `request_id` follows REQUEST_ID."""
+    if REQUEST_ID.fullmatch(request_id) is None:
+        raise InvalidArgument(field, f"{REQUEST_ID_RULE}; got {request_id[:64]!r}")
+
 
 _PAUSE_MODES = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
 
@@ -61,8 +75,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
-        if len(request_id) > 256:
-            raise InvalidArgument("request_id", "must be at most 256 characters")
+        check_request_id(request_id, "request_id")
         sample = convert.sample_from_pb(request.sample)
         params = convert.sampling_params_from_pb(request.sampling_params)
         options = convert.options_from_pb(request.options, self._defaults)
@@ -94,6 +107,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 raise InvalidArgument("all", "must be true when it is the target")
             result = await self._control.abort_all()
         elif target == "request_ids":
+            for i, rid in enumerate(request.request_ids.ids):
+                if rid:  # empty ids are refused as a whole by Control.abort_ids
+                    check_request_id(rid, f"request_ids.ids[{i}]")
             result = await self._control.abort_ids(list(request.request_ids.ids))
         elif target == "session_id":
             result = await self._control.abort_matching(session_id=request.session_id)

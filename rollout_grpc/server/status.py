@@ -19,6 +19,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rollout_grpc.server import errors
+from rollout_grpc.server.decoding import Undecodable
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +82,14 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the server)")
 
 
+def _check_decoded(request: object) -> None:
+    """A request whose bytes did not parse (see decoding.py) is the caller's error."""
+    if isinstance(request, Undecodable):
+        raise errors.InvalidArgument(
+            "request", f"the bytes are not a valid {request.message_type}: {request.error}"
+        )
+
+
 def unary(
     handler: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]:
@@ -89,6 +98,7 @@ def unary(
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]) -> Resp:
         try:
+            _check_decoded(request)
             return await handler(self, request, context)
         except Exception as exc:
             if isinstance(exc, grpc.aio.AbortError):
@@ -109,6 +119,7 @@ def streaming(
         self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]
     ) -> AsyncIterator[Resp]:
         try:
+            _check_decoded(request)
             async for message in handler(self, request, context):
                 yield message
         except Exception as exc:

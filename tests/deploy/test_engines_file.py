@@ -82,3 +82,17 @@ async def test_sighup_switches_to_the_rewritten_engines_file(
         replica.proc.popen.send_signal(signal.SIGHUP)
         await wait_for_engines(client, [first, second])
     assert replica.proc.popen.poll() is None  # SIGHUP reloads; it does not stop the replica
+
+
+async def test_sighup_with_more_engines_raises_the_admission_limit(
+    reloadable: tuple[list[Engine], Replica, Path],
+) -> None:
+    engines, replica, path = reloadable
+    urls = [e.url for e in engines]
+    async with AsyncRolloutClient(replica.target) as client:
+        write_engines_file(path, urls)
+        replica.proc.popen.send_signal(signal.SIGHUP)
+        await wait_for_engines(client, urls)
+    serving = replica.log_events("serving")
+    reloaded = replica.log_events("engines_reloaded")
+    assert reloaded[-1]["in_flight_limit"] == 2 * int(str(serving[0]["in_flight_limit"]))

@@ -12,6 +12,7 @@ import re
 import subprocess
 
 from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server import bounds
 from rollout_grpc.server.app import ServerConfig
 from tests.deploy.fleet import REPO, replica_command
 
@@ -53,14 +54,14 @@ def test_probes_use_the_health_port_and_the_service_name() -> None:
     assert f"containerPort: {args['--port']}" in DEPLOYMENT
 
 
-def test_termination_grace_covers_prestop_drain_grace_and_abort() -> None:
+def test_termination_grace_covers_prestop_and_the_shutdown_bound() -> None:
+    """The kubelet's SIGKILL must never come before the replica's own bound (bounds.py), which
+    holds with hung engines: grace, the abort fan-out's deadline, the drain, closing."""
     grace = float(container_args()["--grace"])
     prestop = number("seconds")
-    defaults = ServerConfig(engines=[])
-    # After --grace the server aborts what is left and waits up to abort_grace_s for the ABORTED
-    # samples, then stops the gRPC server with a 2 s grace (rollout_grpc/server/app.py, stop()).
-    needed = prestop + grace + defaults.abort_grace_s + 2.0
-    assert number("terminationGracePeriodSeconds") > needed
+    needed = prestop + ServerConfig(engines=[], grace_s=grace).shutdown_bound_s()
+    assert needed == prestop + bounds.shutdown_bound_s(grace)
+    assert number("terminationGracePeriodSeconds") >= needed
 
 
 def test_engines_configmap_lists_engine_urls() -> None:

@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample
+from rollout_grpc.server.app import ServerConfig
 from tests.deploy.fleet import Engine, Processes, Replica, start_engine, start_replica
 from tests.deploy.streams import (
     PROMPT,
@@ -34,9 +35,9 @@ TOKEN_DELAY_MS = 10.0
 SHORT = 40
 LONG = 3000
 GRACE_S = 4.0
-#: What the replica may take beyond --grace: abort the rest (server's abort_grace_s = 10 s at
-#: most), stop the gRPC server (2 s grace), close sessions. Exceeding it means it hung.
-EXIT_BOUND_S = GRACE_S + 10.0 + 2.0 + 5.0
+#: The replica's own bound from SIGTERM to exit (rollout_grpc/server/bounds.py), the one
+#: deploy/k8s is checked against. Exceeding it means it hung.
+EXIT_BOUND_S = ServerConfig(engines=[], grace_s=GRACE_S).shutdown_bound_s()
 
 
 @pytest.fixture

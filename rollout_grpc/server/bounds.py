@@ -1,0 +1,30 @@
+"""Time bounds the replica promises, in one place: the code, the tests and `deploy/k8s` read them.
+
+* `CONTROL_DEADLINE_S`: one overall deadline for an Abort(all), Pause (ABORT or KEEP) or Resume
+  fan-out over the engines, retries included (Pause WAIT has no limit of ours: it waits until the
+  engines drained). A hung engine costs at most this much, never minutes.
+* `SHUTDOWN_ABORT_DRAIN_S`: after the grace, the time the generations still running get to end
+  as ABORTED samples once their abort was sent.
+* `SHUTDOWN_CLOSE_S`: stopping the gRPC and health servers and closing the HTTP session.
+
+`shutdown_bound_s(grace)` is the longest a replica takes from SIGTERM to exit, hung engines
+included; a pod's `terminationGracePeriodSeconds` must be at least its preStop sleep plus this
+(checked by tests/deploy/test_manifests.py).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+CONTROL_DEADLINE_S: Final = 5.0
+SHUTDOWN_ABORT_DRAIN_S: Final = 10.0
+SHUTDOWN_CLOSE_S: Final = 3.0
+
+
+def shutdown_bound_s(
+    grace_s: float,
+    control_deadline_s: float = CONTROL_DEADLINE_S,
+    abort_drain_s: float = SHUTDOWN_ABORT_DRAIN_S,
+) -> float:
+    """Seconds from SIGTERM to exit at most: grace, abort fan-out, drain, close."""
+    return grace_s + control_deadline_s + abort_drain_s + SHUTDOWN_CLOSE_S

@@ -1,0 +1,193 @@
+"""Fault injection against a real replica: engines that hang, die, stop, refuse or misbehave.
+
+Every stream is checked against the promise of the contract — exactly one final sample or a clean
+error before any token; the final sample holds exactly the streamed deltas; no token lost compared
+with an uninterrupted greedy reference (temperature 0 is deterministic across simulated engines
+that share the model seed, so a failover continues the same sequence) — and its outcome is
+recorded in the session's fault table (tests/faults/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
+from tests.deploy.fleet import Engine, Processes, read_port_file
+
+#: Short prompt of ordinary ids (valid in the simulator's vocabulary).
+PROMPT = [1, 92, 510, 206, 62, 79, 286, 317, 835, 1301]
+#: Every token its own delta: the stream shows exactly what was generated.
+EVERY_TOKEN = {"stream_batch_tokens": 1, "stream_batch_interval_ms": 0}
+#: Bound on every wait (never reached when things work).
+WAIT_S = 30.0
+
+
+def greedy(max_new_tokens: int) -> dict[str, object]:
+    """Greedy sampling of exactly `max_new_tokens` (EOS ignored): the same on every engine."""
+    return {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+
+
+@dataclass
+class Outcome:
+    """What one caller saw."""
+
+    request_id: str
+    streamed: list[int] = field(default_factory=list)
+    final: pb.Sample | None = None
+    error: grpc.aio.AioRpcError | None = None
+    finals: int = 0
+    first: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def response(self) -> list[int]:
+        return list(self.final.tokens[len(PROMPT) :]) if self.final is not None else []
+
+
+async def consume(
+    client: AsyncRolloutClient,
+    request_id: str,
+    max_new_tokens: int,
+    outcome: Outcome | None = None,
+    timeout: float = WAIT_S,
+) -> Outcome:
+    """Run one streaming Generate to its end, recording deltas, final samples and the error."""
+    out = outcome or Outcome(request_id)
+    try:
+        async for message in client.generate_stream(
+            make_sample(PROMPT), greedy(max_new_tokens), EVERY_TOKEN, request_id=request_id, timeout=timeout
+        ):
+            if message.HasField("delta"):
+                assert out.final is None, "a delta after the final sample"
+                assert message.delta.offset == len(out.streamed), "deltas must be contiguous"
+                out.streamed.extend(message.delta.token_ids)
+                if message.delta.token_ids:
+                    out.first.set()
+            else:
+                out.final = message.sample
+                out.finals += 1
+    except grpc.aio.AioRpcError as exc:
+        out.error = exc
+    return out
+
+
+def start(
+    client: AsyncRolloutClient, request_id: str, max_new_tokens: int
+) -> tuple[Outcome, asyncio.Task[Outcome]]:
+    """`consume` in the background; the Outcome fills in as messages arrive."""
+    out = Outcome(request_id)
+    return out, asyncio.create_task(consume(client, request_id, max_new_tokens, out))
+
+
+async def first_tokens(*outcomes: Outcome) -> None:
+    """Wait until every stream has streamed a token (it is then in flight on an engine)."""
+    await asyncio.wait_for(asyncio.gather(*(o.first.wait() for o in outcomes)), WAIT_S)
+
+
+def tokens_lost(out: Outcome, reference: list[int]) -> int:
+    """Tokens the caller saw (or should have kept) that the final sample lacks or changed.
+
+    A final sample must hold exactly the streamed deltas, as a prefix of the uninterrupted greedy
+    reference. Lost = streamed tokens missing from the final sample + positions where the final
+    sample departs from the reference. A clean error before any token loses nothing.
+    """
+    if out.final is None:
+        return len(out.streamed)
+    response = out.response
+    missing = max(0, len(out.streamed) - len(response))
+    differing = sum(1 for a, b in zip(response, reference, strict=False) if a != b)
+    extra = max(0, len(response) - len(reference))
+    return missing + differing + extra
+
+
+def problem(out: Outcome, reference: list[int]) -> str | None:
+    """What breaks the contract for one stream, or None."""
+    if out.final is None:
+        if out.error is None:
+            return "no final sample and no error"
+        if out.streamed:
+            return f"{len(out.streamed)} tokens streamed, then {out.error.code().name} without a sample"
+        if out.error.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            return f"unclean error {out.error.code().name}: {out.error.details()}"
+        return None
+    if out.finals != 1:
+        return f"{out.finals} final samples"
+    if out.error is not None:
+        return f"error after the final sample: {out.error.code().name}"
+    if out.response != out.streamed:
+        return "final sample != concatenated deltas"
+    if list(out.final.tokens[: len(PROMPT)]) != PROMPT:
+        return "the prompt changed"
+    lost = tokens_lost(out, reference)
+    return f"{lost} tokens lost against the greedy reference" if lost else None
+
+
+def check(out: Outcome, reference: list[int]) -> int:
+    """Assert the contract for one stream; return its tokens lost (0 when the checks pass)."""
+    issue = problem(out, reference)
+    assert issue is None, f"{out.request_id}: {issue}"
+    return 0
+
+
+# ------------------------------------------------------------------------------------ hung engines
+
+
+@contextlib.asynccontextmanager
+async def silent_server() -> AsyncIterator[str]:
+    """An HTTP 'engine' that accepts connections and never answers (a wedged process)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+def sim_process(procs: Processes, name: str, *extra: str, token_delay_ms: float = 5.0) -> Engine:
+    """A simulated engine in its own process (it can be SIGKILLed or SIGSTOPped)."""
+    port_file = procs.workdir / f"{name}.port"
+    argv = [
+        sys.executable,
+        "-m",
+        "rollout_grpc.sim",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--token-delay-ms",
+        str(token_delay_ms),
+        "--eos-probability",
+        "0",
+        *extra,
+    ]
+    proc = procs.start(name, argv)
+    return Engine(proc, int(read_port_file(port_file, proc)))
+
+
+@contextlib.contextmanager
+def processes(workdir: Path) -> Iterator[Processes]:
+    """A process group whose members are stopped at the end (stopped ones resumed first)."""
+    procs = Processes(workdir)
+    try:
+        yield procs
+    finally:
+        for proc in procs.procs:
+            if proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.popen.send_signal(signal.SIGCONT)
+        procs.stop_all()

@@ -1,0 +1,65 @@
+"""How control fan-out failures are classified and when the RPC fails (issue 14 item 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_grpc.server.control import (
+    DEV_MODE_HINT,
+    Failure,
+    FleetResult,
+    attempt_request_ids,
+    describe_failure,
+)
+from rollout_grpc.server.errors import FailedPrecondition, Unavailable
+from rollout_grpc.server.vllm import EngineHTTPError, EngineUnavailable
+
+URL = "http://engine:8000"
+
+
+def test_a_404_names_the_dev_mode_flag_never_the_raw_body() -> None:
+    kind, message = describe_failure(EngineHTTPError(URL, 404, '{"detail":"Not Found"}'), "/pause")
+    assert kind is Failure.NOT_FOUND
+    assert DEV_MODE_HINT in message and "/pause" in message and "detail" not in message
+
+
+def test_other_failures_say_what_happened() -> None:
+    assert describe_failure(EngineHTTPError(URL, 500, "boom"), "/resume") == (
+        Failure.REJECTED,
+        "/resume answered HTTP 500: boom",
+    )
+    kind, message = describe_failure(EngineUnavailable(URL, "connection refused"), "/resume")
+    assert kind is Failure.UNREACHABLE and "connection refused" in message
+
+
+def _result(ok: list[str], kinds: list[Failure]) -> FleetResult:
+    result = FleetResult(ok=list(ok))
+    for i, kind in enumerate(kinds):
+        result.fail(f"http://e{i}", kind, kind.value)
+    return result
+
+
+@pytest.mark.parametrize(
+    ("kinds", "error"),
+    [
+        ([Failure.NOT_FOUND, Failure.NOT_FOUND], FailedPrecondition),
+        ([Failure.NOT_FOUND, Failure.UNREACHABLE], FailedPrecondition),
+        ([Failure.UNREACHABLE, Failure.TIMEOUT, Failure.SKIPPED], Unavailable),
+        ([Failure.REJECTED], Unavailable),
+    ],
+)
+def test_no_engine_did_it_fails_the_rpc(kinds: list[Failure], error: type[Exception]) -> None:
+    with pytest.raises(error) as raised:
+        _result([], kinds).raise_if_none_ok("pause")
+    assert all(f"http://e{i}" in str(raised.value) for i in range(len(kinds)))
+
+
+@pytest.mark.parametrize(("ok", "kinds"), [(["http://a"], [Failure.NOT_FOUND]), ([], [])])
+def test_partial_failures_and_empty_fan_outs_do_not_fail_the_rpc(ok: list[str], kinds: list[Failure]) -> None:
+    _result(ok, kinds).raise_if_none_ok("pause")
+
+
+def test_attempt_ids_are_exact_and_use_the_reserved_separator() -> None:
+    ids = attempt_request_ids("job", 3)
+    assert ids[0].endswith("job") and ids[1].endswith("job~1") and ids[2].endswith("job~2")
+    assert not any(i.endswith("job.1") for i in ids)
