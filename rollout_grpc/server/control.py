@@ -142,7 +142,7 @@ class Control:
         for rid in unknown:
             engine_ids.append(engine_request_id(rid))
             engine_ids.extend(
-                engine_request_id(f"{rid}.{n}") for n in range(1, self._rollout.config.max_engine_attempts)
+                engine_request_id(rid, n) for n in range(1, self._rollout.config.max_engine_attempts)
             )
         result = AbortResult(aborted=len(found), unknown_request_ids=list(unknown))
         if engine_ids:

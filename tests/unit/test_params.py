@@ -7,12 +7,22 @@ import math
 import pytest
 
 from rollout_grpc.server import params
+from rollout_grpc.server.engine_api import EngineCall
+from rollout_grpc.server.vllm import sampling_params
+
+
+def to_vllm(p: SamplingParams, *, max_tokens: int | None, min_tokens: int) -> dict[str, object]:
+    """The vLLM sampling_params of one call of `p` (the adapter's translation of the knob table)."""
+    call = EngineCall("r", 0, [1], p, max_tokens, min_tokens, top_logprobs=p.top_logprobs or 0)
+    return sampling_params(call)
+
+
 from rollout_grpc.server.domain import SamplingParams
 from rollout_grpc.server.errors import InvalidArgument
 
 
 def test_rollout_defaults_follow_slime() -> None:
-    sp = params.to_vllm(SamplingParams(), max_tokens=None, min_tokens=0)
+    sp = to_vllm(SamplingParams(), max_tokens=None, min_tokens=0)
     assert sp == {
         "logprobs": 0,
         "include_stop_str_in_output": True,
@@ -40,7 +50,7 @@ def test_nothing_is_dropped() -> None:
         spaces_between_special_tokens=True,
         top_logprobs=3,
     )
-    sp = params.to_vllm(p, max_tokens=9, min_tokens=2)
+    sp = to_vllm(p, max_tokens=9, min_tokens=2)
     assert sp["max_tokens"] == 9 and sp["min_tokens"] == 2 and sp["logprobs"] == 3
     assert sp["top_k"] == 20 and sp["logit_bias"] == {"7": 1.5} and sp["include_stop_str_in_output"] is False
     for name in (
@@ -57,8 +67,8 @@ def test_nothing_is_dropped() -> None:
 
 
 def test_top_k_off_is_not_sent() -> None:
-    assert "top_k" not in params.to_vllm(SamplingParams(top_k=0), max_tokens=1, min_tokens=0)
-    assert params.to_vllm(SamplingParams(top_k=-1), max_tokens=1, min_tokens=0)["top_k"] == -1
+    assert "top_k" not in to_vllm(SamplingParams(top_k=0), max_tokens=1, min_tokens=0)
+    assert to_vllm(SamplingParams(top_k=-1), max_tokens=1, min_tokens=0)["top_k"] == -1
 
 
 @pytest.mark.parametrize(
