@@ -208,7 +208,7 @@ async def test_zero_budget_is_truncated_without_an_engine_request() -> None:
 
 
 async def test_logprobs_that_do_not_match_the_tokens_are_retried_then_fail_the_sample() -> None:
-    """A malformed chunk is dropped whole and regenerated; a persistently malformed engine fails the sample."""
+    """A malformed chunk is dropped whole and regenerated; a persistently malformed engine fails it."""
     async with harness("sim") as h:
         h.sims[0].faults.logprob_mismatch = 1
         deltas, sample = await collect(
