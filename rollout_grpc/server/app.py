@@ -70,6 +70,8 @@ class ServerConfig:
     breaker_cooldown_s: float = 5.0
     engine_connect_timeout_s: float = 5.0
     engine_read_timeout_s: float | None = None
+    #: Seconds of silence on an engine stream before the engine is probed (failover if it is dead).
+    engine_idle_timeout_s: float = 30.0
     max_engine_attempts: int = 4
     engine_stream_interval: bool = True
     max_receive_message_mb: int = 64
@@ -133,7 +135,11 @@ class RolloutServer:
         # control calls (aiohttp's default of 100 would silently cap concurrent engine streams).
         connector = aiohttp.TCPConnector(limit=limit + 64, limit_per_host=0, keepalive_timeout=30)
         self._session = aiohttp.ClientSession(connector=connector)
-        timeouts = EngineTimeouts(connect=cfg.engine_connect_timeout_s, sock_read=cfg.engine_read_timeout_s)
+        timeouts = EngineTimeouts(
+            connect=cfg.engine_connect_timeout_s,
+            sock_read=cfg.engine_read_timeout_s,
+            idle=cfg.engine_idle_timeout_s,
+        )
         self.pool = EnginePool(
             cfg.engines, self._session, timeouts=timeouts, health_interval_s=cfg.health_interval_s
         )
