@@ -91,7 +91,7 @@ async def test_multimodal_sample_continues_after_abort_all(
 async def test_malformed_replies_lose_no_tokens(kind: str) -> None:
     """Each malformed kind: never INTERNAL, one final sample equal to the deltas and to greedy."""
     async with harness("sim", sim_count=2, sim_config={"eos_probability": 0.0}) as h:
-        options = {"stream_batch_tokens": 1, "stream_batch_interval_ms": 0}
+        options: dict[str, object] = {"stream_batch_tokens": 1, "stream_batch_interval_ms": 0}
         _, reference = await collect(h, make_sample(PROMPT), GREEDY, options)
         for sim in h.sims:
             sim.faults.update({"malformed": 1, "malformed_kind": kind, "malformed_after": 5})
