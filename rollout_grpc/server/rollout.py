@@ -250,48 +250,23 @@ class Rollout:
         run = _RunState(call_offset=sample.response_length)
         while not entry.abort_requested:
             engine = self.pool.pick(sample.session_id, exclude=run.excluded)
+            run.decision, run.error = None, None
             if engine is None:
-                decision = failover.decide(self._situation(Failure.NO_ENGINE, sample, params, entry, run, 0))
-                error: EngineError | None = None
+                run.decision = failover.decide(
+                    self._situation(Failure.NO_ENGINE, sample, params, entry, run, 0)
+                )
             else:
-                if not sample.tokens:
-                    await self._render_prompt(engine, sample, options)
-                if options.return_routed_experts:
-                    await self._check_routed_experts(engine)
-                run.attempts += 1
-                attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
-                sample.engine_attempts.append(attempt)
-                try:
-                    with self.pool.lease(engine):
-                        async for batch in self._call(engine, sample, params, options, entry, run, batcher):
-                            yield batch
-                    self.pool.report_success(engine)
-                    break
-                except (EngineError, _DrainExpired) as exc:
-                    error = exc if isinstance(exc, EngineError) else None
-                    failure = await self._classify(engine, exc)
-                    if failure is Failure.REQUEST_FAILED:
-                        run.request_failures += 1
-                    attempt.error = f"{failure.value}: {exc}"
-                    self._label_orphans(sample, engine, attempt)
-                    decision = failover.decide(
-                        self._situation(
-                            failure, sample, params, entry, run, sample.response_length - attempt.start
-                        )
-                    )
-                finally:
-                    attempt.end = sample.response_length
-                if decision.mark_unhealthy:
-                    self.pool.report_failure(engine, attempt.error)
-                if decision.exclude_engine:
-                    run.excluded.add(engine.url)
-            if decision.action is Action.RETRY_WITH_MEDIA:
-                run.media_resent = True
-            elif decision.action is Action.FINISH:
+                async for batch in self._attempt(engine, sample, params, options, entry, run, batcher):
+                    yield batch
+            decision = run.decision
+            if decision is None:
+                break  # the call ended normally
+            if decision.action is Action.RAISE:
+                raise _domain_error(decision, run.error) from run.error
+            if decision.action is Action.FINISH:
                 sample_ops.finish(sample, decision.finish, decision.status, decision.reason)
                 break
-            elif decision.action is Action.RAISE:
-                raise _domain_error(decision, error) from error
+            run.media_resent = run.media_resent or decision.action is Action.RETRY_WITH_MEDIA
             log.warning(
                 "failover", request_id=entry.request_id, action=decision.action.value, reason=decision.reason
             )
@@ -300,6 +275,48 @@ class Rollout:
         last = batcher.flush()
         if last is not None:
             yield last
+
+    async def _attempt(
+        self,
+        engine: EngineHandle,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        entry: InFlight,
+        run: _RunState,
+        batcher: _Batcher,
+    ) -> AsyncIterator[TokenBatch]:
+        """One engine call; on failure, `run.decision` says what next (None: the call succeeded)."""
+        if not sample.tokens:
+            await self._render_prompt(engine, sample, options)
+        if options.return_routed_experts:
+            await self._check_routed_experts(engine)
+        run.attempts += 1
+        attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
+        sample.engine_attempts.append(attempt)
+        try:
+            with self.pool.lease(engine):
+                async for batch in self._call(engine, sample, params, options, entry, run, batcher):
+                    yield batch
+            self.pool.report_success(engine)
+            return
+        except (EngineError, _DrainExpired) as exc:
+            run.error = exc if isinstance(exc, EngineError) else None
+            failure = await self._classify(engine, exc)
+            attempt.error = f"{failure.value}: {exc}"
+        finally:
+            attempt.end = sample.response_length
+        if failure is Failure.REQUEST_FAILED:
+            run.request_failures += 1
+        self._label_orphans(sample, engine, attempt)
+        tokens = sample.response_length - attempt.start
+        run.decision = decision = failover.decide(
+            self._situation(failure, sample, params, entry, run, tokens)
+        )
+        if decision.mark_unhealthy:
+            self.pool.report_failure(engine, attempt.error)
+        if decision.exclude_engine:
+            run.excluded.add(engine.url)
 
     def _situation(
         self,
@@ -411,43 +428,51 @@ class Rollout:
         entry.engine_request_ids.append(engine.client.engine_request_id(call.request_id, call.attempt))
         if call.top_logprobs and len(sample.top_logprobs) < sample.response_length:
             # Positions generated without top logprobs get empty entries, so index = position.
-            sample.top_logprobs.extend(
-                ([], []) for _ in range(sample.response_length - len(sample.top_logprobs))
-            )
+            missing = sample.response_length - len(sample.top_logprobs)
+            sample.top_logprobs.extend(([], []) for _ in range(missing))
         sample.usage.prompt_tokens += len(call.prompt_token_ids)
         start = sample.response_length
-        first_at, first_tokens = 0.0, 0
-        final: EngineFinal | None = None
+        speed = _Speed(sample.response_length)
+        finals: list[EngineFinal] = []
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(None) as drain:
                 entry.on_abort = lambda: drain.reschedule(loop.time() + self.config.abort_drain_s)
-                async for event in engine.client.generate(call):
-                    if isinstance(event, EngineDelta):
-                        self._on_engine_started(engine, entry)
-                        if event.token_ids and not first_at:
-                            first_at, first_tokens = (
-                                time.monotonic(),
-                                sample.response_length + len(event.token_ids),
-                            )
-                        batch = self._apply_delta(sample, event, batcher)
-                        if batch is not None:
-                            yield batch
-                    elif isinstance(event, EngineUsage):
-                        sample.usage.cached_tokens += event.cached_tokens
-                    else:
-                        final = event
+                async for batch in self._consume(engine, call, sample, entry, batcher, speed, finals):
+                    yield batch
         except TimeoutError as exc:
             if entry.abort_requested:
                 raise _DrainExpired from exc
             raise
         finally:
             entry.on_abort = None
-        if final is None:
+        if not finals:
             raise EngineUnavailable(engine.url, "the stream ended without a final result")
-        if first_at:
-            engine.observe_token_gap(time.monotonic() - first_at, sample.response_length - first_tokens)
-        self._apply_final(engine, final, sample, options, start)
+        speed.report(engine, sample.response_length)
+        self._apply_final(engine, finals[-1], sample, options, start)
+
+    async def _consume(
+        self,
+        engine: EngineHandle,
+        call: EngineCall,
+        sample: Sample,
+        entry: InFlight,
+        batcher: _Batcher,
+        speed: _Speed,
+        finals: list[EngineFinal],
+    ) -> AsyncIterator[TokenBatch]:
+        """Apply the call's events to the sample; the final result goes to `finals`."""
+        async for event in engine.client.generate(call):
+            if isinstance(event, EngineDelta):
+                self._on_engine_started(engine, entry)
+                speed.first(sample.response_length + len(event.token_ids), bool(event.token_ids))
+                batch = self._apply_delta(sample, event, batcher)
+                if batch is not None:
+                    yield batch
+            elif isinstance(event, EngineUsage):
+                sample.usage.cached_tokens += event.cached_tokens
+            else:
+                finals.append(event)
 
     def _on_engine_started(self, engine: EngineHandle, entry: InFlight) -> None:
         if not entry.engine_started:
@@ -538,6 +563,27 @@ class _RunState:
     request_failures: int = 0
     media_resent: bool = False
     excluded: set[str] = field(default_factory=set)
+    #: What the last failed call decided (None after a call that ended normally) and its error.
+    decision: Decision | None = None
+    error: EngineError | None = None
+
+
+class _Speed:
+    """Measures an engine call's decode speed from its first token to its end."""
+
+    __slots__ = ("_at", "_tokens")
+
+    def __init__(self, tokens: int) -> None:
+        self._at = 0.0
+        self._tokens = tokens
+
+    def first(self, tokens: int, has_tokens: bool) -> None:
+        if has_tokens and not self._at:
+            self._at, self._tokens = time.monotonic(), tokens
+
+    def report(self, engine: EngineHandle, tokens: int) -> None:
+        if self._at:
+            engine.observe_token_gap(time.monotonic() - self._at, tokens - self._tokens)
 
 
 class _DrainExpired(Exception):

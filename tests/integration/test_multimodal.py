@@ -178,10 +178,10 @@ async def test_media_go_by_hash_once_sent_and_are_resent_after_eviction() -> Non
         assert second.status == pb.SAMPLE_STATUS_TRUNCATED and len(second.engine_attempts) == 1
         assert engine.stats.last_requests[-1]["features"]["kwargs_data"]["image"] == [None]
 
-        await reset_mm_cache(engine.url)  # evicted: hash only fails with 500, resent with kwargs
+        await reset_mm_cache(engine.url)  # evicted: hash only fails (in-stream 500), resent with kwargs
         third = await h.client.generate(sample_from(rendered), params)
         assert third.status == pb.SAMPLE_STATUS_TRUNCATED
-        assert len(third.engine_attempts) == 2 and "HTTP 500" in third.engine_attempts[0].error
+        assert len(third.engine_attempts) == 2 and "media_cache_miss" in third.engine_attempts[0].error
 
         stripped = sample_from(rendered)
         for modality in stripped.multimodal_features.modalities:
