@@ -438,6 +438,8 @@ class Rollout:
         try:
             async with asyncio.timeout(None) as drain:
                 entry.on_abort = lambda: drain.reschedule(loop.time() + self.config.abort_drain_s)
+                if entry.abort_requested:  # asked while the call was being prepared
+                    entry.on_abort()
                 async for batch in self._consume(engine, call, sample, entry, batcher, speed, finals):
                     yield batch
         except TimeoutError as exc:

@@ -49,7 +49,7 @@ async def run(
     rollout: Rollout, sample: Sample | None = None, params: SamplingParams | None = None, rid: str = "r"
 ) -> tuple[list[TokenBatch], Sample]:
     sample = sample or Sample(tokens=list(PROMPT))
-    prompt_len = len(sample.tokens)
+    before = sample.response_length
     params = params or SamplingParams(max_new_tokens=6)
     options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0)
     batches: list[TokenBatch] = []
@@ -61,7 +61,8 @@ async def run(
             result = item
     assert result is not None
     streamed = [t for b in batches for t in b.token_ids]
-    assert streamed == result.tokens[prompt_len:], "the stream equals the final sample"
+    new = result.response_length - before
+    assert streamed == result.tokens[len(result.tokens) - new :], "the stream equals the final sample"
     return batches, result
 
 
@@ -211,3 +212,19 @@ async def test_empty_delta_marks_the_engine_started() -> None:
     a = FakeEngine("a", [[EngineDelta(), tokens(3), final(FinishKind.STOP, 1)]])
     _, sample = await run(make(a))
     assert sample.status == Status.COMPLETED
+
+
+async def test_abort_requested_while_rendering_still_bounds_the_call() -> None:
+    """An abort that lands before the engine call starts (here: during the prompt render)."""
+    a = FakeEngine("a", [[HANG]])
+    rollout = make(a, abort_drain_s=0.05)
+    render = a.render_text
+
+    async def render_then_abort(text: str, model: str = "") -> Any:
+        (entry,) = rollout.registry.select(["r"])[0]
+        entry.request_abort("test")
+        return await render(text, model)
+
+    a.render_text = render_then_abort  # type: ignore[method-assign]
+    _, sample = await asyncio.wait_for(run(rollout, Sample(prompt="hi"), rid="r"), 5)
+    assert sample.status == Status.ABORTED and sample.response_length == 0
