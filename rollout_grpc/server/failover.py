@@ -16,8 +16,9 @@
 5. **Engine faults** (unreachable, broken or silent stream, internal error, malformed reply):
    retry elsewhere from the tokens produced so far, with the reduced budget. An internal error
    from an engine that still passes its health probe is the request's fault, not the engine's:
-   it never opens the engine's circuit breaker, and after `max_request_failures` such engines
-   the request ends (FAILED_PRECONDITION before tokens, FAILED after). A malformed reply does
+   it never opens the engine's circuit breaker, and after `max_request_failures` such failures
+   the request ends (FAILED_PRECONDITION before tokens, FAILED after). Engines already tried are
+   avoided while others are left; only engines at fault are excluded outright. A malformed reply does
    not open the breaker either (the engine serves other requests; its broken chunk is dropped
    whole and the continuation regenerates it). The budget running out ends TRUNCATED; the
    attempt limit ends ABORTED (engines lost) or FAILED (replies unusable), or UNAVAILABLE when
@@ -107,7 +108,7 @@ class Decision:
     raise_as: Raise | None = None
     #: Report the engine to the pool as failed (opens its circuit breaker).
     mark_unhealthy: bool = False
-    #: Do not try this engine again for this generation.
+    #: Do not try this engine again for this generation (engines already tried are only avoided).
     exclude_engine: bool = False
     reason: str = ""
 
@@ -195,20 +196,21 @@ def _engine_fault(s: Situation, nothing_yet: bool) -> Decision:
             "the request itself is the likely cause"
         )
         if nothing_yet:
-            return _raise(Raise.FAILED_PRECONDITION, reason, exclude_engine=True)
-        return _finish(Finish.ERROR, Status.FAILED, reason, exclude_engine=True)
+            return _raise(Raise.FAILED_PRECONDITION, reason)
+        return _finish(Finish.ERROR, Status.FAILED, reason)
     if s.budget_left == 0:
-        return _finish(Finish.LENGTH, Status.TRUNCATED, mark_unhealthy=blame, exclude_engine=True)
+        return _finish(Finish.LENGTH, Status.TRUNCATED, mark_unhealthy=blame)
     if s.attempts >= s.max_attempts:
         reason = f"gave up after {s.attempts} engine calls"
         if nothing_yet:
-            return _raise(Raise.UNAVAILABLE, reason, mark_unhealthy=blame, exclude_engine=True)
+            return _raise(Raise.UNAVAILABLE, reason, mark_unhealthy=blame)
         status = Status.FAILED if s.failure in _UNUSABLE else Status.ABORTED
         finish = Finish.ERROR if status is Status.FAILED else Finish.ABORT
-        return _finish(finish, status, reason, mark_unhealthy=blame, exclude_engine=True)
-    # A malformed reply may be retried on the same engine (one bad chunk, e.g. one engine's glitch,
-    # must not end a sample on a one-engine fleet); the attempt limit bounds a persistent one.
-    exclude = s.failure is not Failure.MALFORMED
+        return _finish(finish, status, reason, mark_unhealthy=blame)
+    # Engines at fault are not tried again for this generation. After a malformed reply or a
+    # request-specific error the engine stays allowed (the loop prefers engines not tried yet): one
+    # bad chunk or one transient 500 must not end a sample on a one-engine fleet, and the attempt
+    # and request-failure limits bound a persistent one.
     return Decision(
-        Action.RETRY_ELSEWHERE, mark_unhealthy=blame, exclude_engine=exclude, reason=s.failure.value
+        Action.RETRY_ELSEWHERE, mark_unhealthy=blame, exclude_engine=blame, reason=s.failure.value
     )

@@ -249,7 +249,9 @@ class Rollout:
         batcher = _Batcher(options)
         run = _RunState(call_offset=sample.response_length)
         while not entry.abort_requested:
-            engine = self.pool.pick(sample.session_id, exclude=run.excluded)
+            engine = self.pool.pick(sample.session_id, exclude=run.excluded | run.tried) or self.pool.pick(
+                sample.session_id, exclude=run.excluded
+            )
             run.decision, run.error = None, None
             if engine is None:
                 run.decision = failover.decide(
@@ -292,6 +294,7 @@ class Rollout:
         if options.return_routed_experts:
             await self._check_routed_experts(engine)
         run.attempts += 1
+        run.tried.add(engine.url)
         attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
         sample.engine_attempts.append(attempt)
         try:
@@ -564,7 +567,9 @@ class _RunState:
     attempts: int = 0
     request_failures: int = 0
     media_resent: bool = False
+    #: Engines at fault (never tried again) and engines already tried (avoided while others remain).
     excluded: set[str] = field(default_factory=set)
+    tried: set[str] = field(default_factory=set)
     #: What the last failed call decided (None after a call that ended normally) and its error.
     decision: Decision | None = None
     error: EngineError | None = None

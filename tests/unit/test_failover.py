@@ -31,7 +31,7 @@ RETRY = Action.RETRY_ELSEWHERE
 FINISH = Action.FINISH
 RAISE = Action.RAISE
 
-#: (id, situation, action, (finish, status) or raise kind, breaker opens, engine excluded)
+#: (id, situation, action, (finish, status) or raise kind, breaker opens, engine never tried again)
 TABLE: list[tuple[str, Situation, Action, Any, bool, bool]] = [
     # Mid-stream drop / refused connection: the engine's fault; continue elsewhere.
     (
@@ -52,7 +52,7 @@ TABLE: list[tuple[str, Situation, Action, Any, bool, bool]] = [
         RETRY,
         None,
         False,
-        True,
+        False,
     ),
     (
         "5xx request-specific on N engines",
@@ -60,7 +60,7 @@ TABLE: list[tuple[str, Situation, Action, Any, bool, bool]] = [
         RAISE,
         Raise.FAILED_PRECONDITION,
         False,
-        True,
+        False,
     ),
     (
         "5xx request-specific on N engines after tokens",
@@ -68,7 +68,7 @@ TABLE: list[tuple[str, Situation, Action, Any, bool, bool]] = [
         FINISH,
         (Finish.ERROR, Status.FAILED),
         False,
-        True,
+        False,
     ),
     (
         "in-stream 5xx after tokens",
@@ -76,7 +76,7 @@ TABLE: list[tuple[str, Situation, Action, Any, bool, bool]] = [
         RETRY,
         None,
         False,
-        True,
+        False,
     ),
     # Media cache miss: resend the tensors once to the same engine.
     (
@@ -145,7 +145,7 @@ TABLE: list[tuple[str, Situation, Action, Any, bool, bool]] = [
         FINISH,
         (Finish.ERROR, Status.FAILED),
         False,
-        True,
+        False,
     ),
     (
         "malformed at the limit, nothing yet",
@@ -153,7 +153,7 @@ TABLE: list[tuple[str, Situation, Action, Any, bool, bool]] = [
         RAISE,
         Raise.UNAVAILABLE,
         False,
-        True,
+        False,
     ),
     # Limits.
     (
@@ -162,16 +162,23 @@ TABLE: list[tuple[str, Situation, Action, Any, bool, bool]] = [
         FINISH,
         (Finish.ABORT, Status.ABORTED),
         True,
-        True,
+        False,
     ),
-    ("max attempts, nothing yet", situation(F.UNAVAILABLE, attempts=4), RAISE, Raise.UNAVAILABLE, True, True),
+    (
+        "max attempts, nothing yet",
+        situation(F.UNAVAILABLE, attempts=4),
+        RAISE,
+        Raise.UNAVAILABLE,
+        True,
+        False,
+    ),
     (
         "budget exhausted by the dropped call",
         situation(F.UNAVAILABLE, tokens_this_call=5, tokens_this_generate=5, budget_left=0),
         FINISH,
         (Finish.LENGTH, Status.TRUNCATED),
         True,
-        True,
+        False,
     ),
     # Abort wins over everything, tokens kept, engine not blamed.
     (

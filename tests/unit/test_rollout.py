@@ -228,3 +228,9 @@ async def test_abort_requested_while_rendering_still_bounds_the_call() -> None:
     a.render_text = render_then_abort  # type: ignore[method-assign]
     _, sample = await asyncio.wait_for(run(rollout, Sample(prompt="hi"), rid="r"), 5)
     assert sample.status == Status.ABORTED and sample.response_length == 0
+
+
+async def test_a_transient_500_on_a_one_engine_fleet_is_retried_there() -> None:
+    a = FakeEngine("a", [[EngineRequestFailed("a", "HTTP 500")], [tokens(4), final(FinishKind.STOP, 1)]])
+    _, sample = await run(make(a))
+    assert sample.status == Status.COMPLETED and len(a.calls) == 2
