@@ -35,6 +35,7 @@ from typing import Any, Final
 import aiohttp
 import orjson
 
+from rollout_grpc.server import params as params_mod
 from rollout_grpc.server import routed_experts
 from rollout_grpc.server.domain import MultimodalFeatures, MultimodalItem, WeightSpan
 from rollout_grpc.server.engine_api import (
@@ -86,7 +87,7 @@ FINISH_MAP: Final[dict[str, FinishKind]] = {
 }
 
 #: vLLM error `param`s that are not sampling-knob names -> the neutral name (`params.ENGINE_FIELDS`).
-_PARAM_ALIASES: Final = {"body.token_ids": "prompt", "token_ids": "prompt", "max_tokens": "max_tokens"}
+_PARAM_ALIASES: Final = {"body.token_ids": "prompt", "token_ids": "prompt"}
 
 
 def engine_request_id(request_id: str, attempt: int = 0) -> str:
@@ -183,8 +184,6 @@ def sampling_params(call: EngineCall) -> dict[str, Any]:
     `include_stop_str_in_output` true, `skip_special_tokens` false, `spaces_between_special_tokens`
     false; `logprobs` is always requested so that every token comes back with its logprob.
     """
-    from rollout_grpc.server import params as params_mod  # the knob table
-
     sp = params_mod.engine_sampling_params(call.sampling)
     sp["logprobs"] = call.top_logprobs
     if call.max_tokens is not None:
