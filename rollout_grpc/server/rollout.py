@@ -1,8 +1,9 @@
-"""One sample's generation: the domain logic of slime/vime `generate()` on vLLM engines.
+"""One sample's generation: the domain logic of slime/vime `generate()` on inference engines.
 
 `Rollout.generate` is an async generator: it yields `TokenBatch`es as tokens arrive and, last, the
 final `Sample`. It owns budget, continuation, masks, status, weight versions, routed experts and
-failover; it knows nothing about gRPC. Guarantees:
+failover; it knows nothing about gRPC, and engines only through `engine_api.EngineAdapter`. What
+happens after a failed engine call is decided by `failover.decide` (one table of rules). Guarantees:
 
 * every token yielded in a batch is in the final sample, and vice versa (no loss, no duplicates);
 * a failure after tokens were produced never raises: the sample comes back ABORTED (engines lost)
@@ -10,7 +11,9 @@ failover; it knows nothing about gRPC. Guarantees:
 * when an engine dies or its stream breaks, the sample continues on another healthy engine from
   the tokens already produced, with the reduced budget (partial-rollout continuation);
 * leaving early (client cancel, deadline) closes the upstream HTTP request, which makes vLLM
-  abort the engine-side generation.
+  abort the engine-side generation;
+* an abort ends the generation within `RolloutConfig.abort_drain_s` of the request, even if its
+  engine never answers again.
 """
 
 from __future__ import annotations
