@@ -372,6 +372,14 @@ def parse_chunk(url: str, data: bytes, call: EngineCall) -> list[EngineEvent]:
 # ------------------------------------------------------------------------------------ the adapter
 
 
+@dataclass(slots=True)
+class _Progress:
+    """How far a generate call got: a delta received (the engine holds the media), the final result."""
+
+    produced: bool = False
+    finished: bool = False
+
+
 class VllmEngine:
     """One vLLM engine (or the simulator, which speaks the same surface): an `EngineAdapter`."""
 
@@ -446,28 +454,39 @@ class VllmEngine:
         """
         body, hash_only = self.generate_body(call)
         hashes = [it.mm_hash for it in _media(call.features)]
-        produced = False
+        progress = _Progress()
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                resp = await self._open_stream(stack, body)
-                if resp.status != 200:
-                    raise _http_error(self.url, resp.status, await resp.read())
-                async for data in self._events(resp):
-                    if data == _DONE:
-                        return
-                    for event in parse_chunk(self.url, data, call):
-                        if not produced and isinstance(event, EngineDelta):
-                            produced = True
-                            self._remember_media(hashes)
-                        yield event
-                raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
+            async for event in self._stream(body, call, hashes, progress):
+                yield event
         except EngineRequestFailed as exc:
-            if hash_only and not produced:
+            if hash_only and not progress.produced:
                 self.forget_media(hashes)
                 raise MediaCacheMiss(self.url, f"media sent by hash only failed ({exc.message})") from exc
             raise
         except _TRANSPORT_ERRORS as exc:
+            if progress.finished:  # the final result arrived; only the usage chunk or [DONE] was lost
+                return
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
+
+    async def _stream(
+        self, body: dict[str, Any], call: EngineCall, hashes: list[str], progress: _Progress
+    ) -> AsyncIterator[EngineEvent]:
+        """The events of one generate call, until [DONE] (or the end of the stream after the final)."""
+        async with contextlib.AsyncExitStack() as stack:
+            resp = await self._open_stream(stack, body)
+            if resp.status != 200:
+                raise _http_error(self.url, resp.status, await resp.read())
+            async for data in self._events(resp):
+                if data == _DONE:
+                    return
+                for event in parse_chunk(self.url, data, call):
+                    if not progress.produced and isinstance(event, EngineDelta):
+                        progress.produced = True
+                        self._remember_media(hashes)
+                    progress.finished = progress.finished or isinstance(event, EngineFinal)
+                    yield event
+            if not progress.finished:
+                raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
 
     async def _open_stream(
         self, stack: contextlib.AsyncExitStack, body: dict[str, Any]

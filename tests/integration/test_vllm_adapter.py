@@ -160,3 +160,18 @@ async def test_hash_only_failure_is_a_cache_miss_and_forgets_the_hash() -> None:
         with pytest.raises(MediaCacheMiss):
             await collect(adapter, call)
         assert not adapter.holds_media("h")
+
+
+async def test_a_connection_lost_after_the_final_chunk_loses_nothing() -> None:
+    """The final result arrived; a lost usage chunk or [DONE] must not make the call fail over."""
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(chunk([7]))
+        await resp.write(chunk([8], "stop"))
+        return resp  # no usage chunk, no [DONE]
+
+    async with engine(generate) as url, aiohttp.ClientSession() as session:
+        events = await collect(VllmEngine(url, session))
+        assert isinstance(events[-1], EngineFinal) and events[-1].weight_spans[0].end == 2
