@@ -142,6 +142,12 @@ FLAGS: Final[tuple[Flag, ...]] = (
         zero_is_none=True,
     ),
     Flag(
+        "--engine-idle-timeout",
+        "seconds an engine stream may stay silent before the engine is probed (and failed over "
+        "if it does not answer); a paused engine that answers is waited for",
+        "engine_idle_timeout_s",
+    ),
+    Flag(
         "--max-engine-attempts", "engine calls per Generate (the first plus failovers)", "max_engine_attempts"
     ),
     Flag(

@@ -96,6 +96,8 @@ class ServerConfig:
     breaker_cooldown_s: float = 5.0
     engine_connect_timeout_s: float = 5.0
     engine_read_timeout_s: float | None = None
+    #: Seconds of silence on an engine stream before the engine is probed (failover if it is dead).
+    engine_idle_timeout_s: float = 30.0
     max_engine_attempts: int = 4
     engine_stream_interval: bool = True
     max_receive_message_mb: int = 64
@@ -324,7 +326,11 @@ class RolloutServer:
             trace_configs.append(engine_tracing(self._tracer_provider))
             interceptors.append(TracingInterceptor(self._tracer_provider))
         self._session = aiohttp.ClientSession(connector=connector, trace_configs=trace_configs)
-        timeouts = EngineTimeouts(connect=cfg.engine_connect_timeout_s, sock_read=cfg.engine_read_timeout_s)
+        timeouts = EngineTimeouts(
+            connect=cfg.engine_connect_timeout_s,
+            sock_read=cfg.engine_read_timeout_s,
+            idle=cfg.engine_idle_timeout_s,
+        )
         self.pool = EnginePool(
             cfg.engines,
             self._session,

@@ -28,8 +28,9 @@ from typing import Final
 import structlog
 
 from rollout_grpc.server import vllm_info
+from rollout_grpc.server.engine_api import EngineError
 from rollout_grpc.server.engines import EngineHandle
-from rollout_grpc.server.vllm import EngineError
+from rollout_grpc.server.vllm import VllmEngine
 
 log = structlog.get_logger(__name__)
 
@@ -133,6 +134,8 @@ class CapabilityChecker:
 
     async def __call__(self, engine: EngineHandle) -> None:
         client = engine.client
+        if not isinstance(client, VllmEngine):
+            return  # the probes below speak vLLM's HTTP surface; other adapters report their own
         try:
             model, max_model_len = await vllm_info.read_model(client)
             scale_out = await vllm_info.probe_scale_out(client)

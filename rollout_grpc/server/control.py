@@ -29,12 +29,13 @@ from typing import Any
 import structlog
 
 from rollout_grpc.server.bounds import CONTROL_DEADLINE_S
+from rollout_grpc.server.engine_api import EngineError, EngineRejected, EngineRequestFailed
 from rollout_grpc.server.engines import EngineHandle, EnginePool
 from rollout_grpc.server.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from rollout_grpc.server.identity import current_caller
 from rollout_grpc.server.inflight import InFlight, InFlightRegistry
 from rollout_grpc.server.rollout import Rollout
-from rollout_grpc.server.vllm import EngineError, EngineHTTPError, engine_request_id
+from rollout_grpc.server.vllm import CONTROL_ROUTES, engine_request_id
 
 log = structlog.get_logger(__name__)
 
@@ -42,8 +43,6 @@ PAUSE_MODES = ("abort", "wait", "keep")
 
 #: The separator of failover attempts in engine request ids (`X`, `X~1`, `X~2`, ...). Request ids
 #: may not contain it (service.py), so an attempt id can never equal another caller's request id.
-ATTEMPT_SEPARATOR = "~"
-
 DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (the route is in its development router)"
 
 
@@ -108,10 +107,12 @@ class FleetResult:
 
 def describe_failure(exc: BaseException, route: str) -> tuple[Failure, str]:
     """An engine failure as (kind, actionable message) — never a raw `{"detail":...}` body."""
-    if isinstance(exc, EngineHTTPError):
-        if exc.status == 404:
+    if isinstance(exc, EngineRejected):
+        if exc.not_found:
             return Failure.NOT_FOUND, f"{route} answered 404: {DEV_MODE_HINT}"
-        return Failure.REJECTED, f"{route} answered HTTP {exc.status}: {exc.message}"
+        return Failure.REJECTED, f"{route} was refused: {exc.message}"
+    if isinstance(exc, EngineRequestFailed):
+        return Failure.REJECTED, f"{route} failed on the engine: {exc.message}"
     if isinstance(exc, EngineError):
         return Failure.UNREACHABLE, f"{route}: engine unreachable ({exc.message})"
     return Failure.OTHER, f"{route} failed ({type(exc).__name__})"
@@ -132,9 +133,7 @@ class EngineStatus:
 
 def attempt_request_ids(request_id: str, attempts: int) -> list[str]:
     """The engine ids of a generation's engine calls: the first and every failover attempt."""
-    return [engine_request_id(request_id)] + [
-        engine_request_id(f"{request_id}{ATTEMPT_SEPARATOR}{n}") for n in range(1, attempts)
-    ]
+    return [engine_request_id(request_id, n) for n in range(attempts)]
 
 
 def _split(engines: Sequence[EngineHandle]) -> tuple[list[EngineHandle], FleetResult]:
@@ -245,7 +244,7 @@ class Control:
                 return
             except EngineError as exc:
                 if attempt == self._resume_attempts:
-                    raise _StepFailed("/resume", exc) from exc
+                    raise _StepFailed(CONTROL_ROUTES["resume"], exc) from exc
                 await asyncio.sleep(0.05 * 2**attempt)
 
     async def _resume_now_or_later(self, engine: EngineHandle) -> None:
@@ -322,10 +321,15 @@ class Control:
                         all_paused.set()
                 await self._resume_now_or_later(engine)
                 if pause_error is not None:
-                    raise _StepFailed("/pause?mode=abort", pause_error) from pause_error
+                    raise _StepFailed(CONTROL_ROUTES["pause"] + "?mode=abort", pause_error) from pause_error
 
             fan_out = asyncio.ensure_future(
-                self._fan_out(engines, pause_then_resume, route="/pause", timeout_s=self._timeout(deadline))
+                self._fan_out(
+                    engines,
+                    pause_then_resume,
+                    route=CONTROL_ROUTES["pause"],
+                    timeout_s=self._timeout(deadline),
+                )
             )
             try:
                 async with asyncio.timeout_at(deadline):
@@ -371,7 +375,7 @@ class Control:
             outcome = await self._fan_out(
                 self._pool.engines,
                 lambda e: e.client.abort_requests(engine_ids),
-                route="/inference/v1/abort_requests",
+                route=CONTROL_ROUTES["abort"],
                 timeout_s=self._deadline_s,
             )
             result.engine_errors.extend(outcome.errors)
@@ -420,7 +424,7 @@ class Control:
             outcome = await self._fan_out(
                 [engine for engine, _ in by_engine.values()],
                 lambda e: e.client.abort_requests(by_engine[e.url][1]),
-                route="/inference/v1/abort_requests",
+                route=CONTROL_ROUTES["abort"],
                 timeout_s=self._deadline_s,
             )
             result.engine_errors.extend(outcome.errors)
@@ -441,7 +445,7 @@ class Control:
         result = await self._fan_out(
             self._pool.engines,
             lambda e: e.client.pause(mode, timeout=None) if wait else e.client.pause(mode),
-            route=f"/pause?mode={mode}",
+            route=f"{CONTROL_ROUTES['pause']}?mode={mode}",
             timeout_s=None if wait else self._deadline_s,
         )
         log.info("pause", mode=mode, paused=len(result.ok), errors=len(result.errors))
@@ -463,7 +467,7 @@ class Control:
                 try:
                     await engine.client.update_weight_version(weight_version)
                 except EngineError as exc:
-                    kind, message = describe_failure(exc, "/update_weight_version")
+                    kind, message = describe_failure(exc, CONTROL_ROUTES["update_weight_version"])
                     relabel.fail(engine.url, kind, f"weight version not set: {message}")
                 else:
                     relabel.ok.append(engine.url)
@@ -471,7 +475,10 @@ class Control:
             await self._resume_now_or_later(engine)
 
         resumed = await self._fan_out(
-            self._pool.engines, relabel_then_resume, route="/resume", timeout_s=self._deadline_s
+            self._pool.engines,
+            relabel_then_resume,
+            route=CONTROL_ROUTES["resume"],
+            timeout_s=self._deadline_s,
         )
         log.info("resume", weight_version=weight_version, resumed=len(resumed.ok), errors=len(resumed.errors))
         if weight_version is not None:

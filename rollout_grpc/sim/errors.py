@@ -20,12 +20,17 @@ JSON_CT = "application/json"
 class ApiError(Exception):
     """An error answered with vLLM's ``{"error":{message,type,param,code}}`` envelope."""
 
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, err_type: str, param: str | None = None, *, in_stream: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.err_type = err_type
         self.param = param
+        #: Raised by vLLM's engine while processing the input: with ``stream: true`` it is an
+        #: error event inside an HTTP 200 SSE stream, not an HTTP status.
+        self.in_stream = in_stream
 
     def body(self) -> dict[str, Any]:
         return {
@@ -47,13 +52,18 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 def bad_request(
-    message: str, param: str | None = None, value: Any = None, *, has_value: bool = False
+    message: str,
+    param: str | None = None,
+    value: Any = None,
+    *,
+    has_value: bool = False,
+    in_stream: bool = False,
 ) -> ApiError:
     """``VLLMValidationError``: message plus ``(parameter=…, value=…)`` when a parameter is named."""
     if param is not None:
         suffix = f"parameter={param}, value={_py_str(value)}" if has_value else f"parameter={param}"
         message = f"{message} ({suffix})"
-    return ApiError(400, message, "BadRequestError", param)
+    return ApiError(400, message, "BadRequestError", param, in_stream=in_stream)
 
 
 def _py_str(value: Any) -> str:
@@ -132,8 +142,8 @@ def type_error(loc: str, expected: str, value: Any) -> dict[str, Any]:
     return {"type": t, "loc": loc, "msg": msg, "input": value}
 
 
-def internal_error() -> ApiError:
-    return ApiError(500, "Internal server error", "InternalServerError", None)
+def internal_error(*, in_stream: bool = False) -> ApiError:
+    return ApiError(500, "Internal server error", "InternalServerError", None, in_stream=in_stream)
 
 
 def not_found_model(name: str, served: str) -> ApiError:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
+import orjson
 from aiohttp import web
 
 from . import multimodal
@@ -25,6 +27,7 @@ from .responses import (
     choice_dict,
     error_event,
     nonstream_body,
+    sse,
     stream_chunk,
     usage,
     usage_chunk,
@@ -68,10 +71,15 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             prepared = prepare_input(core, greq)
         except ApiError as e:
             stats.generate_rejected += 1
+            if e.in_stream and greq.stream:
+                return await _error_stream(request, e)
             return e.response()
         except multimodal.UndecodableKwargs:
             stats.generate_rejected += 1
             return web.Response(status=500, text="Internal Server Error", headers={"Connection": "close"})
+        if faults.request_500_seed >= 0 and greq.params.seed == faults.request_500_seed:
+            stats.generate_rejected += 1
+            return internal_error().response()
         if faults.take("http_500"):
             stats.generate_rejected += 1
             return internal_error().response()
@@ -96,16 +104,65 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         core.notify()
 
 
+async def _error_stream(request: web.Request, error: ApiError) -> web.StreamResponse:
+    """What vLLM answers a streaming request its engine rejects: 200, one error event, [DONE]."""
+    resp = web.StreamResponse(status=200, headers={"Content-Type": SSE_CT})
+    await resp.prepare(request)
+    with contextlib.suppress(ConnectionError):
+        await resp.write(error_event(error.body()))
+        await resp.write(DONE)
+        await resp.write_eof()
+    return resp
+
+
+#: Padding of the ``huge_line`` malformed kind: 1 MiB of JSON whitespace.
+HUGE_LINE_PAD = b" " * (1 << 20)
+
+
+def _malformed_chunk(kind: str, chunk: dict[str, Any]) -> bytes:
+    """``chunk`` (one stream chunk object) broken the way the ``malformed`` fault's kind says."""
+    choice = chunk["choices"][0]
+    if kind == "invalid_json":
+        return b'data: {"request_id": "' + str(chunk["request_id"]).encode() + b'", "choices": [\n\n'
+    if kind == "array_chunk":
+        return sse(choice["token_ids"])
+    if kind == "huge_line":
+        return b"data: {" + HUGE_LINE_PAD + orjson.dumps(chunk)[1:] + b"\n\n"
+    if kind == "missing_logprob":
+        entries = (choice.get("logprobs") or {}).get("content") or [{} for _ in choice["token_ids"]]
+        choice["logprobs"] = {"content": [{k: v for k, v in e.items() if k != "logprob"} for e in entries]}
+    elif kind == "string_token_ids":
+        choice["token_ids"] = [str(t) for t in choice["token_ids"]]
+    elif kind == "negative_token_ids":
+        choice["token_ids"] = [-1 - t for t in choice["token_ids"]]
+    elif kind == "bad_weight_spans":
+        choice["weight_versions"] = [{"version": "v", "start": "0", "end": 1.5}]
+    return sse(chunk)
+
+
 class _FaultPlan:
     """Faults that fire during generation, decided once when the request starts."""
 
-    __slots__ = ("drop_after", "lp_drop", "stream_error_after")
+    __slots__ = ("drop_after", "lp_drop", "malformed_after", "malformed_kind", "stream_error_after")
 
     def __init__(self, core: EngineCore) -> None:
         f = core.config.faults
         self.stream_error_after = f.stream_error_after if f.take("stream_error") else -1
         self.drop_after = f.drop_after_tokens if f.take("drop_connection") else -1
         self.lp_drop = f.logprob_mismatch_drop if f.take("logprob_mismatch") else 0
+        self.malformed_after = f.malformed_after if f.take("malformed") else -1
+        self.malformed_kind = f.malformed_kind
+
+    def malformed_now(self, index: int, sent: int, final: bool) -> bool:
+        """True (once) when this chunk of choice `index`, after `sent` tokens, is to be broken."""
+        if index != 0 or self.malformed_after < 0:
+            return False
+        if self.malformed_kind == "bad_weight_spans" and not final:
+            return False
+        if self.malformed_kind != "bad_weight_spans" and sent < self.malformed_after:
+            return False
+        self.malformed_after = -1
+        return True
 
     def check(self, request: web.Request, n_tokens: int) -> None:
         if 0 <= self.drop_after <= n_tokens:
@@ -240,7 +297,8 @@ async def _stream(
                     if not fin and (n == sent[i] or (sent[i] and n - sent[i] < interval)):
                         continue  # stream_interval: first and final outputs are never delayed
                     delta = s.token_ids[sent[i] : n]
-                    if fast and not fin and not first_chunk[0]:
+                    malformed = plan.malformed_now(i, sent[i], fin)
+                    if fast and not fin and not first_chunk[0] and not malformed:
                         chunk = templates[i].render(delta)
                     else:
                         entries = s.logprobs[sent[i] : n] if s.logprobs is not None else None
@@ -266,6 +324,8 @@ async def _stream(
                             output_mode=g.output_mode,
                             choice=choice,
                         )
+                        if malformed:
+                            chunk = _malformed_chunk(plan.malformed_kind, orjson.loads(chunk[6:]))
                     sent[i] = n
                     if fin:
                         final_sent[i] = True

@@ -325,7 +325,7 @@ def _from_features(
             if item_kw is None:
                 cached = core.mm_cache.get(h)
                 if cached is None:
-                    raise internal_error()
+                    raise internal_error(in_stream=True)
                 expected = cached.num_tokens
             else:
                 dec = _decode_kwargs(item_kw) if isinstance(item_kw, str) else None
@@ -334,7 +334,7 @@ def _from_features(
                 expected = int(dec["tokens"])
                 core.mm_cache[h] = ImageItem(h, expected, 1, expected)
             if expected != ph["length"]:
-                raise internal_error()
+                raise internal_error(in_stream=True)
             all_hashes.append(h)
     return ids, phs, _mm_extra_hash(all_hashes)
 

@@ -172,9 +172,18 @@ def usage_chunk(request_id: str, prompt_tokens: int, completion_tokens: int, out
     )
 
 
-def error_event(message: str = "Internal server error") -> bytes:
-    """vLLM writes stream errors with ``json.dumps`` (default separators, not compact)."""
-    body = {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
+def error_event(body: dict[str, Any] | None = None) -> bytes:
+    """An in-stream error event (default: vLLM's internal error). vLLM writes stream errors with
+    ``json.dumps`` (default separators, not compact), in its usual envelope."""
+    if body is None:
+        body = {
+            "error": {
+                "message": "Internal server error",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+        }
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 

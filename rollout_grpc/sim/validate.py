@@ -2,7 +2,10 @@
 
 They follow ``ServingTokens.serve_tokens``, ``SamplingParams.verify`` and
 ``InputProcessor._validate_prompt_len``/``validate_token_ids`` in vLLM 0.32, with their messages, so a
-rejected request never reaches the engine (``SimStats.generate_started`` stays unchanged).
+rejected request never reaches the engine (``SimStats.generate_started`` stays unchanged). Errors that
+vLLM's engine raises while processing the input (``in_stream=True``: out-of-vocabulary ids in the
+prompt, ``stop_token_ids`` or ``logit_bias``; a prompt over ``max_model_len``; an uncached media
+hash) are answered, when streaming, as HTTP 200 with one error event, as vLLM 0.32 does.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def prepare_input(core: EngineCore, g: GenerateRequest) -> Prepared:
     if prompt_ids:
         mx = max(prompt_ids)
         if mx >= cfg.vocab_size:
-            raise bad_request(f"Token id {mx} is out of vocabulary")
+            raise bad_request(f"Token id {mx} is out of vocabulary", in_stream=True)
     rs = p.routed_experts_prompt_start
     if not 0 <= rs <= plen:
         raise bad_request(
@@ -143,6 +146,7 @@ def verify_sampling_params(cfg: SimConfig, p: SamplingParams) -> None:
                 "logit_bias",
                 bad,
                 has_value=True,
+                in_stream=True,
             )
     if p.stop_token_ids:
         bad = _out_of_vocab(p.stop_token_ids, v)
@@ -152,6 +156,7 @@ def verify_sampling_params(cfg: SimConfig, p: SamplingParams) -> None:
                 "stop_token_ids",
                 bad,
                 has_value=True,
+                in_stream=True,
             )
     if p.allowed_token_ids is not None:
         if not p.allowed_token_ids:
@@ -178,12 +183,14 @@ def check_prompt_len(cfg: SimConfig, plen: int) -> None:
     if plen > cfg.max_model_len:
         raise bad_request(
             f"The decoder prompt (length {plen}) is longer than the maximum model length of "
-            f"{cfg.max_model_len}. {suggestion}"
+            f"{cfg.max_model_len}. {suggestion}",
+            in_stream=True,
         )
     if plen == cfg.max_model_len:
         raise bad_request(
             f"The decoder prompt (length {plen}) plus the number of requested output tokens (at least 1) "
             f"is longer than the maximum model length of {cfg.max_model_len}. Make sure that "
             "`max_model_len` is no smaller than the number of text tokens (prompt + requested output "
-            "tokens)."
+            "tokens).",
+            in_stream=True,
         )

@@ -146,7 +146,6 @@ async def test_http_500_engine_wide(record: Record) -> None:
         completed(outcomes)
 
 
-@pytest.mark.xfail(strict=True, reason="needs wip/engine: a request-specific 500 must not open every breaker")
 async def test_http_500_request_specific(record: Record) -> None:
     async with sim_engines(2, **SIM) as sims, replica([s.url for s in sims]) as (_, client):
         ref = await reference(client)
@@ -167,14 +166,14 @@ async def test_sse_error_event_mid_stream(record: Record) -> None:
         sims[0].faults.stream_error_after = 5
         outcomes = await run_streams(client)
         record("SSE error event after 5 tokens", outcomes, ref)
+        # The engine stays healthy, so the failure is the request's: the call is retried from the
+        # 5 tokens it has (failover policy), and the stream completes without losing one.
+        completed(outcomes)
         for out in outcomes:
-            assert out.final is not None and out.final.status == pb.SAMPLE_STATUS_FAILED
-            assert out.final.response_length == 5
+            assert out.final is not None
+            assert out.final.engine_attempts[0].end == 5 and out.final.engine_attempts[0].error
 
 
-@pytest.mark.xfail(
-    strict=True, reason="needs wip/engine: the first call after every engine died is UNAVAILABLE, not ABORTED"
-)
 async def test_all_engines_down(record: Record) -> None:
     async with sim_engines(2, **SIM) as sims, replica([s.url for s in sims]) as (server, client):
         ref = await reference(client)
@@ -201,7 +200,6 @@ MALFORMED_KINDS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="needs wip/engine: sim `malformed` faults and their handling")
 @pytest.mark.parametrize("kind", MALFORMED_KINDS)
 async def test_malformed_engine_reply(record: Record, kind: str) -> None:
     async with sim_engines(2, **SIM) as sims, replica([s.url for s in sims]) as (_, client):

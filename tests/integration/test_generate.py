@@ -207,15 +207,25 @@ async def test_zero_budget_is_truncated_without_an_engine_request() -> None:
         assert list(done.tokens) == list(partial.tokens)
 
 
-async def test_logprobs_that_do_not_match_the_tokens_fail_the_sample() -> None:
+async def test_logprobs_that_do_not_match_the_tokens_are_retried_then_fail_the_sample() -> None:
+    """A malformed chunk is dropped whole and regenerated; a persistently malformed engine fails it."""
     async with harness("sim") as h:
         h.sims[0].faults.logprob_mismatch = 1
         deltas, sample = await collect(
             h, make_sample(PROMPT), {"max_new_tokens": 12, "ignore_eos": True}, {"stream_batch_tokens": 1}
         )
+        assert sample.status == pb.SAMPLE_STATUS_TRUNCATED and sample.response_length == 12
+        assert "logprobs for" in sample.engine_attempts[0].error
+        assert [t for d in deltas for t in d.token_ids] == list(sample.tokens[len(PROMPT) :])
+
+        h.sims[0].faults.logprob_mismatch = -1
+        deltas, sample = await collect(
+            h, make_sample(PROMPT), {"max_new_tokens": 12, "ignore_eos": True}, {"stream_batch_tokens": 1}
+        )
         assert sample.status == pb.SAMPLE_STATUS_FAILED
         assert sample.finish_reason == pb.FINISH_REASON_ERROR
-        assert "logprobs for" in sample.failure_reason
+        assert "gave up after" in sample.failure_reason
+        assert all("logprobs for" in a.error for a in sample.engine_attempts)
         # Never silently padded: the sample keeps only tokens that came with their logprobs.
         assert len(sample.rollout_log_probs) == sample.response_length == len(sample.loss_mask)
         assert [t for d in deltas for t in d.token_ids] == list(sample.tokens[len(PROMPT) :])

@@ -95,6 +95,38 @@ async def test_aborted_multimodal_sample_continues_with_its_features(
         assert done.multimodal_features == rendered.features
 
 
+async def test_multimodal_sample_continues_after_abort_all(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Abort(all) pauses the engines, which clears vLLM's media cache: the service must resend."""
+    async with vl(backend, request, token_delay_s=0.005) as h:
+        rendered = await h.client.render(chat(png()), session_id="mm-all")
+        warm = await h.client.generate(
+            sample_from(rendered, "mm-all"), {"max_new_tokens": 2, "ignore_eos": True}
+        )
+        assert warm.status == pb.SAMPLE_STATUS_TRUNCATED  # the engine now caches the image
+        prompt_len = len(rendered.token_ids)
+        stream = start_stream(
+            h.client,
+            "mm-all-1",
+            {"max_new_tokens": 300, "ignore_eos": True},
+            sample=sample_from(rendered, "mm-all"),
+        )
+        await started(stream)
+        await h.client.abort(all=True)
+        aborted = await stream.task
+        assert aborted.status == pb.SAMPLE_STATUS_ABORTED
+        assert_lossless(stream, aborted, prompt_len)
+        done = await h.client.generate(aborted, {"max_new_tokens": 300, "ignore_eos": True})
+        assert done.status in (pb.SAMPLE_STATUS_COMPLETED, pb.SAMPLE_STATUS_TRUNCATED), done.failure_reason
+        assert list(done.tokens[: len(aborted.tokens)]) == list(aborted.tokens)
+        again = await h.client.render(chat(png()), session_id="mm-all")
+        fresh = await h.client.generate(
+            sample_from(again, "mm-all"), {"max_new_tokens": 3, "ignore_eos": True}
+        )
+        assert fresh.status == pb.SAMPLE_STATUS_TRUNCATED, fresh.failure_reason
+
+
 async def test_shifted_placeholders_are_realigned(backend: str, request: pytest.FixtureRequest) -> None:
     async with vl(backend, request) as h:
         rendered = await h.client.render(chat(png()), session_id="vl-3")
@@ -178,10 +210,10 @@ async def test_media_go_by_hash_once_sent_and_are_resent_after_eviction() -> Non
         assert second.status == pb.SAMPLE_STATUS_TRUNCATED and len(second.engine_attempts) == 1
         assert engine.stats.last_requests[-1]["features"]["kwargs_data"]["image"] == [None]
 
-        await reset_mm_cache(engine.url)  # evicted: hash only fails with 500, resent with kwargs
+        await reset_mm_cache(engine.url)  # evicted: hash only fails (in-stream 500), resent with kwargs
         third = await h.client.generate(sample_from(rendered), params)
         assert third.status == pb.SAMPLE_STATUS_TRUNCATED
-        assert len(third.engine_attempts) == 2 and "HTTP 500" in third.engine_attempts[0].error
+        assert len(third.engine_attempts) == 2 and "media_cache_miss" in third.engine_attempts[0].error
 
         stripped = sample_from(rendered)
         for modality in stripped.multimodal_features.modalities:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from rollout_grpc import settings
@@ -112,8 +113,12 @@ async def test_breaker_cooldown_setting_reaches_the_engine_pool() -> None:
     """`--breaker-cooldown` decides how long an engine that broke a stream stays out of rotation."""
     async with harness("sim", breaker_cooldown_s=0.0) as h:
         h.sims[0].faults.drop_connection = 1
-        sample = await h.client.generate(make_sample([5, 6, 7]), {"max_new_tokens": 50, "ignore_eos": True})
-        assert sample.engine_attempts[0].error  # the stream broke: the breaker opened
+        # The stream breaks before a token arrives and no other engine is left: UNAVAILABLE, and
+        # the engine's breaker is open.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await h.client.generate(make_sample([5, 6, 7]), {"max_new_tokens": 50, "ignore_eos": True})
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not h.server.pool.engines[0].usable
         engine = h.server.pool.engines[0]
         # No cooldown: the next successful probe closes the breaker (the default, 5 s, would not).
         await h.server.pool.probe(engine)

@@ -7,6 +7,7 @@ import contextlib
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from rollout_grpc.sim import PERSISTENT, SimEngine
@@ -136,3 +137,78 @@ async def test_admin_routes(make_engine: EngineFactory, session: aiohttp.ClientS
         assert (ch["token_ids"], ch["finish_reason"], ch["stop_reason"]) == ([2], "stop", None)
         stats = (await post(session, eng.url + "/_sim/stats/reset")).json
         assert stats["generate_requests"] == 0
+
+
+def _lacks_logprob(data: bytes) -> bool:
+    content = (orjson.loads(data)["choices"][0].get("logprobs") or {}).get("content") or []
+    return bool(content) and all("logprob" not in e for e in content)
+
+
+def _data_lines(raw: bytes) -> list[bytes]:
+    return [line[6:] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+
+
+@pytest.mark.parametrize(
+    ("kind", "broken"),
+    [
+        ("invalid_json", lambda d: d.startswith(b"{") and not d.endswith(b"}")),
+        ("array_chunk", lambda d: d.startswith(b"[") and d != b"[DONE]"),
+        ("missing_logprob", lambda d: d.startswith(b'{"') and _lacks_logprob(d)),
+        ("string_token_ids", lambda d: b'"token_ids":["' in d),
+        ("negative_token_ids", lambda d: b'"token_ids":[-' in d),
+        ("huge_line", lambda d: len(d) > 1 << 20),
+        ("bad_weight_spans", lambda d: b'"start":"0"' in d),
+    ],
+)
+async def test_malformed_kinds(
+    engine: SimEngine, session: aiohttp.ClientSession, kind: str, broken: Any
+) -> None:
+    engine.faults.update({"malformed": 1, "malformed_kind": kind, "malformed_after": 2})
+    r = await generate(session, engine.url, _body(stream=True, max_tokens=6, logprobs=0, ignore_eos=True))
+    lines = _data_lines(r.raw)
+    hits = [i for i, d in enumerate(lines) if broken(d)]
+    assert len(hits) == 1, (kind, lines)
+    if kind != "bad_weight_spans":
+        assert hits[0] == 2  # the first chunk after 2 tokens
+    assert lines[-1] == b"[DONE]"
+    r = await generate(session, engine.url, _body(stream=True, max_tokens=6, logprobs=0, ignore_eos=True))
+    assert not any(broken(d) for d in _data_lines(r.raw)), "one-shot"
+
+
+async def test_unknown_malformed_kind_is_refused(engine: SimEngine, session: aiohttp.ClientSession) -> None:
+    r = await post(session, engine.url + "/_sim/faults", {"malformed_kind": "nope"})
+    assert r.status == 400
+
+
+async def test_request_500_seed_fails_only_that_request(
+    engine: SimEngine, session: aiohttp.ClientSession
+) -> None:
+    engine.faults.request_500_seed = 77
+    for _ in range(2):
+        r = await generate(session, engine.url, _body(seed=77))
+        assert (r.status, r.json) == (500, INTERNAL)
+    assert (await generate(session, engine.url, _body(seed=78))).status == 200
+    assert (await get(session, engine.url + "/health")).status == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"token_ids": [*PROMPT, 999999]}, None),
+        ({"sampling_params": {"max_tokens": 1, "stop_token_ids": [999999]}}, "stop_token_ids"),
+        ({"sampling_params": {"max_tokens": 1, "logit_bias": {"999999": 1}}}, "logit_bias"),
+        ({"token_ids": [5] * 5000}, None),
+    ],
+)
+async def test_engine_side_input_errors_come_inside_the_stream(
+    engine: SimEngine, session: aiohttp.ClientSession, body: dict[str, Any], param: str | None
+) -> None:
+    """vLLM 0.32: HTTP 200, one error event in json.dumps spacing, then [DONE] (400 when not streaming)."""
+    request = {**_body(max_tokens=1), **body}
+    plain = await generate(session, engine.url, request)
+    assert plain.status == 400 and plain.json["error"]["param"] == param
+    r = await generate(session, engine.url, {**request, "stream": True})
+    assert r.status == 200
+    error, done = _data_lines(r.raw)
+    assert error.startswith(b'{"error": {"message": ') and done == b"[DONE]"
+    assert orjson.loads(error) == plain.json

@@ -129,6 +129,32 @@ async def test_errors_like_live(vllm_dense_url: str, body: Any) -> None:
         assert s.json == v.json
 
 
+#: Errors vLLM's engine finds while processing the input: with ``stream: true`` they come as HTTP 200
+#: and one error event (then ``[DONE]``), not as an HTTP status.
+IN_STREAM_ERROR_BODIES: list[Any] = [
+    {"token_ids": [*PROMPT, 999999], "sampling_params": {"max_tokens": 1}},
+    _gen(max_tokens=1, stop_token_ids=[999999]),
+    _gen(max_tokens=1, logit_bias={"999999": 1}),
+]
+
+
+@pytest.mark.parametrize("body", IN_STREAM_ERROR_BODIES)
+async def test_in_stream_errors_like_live(vllm_dense_url: str, body: dict[str, Any]) -> None:
+    async with _both(vllm_dense_url) as both:
+        s, v = await both("POST", "/inference/v1/generate", {**body, "stream": True})
+        assert s.status == 200
+        assert s.raw == v.raw
+
+
+async def test_in_stream_too_long_prompt_like_live(vllm_dense_url: str) -> None:
+    async with _both(vllm_dense_url) as both:
+        n = both.sim.config.max_model_len
+        body = {"token_ids": [5] * (n + 10), "sampling_params": {"max_tokens": 1}, "stream": True}
+        s, v = await both("POST", "/inference/v1/generate", body)
+        assert s.status == 200
+        assert s.raw == v.raw
+
+
 async def test_request_level_errors_like_live(vllm_dense_url: str) -> None:
     async with _both(vllm_dense_url) as both:
         n = both.sim.config.max_model_len

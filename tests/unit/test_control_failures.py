@@ -11,22 +11,22 @@ from rollout_grpc.server.control import (
     attempt_request_ids,
     describe_failure,
 )
+from rollout_grpc.server.engine_api import EngineRejected, EngineRequestFailed, EngineUnavailable
 from rollout_grpc.server.errors import FailedPrecondition, Unavailable
-from rollout_grpc.server.vllm import EngineHTTPError, EngineUnavailable
 
 URL = "http://engine:8000"
 
 
 def test_a_404_names_the_dev_mode_flag_never_the_raw_body() -> None:
-    kind, message = describe_failure(EngineHTTPError(URL, 404, '{"detail":"Not Found"}'), "/pause")
+    kind, message = describe_failure(EngineRejected(URL, '{"detail":"Not Found"}', not_found=True), "/pause")
     assert kind is Failure.NOT_FOUND
     assert DEV_MODE_HINT in message and "/pause" in message and "detail" not in message
 
 
 def test_other_failures_say_what_happened() -> None:
-    assert describe_failure(EngineHTTPError(URL, 500, "boom"), "/resume") == (
+    assert describe_failure(EngineRequestFailed(URL, "HTTP 500: boom"), "/resume") == (
         Failure.REJECTED,
-        "/resume answered HTTP 500: boom",
+        "/resume failed on the engine: HTTP 500: boom",
     )
     kind, message = describe_failure(EngineUnavailable(URL, "connection refused"), "/resume")
     assert kind is Failure.UNREACHABLE and "connection refused" in message

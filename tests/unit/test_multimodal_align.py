@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_grpc.server import multimodal
+from rollout_grpc.server import multimodal, vllm
 from rollout_grpc.server.domain import MultimodalFeatures, MultimodalItem
 from rollout_grpc.server.errors import InvalidArgument
 
@@ -38,8 +38,8 @@ def test_missing_placeholder_names_modality_and_index() -> None:
 
 def test_vllm_encoding_roundtrip() -> None:
     f = features((1, 2))
-    body = multimodal.to_vllm(f)
+    body = vllm.features_body(f)
     assert body["mm_placeholders"] == {"image": [{"offset": 1, "length": 2}]}
-    back = multimodal.from_vllm(body, [4, PAD, PAD, 5])
+    back = vllm.features_from_body(body, [4, PAD, PAD, 5])
     assert back.modalities["image"][0].kwargs_data == b"kw"
     assert back.modalities["image"][0].placeholder_token_id == PAD

@@ -6,13 +6,22 @@ import math
 
 import pytest
 
-from rollout_grpc.server import params
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server import convert, params
 from rollout_grpc.server.domain import SamplingParams
+from rollout_grpc.server.engine_api import EngineCall
 from rollout_grpc.server.errors import InvalidArgument
+from rollout_grpc.server.vllm import sampling_params
+
+
+def to_vllm(p: SamplingParams, *, max_tokens: int | None, min_tokens: int) -> dict[str, object]:
+    """The vLLM sampling_params of one call of `p` (the adapter's translation of the knob table)."""
+    call = EngineCall("r", 0, [1], p, max_tokens, min_tokens, top_logprobs=p.top_logprobs or 0)
+    return sampling_params(call)
 
 
 def test_rollout_defaults_follow_slime() -> None:
-    sp = params.to_vllm(SamplingParams(), max_tokens=None, min_tokens=0)
+    sp = to_vllm(SamplingParams(), max_tokens=None, min_tokens=0)
     assert sp == {
         "logprobs": 0,
         "include_stop_str_in_output": True,
@@ -40,7 +49,7 @@ def test_nothing_is_dropped() -> None:
         spaces_between_special_tokens=True,
         top_logprobs=3,
     )
-    sp = params.to_vllm(p, max_tokens=9, min_tokens=2)
+    sp = to_vllm(p, max_tokens=9, min_tokens=2)
     assert sp["max_tokens"] == 9 and sp["min_tokens"] == 2 and sp["logprobs"] == 3
     assert sp["top_k"] == 20 and sp["logit_bias"] == {"7": 1.5} and sp["include_stop_str_in_output"] is False
     for name in (
@@ -57,8 +66,8 @@ def test_nothing_is_dropped() -> None:
 
 
 def test_top_k_off_is_not_sent() -> None:
-    assert "top_k" not in params.to_vllm(SamplingParams(top_k=0), max_tokens=1, min_tokens=0)
-    assert params.to_vllm(SamplingParams(top_k=-1), max_tokens=1, min_tokens=0)["top_k"] == -1
+    assert "top_k" not in to_vllm(SamplingParams(top_k=0), max_tokens=1, min_tokens=0)
+    assert to_vllm(SamplingParams(top_k=-1), max_tokens=1, min_tokens=0)["top_k"] == -1
 
 
 @pytest.mark.parametrize(
@@ -89,3 +98,45 @@ def test_top_logprobs_need_tokens_mode() -> None:
     with pytest.raises(InvalidArgument, match="skip_text"):
         params.validate(SamplingParams(top_logprobs=2), skip_text=False)
     params.validate(SamplingParams(top_logprobs=2), skip_text=True)
+
+
+#: SamplingParams proto fields deliberately not in the knob table (none today).
+EXCLUDED: frozenset[str] = frozenset()
+
+
+def test_every_proto_knob_is_in_the_table() -> None:
+    """A new SamplingParams field fails here until it has a row in params.KNOBS (or is excluded)."""
+    proto_fields = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
+    table = {k.name for k in params.KNOBS}
+    assert proto_fields - EXCLUDED == table, (proto_fields - table, table - proto_fields)
+    assert set(SamplingParams.__dataclass_fields__) == table
+
+
+def test_every_engine_knob_is_translated_and_maps_back_to_its_field() -> None:
+    """Each knob with an engine name is sent when set, and the engine's `param` names our field."""
+    for knob in params.KNOBS:
+        if knob.engine is None:
+            continue
+        assert params.field_for_engine_param(knob.engine, "x") == "sampling_params." + knob.name
+
+
+def test_proto_conversion_walks_the_table() -> None:
+    msg = pb.SamplingParams(temperature=0.5, stop=["a"], logit_bias={3: 1.0}, top_logprobs=2)
+    got = convert.sampling_params_from_pb(msg)
+    assert got == SamplingParams(temperature=0.5, stop=["a"], logit_bias={3: 1.0}, top_logprobs=2)
+
+
+@pytest.mark.parametrize(
+    ("param", "field"),
+    [
+        ("max_tokens", "sampling_params.max_new_tokens"),
+        ("logprobs", "sampling_params.top_logprobs"),
+        ("stop_token_ids", "sampling_params.stop_token_ids"),
+        ("include_stop_str_in_output", "sampling_params.no_stop_trim"),
+        ("prompt", "sample.tokens"),
+        (None, "sample.tokens"),
+        ("something_new", "sample.tokens"),
+    ],
+)
+def test_engine_params_map_to_our_fields(param: str | None, field: str) -> None:
+    assert params.field_for_engine_param(param, "sample.tokens") == field

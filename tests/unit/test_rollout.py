@@ -1,0 +1,236 @@
+"""`Rollout` without HTTP: scripted fake engines drive the generation loop and its failover."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from rollout_grpc.server.admission import Admission
+from rollout_grpc.server.domain import (
+    GenerateOptions,
+    MultimodalFeatures,
+    MultimodalItem,
+    Sample,
+    SamplingParams,
+    Status,
+    TokenBatch,
+)
+from rollout_grpc.server.engine_api import (
+    EngineDelta,
+    EngineHung,
+    EngineMalformed,
+    EngineRejected,
+    EngineRequestFailed,
+    EngineUnavailable,
+    FinishKind,
+    MediaCacheMiss,
+)
+from rollout_grpc.server.engines import EnginePool
+from rollout_grpc.server.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rollout_grpc.server.inflight import InFlightRegistry
+from rollout_grpc.server.rollout import Rollout, RolloutConfig
+from tests.support.fake_engine import HANG, FakeEngine, final, tokens
+
+PROMPT = [1, 2, 3]
+
+
+def make(*engines: FakeEngine, **config: Any) -> Rollout:
+    """A Rollout over `engines`; the first one is picked first (the others look busier)."""
+    by_url = {e.url: e for e in engines}
+    pool = EnginePool(list(by_url), None, adapter=by_url.__getitem__)
+    for handle in pool.engines[1:]:
+        handle.in_flight = 1
+    return Rollout(pool, Admission(16, 16), InFlightRegistry(), RolloutConfig(**config))
+
+
+async def run(
+    rollout: Rollout, sample: Sample | None = None, params: SamplingParams | None = None, rid: str = "r"
+) -> tuple[list[TokenBatch], Sample]:
+    sample = sample or Sample(tokens=list(PROMPT))
+    before = sample.response_length
+    params = params or SamplingParams(max_new_tokens=6)
+    options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0)
+    batches: list[TokenBatch] = []
+    result: Sample | None = None
+    async for item in rollout.generate(sample, params, options, rid):
+        if isinstance(item, TokenBatch):
+            batches.append(item)
+        else:
+            result = item
+    assert result is not None
+    streamed = [t for b in batches for t in b.token_ids]
+    new = result.response_length - before
+    assert streamed == result.tokens[len(result.tokens) - new :], "the stream equals the final sample"
+    return batches, result
+
+
+async def test_happy_path_fills_the_sample() -> None:
+    a = FakeEngine("a", [[tokens(10, 11), tokens(12), final(FinishKind.STOP, 3)]])
+    _, sample = await run(make(a))
+    assert sample.status == Status.COMPLETED and sample.tokens == [*PROMPT, 10, 11, 12]
+    assert sample.rollout_log_probs == [-0.5] * 3 and sample.loss_mask == [1] * 3
+    assert [(s.version, s.start, s.end) for s in sample.weight_versions] == [("v1", 0, 3)]
+    assert a.calls[0].max_tokens == 6 and a.calls[0].attempt == 0
+
+
+async def test_mid_stream_drop_continues_on_another_engine_from_the_tokens_so_far() -> None:
+    a = FakeEngine("a", [[tokens(10, 11), EngineUnavailable("a", "connection reset")]])
+    b = FakeEngine("b", [[tokens(12), final(FinishKind.LENGTH, 1)]])
+    rollout = make(a, b)
+    _, sample = await run(rollout, params=SamplingParams(max_new_tokens=3))
+    assert sample.status == Status.TRUNCATED and sample.tokens == [*PROMPT, 10, 11, 12]
+    (call,) = b.calls
+    assert call.prompt_token_ids[: len(PROMPT) + 2] == [*PROMPT, 10, 11]
+    assert call.attempt == 1 and call.max_tokens == 1
+    assert not rollout.pool.get("a").healthy  # type: ignore[union-attr]
+    assert [s.version for s in sample.weight_versions] == ["unknown", "v1"]
+
+
+async def test_in_stream_rejection_before_tokens_names_the_field() -> None:
+    a = FakeEngine("a", [[EngineRejected("a", "token_id(s) [5000] in stop_token_ids ...", "stop_token_ids")]])
+    with pytest.raises(InvalidArgument) as info:
+        await run(make(a))
+    assert info.value.field == "sampling_params.stop_token_ids"
+
+
+async def test_rejection_without_param_names_the_tokens() -> None:
+    a = FakeEngine("a", [[EngineRejected("a", "Token id 999999 is out of vocabulary")]])
+    with pytest.raises(InvalidArgument) as info:
+        await run(make(a))
+    assert info.value.field == "sample.tokens"
+
+
+async def test_rejection_after_tokens_fails_the_sample_keeping_them() -> None:
+    a = FakeEngine("a", [[tokens(10), EngineRejected("a", "bad")]])
+    _, sample = await run(make(a))
+    assert sample.status == Status.FAILED and sample.tokens == [*PROMPT, 10]
+
+
+async def test_request_specific_failure_never_opens_breakers() -> None:
+    engines = [FakeEngine(u, [[EngineRequestFailed(u, "HTTP 500: Internal server error")]]) for u in "abc"]
+    rollout = make(*engines, max_request_failures=2)
+    with pytest.raises(FailedPrecondition, match="request itself"):
+        await run(rollout)
+    assert all(e.healthy for e in rollout.pool.engines)
+    assert sum(len(e.calls) for e in engines) == 2
+
+
+async def test_engine_wide_failure_opens_the_breaker_and_fails_over() -> None:
+    a = FakeEngine("a", [[EngineRequestFailed("a", "HTTP 500")]], healthy=False)
+    b = FakeEngine("b", [[tokens(7), final(FinishKind.STOP, 1)]])
+    rollout = make(a, b)
+    _, sample = await run(rollout)
+    assert sample.status == Status.COMPLETED
+    assert not rollout.pool.get("a").healthy  # type: ignore[union-attr]
+
+
+def media(kwargs: bytes | None) -> MultimodalFeatures:
+    return MultimodalFeatures({"image": [MultimodalItem("h1", 1, 2, kwargs, None, 9)]})
+
+
+async def test_media_cache_miss_resends_the_tensors_to_the_same_engine() -> None:
+    a = FakeEngine("a", [[MediaCacheMiss("a", "miss")], [tokens(5), final(FinishKind.STOP, 1)]])
+    sample = Sample(tokens=[1, 9, 9, 3], features=media(b"kw"))
+    _, out = await run(make(a), sample)
+    assert out.status == Status.COMPLETED
+    assert [c.resend_media for c in a.calls] == [False, True]
+
+
+async def test_media_cache_miss_without_tensors_asks_to_render_again() -> None:
+    a = FakeEngine("a", [[MediaCacheMiss("a", "miss")]])
+    with pytest.raises(FailedPrecondition, match="render"):
+        await run(make(a), Sample(tokens=[1, 9, 9, 3], features=media(None)))
+
+
+async def test_every_engine_dying_before_any_token_is_unavailable_not_an_empty_sample() -> None:
+    a = FakeEngine("a", [[EngineUnavailable("a", "refused")]])
+    b = FakeEngine("b", [[EngineUnavailable("b", "refused")]])
+    with pytest.raises(Unavailable):
+        await run(make(a, b))
+
+
+async def test_malformed_reply_is_retried_and_nothing_is_lost() -> None:
+    a = FakeEngine(
+        "a", [[tokens(10), EngineMalformed("a", "bad JSON")], [tokens(11), final(FinishKind.STOP, 1)]]
+    )
+    _, sample = await run(make(a))
+    assert sample.status == Status.COMPLETED and sample.tokens == [*PROMPT, 10, 11]
+    assert "bad JSON" in sample.engine_attempts[0].error
+
+
+async def test_malformed_replies_to_the_attempt_limit_fail_the_sample_with_its_tokens() -> None:
+    a = FakeEngine("a", [[tokens(10), EngineMalformed("a", "bad JSON")]])
+    _, sample = await run(make(a, max_engine_attempts=3), params=SamplingParams(max_new_tokens=10))
+    assert sample.status == Status.FAILED and sample.response_length == 3
+    assert len(a.calls) == 3
+
+
+async def test_hung_engine_fails_over() -> None:
+    a = FakeEngine("a", [[tokens(10), EngineHung("a", "silent")]])
+    b = FakeEngine("b", [[tokens(11), final(FinishKind.STOP, 1)]])
+    _, sample = await run(make(a, b))
+    assert sample.status == Status.COMPLETED and sample.tokens == [*PROMPT, 10, 11]
+
+
+async def test_budget_exhausted_by_a_dropped_call_truncates() -> None:
+    a = FakeEngine("a", [[tokens(10, 11), EngineUnavailable("a", "reset")]])
+    b = FakeEngine("b", [[final()]])
+    _, sample = await run(make(a, b), params=SamplingParams(max_new_tokens=2))
+    assert sample.status == Status.TRUNCATED and not b.calls
+
+
+async def _abort_when_started(rollout: Rollout, engine: FakeEngine, rid: str) -> None:
+    await engine.started.wait()
+    (entry,) = rollout.registry.select([rid])[0]
+    entry.request_abort("test")
+
+
+async def test_abort_ends_promptly_even_if_the_engine_never_answers() -> None:
+    a = FakeEngine("a", [[tokens(10, 11), HANG]])
+    rollout = make(a, abort_drain_s=0.05)
+    aborter = asyncio.create_task(_abort_when_started(rollout, a, "r"))
+    _, sample = await asyncio.wait_for(run(rollout, rid="r"), 5)
+    await aborter
+    assert sample.status == Status.ABORTED and sample.tokens == [*PROMPT, 10, 11]
+    assert [s.version for s in sample.weight_versions] == ["unknown"]
+
+
+async def test_abort_with_a_hung_engine_does_not_fail_over() -> None:
+    a = FakeEngine("a", [[tokens(10), HANG]])
+    b = FakeEngine("b", [[tokens(11), final(FinishKind.STOP, 1)]])
+    rollout = make(a, b, abort_drain_s=0.05)
+    aborter = asyncio.create_task(_abort_when_started(rollout, a, "r"))
+    _, sample = await asyncio.wait_for(run(rollout, rid="r"), 5)
+    await aborter
+    assert sample.status == Status.ABORTED and sample.tokens[len(PROMPT) :] == [10]
+    assert not b.calls and rollout.pool.get("a").healthy  # type: ignore[union-attr]
+
+
+async def test_empty_delta_marks_the_engine_started() -> None:
+    a = FakeEngine("a", [[EngineDelta(), tokens(3), final(FinishKind.STOP, 1)]])
+    _, sample = await run(make(a))
+    assert sample.status == Status.COMPLETED
+
+
+async def test_abort_requested_while_rendering_still_bounds_the_call() -> None:
+    """An abort that lands before the engine call starts (here: during the prompt render)."""
+    a = FakeEngine("a", [[HANG]])
+    rollout = make(a, abort_drain_s=0.05)
+    render = a.render_text
+
+    async def render_then_abort(text: str, model: str = "") -> Any:
+        (entry,) = rollout.registry.select(["r"])[0]
+        entry.request_abort("test")
+        return await render(text, model)
+
+    a.render_text = render_then_abort  # type: ignore[method-assign]
+    _, sample = await asyncio.wait_for(run(rollout, Sample(prompt="hi"), rid="r"), 5)
+    assert sample.status == Status.ABORTED and sample.response_length == 0
+
+
+async def test_a_transient_500_on_a_one_engine_fleet_is_retried_there() -> None:
+    a = FakeEngine("a", [[EngineRequestFailed("a", "HTTP 500")], [tokens(4), final(FinishKind.STOP, 1)]])
+    _, sample = await run(make(a))
+    assert sample.status == Status.COMPLETED and len(a.calls) == 2
