@@ -44,6 +44,7 @@ def sample_from(rendered: pb.RenderResponse, session_id: str = "") -> pb.Sample:
     return sample
 
 
+@pytest.mark.vllm_server("vl")
 async def test_render_then_generate(backend: str, request: pytest.FixtureRequest) -> None:
     async with vl(backend, request) as h:
         rendered = await h.client.render(chat(png()), session_id="vl-1")
@@ -64,6 +65,7 @@ async def test_render_then_generate(backend: str, request: pytest.FixtureRequest
         assert sample.multimodal_features == rendered.features
 
 
+@pytest.mark.vllm_server("vl")
 async def test_text_only_render(backend: str, request: pytest.FixtureRequest) -> None:
     async with vl(backend, request) as h:
         rendered = await h.client.render(text="Hello world")
@@ -72,6 +74,7 @@ async def test_text_only_render(backend: str, request: pytest.FixtureRequest) ->
         assert len(chat_only.token_ids) > len(rendered.token_ids) // 2
 
 
+@pytest.mark.vllm_server("vl")
 async def test_aborted_multimodal_sample_continues_with_its_features(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
@@ -95,6 +98,7 @@ async def test_aborted_multimodal_sample_continues_with_its_features(
         assert done.multimodal_features == rendered.features
 
 
+@pytest.mark.vllm_server("vl")
 async def test_shifted_placeholders_are_realigned(backend: str, request: pytest.FixtureRequest) -> None:
     async with vl(backend, request) as h:
         rendered = await h.client.render(chat(png()), session_id="vl-3")
@@ -118,6 +122,7 @@ async def test_shifted_placeholders_are_realigned(backend: str, request: pytest.
         _ = reference
 
 
+@pytest.mark.vllm_server("vl")
 async def test_missing_placeholder_is_invalid_argument(backend: str, request: pytest.FixtureRequest) -> None:
     async with vl(backend, request) as h:
         rendered = await h.client.render(chat(png()))
@@ -142,6 +147,7 @@ async def test_missing_placeholder_is_invalid_argument(backend: str, request: py
     ],
     ids=["undecodable", "unsupported-mime", "bad-data-url"],
 )
+@pytest.mark.vllm_server("vl")
 async def test_bad_images_are_invalid_argument(
     backend: str, request: pytest.FixtureRequest, part: pb.ContentPart, field: str
 ) -> None:

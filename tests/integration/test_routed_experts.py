@@ -113,6 +113,7 @@ async def test_dense_engine_returns_no_routing_without_error(backend: str, engin
         assert not sample.HasField("routed_experts")
 
 
+@pytest.mark.vllm_server("moe")
 async def test_moe_engine_without_the_flag_is_failed_precondition(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
