@@ -1,6 +1,6 @@
 """One vLLM engine over HTTP: generate (SSE), abort, pause/resume, weights, render, health, info.
 
-This module knows the vLLM 0.32 HTTP surface (`reference/vllm-http-api.md`) and nothing about
+This module knows the vLLM 0.32 HTTP surface (`docs/vllm-http-api.md`) and nothing about
 protobuf or rollout semantics. Every call goes through one shared `aiohttp.ClientSession`, owned by
 the caller, so connection pooling and the connector limit are decided once per process.
 

@@ -14,8 +14,7 @@ from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.app import SERVICE_NAME
 from rollout_grpc.sim import SimEngine
 from tests.harness import harness, running_server, sim_engines
-from tests.integration.test_abort_pause import assert_lossless, start_stream, started
-from tests.integration.test_generate import PROMPT
+from tests.support.service import PROMPT, assert_lossless, start_stream, started
 
 
 def session_on(engines: list[SimEngine], target: SimEngine, pool_pick: object) -> str:

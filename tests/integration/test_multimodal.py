@@ -13,8 +13,7 @@ from PIL import Image
 
 from rollout_grpc.client import image_part, pb
 from tests.harness import Harness, harness
-from tests.integration.test_abort_pause import assert_lossless, start_stream, started
-from tests.integration.test_generate import field_violation
+from tests.support.service import assert_lossless, field_violation, start_stream, started
 
 
 def png(width: int = 56, height: int = 56, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
