@@ -11,11 +11,15 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
+
+import rollout_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,3 +106,14 @@ def test_no_test_module_imports_another_test_module() -> None:
             if module.startswith("tests.") and (last.startswith("test_") or last == "conftest"):
                 offenders.append(f"{path.relative_to(REPO)} imports {module}")
     assert not offenders, "move shared helpers to tests/support/:\n" + "\n".join(offenders)
+
+
+def test_the_version_is_defined_once_and_released_versions_have_a_changelog_section() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"], "the version lives in __init__.py"
+    assert importlib.metadata.version("rollout-grpc") == rollout_grpc.__version__
+    headings = re.findall(r"^## (\S+)", (REPO / "CHANGELOG.md").read_text(), flags=re.MULTILINE)
+    assert headings[0] == "Unreleased"
+    assert rollout_grpc.__version__ in headings[1:], (
+        f"CHANGELOG.md has no section for {rollout_grpc.__version__}"
+    )
