@@ -24,6 +24,17 @@ def test_expected_failure():
 
 def test_runs():
     pass
+
+@pytest.fixture
+def node():
+    pytest.skip("node and npm not installed")
+
+def test_needs_a_tool_from_a_fixture(node):
+    pass
+
+@pytest.mark.skipif(True, reason="nginx is not installed (apt-get install nginx-light)")
+def test_marked_skipif():
+    pass
 """
 
 
@@ -41,7 +52,8 @@ def test_unjustified_skip_fails_under_ci(
 ) -> None:
     monkeypatch.setenv("CI", value)
     result = inner.runpytest("-p", "no:cacheprovider", "-rA")
-    result.assert_outcomes(passed=1, failed=1, skipped=1, xfailed=1)
+    # Skips at setup (a fixture's pytest.skip, a skipif mark) become setup errors.
+    result.assert_outcomes(passed=1, failed=1, errors=2, skipped=1, xfailed=1)
     result.stdout.fnmatch_lines(
         ["*skipped under CI=true: nginx is not installed*", "FAILED*test_missing_tool*"]
     )
@@ -52,4 +64,4 @@ def test_skips_stay_skips_outside_ci(
     inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
     monkeypatch.setenv("CI", value)
-    inner.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1, skipped=2, xfailed=1)
+    inner.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1, skipped=4, xfailed=1)
