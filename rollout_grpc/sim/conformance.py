@@ -1,6 +1,6 @@
 """Structural comparison of JSON bodies and SSE streams, for conformance tests.
 
-The recorded vLLM bodies (``reference/vllm-golden``) come from random-weight models, so token ids
+The recorded vLLM bodies (``tests/sim/golden``) come from random-weight models, so token ids
 and logprob values are not comparable; keys, key order, nesting, value types and ``null``
 placement are. ``shape_of`` reduces a JSON value to exactly that, and ``shape_diff`` lists the
 differences with JSON paths. The same helpers serve the live-vLLM conformance runs.

@@ -7,18 +7,13 @@ here. (The Node.js and TypeScript blocks: tests/crosslang/test_quickstarts.py.)
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.docs import code_blocks
+
 ROOT = Path(__file__).resolve().parents[2]
-BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
-
-
-def code_blocks(path: Path, language: str) -> list[str]:
-    """The fenced blocks of `language` in a Markdown file, in order."""
-    return [body for lang, body in BLOCK.findall(path.read_text()) if lang == language]
 
 
 def run_python(code: str, target: str) -> subprocess.CompletedProcess[str]:

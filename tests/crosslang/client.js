@@ -27,7 +27,7 @@ const protoLoader = require('@grpc/proto-loader');
 
 const plan = JSON.parse(fs.readFileSync(process.argv[2], 'utf8'));
 
-// The options every reader of the contract should use (grpc-practices §5.7): field names as in
+// The options every reader of the contract should use (docs/api.md, "TypeScript"): field names as in
 // the proto, int64 as decimal strings (no precision loss), enums as their names, unset fields
 // filled with defaults, and the name of the set member of every oneof.
 // The path is relative to includeDirs, otherwise proto-loader cannot resolve it cleanly.

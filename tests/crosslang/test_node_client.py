@@ -21,9 +21,7 @@ import io
 import json
 import math
 import os
-import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -43,8 +41,6 @@ pytestmark = [pytest.mark.crosslang, pytest.mark.asyncio(loop_scope="module")]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-CLIENT_JS = HERE / "client.js"
-STAMP = HERE / "node_modules" / ".rollout-grpc-lock.sha256"
 
 #: A ChatML prompt of ordinary ids (valid in the simulator's 2048-token vocabulary).
 PROMPT = [1, 92, 510, 206, 62, 79, 286, 317, 835, 1301, 835, 38, 2, 206, 1, 72, 345, 80, 1653, 206]
@@ -63,35 +59,6 @@ MOE = [
 #: long per token; an aborted generation stops early, so the tests do not wait for it).
 ABORT_TOKEN_DELAY_S = 0.005
 NODE_TIMEOUT_S = 90  # a safety net against a hung client, not a performance assertion
-
-
-def _lock_digest() -> str:
-    return hashlib.sha256(
-        (HERE / "package.json").read_bytes() + (HERE / "package-lock.json").read_bytes()
-    ).hexdigest()
-
-
-@pytest.fixture(scope="session")
-def node_client() -> Path:
-    """client.js with its pinned npm packages installed (`npm ci`, skipped when already done)."""
-    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed: the Node.js cross-language client cannot run")
-    digest = _lock_digest()
-    if not (STAMP.exists() and STAMP.read_text().strip() == digest):
-        # --ignore-scripts: protobufjs' postinstall only checks its optional CLI; nothing needs it.
-        result = subprocess.run(
-            ["npm", "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"],
-            cwd=HERE,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=300,
-        )
-        if result.returncode != 0:
-            pytest.fail(f"npm ci failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-        STAMP.write_text(digest + "\n")
-    return CLIENT_JS
 
 
 async def run_node(client_js: Path, plan: dict[str, Any], tmp: Path) -> dict[str, Any]:

@@ -14,11 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.client.test_quickstarts import code_blocks
-from tests.crosslang.test_node_client import node_client
 from tests.harness import Harness, harness
-
-__all__ = ["node_client"]  # the session fixture, used by name below
+from tests.support.docs import code_blocks
 
 pytestmark = pytest.mark.crosslang
 

@@ -5,75 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from tests.harness import Harness, harness, running_server
-from tests.integration.test_generate import PROMPT, field_violation
-
-#: Long enough that generations are still running when the test acts (sim: 5 ms per token).
-LONG: dict[str, object] = {"temperature": 1.0, "max_new_tokens": 3000, "ignore_eos": True}
-STREAM_EVERY_TOKEN = {"stream_batch_tokens": 1, "stream_batch_interval_ms": 0}
-SLOW_SIM: dict[str, object] = {"token_delay_s": 0.005}
-
-
-@dataclass
-class Stream:
-    """A running Generate whose deltas are recorded; `first` is set at the first token."""
-
-    task: asyncio.Task[pb.Sample]
-    first: asyncio.Event
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-
-def start_stream(
-    client: AsyncRolloutClient,
-    request_id: str,
-    params: dict[str, object] = LONG,
-    sample: pb.Sample | None = None,
-    options: dict[str, object] | None = None,
-) -> Stream:
-    """Start a streaming Generate in the background."""
-    first = asyncio.Event()
-    stream = Stream(task=None, first=first)  # type: ignore[arg-type]
-
-    async def run() -> pb.Sample:
-        final = None
-        async for message in client.generate_stream(
-            sample or make_sample(PROMPT),
-            params,
-            {**STREAM_EVERY_TOKEN, **(options or {})},
-            request_id=request_id,
-            timeout=300,
-        ):
-            if message.HasField("delta"):
-                stream.tokens.extend(message.delta.token_ids)
-                stream.logprobs.extend(message.delta.logprobs)
-                if message.delta.token_ids:
-                    first.set()
-            else:
-                final = message.sample
-        assert final is not None
-        return final
-
-    stream.task = asyncio.create_task(run())
-    return stream
-
-
-async def started(*streams: Stream) -> None:
-    """Wait until every stream has received at least one token."""
-    await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 120)
-
-
-def assert_lossless(stream: Stream, sample: pb.Sample, prompt_len: int = len(PROMPT)) -> None:
-    """What was streamed is exactly what the final sample holds."""
-    assert list(sample.tokens[prompt_len:]) == stream.tokens
-    assert list(sample.rollout_log_probs) == stream.logprobs
-    assert len(sample.loss_mask) == sample.response_length == len(stream.tokens)
+from tests.support.service import (
+    LONG,
+    PROMPT,
+    SLOW_SIM,
+    assert_lossless,
+    field_violation,
+    start_stream,
+    started,
+)
 
 
 @contextlib.asynccontextmanager

@@ -25,7 +25,7 @@ from rollout_grpc.server.openai_front import FrontDoorConfig
 from rollout_grpc.server.tools import ParsedOutput, ToolCall
 from rollout_grpc.server.trajectory import DriftPolicy
 from tests.harness import Harness, harness
-from tests.integration.test_fleet import session_on
+from tests.support.fleet import session_on
 
 pytestmark = pytest.mark.timeout(300)
 

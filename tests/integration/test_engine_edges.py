@@ -17,9 +17,8 @@ import pytest
 from rollout_grpc.client import make_sample, pb
 from rollout_grpc.sim.config import MALFORMED_KINDS
 from tests.harness import Harness, harness
-from tests.integration.test_abort_pause import start_stream
-from tests.integration.test_generate import PROMPT, collect, field_violation
-from tests.integration.test_multimodal import chat, png, sample_from
+from tests.support.multimodal import chat, png, sample_from
+from tests.support.service import PROMPT, collect, field_violation, start_stream
 
 GREEDY: dict[str, Any] = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 

@@ -12,20 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.app import SERVICE_NAME
-from rollout_grpc.sim import SimEngine
 from tests.harness import harness, running_server, sim_engines
-from tests.integration.test_abort_pause import assert_lossless, start_stream, started
-from tests.integration.test_generate import PROMPT
-
-
-def session_on(engines: list[SimEngine], target: SimEngine, pool_pick: object) -> str:
-    """A session id whose affinity engine is `target` (found by asking the replica's own pool)."""
-    for i in range(1000):
-        sid = f"session-{i}"
-        chosen = pool_pick(sid)  # type: ignore[operator]
-        if chosen is not None and chosen.url == target.url:
-            return sid
-    raise AssertionError("no session maps to the target engine")
+from tests.support.fleet import session_on
+from tests.support.service import PROMPT, assert_lossless, start_stream, started
 
 
 async def test_engine_dropped_mid_stream_fails_over_without_loss() -> None:

@@ -10,47 +10,10 @@ import math
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from rollout_grpc.client import make_sample, pb
 from tests.harness import Harness, harness
-
-#: A ChatML prompt of ordinary ids from the reference recordings (valid in a 2048-token vocabulary).
-PROMPT = [1, 92, 510, 206, 62, 79, 286, 317, 835, 1301, 835, 38, 2, 206, 1, 72, 345, 80, 1653, 206]
-
-
-async def collect(
-    h: Harness,
-    sample: pb.Sample,
-    params: dict[str, object],
-    options: dict[str, object] | None = None,
-    request_id: str | None = None,
-) -> tuple[list[pb.TokenDelta], pb.Sample]:
-    """Run one streaming Generate; return the deltas and the final sample (checking it is last)."""
-    deltas: list[pb.TokenDelta] = []
-    final: pb.Sample | None = None
-    async for message in h.client.generate_stream(
-        sample, params, options, request_id=request_id, timeout=120
-    ):
-        assert final is None, "the final sample must be the last message"
-        if message.HasField("delta"):
-            deltas.append(message.delta)
-        else:
-            final = message.sample
-    assert final is not None
-    return deltas, final
-
-
-def field_violation(err: grpc.aio.AioRpcError) -> str:
-    """The BadRequest field named by an INVALID_ARGUMENT error."""
-    status = rpc_status.from_call(err)
-    assert status is not None
-    for detail in status.details:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            return str(bad.field_violations[0].field)
-    raise AssertionError("no BadRequest detail")
+from tests.support.service import PROMPT, collect, field_violation
 
 
 def assert_contract(sample: pb.Sample, prompt_len: int) -> None:

@@ -2,48 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-from collections.abc import AsyncIterator
-
 import aiohttp
 import grpc
 import pytest
-from PIL import Image
 
 from rollout_grpc.client import image_part, pb
 from tests.harness import Harness, harness
-from tests.integration.test_abort_pause import assert_lossless, start_stream, started
-from tests.integration.test_generate import field_violation
+from tests.support.multimodal import chat, png, sample_from, vl
+from tests.support.service import assert_lossless, field_violation, start_stream, started
 
 
-def png(width: int = 56, height: int = 56, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
-    """A small PNG made here (no files, no downloads)."""
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-@contextlib.asynccontextmanager
-async def vl(backend: str, request: pytest.FixtureRequest, **sim: object) -> AsyncIterator[Harness]:
-    if backend == "sim":
-        async with harness("sim", sim_config={"multimodal": True, **sim}) as h:
-            yield h
-    else:
-        async with harness("vllm", str(request.getfixturevalue("vllm_vl_url"))) as h:
-            yield h
-
-
-def chat(image: bytes, text: str = "What is this?") -> list[dict[str, object]]:
-    return [{"role": "user", "content": [image_part(image), text]}]
-
-
-def sample_from(rendered: pb.RenderResponse, session_id: str = "") -> pb.Sample:
-    sample = pb.Sample(tokens=rendered.token_ids, status=pb.SAMPLE_STATUS_PENDING, session_id=session_id)
-    sample.multimodal_features.CopyFrom(rendered.features)
-    return sample
-
-
+@pytest.mark.vllm_server("vl")
 async def test_render_then_generate(backend: str, request: pytest.FixtureRequest) -> None:
     async with vl(backend, request) as h:
         rendered = await h.client.render(chat(png()), session_id="vl-1")
@@ -64,6 +33,7 @@ async def test_render_then_generate(backend: str, request: pytest.FixtureRequest
         assert sample.multimodal_features == rendered.features
 
 
+@pytest.mark.vllm_server("vl")
 async def test_text_only_render(backend: str, request: pytest.FixtureRequest) -> None:
     async with vl(backend, request) as h:
         rendered = await h.client.render(text="Hello world")
@@ -72,6 +42,7 @@ async def test_text_only_render(backend: str, request: pytest.FixtureRequest) ->
         assert len(chat_only.token_ids) > len(rendered.token_ids) // 2
 
 
+@pytest.mark.vllm_server("vl")
 async def test_aborted_multimodal_sample_continues_with_its_features(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
@@ -95,6 +66,7 @@ async def test_aborted_multimodal_sample_continues_with_its_features(
         assert done.multimodal_features == rendered.features
 
 
+@pytest.mark.vllm_server("vl")
 async def test_multimodal_sample_continues_after_abort_all(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
@@ -127,6 +99,7 @@ async def test_multimodal_sample_continues_after_abort_all(
         assert fresh.status == pb.SAMPLE_STATUS_TRUNCATED, fresh.failure_reason
 
 
+@pytest.mark.vllm_server("vl")
 async def test_shifted_placeholders_are_realigned(backend: str, request: pytest.FixtureRequest) -> None:
     async with vl(backend, request) as h:
         rendered = await h.client.render(chat(png()), session_id="vl-3")
@@ -150,6 +123,7 @@ async def test_shifted_placeholders_are_realigned(backend: str, request: pytest.
         _ = reference
 
 
+@pytest.mark.vllm_server("vl")
 async def test_missing_placeholder_is_invalid_argument(backend: str, request: pytest.FixtureRequest) -> None:
     async with vl(backend, request) as h:
         rendered = await h.client.render(chat(png()))
@@ -174,6 +148,7 @@ async def test_missing_placeholder_is_invalid_argument(backend: str, request: py
     ],
     ids=["undecodable", "unsupported-mime", "bad-data-url"],
 )
+@pytest.mark.vllm_server("vl")
 async def test_bad_images_are_invalid_argument(
     backend: str, request: pytest.FixtureRequest, part: pb.ContentPart, field: str
 ) -> None:

@@ -17,8 +17,7 @@ import pytest
 
 from rollout_grpc.client import make_sample, pb, routed_experts_array
 from tests.harness import Harness, harness
-from tests.integration.test_abort_pause import assert_lossless, start_stream, started
-from tests.integration.test_generate import PROMPT
+from tests.support.service import PROMPT, assert_lossless, start_stream, started
 
 R3: dict[str, object] = {"return_routed_experts": True}
 MOE: dict[str, object] = {"moe_layers": 4, "moe_experts": 16, "moe_topk": 2, "return_routed_experts": True}
@@ -113,6 +112,7 @@ async def test_dense_engine_returns_no_routing_without_error(backend: str, engin
         assert not sample.HasField("routed_experts")
 
 
+@pytest.mark.vllm_server("moe")
 async def test_moe_engine_without_the_flag_is_failed_precondition(
     backend: str, request: pytest.FixtureRequest
 ) -> None:

@@ -17,7 +17,7 @@ from rollout_grpc.integrations import slime
 from tests.client.slime_scenarios import SCENARIOS, SLIME_PARAMS, slime_args
 from tests.client.slime_types import Sample
 from tests.harness import Harness, harness
-from tests.integration.test_multimodal import vl
+from tests.support.multimodal import vl
 
 #: Per-token delay of the simulated engines: long generations are still running when the scenario
 #: aborts them, short ones finish in tens of milliseconds (real vLLM has its own pace).

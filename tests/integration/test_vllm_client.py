@@ -8,7 +8,7 @@ import aiohttp
 
 from rollout_grpc.server.vllm import EngineTimeouts, VllmEngine
 from rollout_grpc.sim import SimConfig, SimEngine
-from tests.integration.test_generate import PROMPT
+from tests.support.service import PROMPT
 
 
 async def test_pause_wait_is_not_cut_by_the_control_timeout() -> None:

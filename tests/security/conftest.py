@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.security.certs import CertAuthority, Issued
-
-TRAINER_A = "token-of-trainer-a"
-TRAINER_B = "token-of-trainer-b"
-ADMIN = "token-of-the-admin"
-PEER = "token-of-the-replicas"
-
-
-@dataclass(frozen=True)
-class Pki:
-    """A CA with a server certificate and two client certificates."""
-
-    ca: CertAuthority
-    server: Issued
-    alice: Issued
-    ops: Issued
+from tests.security.certs import CertAuthority
+from tests.security.credentials import ADMIN, PEER, TRAINER_A, TRAINER_B, Pki
 
 
 @pytest.fixture

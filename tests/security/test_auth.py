@@ -18,8 +18,8 @@ from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.server.auth import TokenFileError, TokenStore, parse_tokens
 from rollout_grpc.server.redact import engine_label
 from tests.harness import running_server, sim_engines
-from tests.integration.test_generate import PROMPT
-from tests.security.conftest import ADMIN, PEER, TRAINER_A, Pki
+from tests.security.credentials import ADMIN, PEER, TRAINER_A, Pki
+from tests.support.service import PROMPT
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 

@@ -13,9 +13,8 @@ from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.app import RolloutServer
 from tests.harness import running_server, sim_engines
-from tests.integration.test_abort_pause import LONG, SLOW_SIM, assert_lossless, start_stream, started
-from tests.integration.test_generate import PROMPT
-from tests.security.conftest import ADMIN, PEER, TRAINER_A, TRAINER_B, Pki
+from tests.security.credentials import ADMIN, PEER, TRAINER_A, TRAINER_B, Pki
+from tests.support.service import LONG, PROMPT, SLOW_SIM, assert_lossless, start_stream, started
 
 SHORT = {**LONG, "max_new_tokens": 300}
 

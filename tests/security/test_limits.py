@@ -13,9 +13,8 @@ from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.errors import ResourceExhausted
 from rollout_grpc.server.limits import ControlRateLimiter
 from tests.harness import harness, running_server, sim_engines
-from tests.integration.test_abort_pause import SLOW_SIM, start_stream, started
-from tests.integration.test_generate import PROMPT, field_violation
-from tests.security.conftest import TRAINER_A, TRAINER_B
+from tests.security.credentials import TRAINER_A, TRAINER_B
+from tests.support.service import PROMPT, SLOW_SIM, field_violation, start_stream, started
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
 

@@ -11,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout_grpc.client import AsyncRolloutClient, RolloutClient, make_sample, pb
 from rollout_grpc.server.app import RolloutServer
 from tests.harness import running_server, sim_engines
-from tests.integration.test_generate import PROMPT
 from tests.security.certs import CertAuthority
-from tests.security.conftest import Pki
+from tests.security.credentials import Pki
+from tests.support.service import PROMPT
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from rollout_grpc.sim import SimConfig, SimEngine
-
-GOLDEN_DIR = Path(__file__).parent / "golden"
-
-EngineFactory = Callable[..., contextlib.AbstractAsyncContextManager[SimEngine]]
-
-
-def golden(name: str) -> dict[str, Any]:
-    """One recorded file (``r_dense``, ``r_pause``, ``r_moe``, ``r_vl``), key order preserved."""
-    data: dict[str, Any] = json.loads((GOLDEN_DIR / f"{name}.json").read_text())
-    return data
+from tests.support.sim_http import EngineFactory
 
 
 @pytest.fixture

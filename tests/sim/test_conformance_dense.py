@@ -14,8 +14,7 @@ import pytest
 
 from rollout_grpc.sim import SimEngine
 from rollout_grpc.sim.conformance import assert_same_shape, parse_sse, shape_of, stream_shape_diff
-from tests.sim.conftest import golden
-from tests.sim.helpers import PROMPT, generate, get, post
+from tests.support.sim_http import PROMPT, generate, get, golden, post
 
 DENSE = golden("r_dense")
 

@@ -15,8 +15,7 @@ import pytest
 
 from rollout_grpc.sim import SimEngine
 from rollout_grpc.sim.conformance import assert_same_shape, shape_of
-from tests.sim.conftest import EngineFactory, golden
-from tests.sim.helpers import PROMPT, Reply, generate, get, post
+from tests.support.sim_http import PROMPT, EngineFactory, Reply, generate, get, golden, post
 
 PAUSE = golden("r_pause")
 TRIM = ("$.choices[].token_ids", "$.choices[].logprobs")

@@ -11,8 +11,7 @@ import orjson
 import pytest
 
 from rollout_grpc.sim import PERSISTENT, SimEngine
-from tests.sim.conftest import EngineFactory
-from tests.sim.helpers import PROMPT, generate, get, post
+from tests.support.sim_http import PROMPT, EngineFactory, generate, get, post
 
 INTERNAL = {
     "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}

@@ -10,8 +10,7 @@ import numpy as np
 
 from rollout_grpc.sim.conformance import assert_same_shape, parse_sse, shape_of
 from rollout_grpc.sim.moe import decode_npy_b64, routed_experts
-from tests.sim.conftest import EngineFactory, golden
-from tests.sim.helpers import PROMPT, generate, post
+from tests.support.sim_http import PROMPT, EngineFactory, generate, golden, post
 
 MOE = golden("r_moe")["moe"]
 R3 = {"return_routed_experts": True, "moe_layers": 2, "moe_experts": 8, "moe_topk": 2, "eos_probability": 0.0}

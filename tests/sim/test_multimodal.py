@@ -16,8 +16,7 @@ from rollout_grpc.sim import SimEngine
 from rollout_grpc.sim.conformance import assert_same_shape
 from rollout_grpc.sim.multimodal import smart_resize
 from rollout_grpc.sim.vocab import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
-from tests.sim.conftest import EngineFactory, golden
-from tests.sim.helpers import generate, post
+from tests.support.sim_http import EngineFactory, generate, golden, post
 
 VL = golden("r_vl")["mm"]
 VL_CFG = {"model": "tiny-qwen2vl", "max_model_len": 1024, "multimodal": True, "eos_probability": 0.0}

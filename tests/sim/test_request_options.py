@@ -7,8 +7,7 @@ from typing import Any
 import aiohttp
 
 from rollout_grpc.sim import SimEngine
-from tests.sim.conftest import EngineFactory
-from tests.sim.helpers import PROMPT, gen_body, generate, get, post
+from tests.support.sim_http import PROMPT, EngineFactory, gen_body, generate, get, post
 
 
 async def test_stream_interval(engine: SimEngine, session: aiohttp.ClientSession) -> None:

@@ -11,8 +11,7 @@ import pytest
 
 from rollout_grpc.sim import SimEngine
 from rollout_grpc.sim.model import ToyLM, context_hash, get_tables, roll
-from tests.sim.conftest import EngineFactory
-from tests.sim.helpers import PROMPT, gen_body, generate
+from tests.support.sim_http import PROMPT, EngineFactory, gen_body, generate
 
 
 async def _ids(session: aiohttp.ClientSession, eng: SimEngine, **kw: Any) -> list[int]:

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from rollout_grpc.sim.vocab import EOS_ID, IMAGE_PAD_ID, SPECIAL_TOKENS, IncrementalDecoder, Vocab, get_vocab
-from tests.sim.helpers import PROMPT, gen_body, generate, get
+from tests.support.sim_http import PROMPT, gen_body, generate, get
 
 
 def test_special_ids_and_size() -> None:

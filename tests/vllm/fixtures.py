@@ -12,7 +12,13 @@ Without ``ROLLOUT_VLLM=1`` (plain ``make test``) every one of them skips, so not
 Servers start before the first test that needs them, in ``pytest_runtest_protocol`` outside that
 test's pytest-timeout budget (a cold start can take a minute), and stop when the session ends. A
 fixture requested dynamically (``request.getfixturevalue``) starts its server with the test's timeout
-clock stopped instead.
+clock stopped instead; such a test declares the kinds it requests with
+``@pytest.mark.vllm_server("vl", ...)`` so that it is pre-started and ordered like the others.
+
+With the tier enabled, the tests are reordered (stably) by the server kinds they use — first the
+tests that need no server, then dense, dense+moe, moe, …, vl — so that each server starts once even
+when at most ``ROLLOUT_VLLM_MAX_SERVERS`` run at a time (in file order the tier interleaved the kinds
+and restarted each server up to 8 times). The end-of-session summary counts the starts per kind.
 """
 
 from __future__ import annotations
@@ -39,8 +45,37 @@ _current_item: pytest.Item | None = None  # the test being run, for pausing its 
 
 
 def _needed_kinds(item: pytest.Item) -> list[ModelKind]:
+    """The server kinds ``item`` uses: its static ``vllm_*_url`` fixtures, plus, for a test marked
+    ``vllm``, the kinds its ``vllm_server`` markers declare for fixtures requested dynamically."""
     names: list[str] = list(getattr(item, "fixturenames", ()))
-    return [FIXTURE_KINDS[name] for name in names if name in FIXTURE_KINDS]
+    kinds = [FIXTURE_KINDS[name] for name in names if name in FIXTURE_KINDS]
+    if item.get_closest_marker("vllm") is not None:
+        for marker in item.iter_markers("vllm_server"):
+            for kind in marker.args:
+                if kind not in MODEL_KINDS:
+                    raise pytest.UsageError(
+                        f"{item.nodeid}: vllm_server({kind!r}): expected one of {', '.join(MODEL_KINDS)}"
+                    )
+                kinds.append(kind)
+    return list(dict.fromkeys(kinds))
+
+
+def _server_order(kinds: list[ModelKind]) -> tuple[int, int]:
+    """Sort key that runs the tests of one server kind together: tests without a server first, then
+    by the last and first kind they need in ``MODEL_KINDS`` order (dense, dense+moe, moe, …, vl).
+    Consecutive groups share a kind, so a manager keeping two servers starts each kind once."""
+    if not kinds:
+        return (-1, -1)
+    positions = [MODEL_KINDS.index(kind) for kind in kinds]
+    return (max(positions), min(positions))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group the tier's tests by server kind (stable: file order is kept within a group)."""
+    if skip_reason() is not None:
+        return
+    items.sort(key=lambda item: _server_order(_needed_kinds(item)))
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -102,6 +137,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("vllm servers")
         for line in manager().events:
             terminalreporter.write_line(line)
+        starts = ", ".join(f"{kind} {count}" for kind, count in manager().starts.items())
+        terminalreporter.write_line(f"server starts: {starts}")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -114,6 +151,10 @@ def _url(kind: ModelKind) -> str:
     if reason is not None:
         pytest.skip(reason)
     mgr = manager()
+    item = _current_item
+    if item is not None and kind not in _needed_kinds(item):
+        # Not pre-started and not ordered with its kind: it may restart a server. Declare it.
+        mgr.events.append(f"{kind}: requested by {item.nodeid} without @pytest.mark.vllm_server({kind!r})")
     if kind in mgr.running_kinds():
         return mgr.url(kind)
     with _timeout_paused():

@@ -266,6 +266,7 @@ class VllmServerManager:
         self._failed: dict[ModelKind, str] = {}  # a kind that failed to start is not retried
         self._lock = threading.RLock()
         self.events: list[str] = []  # start times and memory, for the end-of-session summary
+        self.starts: dict[ModelKind, int] = dict.fromkeys(MODEL_KINDS, 0)  # healthy starts per kind
 
     @classmethod
     def from_env(cls) -> VllmServerManager:
@@ -303,6 +304,7 @@ class VllmServerManager:
             except BaseException:  # interrupted or timed out from outside: may be retried
                 del self._servers[kind]
                 raise
+            self.starts[kind] += 1
             self.events.append(f"{kind}: healthy after {server.started_s:.1f} s on {server.url}")
             return server.url
 

