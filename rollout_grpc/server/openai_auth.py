@@ -6,7 +6,9 @@ The front door accepts exactly what the gRPC port accepts (`auth.AuthConfig`), s
 1. `Authorization: Bearer <token>` (what the `openai` client sends as its `api_key`), checked
    against the same `auth.TokenStore`: hashed, constant-time, reloaded when the file changes;
 2. the verified client certificate of an mTLS connection (`--tls-client-ca`), its SANs and common
-   name looked up in the `--mtls-role` table.
+   name looked up in the `--mtls-role` table. Without a tokens file the `Authorization` header is
+   ignored: OpenAI clients always send one (their `api_key`), so a certificate-only deployment
+   lets them pass any placeholder key.
 
 Trainers and admins may use the front door (it generates, like Generate); peers may not. Without
 credentials, or with a bad token: 401 with an OpenAI error envelope and `WWW-Authenticate: Bearer`;
@@ -68,7 +70,7 @@ def authenticate(config: AuthConfig, authorization: str | None, peercert: Mappin
     if not config.enabled:
         return ANONYMOUS
     caller: Caller | None
-    if authorization is not None:
+    if authorization is not None and config.tokens is not None:
         caller = _bearer(config, authorization)
     else:
         names = certificate_names(peercert) if config.cert_roles else []
