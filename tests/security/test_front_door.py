@@ -102,8 +102,11 @@ def _trust(pki: Pki, client_cert: bool) -> ssl.SSLContext:
 
 
 async def test_front_door_serves_tls_and_refuses_plaintext(pki: Pki, tokens_file: Path) -> None:
-    tls = {"tls_cert_file": str(pki.server.cert), "tls_key_file": str(pki.server.key)}
-    async with front_door(auth_tokens_file=str(tokens_file), **tls) as server:
+    async with front_door(
+        auth_tokens_file=str(tokens_file),
+        tls_cert_file=str(pki.server.cert),
+        tls_key_file=str(pki.server.key),
+    ) as server:
         http = openai.DefaultAsyncHttpxClient(verify=_trust(pki, client_cert=False))
         reply = await ask(oai(server, TRAINER_A, "s1", scheme="https", http_client=http))
         assert reply.usage.completion_tokens == 4
