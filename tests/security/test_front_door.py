@@ -21,6 +21,7 @@ from rollout_grpc.client import AsyncRolloutClient, make_sample
 from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.server.redact import engine_label
 from tests.harness import running_server, sim_engines
+from tests.security.certs import CertAuthority
 from tests.security.conftest import ADMIN, PEER, TRAINER_A, TRAINER_B, Pki
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,6 +116,24 @@ async def test_front_door_serves_tls_and_refuses_plaintext(pki: Pki, tokens_file
         untrusting = openai.DefaultAsyncHttpxClient(verify=ssl.create_default_context())
         with pytest.raises(openai.APIConnectionError):
             await ask(oai(server, TRAINER_A, "s3", scheme="https", http_client=untrusting))
+
+
+async def test_front_door_uses_a_rotated_certificate_without_restart(pki: Pki) -> None:
+    async with front_door(tls_cert_file=str(pki.server.cert), tls_key_file=str(pki.server.key)) as server:
+
+        def trusting(ca: CertAuthority) -> openai.DefaultAsyncHttpxClient:
+            return openai.DefaultAsyncHttpxClient(verify=ssl.create_default_context(cafile=str(ca.cert)))
+
+        await ask(oai(server, "k", "s1", scheme="https", http_client=trusting(pki.ca)))
+        # cert-manager renews the Secret: a pair from another CA replaces the files in place.
+        new_ca = CertAuthority(pki.ca.directory, name="rotated-ca")
+        renewed = new_ca.issue("rollout-replica", server=True, file_stem="renewed")
+        pki.server.key.write_bytes(renewed.key_pem)
+        pki.server.cert.write_bytes(renewed.cert_pem)
+        reply = await ask(oai(server, "k", "s2", scheme="https", http_client=trusting(new_ca)))
+        assert reply.usage.completion_tokens == 4
+        with pytest.raises(openai.APIConnectionError):
+            await ask(oai(server, "k", "s3", scheme="https", http_client=trusting(pki.ca)))
 
 
 async def test_front_door_mtls_certificate_is_an_identity(pki: Pki, tokens_file: Path) -> None:
