@@ -15,6 +15,7 @@ from pathlib import Path
 
 import structlog
 
+from rollout_grpc import info as info_command
 from rollout_grpc import logs, settings
 from rollout_grpc.server.app import RolloutServer
 
@@ -149,9 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings.add_serve_arguments(serve)
     sub.add_parser("sim", help="run one simulated vLLM engine (see `rollout-grpc sim --help`)")
     info = sub.add_parser("info", help="show a replica and its engines (GetServerInfo) as a table")
-    info.add_argument("--target", required=True, help="replica address host:port")
-    info.add_argument("--json", action="store_true", help="print GetServerInfo as JSON instead")
-    info.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    info_command.add_arguments(info)
     demo = sub.add_parser("demo", help="start a replica on simulated engines and run a demo rollout")
     demo.add_argument("--prompts", type=int, default=8)
     demo.add_argument("--samples-per-prompt", type=int, default=4)
@@ -166,9 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.configure(args.log_level, args.log_format)
         return asyncio.run(_serve(args))
     if args.command == "info":
-        from rollout_grpc.info import run_info
-
-        return run_info(args.target, as_json=args.json, timeout=args.timeout)
+        try:
+            security = info_command.security_from_args(args)
+        except (OSError, ValueError) as exc:
+            print(f"rollout-grpc info: {exc}", file=sys.stderr)
+            return 2
+        return info_command.run_info(args.target, as_json=args.json, timeout=args.timeout, security=security)
     from rollout_grpc.demo import run_demo
 
     logs.configure("warning", "console")

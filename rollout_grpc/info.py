@@ -2,13 +2,21 @@
 
 Calls GetServerInfo and the standard health service of one replica and prints a table (or, with
 `--json`, GetServerInfo as JSON with the health status added). Exit code 0 when the replica is
-SERVING, 1 when it answers but is not, 2 when it cannot be reached.
+SERVING, 1 when it answers but is not, 2 when it cannot be reached (or refuses the credentials).
+
+A replica with TLS or authentication (docs/security.md) is reached with the clients' options:
+`--tls-ca` (or `--tls` for the system roots), `--tls-cert/--tls-key` for mTLS, `--token-file` for a
+bearer token; each has an environment variable (`ROLLOUT_GRPC_INFO_TLS_CA`, ...,
+`ROLLOUT_GRPC_INFO_TOKEN` holding the token itself). Engine URLs are shown to admins only.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
@@ -17,6 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.client.credentials import ClientSecurity
+
+ENV_PREFIX = "ROLLOUT_GRPC_INFO_"
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
@@ -81,10 +92,82 @@ def _opt(caps: pb.EngineCapabilities, name: str) -> str:
     return _yes(bool(getattr(caps, name))) if caps.HasField(name) else "?"  # type: ignore[arg-type]
 
 
-def fetch(target: str, timeout: float) -> tuple[pb.GetServerInfoResponse, str]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `info` flags; the connection flags default to their `ROLLOUT_GRPC_INFO_*` variables."""
+    env = os.environ.get
+    parser.add_argument("--target", required=True, help="replica address host:port")
+    parser.add_argument("--json", action="store_true", help="print GetServerInfo as JSON instead")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        default=env(ENV_PREFIX + "TLS", "") not in ("", "0", "false"),
+        help=f"use TLS, verifying the replica with the system roots (implied by --tls-ca) [{ENV_PREFIX}TLS]",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=env(ENV_PREFIX + "TLS_CA"),
+        help=f"PEM CA that signed the replica's certificate [{ENV_PREFIX}TLS_CA]",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=env(ENV_PREFIX + "TLS_CERT"),
+        help=f"PEM client certificate for mTLS, with --tls-key [{ENV_PREFIX}TLS_CERT]",
+    )
+    parser.add_argument(
+        "--tls-key", default=env(ENV_PREFIX + "TLS_KEY"), help=f"PEM client key [{ENV_PREFIX}TLS_KEY]"
+    )
+    parser.add_argument(
+        "--tls-server-name",
+        default=env(ENV_PREFIX + "TLS_SERVER_NAME"),
+        help=f"name the replica's certificate is checked against when dialing an IP "
+        f"[{ENV_PREFIX}TLS_SERVER_NAME]",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=env(ENV_PREFIX + "TOKEN_FILE"),
+        help=f"file holding the bearer token [{ENV_PREFIX}TOKEN_FILE; or the token itself in "
+        f"{ENV_PREFIX}TOKEN]",
+    )
+
+
+def security_from_args(args: argparse.Namespace) -> ClientSecurity:
+    """The client security settings of parsed `info` flags (the token file read here)."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together (mTLS)")
+    token = os.environ.get(ENV_PREFIX + "TOKEN") or None
+    if args.token_file:
+        token = Path(args.token_file).read_text().strip() or None
+        if token is None:
+            raise ValueError(f"--token-file {args.token_file}: the file is empty")
+    return ClientSecurity(
+        tls=args.tls,
+        root_certificates=args.tls_ca,
+        certificate_chain=args.tls_cert,
+        private_key=args.tls_key,
+        token=token,
+        server_name=args.tls_server_name,
+    )
+
+
+def _channel(target: str, security: ClientSecurity) -> grpc.Channel:
+    credentials = security.channel_credentials()
+    options = security.channel_options()
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def fetch(
+    target: str, timeout: float, security: ClientSecurity | None = None
+) -> tuple[pb.GetServerInfoResponse, str]:
     """GetServerInfo and the health status of the rollout service on `target`."""
-    with grpc.insecure_channel(target) as channel:
-        info = pb_grpc.RolloutServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+    security = security or ClientSecurity()
+    metadata = security.metadata()
+    with _channel(target, security) as channel:
+        info = pb_grpc.RolloutServiceStub(channel).GetServerInfo(
+            pb.GetServerInfoRequest(), timeout=timeout, metadata=metadata
+        )
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
@@ -95,13 +178,23 @@ def fetch(target: str, timeout: float) -> tuple[pb.GetServerInfoResponse, str]:
     return info, health
 
 
-def run_info(target: str, *, as_json: bool = False, timeout: float = 10.0, out: TextIO | None = None) -> int:
+def run_info(
+    target: str,
+    *,
+    as_json: bool = False,
+    timeout: float = 10.0,
+    out: TextIO | None = None,
+    security: ClientSecurity | None = None,
+) -> int:
     """The `info` command; returns the exit code."""
     out = out or sys.stdout
     try:
-        info, health = fetch(target, timeout)
+        info, health = fetch(target, timeout, security)
     except grpc.RpcError as exc:
         print(f"rollout-grpc info: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # an unreadable certificate, key or token file
+        print(f"rollout-grpc info: {exc}", file=sys.stderr)
         return 2
     if as_json:
         body: dict[str, Any] = json_format.MessageToDict(info, always_print_fields_with_no_presence=True)

@@ -420,7 +420,15 @@ class RolloutServer:
             await self._health_server.start()
         if cfg.openai_port is not None:
             self.front_door = OpenAIFrontDoor(
-                self.rollout, self.pool, self.control, self.trajectories, cfg.openai
+                self.rollout,
+                self.pool,
+                self.control,
+                self.trajectories,
+                cfg.openai,
+                auth=self.auth,
+                tls=tls,
+                limits=cfg.request_limits(),
+                metrics=self.metrics,
             )
             self.openai_port = await self.front_door.start(cfg.host, cfg.openai_port)
         if cfg.metrics_port is not None:

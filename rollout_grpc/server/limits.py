@@ -14,7 +14,7 @@ caller, read from `identity.current_caller()`.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,19 +78,30 @@ class RequestLimits:
                     "sample.metadata",
                     f"{size} bytes, over the limit max_metadata_bytes={self.max_metadata_bytes}",
                 )
-        stop = request.sampling_params.stop
+        self.check_stop(request.sampling_params.stop, "sampling_params.stop")
+
+    def check_stop(self, stop: Sequence[str], field: str) -> None:
+        """Raise InvalidArgument naming `field` when the stop strings exceed their caps."""
         if len(stop) > self.max_stop_strings:
             raise InvalidArgument(
-                "sampling_params.stop",
+                field,
                 f"{len(stop)} stop strings, over the limit max_stop_strings={self.max_stop_strings}",
             )
         for i, text in enumerate(stop):
             if len(text) > self.max_stop_string_chars:
                 raise InvalidArgument(
-                    f"sampling_params.stop[{i}]",
+                    f"{field}[{i}]",
                     f"{len(text)} characters, over the limit "
                     f"max_stop_string_chars={self.max_stop_string_chars}",
                 )
+
+    def check_size(self, field: str, size: int, limit: str) -> None:
+        """Raise InvalidArgument naming `field` when `size` bytes exceed the cap named `limit`
+        (`max_metadata_bytes` or `max_chat_template_kwargs_bytes`); for callers outside gRPC,
+        such as the OpenAI front door, which measure their JSON themselves."""
+        cap = int(getattr(self, limit))
+        if size > cap:
+            raise InvalidArgument(field, f"{size} bytes, over the limit {limit}={cap}")
 
 
 class ControlRateLimiter:

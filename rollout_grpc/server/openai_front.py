@@ -14,15 +14,25 @@ is the sample's `session_id`: it routes every turn to the same engine (prefix ca
 
 Responses follow OpenAI's shape; like vLLM's own endpoint, an aborted turn ends with
 `finish_reason: "abort"` and the text produced so far, and `return_token_ids: true` adds
-`prompt_token_ids` and `choices[].token_ids`.
+`prompt_token_ids` and `choices[].token_ids`. The `X-Request-Id` response header names the turn's
+generation (`Abort(request_ids=[...])` ends it).
+
+Security is the gRPC port's (docs/security.md): the same credentials (`openai_auth.py`: bearer
+token or client certificate), TLS from the same files, and the caller bound as `identity` does for
+an RPC, so each turn's generation is owned by its caller (Abort, the per-caller admission share),
+a session by the caller that opened it, and the request bounds of `limits.RequestLimits` apply.
+Every request ends with one `openai_done` log line and in the Prometheus metrics
+(`openai_calls.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
+import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +40,19 @@ import orjson
 import structlog
 from aiohttp import web
 
-from rollout_grpc.server import trajectory, vllm_chat
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server import openai_auth, redact, trajectory, vllm_chat
+from rollout_grpc.server.auth import AuthConfig
+from rollout_grpc.server.calls import CURRENT_CALL, CallRecord
 from rollout_grpc.server.control import Control
 from rollout_grpc.server.domain import GenerateOptions, Sample, SamplingParams, TokenBatch
 from rollout_grpc.server.engine_api import EngineError, EngineRejected, EngineUnavailable
 from rollout_grpc.server.engines import EnginePool
 from rollout_grpc.server.errors import FailedPrecondition, RolloutError, Unavailable
+from rollout_grpc.server.identity import current_caller, reset_caller, set_caller
+from rollout_grpc.server.limits import RequestLimits
+from rollout_grpc.server.metrics import Metrics
+from rollout_grpc.server.openai_calls import FrontDoorCall, Listener, log_openai
 from rollout_grpc.server.openai_protocol import (
     OpenAIError,
     error_response,
@@ -45,12 +62,17 @@ from rollout_grpc.server.openai_protocol import (
     usage,
 )
 from rollout_grpc.server.rollout import Rollout
+from rollout_grpc.server.tls import TlsConfig, server_ssl_context
 from rollout_grpc.server.tools import ParsedOutput, ToolCallParser, get_parser, held_back
 from rollout_grpc.server.trajectory import DriftPolicy, Session, TrajectoryStore, Turn
 
 log = structlog.get_logger(__name__)
 
 SESSION_HEADER = "X-Session-Id"
+REQUEST_ID_HEADER = "X-Request-Id"
+#: Where the middleware keeps the request's `FrontDoorCall`.
+_CALL = web.RequestKey("rollout_front_door_call", FrontDoorCall)
+_SESSION_PREFIX = "/sessions/{session_id}"
 
 #: A neutral conversation the KEEP_PREFIX policy renders new messages after (see `_delta`).
 _BASE: list[dict[str, Any]] = [{"role": "user", "content": "."}]
@@ -79,21 +101,35 @@ class OpenAIFrontDoor:
         control: Control,
         store: TrajectoryStore,
         config: FrontDoorConfig | None = None,
+        *,
+        auth: AuthConfig | None = None,
+        tls: TlsConfig | None = None,
+        limits: RequestLimits | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
+        """`auth`, `tls` and `limits` are the gRPC port's (off, plaintext and the defaults when not
+        given); `metrics` receives every request next to the `openai_done` log line."""
         self._rollout = rollout
         self._pool = pool
         self._control = control
         self.store = store
         self.config = config or FrontDoorConfig()
         self._parser: ToolCallParser = get_parser(self.config.tool_parser)
+        self._auth = auth or AuthConfig()
+        self._tls = tls
+        self._limits = limits or RequestLimits()
+        #: Called with every ended request's record (tests may add their own before requests).
+        self.listeners: list[Listener] = [log_openai]
+        if metrics is not None:
+            self.listeners.append(metrics.observe_openai)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
     # ----------------------------------------------------------------------------- lifecycle
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        for prefix in ("", "/sessions/{session_id}"):
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._middleware])
+        for prefix in ("", _SESSION_PREFIX):
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_get(prefix + "/v1/models", self._models)
         return app
@@ -102,7 +138,8 @@ class OpenAIFrontDoor:
         """Serve on host:port (0 = a free port); returns the bound port."""
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        context = server_ssl_context(self._tls) if self._tls is not None else None
+        await web.TCPSite(self._runner, host, port, ssl_context=context).start()
         self.port = int(self._runner.addresses[0][1])
         return self.port
 
@@ -111,16 +148,62 @@ class OpenAIFrontDoor:
             await self._runner.cleanup()
             self._runner = None
 
+    # ----------------------------------------------------------------------------- middleware
+
+    @web.middleware
+    async def _middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Authenticate, bind the caller to the request's task, record and report the request."""
+        call = FrontDoorCall(route=_route(request))
+        request[_CALL] = call
+        try:
+            try:
+                caller = openai_auth.authenticate(
+                    self._auth, request.headers.get("Authorization"), _peercert(request)
+                )
+            except OpenAIError as err:
+                response: web.StreamResponse = self._error(request, err)
+            else:
+                call.caller = caller.identity
+                token = set_caller(caller)
+                try:
+                    response = await handler(request)
+                finally:
+                    reset_caller(token)
+            call.code = response.status
+            return response
+        except web.HTTPException as exc:  # the router's 404 and 405
+            call.code, call.error = exc.status, exc.reason
+            raise
+        except BaseException as exc:  # cancelled (client gone before the response) or a bug
+            call.code, call.error = 499 if isinstance(exc, asyncio.CancelledError) else 500, repr(exc)
+            raise
+        finally:
+            call.ended = time.monotonic()
+            for listener in self.listeners:
+                try:
+                    listener(call)
+                except Exception:  # an observer bug must never fail the request
+                    log.exception("openai_listener_failed", route=call.route)
+
+    def _error(self, request: web.Request, err: OpenAIError) -> web.Response:
+        """The error response; engine addresses are shown to admins only (as on the gRPC port)."""
+        if not current_caller().is_admin:
+            err.message = redact.redact_text(err.message, [e.url for e in self._pool.engines])
+        request[_CALL].error = err.message
+        return error_response(err)
+
     # ----------------------------------------------------------------------------- handlers
 
     async def _models(self, request: web.Request) -> web.Response:
         engine = self._pool.pick()
         if engine is None:
-            return error_response(OpenAIError(503, "no healthy engine is available"))
+            return self._error(request, OpenAIError(503, "no healthy engine is available"))
         try:
             models = await engine.client.models()
         except EngineError as exc:
-            return error_response(OpenAIError(503, f"engine {exc.url}: {exc.message}"))
+            return self._error(request, OpenAIError(503, f"engine {exc.url}: {exc.message}"))
         data = [
             {
                 "id": m.get("id"),
@@ -164,14 +247,27 @@ class OpenAIFrontDoor:
             )
             if len(session_id) > 200:
                 raise OpenAIError(400, "the session id must be at most 200 characters", "session_id")
+            call = request[_CALL]
+            call.session_id, call.stream = session_id, bool(body.get("stream"))
             params = sampling_params(body)
-            session = self.store.open(session_id)
+            self._check_bounds(body, params)
+            session = self.store.open(session_id, current_caller().identity)
             async with session.lock:
                 return await self._turn(request, body, messages, session, params)
         except OpenAIError as err:
-            return error_response(err)
+            return self._error(request, err)
         except RolloutError as exc:
-            return error_response(from_domain(exc))
+            return self._error(request, from_domain(exc))
+
+    def _check_bounds(self, body: dict[str, Any], params: SamplingParams) -> None:
+        """The gRPC port's per-request caps (InvalidArgument naming the field: a 400)."""
+        self._limits.check_stop(params.stop, "stop")
+        for key, limit in (
+            ("chat_template_kwargs", "max_chat_template_kwargs_bytes"),
+            ("metadata", "max_metadata_bytes"),
+        ):
+            if body.get(key) is not None:
+                self._limits.check_size(key, len(orjson.dumps(body[key])), limit)
 
     # ----------------------------------------------------------------------------- one turn
 
@@ -197,24 +293,32 @@ class OpenAIFrontDoor:
         turn_index = len(session.turns)
         request_id = f"{session.session_id}.t{turn_index}.{secrets.token_hex(4)}"
         sample = Sample(session_id=session.session_id, tokens=list(prompt_ids))
-        events = self._rollout.generate(sample, params, options, request_id)
+        call = request[_CALL]
+        call.request_id, call.prompt_tokens = request_id, len(prompt_ids)
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         chat_id = "chatcmpl-" + request_id
         created = int(time.time())
-        # The first event comes before the response starts, so refusals are plain HTTP errors.
-        first = await anext(events)
-        if body.get("stream"):
-            response, final = await self._stream(
-                request, body, events, first, chat_id, created, model, use_tools, session.session_id
-            )
-        else:
-            final = first if isinstance(first, Sample) else await _last(events)
-            response = None
+        with _observed_generation(call, session.session_id):
+            events = self._rollout.generate(sample, params, options, request_id)
+            # The first event comes before the response starts, so refusals are plain HTTP errors.
+            first = await anext(events)
+            if isinstance(first, TokenBatch) and first.token_ids:
+                call.mark_token()
+            if body.get("stream"):
+                response, final = await self._stream(
+                    request, body, events, first, chat_id, created, model, use_tools, session.session_id
+                )
+            else:
+                final = first if isinstance(first, Sample) else await _last(events)
+                response = None
+        call.sample = final
+        if call.new_tokens:
+            call.mark_token()
         parsed = self._parser.parse(final.response) if use_tools else ParsedOutput(content=final.response)
         turn = self._record(session, messages, request_id, prompt_ids, final, parsed, new_sample, drift)
         if response is not None:
             return response
-        return self._completion(body, chat_id, created, model, turn, parsed, session.session_id)
+        return self._completion(body, chat_id, created, model, turn, parsed, session.session_id, request_id)
 
     async def _prompt(
         self, session: Session, messages: list[dict[str, Any]], body: dict[str, Any], model: str
@@ -323,6 +427,7 @@ class OpenAIFrontDoor:
         turn: Turn,
         parsed: ParsedOutput,
         session_id: str,
+        request_id: str,
     ) -> web.Response:
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if turn.tool_calls:
@@ -346,7 +451,9 @@ class OpenAIFrontDoor:
             result["prompt_token_ids"] = turn.prompt_ids
             choice["token_ids"] = turn.response_ids
         return web.Response(
-            body=orjson.dumps(result), content_type="application/json", headers={SESSION_HEADER: session_id}
+            body=orjson.dumps(result),
+            content_type="application/json",
+            headers={SESSION_HEADER: session_id, REQUEST_ID_HEADER: request_id},
         )
 
     async def _stream(
@@ -366,6 +473,7 @@ class OpenAIFrontDoor:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         response.headers[SESSION_HEADER] = session_id
+        response.headers[REQUEST_ID_HEADER] = chat_id.removeprefix("chatcmpl-")
         await response.prepare(request)
         writer = _ChunkWriter(
             response, chat_id, created, model, self._control, chat_id.removeprefix("chatcmpl-")
@@ -380,6 +488,8 @@ class OpenAIFrontDoor:
             if isinstance(event, Sample):
                 final = event
                 break
+            if event.token_ids:
+                request[_CALL].mark_token()
             text += event.text
             held = text.find(marker) if marker else -1
             upto = held if held >= 0 else len(text) - held_back(text, marker)
@@ -446,6 +556,40 @@ class _ChunkWriter:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await self._response.write(b"data: [DONE]\n\n")
                 await self._response.write_eof()
+
+
+@contextlib.contextmanager
+def _observed_generation(call: FrontDoorCall, session_id: str) -> Iterator[None]:
+    """Run a turn's generation as the task's current call, as a Generate runs: admission writes
+    its queue wait into the record, and the engine-call log and traces name the request."""
+    request = pb.GenerateRequest(request_id=call.request_id or "", sample=pb.Sample(session_id=session_id))
+    record = CallRecord("ChatCompletions", request)
+    token = CURRENT_CALL.set(record)
+    try:
+        yield
+    finally:
+        CURRENT_CALL.reset(token)
+        call.queue_wait_s = record.queue_wait_s
+
+
+def _route(request: web.Request) -> str:
+    """The metric label of a request's route: its pattern without the session prefix."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return "other"
+    return resource.canonical.removeprefix(_SESSION_PREFIX)
+
+
+def _peercert(request: web.Request) -> dict[str, Any] | None:
+    """The verified client certificate of an mTLS connection (None over plaintext or TLS alone)."""
+    transport = request.transport
+    if transport is None:
+        return None
+    ssl_object = transport.get_extra_info("ssl_object")
+    if not isinstance(ssl_object, ssl.SSLObject):
+        return None
+    cert = ssl_object.getpeercert()
+    return dict(cert) if cert else None
 
 
 async def _last(events: AsyncIterator[TokenBatch | Sample]) -> Sample:

@@ -17,6 +17,7 @@ from rollout_grpc.server.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     RolloutError,
 )
@@ -51,6 +52,8 @@ def from_domain(exc: RolloutError) -> OpenAIError:
         return OpenAIError(400, f"{param}: {exc.description}", param)
     if isinstance(exc, FailedPrecondition):
         return OpenAIError(400, exc.message)
+    if isinstance(exc, PermissionDenied):
+        return OpenAIError(403, exc.message, etype="permission_denied")
     if isinstance(exc, NotFound):
         return OpenAIError(404, exc.message, etype="not_found_error")
     if isinstance(exc, ResourceExhausted):

@@ -221,7 +221,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if not request.session_id:
             raise InvalidArgument("session_id", "must not be empty")
         store = self._trajectories
-        session = store.get(request.session_id) if store is not None else None
+        caller = current_caller()
+        # Another caller's session reads as missing (admins read every session).
+        session = store.get(request.session_id, caller) if store is not None else None
         missing = NotFound(f"session {request.session_id!r} is not recorded on this replica")
         if store is None or session is None:
             raise missing
@@ -232,8 +234,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if request.remove:
                 store.pop(request.session_id)
         original = pb.Sample(session_id=request.session_id)
+        finals = [convert.sample_to_pb(s, original) for s in samples]
+        if not caller.is_admin:
+            for final in finals:
+                redact.redact_sample(final)
         return pb.GetTrajectoryResponse(
-            samples=[convert.sample_to_pb(s, original) for s in samples],
+            samples=finals,
             turns=[
                 pb.TrajectoryTurn(
                     request_id=t.request_id,

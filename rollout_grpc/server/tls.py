@@ -11,11 +11,16 @@ With a client CA (`--tls-client-ca`) the main port requires and verifies client 
 (mTLS); their names can map to roles (`auth.py`). The health port uses the same certificate but
 never asks for a client certificate (load-balancer probes rarely have one), or stays plaintext
 with `--health-plaintext` for Kubernetes' gRPC probes, which cannot speak TLS.
+
+The HTTP ports that need it (the OpenAI front door) get an `ssl.SSLContext` from the same files
+(`server_ssl_context`), with the same rules: mTLS under a client CA, rotated files used by the next
+handshake.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,3 +121,51 @@ def peer_channel_credentials(config: TlsConfig, peer_ca_file: str | None) -> grp
             certificate_chain=Path(config.cert_file).read_bytes(),
         )
     return grpc.ssl_channel_credentials(root_certificates=root)
+
+
+class _ReloadingSSLContext:
+    """An `ssl.SSLContext` whose handshakes use the current files: the ClientHello callback swaps
+    in a context rebuilt when a file's modification time changed (one `stat` per file)."""
+
+    def __init__(self, config: TlsConfig) -> None:
+        self._config = config
+        self._stamp = self._file_stamp()
+        self.base = self._build()
+        self._latest = self.base
+        self.base.sni_callback = self._on_client_hello
+
+    def _paths(self) -> list[str]:
+        paths = [self._config.cert_file, self._config.key_file]
+        if self._config.client_ca_file:
+            paths.append(self._config.client_ca_file)
+        return paths
+
+    def _file_stamp(self) -> tuple[int, ...]:
+        return tuple(os.stat(p).st_mtime_ns for p in self._paths())
+
+    def _build(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self._config.cert_file, self._config.key_file)
+        if self._config.client_ca_file:
+            context.load_verify_locations(cafile=self._config.client_ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def _on_client_hello(self, connection: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
+        try:
+            stamp = self._file_stamp()
+            if stamp != self._stamp:
+                self._latest = self._build()
+                self._stamp = stamp
+                log.info("tls_certificate_reloaded", cert=self._config.cert_file, port="http")
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            log.error("tls_reload_failed", error=str(exc), action="kept the current certificate")
+        if self._latest is not self.base:
+            connection.context = self._latest
+
+
+def server_ssl_context(config: TlsConfig) -> ssl.SSLContext:
+    """A TLS server context for an HTTP port from the same PEM files (mTLS with a client CA);
+    rotated files are used from the next handshake on."""
+    return _ReloadingSSLContext(config).base

@@ -41,6 +41,8 @@ from rollout_grpc.server.domain import (
     Usage,
     WeightSpan,
 )
+from rollout_grpc.server.errors import PermissionDenied
+from rollout_grpc.server.identity import ANONYMOUS, Caller
 
 
 class DriftPolicy(enum.StrEnum):
@@ -82,6 +84,9 @@ class Session:
     """One conversation's turns; `lock` keeps its turns in order (one at a time)."""
 
     session_id: str
+    #: Identity of the caller that opened the session: only it adds turns, only it (or an admin)
+    #: reads the trajectory (`identity.py`; "anonymous" for every caller when auth is off).
+    owner: str = ANONYMOUS.identity
     turns: list[Turn] = field(default_factory=list)
     #: Roles of the last request's messages plus "assistant" for its reply (continuation check).
     roles: list[str] = field(default_factory=list)
@@ -113,19 +118,30 @@ class TrajectoryStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, session_id: str) -> Session:
-        """The session, created on first use."""
+    def open(self, session_id: str, owner: str = ANONYMOUS.identity) -> Session:
+        """`owner`'s session, created on first use; PermissionDenied when another caller owns it."""
         session = self._sessions.get(session_id)
+        if session is not None and session.owner != owner:
+            raise PermissionDenied(
+                f"session {session_id!r} belongs to another caller; use a session id of your own"
+            )
         if session is None:
-            session = self._sessions[session_id] = Session(session_id)
+            session = self._sessions[session_id] = Session(session_id, owner)
             while len(self._sessions) > self._max:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
         session.updated = time.monotonic()
         return session
 
-    def get(self, session_id: str) -> Session | None:
-        return self._sessions.get(session_id)
+    def get(self, session_id: str, reader: Caller | None = None) -> Session | None:
+        """The session, if recorded and readable by `reader` (its owner or an admin; None: anyone).
+
+        Another caller's session reads as missing: its existence is not disclosed.
+        """
+        session = self._sessions.get(session_id)
+        if session is None or reader is None or reader.is_admin or reader.identity == session.owner:
+            return session
+        return None
 
     def pop(self, session_id: str) -> Session | None:
         return self._sessions.pop(session_id, None)

@@ -98,6 +98,18 @@ def test_network_policy_admits_clients_and_peers_only() -> None:
     args = container_args()
     ports = re.findall(r"^\s+- port: (\d+)\s*$", text, flags=re.MULTILINE)
     assert args["--port"] in ports and args["--health-port"] in ports
+    # The front door is open to clients only (a rule of its own, without the peers).
+    front_door_rule = text.split(f"- port: {args['--port']}\n", 1)[1].split(
+        f"- port: {args['--health-port']}", 1
+    )[0]
+    assert f"- port: {args['--openai-port']}\n" in front_door_rule
+    assert (
+        'rollout-grpc/client: "true"' in front_door_rule and "app.kubernetes.io/name" not in front_door_rule
+    )
+    assert re.search(rf"- name: openai\n\s+containerPort: {args['--openai-port']}\n", DEPLOYMENT)
+    assert re.search(
+        r"- name: openai\n\s+port: \d+\n\s+targetPort: openai", (K8S / "services.yaml").read_text()
+    )
     assert 'rollout-grpc/client: "true"' in text
     assert 'policyTypes: ["Ingress", "Egress"]' in text
     engines = (K8S / "vllm-engines.example.yaml").read_text()
