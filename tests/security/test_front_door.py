@@ -22,7 +22,7 @@ from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.server.redact import engine_label
 from tests.harness import running_server, sim_engines
 from tests.security.certs import CertAuthority
-from tests.security.conftest import ADMIN, PEER, TRAINER_A, TRAINER_B, Pki
+from tests.security.credentials import ADMIN, PEER, TRAINER_A, TRAINER_B, Pki
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import pytest
 from rollout_grpc.cli import main
 from rollout_grpc.server.redact import engine_label
 from tests.harness import running_server, sim_engines
-from tests.security.conftest import ADMIN, TRAINER_A, Pki
+from tests.security.credentials import ADMIN, TRAINER_A, Pki
 
 pytestmark = pytest.mark.timeout(120)
 
