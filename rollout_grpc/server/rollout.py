@@ -252,9 +252,7 @@ class Rollout:
         batcher = _Batcher(options)
         run = _RunState(call_offset=sample.response_length)
         while not entry.abort_requested:
-            engine = self.pool.pick(sample.session_id, exclude=run.excluded | run.tried) or self.pool.pick(
-                sample.session_id, exclude=run.excluded
-            )
+            engine = self._pick(sample, options, run)
             run.decision, run.error = None, None
             if engine is None:
                 run.decision = failover.decide(
@@ -294,8 +292,6 @@ class Rollout:
         """One engine call; on failure, `run.decision` says what next (None: the call succeeded)."""
         if not sample.tokens:
             await self._render_prompt(engine, sample, options)
-        if options.return_routed_experts:
-            await self._check_routed_experts(engine)
         run.attempts += 1
         run.tried.add(engine.url)
         attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
@@ -547,19 +543,41 @@ class Rollout:
             raise InvalidArgument("sample.prompt", "the engine rendered the prompt to no tokens")
         sample.tokens = list(rendered.token_ids)
 
-    async def _check_routed_experts(self, engine: EngineHandle) -> None:
-        """Fail fast when R3 is requested from an MoE engine started without the flag."""
-        if engine.routed_experts_enabled is None:
-            try:
-                caps = await engine.client.capabilities()
-            except EngineError:
-                return  # the engine does not say; the result will tell
-            engine.routed_experts_enabled, engine.is_moe = caps.routed_experts_enabled, caps.is_moe
-        if engine.routed_experts_enabled is False and engine.is_moe:
-            raise FailedPrecondition(
-                f"routed experts were requested but engine {engine.url} was not started with "
-                "--enable-return-routed-experts"
-            )
+    def _pick(self, sample: Sample, options: GenerateOptions, run: _RunState) -> EngineHandle | None:
+        """The engine for the next call: usable, not at fault, untried while others remain, and
+        able to return routed experts when they are asked for.
+
+        R3 from engines that cannot return it (dense model, MoE without the flag; known from the
+        capability check) is refused with FAILED_PRECONDITION naming each engine and its reason
+        before anything is generated. After tokens of this Generate, the failover policy decides as
+        for no engine at all (the sample keeps its tokens).
+        """
+        avoid = set(run.excluded)
+        if options.return_routed_experts:
+            unable = self._unable_to_route(run.excluded)
+            produced = sample.response_length > run.call_offset
+            if unable and not produced and len(unable) == self._usable_count(run.excluded):
+                raise FailedPrecondition(
+                    "return_routed_experts: no usable engine can return routed experts: "
+                    + "; ".join(unable.values())
+                )
+            avoid |= unable.keys()
+        return self.pool.pick(sample.session_id, exclude=avoid | run.tried) or self.pool.pick(
+            sample.session_id, exclude=avoid
+        )
+
+    def _unable_to_route(self, excluded: set[str]) -> dict[str, str]:
+        """Usable engines (not at fault) that cannot return routed experts -> why."""
+        unable: dict[str, str] = {}
+        for engine in self.pool.engines:
+            if engine.usable and engine.url not in excluded and engine.capabilities is not None:
+                problem = engine.capabilities.routed_experts_problem(engine.url)
+                if problem is not None:
+                    unable[engine.url] = problem
+        return unable
+
+    def _usable_count(self, excluded: set[str]) -> int:
+        return sum(1 for e in self.pool.engines if e.usable and e.url not in excluded)
 
 
 @dataclass(slots=True)

