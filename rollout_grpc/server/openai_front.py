@@ -310,6 +310,18 @@ class OpenAIFrontDoor:
         )
         session.turns.append(turn)
         session.roles = [str(m.get("role", "")) for m in messages] + ["assistant"]
+        # The front door's one line per generation (gRPC Generates have `generate_done`).
+        log.info(
+            "chat_turn_done",
+            request_id=request_id,
+            session_id=session.session_id,
+            status=final.status.name,
+            finish=final.finish_reason.name,
+            engines=[a.engine for a in final.engine_attempts],
+            new_tokens=len(turn.response_ids),
+            failure=final.failure_reason or None,
+            drift=drift or None,
+        )
         return turn
 
     # ----------------------------------------------------------------------------- responses

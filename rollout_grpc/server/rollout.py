@@ -218,9 +218,6 @@ class Rollout:
             yield sample
             return
         entry = self.registry.register(request_id, sample.session_id, sample.group_index)
-        started = time.monotonic()
-        first_attempt = len(sample.engine_attempts)
-        call_offset = sample.response_length
         try:
             try:
                 async with self.admission.slot(entry):
@@ -233,16 +230,6 @@ class Rollout:
         problem = sample_ops.check_invariants(sample)
         if problem:
             sample_ops.finish(sample, Finish.ERROR, Status.FAILED, problem)
-        log.info(
-            "generation",
-            request_id=request_id,
-            engine=[a.engine for a in sample.engine_attempts[first_attempt:]],
-            new_tokens=sample.response_length - call_offset,
-            status=sample.status.name,
-            finish=sample.finish_reason.name,
-            latency_ms=round((time.monotonic() - started) * 1000, 2),
-            failure=sample.failure_reason or None,
-        )
         yield sample
 
     async def _run(
@@ -255,8 +242,8 @@ class Rollout:
             engine = self._pick(sample, options, run)
             run.decision, run.error = None, None
             if engine is None:
-                run.decision = failover.decide(
-                    self._situation(Failure.NO_ENGINE, sample, params, entry, run, 0)
+                run.decision = _decide(
+                    self._situation(Failure.NO_ENGINE, sample, params, entry, run, 0), entry
                 )
             else:
                 async for batch in self._attempt(engine, sample, params, options, entry, run, batcher):
@@ -270,9 +257,6 @@ class Rollout:
                 sample_ops.finish(sample, decision.finish, decision.status, decision.reason)
                 break
             run.media_resent = run.media_resent or decision.action is Action.RETRY_WITH_MEDIA
-            log.warning(
-                "failover", request_id=entry.request_id, action=decision.action.value, reason=decision.reason
-            )
         else:
             sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
         last = batcher.flush()
@@ -312,9 +296,7 @@ class Rollout:
             run.request_failures += 1
         self._label_orphans(sample, engine, attempt)
         tokens = sample.response_length - attempt.start
-        run.decision = decision = failover.decide(
-            self._situation(failure, sample, params, entry, run, tokens)
-        )
+        run.decision = decision = _decide(self._situation(failure, sample, params, entry, run, tokens), entry)
         if decision.mark_unhealthy:
             self.pool.report_failure(engine, attempt.error)
         if decision.exclude_engine:
@@ -626,6 +608,28 @@ FINISH_STATUS: dict[FinishKind, tuple[Finish, Status]] = {
     FinishKind.ERROR: (Finish.ERROR, Status.FAILED),
     FinishKind.REPETITION: (Finish.REPETITION, Status.COMPLETED),
 }
+
+
+#: Decisions that make another engine call.
+_RETRIES = frozenset({Action.RETRY_ELSEWHERE, Action.RETRY_WITH_MEDIA})
+
+
+def _decide(situation: Situation, entry: InFlight) -> Decision:
+    """`failover.decide`, with one `failover` log line per decision: at warning level when the
+    sample moves on to another engine call (an operator wants to see those), at debug otherwise."""
+    decision = failover.decide(situation)
+    emit = log.warning if decision.action in _RETRIES else log.debug
+    emit(
+        "failover",
+        request_id=entry.request_id,
+        failure=situation.failure.value,
+        action=decision.action.value,
+        reason=decision.reason,
+        tokens_this_call=situation.tokens_this_call,
+        tokens_so_far=situation.tokens_this_generate,
+        attempts=situation.attempts,
+    )
+    return decision
 
 
 def _rejection(exc: EngineRejected, default_field: str = "sample.tokens") -> Exception:
