@@ -538,7 +538,7 @@ class Control:
             if not engine.model:
                 try:
                     models = await engine.client.models()
-                    engine.model = str(models[0].get("id", "")) if models else ""
+                    engine.model = models[0].id if models else ""
                 except EngineError:
                     pass
             return paused

@@ -136,6 +136,18 @@ class EngineCapabilities:
 
 
 @dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model an engine serves."""
+
+    #: The served model name (what `model` in a request must match).
+    id: str
+    #: The longest sequence (prompt + output) the engine accepts; None when it does not say.
+    max_model_len: int | None = None
+    #: Unix time the engine reports for the model; None when it does not say.
+    created: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Rendered:
     """Prompt token ids from the engine's tokenizer/processor, with media features if any."""
 
@@ -244,6 +256,6 @@ class EngineAdapter(Protocol):
         """The engine's current weight-version label."""
         ...
 
-    async def models(self) -> list[dict[str, Any]]:
-        """The served models (each with at least an `id`)."""
+    async def models(self) -> list[ServedModel]:
+        """The models the engine serves."""
         ...

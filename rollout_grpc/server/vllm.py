@@ -53,6 +53,7 @@ from rollout_grpc.server.engine_api import (
     FinishKind,
     MediaCacheMiss,
     Rendered,
+    ServedModel,
 )
 
 __all__ = [
@@ -281,6 +282,11 @@ def _ints(value: object, what: str) -> list[int]:
     if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
         raise ValueError(f"{what} must be a list of non-negative integers, got {str(value)[:80]}")
     return value
+
+
+def _optional_int(value: object) -> int | None:
+    """An int, or None for anything else (bools included)."""
+    return value if type(value) is int else None
 
 
 def _number(value: object, what: str) -> float:
@@ -651,11 +657,19 @@ class VllmEngine:
         body = await self._json("GET", "/weight_info")
         return str(body.get("weight_version", "")) if isinstance(body, dict) else ""
 
-    async def models(self) -> list[dict[str, Any]]:
-        """GET /v1/models: the served models with `id` and `max_model_len`."""
+    async def models(self) -> list[ServedModel]:
+        """GET /v1/models: `data[]` entries with `id`, `max_model_len` and `created`."""
         body = await self._json("GET", "/v1/models")
         data = body.get("data", []) if isinstance(body, dict) else []
-        return [m for m in data if isinstance(m, dict)]
+        return [
+            ServedModel(
+                id=str(m.get("id", "")),
+                max_model_len=_optional_int(m.get("max_model_len")),
+                created=_optional_int(m.get("created")),
+            )
+            for m in data
+            if isinstance(m, dict)
+        ]
 
     async def server_info(self) -> dict[str, Any]:
         """GET /server_info?config_format=json (development router): the engine's configuration."""

@@ -22,6 +22,7 @@ from rollout_grpc.server.engine_api import (
     EngineFinal,
     FinishKind,
     Rendered,
+    ServedModel,
 )
 
 #: A script step that never ends (an engine that went silent).
@@ -93,5 +94,5 @@ class FakeEngine:
     async def weight_version(self) -> str:
         return "v1"
 
-    async def models(self) -> list[dict[str, Any]]:
-        return [{"id": "fake"}]
+    async def models(self) -> list[ServedModel]:
+        return [ServedModel("fake")]
