@@ -868,8 +868,11 @@ class GenerateOptions(_message.Message):
     `--mask-offpolicy-in-partial-rollout`): only tokens of this call stay trainable.
     """
     return_routed_experts: _builtins.bool
-    """Ask for the MoE routing of every token (R3). The engine must run with
-    `--enable-return-routed-experts`; otherwise the call fails with FAILED_PRECONDITION.
+    """Ask for the MoE routing of every token (R3). Only engines that can return it are used: an
+    engine serving a mixture-of-experts model started with `--enable-return-routed-experts`
+    (known from the replica's capability check). When no usable engine can, the call fails with
+    FAILED_PRECONDITION before anything is generated, naming each engine and why (a dense model
+    has no routing; an MoE engine needs the flag) — never a sample that silently lacks routing.
     """
     stream_batch_tokens: _builtins.int
     """Flush a delta message after this many new tokens. Default 16. With the time flush disabled

@@ -33,7 +33,7 @@ import enum
 import io
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,16 +82,6 @@ UNSUPPORTED: dict[str, str] = {
     "regex": "structured output is not part of a rollout",
     "ebnf": "structured output is not part of a rollout",
 }
-_INT_FIELDS = {"top_k", "max_new_tokens", "min_new_tokens", "seed"}
-_FLOAT_FIELDS = {
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-}
-_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"}
 
 
 def translate_sampling_params(sampling_params: Mapping[str, Any]) -> pb.SamplingParams:
@@ -131,28 +121,58 @@ def _check_custom_params(value: Any) -> None:
         raise ValueError(f"slime sampling param {name!r} is not supported: {reason}")
 
 
+def _set_int(out: pb.SamplingParams, field: str, value: Any) -> None:
+    setattr(out, field, _strict_int(value))
+
+
+def _set_float(out: pb.SamplingParams, field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise TypeError
+    setattr(out, field, float(value))
+
+
+def _set_bool(out: pb.SamplingParams, field: str, value: Any) -> None:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError
+    setattr(out, field, bool(value))
+
+
+def _set_stop(out: pb.SamplingParams, field: str, value: Any) -> None:
+    stops = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(s, str) for s in stops):
+        raise TypeError
+    out.stop.extend(stops)
+
+
+def _set_stop_token_ids(out: pb.SamplingParams, field: str, value: Any) -> None:
+    out.stop_token_ids.extend(_strict_int(t) for t in value)
+
+
+def _set_logit_bias(out: pb.SamplingParams, field: str, value: Any) -> None:
+    for token, bias in dict(value).items():
+        out.logit_bias[int(token)] = float(bias)
+
+
+#: rollout.v1 SamplingParams field -> how a slime value is checked and set on it (TypeError or
+#: ValueError for a value of the wrong type). Every value of PARAM_NAMES has an entry.
+_SETTERS: dict[str, Callable[[pb.SamplingParams, str, Any], None]] = {
+    **dict.fromkeys(("top_k", "max_new_tokens", "min_new_tokens", "seed"), _set_int),
+    **dict.fromkeys(
+        ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"),
+        _set_float,
+    ),
+    **dict.fromkeys(
+        ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"), _set_bool
+    ),
+    "stop": _set_stop,
+    "stop_token_ids": _set_stop_token_ids,
+    "logit_bias": _set_logit_bias,
+}
+
+
 def _set_param(out: pb.SamplingParams, field: str, key: str, value: Any) -> None:
     try:
-        if field in _INT_FIELDS:
-            setattr(out, field, _strict_int(value))
-        elif field in _FLOAT_FIELDS:
-            if isinstance(value, bool) or not isinstance(value, int | float | np.number):
-                raise TypeError
-            setattr(out, field, float(value))
-        elif field in _BOOL_FIELDS:
-            if not isinstance(value, bool | np.bool_):
-                raise TypeError
-            setattr(out, field, bool(value))
-        elif field == "stop":
-            stops = [value] if isinstance(value, str) else list(value)
-            if not all(isinstance(s, str) for s in stops):
-                raise TypeError
-            out.stop.extend(stops)
-        elif field == "stop_token_ids":
-            out.stop_token_ids.extend(_strict_int(t) for t in value)
-        elif field == "logit_bias":
-            for token, bias in dict(value).items():
-                out.logit_bias[int(token)] = float(bias)
+        _SETTERS[field](out, field, value)
     except (TypeError, ValueError):
         raise ValueError(
             f"slime sampling param {key!r} has an invalid value {value!r} for rollout.v1 {field}"
@@ -210,33 +230,40 @@ def chat_for_render(sample: Any) -> list[dict[str, Any]]:
     """
     images = [_image_bytes(image) for image in _images(sample)]
     remaining = iter(images)
-    messages: list[dict[str, Any]] = []
     if isinstance(sample.prompt, str):
-        parts: list[Any] = []
-        for i, text in enumerate(re.split(re.escape(IMAGE_PLACEHOLDER), sample.prompt)):
-            if i:
-                parts.append(next(remaining))
-            if text:
-                parts.append(text)
-        messages.append({"role": "user", "content": parts})
+        messages = [{"role": "user", "content": _parts_of_text(sample.prompt, remaining)}]
     else:
-        for message in sample.prompt:
-            content = message.get("content", "")
-            if isinstance(content, str):
-                messages.append({"role": message["role"], "content": content})
-                continue
-            parts = []
-            for part in content:
-                if isinstance(part, Mapping) and part.get("type") == "image":
-                    parts.append(next(remaining))
-                elif isinstance(part, Mapping) and part.get("type") == "text":
-                    parts.append(str(part["text"]))
-                else:
-                    parts.append(part)
-            messages.append({"role": message["role"], "content": parts})
+        messages = [_message_for_render(message, remaining) for message in sample.prompt]
     if next(remaining, None) is not None:
         raise ValueError("multimodal_inputs has more images than the prompt has image placeholders")
     return messages
+
+
+def _parts_of_text(prompt: str, images: Iterator[bytes]) -> list[Any]:
+    """Content parts of a string prompt: its text, with the next image at each `<image>`."""
+    parts: list[Any] = []
+    for i, text in enumerate(re.split(re.escape(IMAGE_PLACEHOLDER), prompt)):
+        if i:
+            parts.append(next(images))
+        if text:
+            parts.append(text)
+    return parts
+
+
+def _message_for_render(message: Mapping[str, Any], images: Iterator[bytes]) -> dict[str, Any]:
+    """One chat message with its `{"type": "image"}` parts replaced by the next image, in order."""
+    content = message.get("content", "")
+    if isinstance(content, str):
+        return {"role": message["role"], "content": content}
+    parts: list[Any] = []
+    for part in content:
+        if isinstance(part, Mapping) and part.get("type") == "image":
+            parts.append(next(images))
+        elif isinstance(part, Mapping) and part.get("type") == "text":
+            parts.append(str(part["text"]))
+        else:
+            parts.append(part)
+    return {"role": message["role"], "content": parts}
 
 
 def to_wire(sample: Any, prompt_ids: Sequence[int] | None = None) -> pb.Sample:

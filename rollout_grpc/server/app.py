@@ -303,9 +303,36 @@ class RolloutServer:
         )
 
     async def start(self) -> None:
-        """Create the HTTP session and engine pool, then serve."""
+        """Open the engine session, build the domain and the gRPC server, then serve."""
         cfg = self.config
         limit = cfg.in_flight_limit()
+        tls = cfg.tls()
+        session, interceptors = self._open_engine_session()
+        servicer = self._build_domain(session, limit, tls)
+        await self._start_engine_pool()
+        self._server = self._build_grpc_server(servicer, interceptors, tls)
+        await self._server.start()
+        await self._start_side_ports(tls)
+        log.info(
+            "serving",
+            port=self.port,
+            health_port=self.health_port,
+            openai_port=self.openai_port,
+            metrics_port=self.metrics_port,
+            simulated_engines=cfg.simulated_engines or None,
+            engines=[e.url for e in self.pool.engines],
+            in_flight_limit=limit,
+            tls="mutual" if tls is not None and tls.mutual else ("on" if tls is not None else "off"),
+            auth="on" if self.auth.enabled else "off",
+        )
+        self._warn_if_exposed(tls)
+
+    def _open_engine_session(self) -> tuple[aiohttp.ClientSession, list[grpc.aio.ServerInterceptor]]:
+        """Create the process's one HTTP session to the engines (traced if tracing is on).
+
+        Returns it with the gRPC interceptors that go first: the tracing one, when there is a provider.
+        """
+        cfg = self.config
         # One session for the process. Admission is the one limit on engine streams: the HTTP
         # connector has none of its own (aiohttp's default of 100, or any fixed number, would
         # silently cap concurrent engine streams below it, and not follow an engines-file reload).
@@ -326,6 +353,13 @@ class RolloutServer:
             trace_configs.append(engine_tracing(self._tracer_provider))
             interceptors.append(TracingInterceptor(self._tracer_provider))
         self._session = aiohttp.ClientSession(connector=connector, trace_configs=trace_configs)
+        return self._session, interceptors
+
+    def _build_domain(
+        self, session: aiohttp.ClientSession, limit: int, tls: TlsConfig | None
+    ) -> RolloutServicer:
+        """The engine pool, admission, metrics, Rollout, Control and the servicer over them."""
+        cfg = self.config
         timeouts = EngineTimeouts(
             connect=cfg.engine_connect_timeout_s,
             sock_read=cfg.engine_read_timeout_s,
@@ -333,7 +367,7 @@ class RolloutServer:
         )
         self.pool = EnginePool(
             cfg.engines,
-            self._session,
+            session,
             timeouts=timeouts,
             health_interval_s=cfg.health_interval_s,
             breaker_cooldown_s=cfg.breaker_cooldown_s,
@@ -342,7 +376,6 @@ class RolloutServer:
         self.metrics = Metrics(self.pool, admission)
         #: Per-RPC observers (log line, metrics); more may be added (e.g. by tests) before calls.
         self.calls = CallInterceptor([log_generate, self.metrics.observe])
-        interceptors.append(self.calls)
         self.rollout = Rollout(
             self.pool,
             admission,
@@ -351,7 +384,6 @@ class RolloutServer:
                 max_engine_attempts=cfg.max_engine_attempts, engine_stream_interval=cfg.engine_stream_interval
             ),
         )
-        tls = cfg.tls()
         if cfg.peers:
             self.peers = self._peer_aborter(tls)
         self.control = Control(
@@ -365,7 +397,7 @@ class RolloutServer:
         renderer = RenderService(
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
-        servicer = RolloutServicer(
+        return RolloutServicer(
             self.rollout,
             self.control,
             renderer,
@@ -374,50 +406,57 @@ class RolloutServer:
             simulated_engines=cfg.simulated_engines,
         )
 
-        self.pool.capability_check = CapabilityChecker(cfg.raw_logprobs)
+    async def _start_engine_pool(self) -> None:
+        """Classify every engine once (capability check), then start health probing."""
+        self.pool.capability_check = CapabilityChecker(self.config.raw_logprobs)
         await self.pool.probe_all()
         self.pool.add_listener(self._on_engines_changed)
         self.pool.start()
 
+    def _build_grpc_server(
+        self,
+        servicer: RolloutServicer,
+        interceptors: list[grpc.aio.ServerInterceptor],
+        tls: TlsConfig | None,
+    ) -> grpc.aio.Server:
+        """The main gRPC server with its interceptor chain and services, bound to its port."""
+        cfg = self.config
         # Order matters: tracing and the call record (metrics, the per-Generate log line) wrap
         # everything, so refusals by auth and limits are traced and counted too; auth binds the
         # caller that the limits (per-caller rate) then read.
-        interceptors += [
+        chain = [
+            *interceptors,
+            self.calls,
             AuthInterceptor(self.auth),
             LimitsInterceptor(
                 cfg.request_limits(), ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst)
             ),
         ]
-        self._server = grpc.aio.server(options=cfg.grpc_options(), interceptors=interceptors)
-        decoding.add_rollout_service(servicer, self._server)
-        pb_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(self.control), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        server = grpc.aio.server(options=cfg.grpc_options(), interceptors=chain)
+        decoding.add_rollout_service(servicer, server)
+        pb_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(self.control), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if cfg.reflection:
             reflection.enable_server_reflection(
                 (SERVICE_NAME, REPLICA_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                self._server,
+                server,
             )
         address = f"{cfg.host}:{cfg.port}"
         if tls is not None:
-            self.port = self._server.add_secure_port(address, server_credentials(tls))
+            self.port = server.add_secure_port(address, server_credentials(tls))
         else:
-            self.port = self._server.add_insecure_port(address)
+            self.port = server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
         if self.peers is not None:
             self.peers.set_own_port(self.port)
-        await self._server.start()
+        return server
+
+    async def _start_side_ports(self, tls: TlsConfig | None) -> None:
+        """The optional health, OpenAI front-door and metrics ports, each when configured."""
+        cfg = self.config
         if cfg.health_port is not None:
-            self._health_server = grpc.aio.server()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-            health_address = f"{cfg.host}:{cfg.health_port}"
-            if tls is not None and not cfg.health_plaintext:
-                self.health_port = self._health_server.add_secure_port(
-                    health_address, server_credentials(tls, require_client_cert=False)
-                )
-            else:
-                self.health_port = self._health_server.add_insecure_port(health_address)
-            await self._health_server.start()
+            await self._start_health_port(tls)
         if cfg.openai_port is not None:
             self.front_door = OpenAIFrontDoor(
                 self.rollout,
@@ -434,19 +473,20 @@ class RolloutServer:
         if cfg.metrics_port is not None:
             self._metrics_endpoint = MetricsEndpoint(self.metrics)
             self.metrics_port = await self._metrics_endpoint.start(cfg.host, cfg.metrics_port)
-        log.info(
-            "serving",
-            port=self.port,
-            health_port=self.health_port,
-            openai_port=self.openai_port,
-            metrics_port=self.metrics_port,
-            simulated_engines=cfg.simulated_engines or None,
-            engines=[e.url for e in self.pool.engines],
-            in_flight_limit=limit,
-            tls="mutual" if tls is not None and tls.mutual else ("on" if tls is not None else "off"),
-            auth="on" if self.auth.enabled else "off",
-        )
-        self._warn_if_exposed(tls)
+
+    async def _start_health_port(self, tls: TlsConfig | None) -> None:
+        """A separate health-only server (plaintext when asked, so kubelet probes need no cert)."""
+        cfg = self.config
+        self._health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+        health_address = f"{cfg.host}:{cfg.health_port}"
+        if tls is not None and not cfg.health_plaintext:
+            self.health_port = self._health_server.add_secure_port(
+                health_address, server_credentials(tls, require_client_cert=False)
+            )
+        else:
+            self.health_port = self._health_server.add_insecure_port(health_address)
+        await self._health_server.start()
 
     def _on_engines_changed(self, any_usable: bool) -> None:
         if self._stopping:

@@ -299,82 +299,112 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return self._wrap(handler, method)
 
     def _wrap(self, handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcMethodHandler[Any, Any]:
-        audited = method in CONTROL_METHODS
+        """The same handler behind `_admit` (and the audit line for control methods)."""
 
         async def admit(context: grpc.aio.ServicerContext[Any, Any], request: object) -> Caller:
-            if not self._config.enabled:
-                return ANONYMOUS
-            try:
-                return self._authorize(method, context)
-            except _Refused as refused:
-                if audited:
-                    who = refused.caller
-                    audit_log.warning(
-                        "audit",
-                        method=method,
-                        caller=who.identity if who else None,
-                        role=who.role.value if who else None,
-                        peer=context.peer(),
-                        outcome=refused.code.name,
-                        **_describe_target(method, request),
-                    )
-                await context.abort(refused.code, refused.message)
-                raise  # unreachable: abort raises
+            return await self._admit(method, context, request)
 
         if handler.unary_unary is not None:
-            inner_uu: Any = handler.unary_unary
-
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                caller = await admit(context, request)
-                token = set_caller(caller)
-                try:
-                    if not audited:
-                        return await inner_uu(request, context)
-                    return await _audited(method, request, context, inner_uu)
-                finally:
-                    with contextlib.suppress(ValueError):
-                        reset_caller(token)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
+            return _guard_unary_unary(handler, method, admit)
         if handler.unary_stream is not None:
-            inner_us: Any = handler.unary_stream
-
-            async def unary_stream(
-                request: Any, context: grpc.aio.ServicerContext[Any, Any]
-            ) -> AsyncIterator[Any]:
-                caller = await admit(context, request)
-                token = set_caller(caller)
-                try:
-                    async for message in inner_us(request, context):
-                        yield message
-                finally:
-                    with contextlib.suppress(ValueError):
-                        reset_caller(token)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
+            return _guard_unary_stream(handler, admit)
         if handler.stream_stream is not None:
-            inner_ss: Any = handler.stream_stream
-
-            async def stream_stream(
-                requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-            ) -> AsyncIterator[Any]:
-                caller = await admit(context, None)
-                token = set_caller(caller)
-                try:
-                    async for message in inner_ss(requests, context):
-                        yield message
-                finally:
-                    with contextlib.suppress(ValueError):
-                        reset_caller(token)
-
-            return grpc.stream_stream_rpc_method_handler(
-                stream_stream, handler.request_deserializer, handler.response_serializer
-            )
+            return _guard_stream_stream(handler, admit)
         return handler
+
+    async def _admit(
+        self, method: str, context: grpc.aio.ServicerContext[Any, Any], request: object
+    ) -> Caller:
+        """The caller allowed to call `method`, or abort the call (with an audit line for control)."""
+        if not self._config.enabled:
+            return ANONYMOUS
+        try:
+            return self._authorize(method, context)
+        except _Refused as refused:
+            if method in CONTROL_METHODS:
+                who = refused.caller
+                audit_log.warning(
+                    "audit",
+                    method=method,
+                    caller=who.identity if who else None,
+                    role=who.role.value if who else None,
+                    peer=context.peer(),
+                    outcome=refused.code.name,
+                    **_describe_target(method, request),
+                )
+            await context.abort(refused.code, refused.message)
+            raise  # unreachable: abort raises
+
+
+#: Admits one call: the caller it runs as, or the call is aborted.
+_Admit = Callable[[grpc.aio.ServicerContext[Any, Any], object], Awaitable[Caller]]
+
+
+def _guard_unary_unary(
+    handler: grpc.RpcMethodHandler[Any, Any], method: str, admit: _Admit
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A unary call run as its admitted caller; control methods also leave an audit line."""
+    inner: Any = handler.unary_unary
+    audited = method in CONTROL_METHODS
+
+    async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        caller = await admit(context, request)
+        token = set_caller(caller)
+        try:
+            if not audited:
+                return await inner(request, context)
+            return await _audited(method, request, context, inner)
+        finally:
+            with contextlib.suppress(ValueError):
+                reset_caller(token)
+
+    return grpc.unary_unary_rpc_method_handler(
+        unary_unary, handler.request_deserializer, handler.response_serializer
+    )
+
+
+def _guard_unary_stream(
+    handler: grpc.RpcMethodHandler[Any, Any], admit: _Admit
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A server-streaming call run as its admitted caller."""
+    inner: Any = handler.unary_stream
+
+    async def unary_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        caller = await admit(context, request)
+        token = set_caller(caller)
+        try:
+            async for message in inner(request, context):
+                yield message
+        finally:
+            with contextlib.suppress(ValueError):
+                reset_caller(token)
+
+    return grpc.unary_stream_rpc_method_handler(
+        unary_stream, handler.request_deserializer, handler.response_serializer
+    )
+
+
+def _guard_stream_stream(
+    handler: grpc.RpcMethodHandler[Any, Any], admit: _Admit
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A bidirectional call run as its admitted caller (admitted before its first request)."""
+    inner: Any = handler.stream_stream
+
+    async def stream_stream(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        caller = await admit(context, None)
+        token = set_caller(caller)
+        try:
+            async for message in inner(requests, context):
+                yield message
+        finally:
+            with contextlib.suppress(ValueError):
+                reset_caller(token)
+
+    return grpc.stream_stream_rpc_method_handler(
+        stream_stream, handler.request_deserializer, handler.response_serializer
+    )
 
 
 async def _audited(

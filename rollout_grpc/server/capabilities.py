@@ -14,21 +14,22 @@ vLLM flag to add; it shows in the log, in GetServerInfo (`EngineInfo.problems`) 
 * `--logprobs-mode raw_logits|processed_logits`: problem (logits are not log-probabilities);
 * an MoE model without routed experts: warning (R3 requests on it fail, see below).
 
-R3 (`return_routed_experts`) decision, for the generation path: an engine serving a dense model
-has no routing to return, and an MoE engine started without `--enable-return-routed-experts`
-returns none; in both cases the Generate fails with FAILED_PRECONDITION naming the engine and the
-reason (`routed_experts_problem`) instead of silently returning a sample without routing.
+The outcome is recorded on the handle (`EngineHandle.capabilities`), the one place the rest of the
+service reads engine facts from. R3 (`return_routed_experts`) uses it: an engine serving a dense
+model has no routing to return, and an MoE engine started without `--enable-return-routed-experts`
+returns none (`EngineCapabilities.routed_experts_problem`); a Generate asking for R3 goes to an
+engine that can return it, and fails with FAILED_PRECONDITION naming every usable engine and its
+reason when none can (`Rollout`), instead of silently returning a sample without routing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Final
 
 import structlog
 
 from rollout_grpc.server import vllm_info
-from rollout_grpc.server.engine_api import EngineError
+from rollout_grpc.server.engine_api import EngineCapabilities, EngineError
 from rollout_grpc.server.engines import EngineHandle
 from rollout_grpc.server.vllm import VllmEngine
 
@@ -39,21 +40,6 @@ RAW_LOGPROBS_POLICIES: Final = ("refuse", "warn")
 WANTED_LOGPROBS_MODE: Final = "processed_logprobs"
 
 
-@dataclass(slots=True)
-class Capabilities:
-    """What an engine can do; None where the engine did not say."""
-
-    scale_out: bool | None = None
-    dev_mode: bool | None = None
-    logprobs_mode: str = ""
-    is_moe: bool | None = None
-    routed_experts: bool | None = None
-    model: str = ""
-    max_model_len: int | None = None
-    problems: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-
 def classify(
     *,
     scale_out: bool | None,
@@ -62,10 +48,10 @@ def classify(
     model: str,
     max_model_len: int | None,
     raw_logprobs: str = "warn",
-) -> Capabilities:
+) -> EngineCapabilities:
     """Capabilities, problems and warnings from the probe results (pure, for tests)."""
     info = info or vllm_info.ServerInfo()
-    caps = Capabilities(
+    caps = EngineCapabilities(
         scale_out=scale_out,
         dev_mode=dev_mode,
         logprobs_mode=info.logprobs_mode or "",
@@ -109,21 +95,6 @@ def classify(
     return caps
 
 
-def routed_experts_problem(engine: EngineHandle) -> str | None:
-    """Why `engine` cannot return routed experts (R3), or None when it can or does not say."""
-    if engine.is_moe is False:
-        return (
-            f"routed experts were requested but engine {engine.url} serves a dense model, which has no "
-            "expert routing to return (R3 needs a mixture-of-experts model)"
-        )
-    if engine.is_moe and engine.routed_experts_enabled is False:
-        return (
-            f"routed experts were requested but engine {engine.url} was not started with "
-            "--enable-return-routed-experts"
-        )
-    return None
-
-
 class CapabilityChecker:
     """`EnginePool.capability_check`: classify one engine and record the outcome on its handle."""
 
@@ -159,8 +130,6 @@ class CapabilityChecker:
         engine.capabilities = caps
         engine.problems = list(caps.problems)
         engine.model = caps.model or engine.model
-        engine.is_moe = caps.is_moe
-        engine.routed_experts_enabled = caps.routed_experts
         fields = {
             "engine": engine.url,
             "model": caps.model,

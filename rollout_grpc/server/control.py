@@ -149,6 +149,35 @@ def _split(engines: Sequence[EngineHandle]) -> tuple[list[EngineHandle], FleetRe
     return asked, result
 
 
+class _AbortAllWindow:
+    """One Abort(all)'s window on the Rollout (new generations end ABORTED), closed exactly once."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self._rollout = rollout
+        self._open = True
+        rollout.begin_abort_all()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._rollout.end_abort_all()
+
+
+class _PauseCountdown:
+    """Sets `all_answered` once every engine's pause answered (or failed, or was cancelled)."""
+
+    def __init__(self, engines: int) -> None:
+        self._remaining = engines
+        self.all_answered = asyncio.Event()
+        if engines == 0:
+            self.all_answered.set()
+
+    def answered(self) -> None:
+        self._remaining -= 1
+        if self._remaining == 0:
+            self.all_answered.set()
+
+
 class _StepFailed(Exception):
     """An engine failed at `route` (one step of a multi-step per-engine action)."""
 
@@ -290,66 +319,61 @@ class Control:
             raise PermissionDenied(
                 "Abort(all) needs the admin role; abort your own request_ids, session or group"
             )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._deadline_s
-        self._rollout.begin_abort_all()
-        window_open = True
+        deadline = asyncio.get_running_loop().time() + self._deadline_s
+        window = _AbortAllWindow(self._rollout)
         try:
             local = self._registry.all()
             for entry in local:
                 entry.request_abort("abort all")
             result = AbortResult(aborted=len(local))
             engines, fleet = _split(self._pool.engines)
-            pausing = len(engines)
-            all_paused = asyncio.Event()
-            if pausing == 0:
-                all_paused.set()
-
-            async def pause_then_resume(engine: EngineHandle) -> None:
-                nonlocal pausing
-                pause_error: EngineError | None = None
-                try:
-                    await engine.client.pause("abort")
-                except asyncio.CancelledError:
-                    self._spawn(self._resume_later(engine))
-                    raise
-                except EngineError as exc:
-                    pause_error = exc  # it may have paused anyway: resume regardless
-                finally:
-                    pausing -= 1
-                    if pausing == 0:
-                        all_paused.set()
-                await self._resume_now_or_later(engine)
-                if pause_error is not None:
-                    raise _StepFailed(CONTROL_ROUTES["pause"] + "?mode=abort", pause_error) from pause_error
-
+            pauses = _PauseCountdown(len(engines))
             fan_out = asyncio.ensure_future(
                 self._fan_out(
                     engines,
-                    pause_then_resume,
+                    lambda engine: self._pause_then_resume(engine, pauses),
                     route=CONTROL_ROUTES["pause"],
                     timeout_s=self._timeout(deadline),
                 )
             )
             try:
-                async with asyncio.timeout_at(deadline):
-                    await all_paused.wait()
-                    await self._registry.wait_idle(max(0.0, self._timeout(deadline)))
-            except TimeoutError:
-                log.warning("abort_all_window_deadline", deadline_s=self._deadline_s)
+                await self._hold_abort_all_window(pauses, deadline)
             finally:
-                self._rollout.end_abort_all()
-                window_open = False
+                window.close()
             done = await fan_out
             fleet.ok.extend(done.ok)
             fleet.extend(done)
         finally:
-            if window_open:
-                self._rollout.end_abort_all()
+            window.close()
         result.engine_errors.extend(fleet.errors)
         log.info("abort_all", aborted=result.aborted, engine_errors=len(result.engine_errors))
         fleet.raise_if_none_ok("abort (pause and resume)")
         return result
+
+    async def _pause_then_resume(self, engine: EngineHandle, pauses: _PauseCountdown) -> None:
+        """Pause `engine` with mode=abort, then resume it whatever the pause answered."""
+        pause_error: EngineError | None = None
+        try:
+            await engine.client.pause("abort")
+        except asyncio.CancelledError:
+            self._spawn(self._resume_later(engine))
+            raise
+        except EngineError as exc:
+            pause_error = exc  # it may have paused anyway: resume regardless
+        finally:
+            pauses.answered()
+        await self._resume_now_or_later(engine)
+        if pause_error is not None:
+            raise _StepFailed(CONTROL_ROUTES["pause"] + "?mode=abort", pause_error) from pause_error
+
+    async def _hold_abort_all_window(self, pauses: _PauseCountdown, deadline: float) -> None:
+        """Wait until every pause answered and the local streams ended, or the deadline."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await pauses.all_answered.wait()
+                await self._registry.wait_idle(max(0.0, self._timeout(deadline)))
+        except TimeoutError:
+            log.warning("abort_all_window_deadline", deadline_s=self._deadline_s)
 
     async def abort_ids(self, request_ids: Sequence[str]) -> AbortResult:
         """Abort the caller's generations by request id, here and elsewhere.
@@ -514,7 +538,7 @@ class Control:
             if not engine.model:
                 try:
                     models = await engine.client.models()
-                    engine.model = str(models[0].get("id", "")) if models else ""
+                    engine.model = models[0].id if models else ""
                 except EngineError:
                     pass
             return paused

@@ -100,12 +100,51 @@ class EngineFinal:
 EngineEvent = EngineDelta | EngineUsage | EngineFinal
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineCapabilities:
-    """What an engine reports about itself; None where it does not say."""
+    """What the capability check found out about an engine; None where the engine did not say.
 
-    routed_experts_enabled: bool | None = None
+    The one source of these facts: `capabilities.CapabilityChecker` sets it on the `EngineHandle`
+    at start and whenever the engine joins or comes back healthy; routing and the generation path
+    read it from there and never ask the engine again.
+    """
+
+    scale_out: bool | None = None
+    dev_mode: bool | None = None
+    logprobs_mode: str = ""
     is_moe: bool | None = None
+    #: Whether the engine returns routed experts (R3) when asked.
+    routed_experts: bool | None = None
+    model: str = ""
+    max_model_len: int | None = None
+    #: Why the engine cannot serve the contract (each names the flag to add): not routed to.
+    problems: list[str] = field(default_factory=list)
+    #: What is wrong but leaves the engine in rotation.
+    warnings: list[str] = field(default_factory=list)
+
+    def routed_experts_problem(self, url: str) -> str | None:
+        """Why the engine at `url` cannot return routed experts (R3), or None when it can or does
+        not say (then its reply decides)."""
+        if self.is_moe is False:
+            return (
+                f"engine {url} serves a dense model, which has no expert routing to return "
+                "(R3 needs a mixture-of-experts model)"
+            )
+        if self.is_moe and self.routed_experts is False:
+            return f"engine {url} was not started with --enable-return-routed-experts"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model an engine serves."""
+
+    #: The served model name (what `model` in a request must match).
+    id: str
+    #: The longest sequence (prompt + output) the engine accepts; None when it does not say.
+    max_model_len: int | None = None
+    #: Unix time the engine reports for the model; None when it does not say.
+    created: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,10 +226,6 @@ class EngineAdapter(Protocol):
         """Abort these engine-side calls."""
         ...
 
-    async def capabilities(self) -> EngineCapabilities:
-        """What the engine says about its model and options."""
-        ...
-
     async def render_text(self, text: str, model: str = "") -> Rendered:
         """Tokenize a plain prompt with the engine's tokenizer (no template)."""
         ...
@@ -221,6 +256,6 @@ class EngineAdapter(Protocol):
         """The engine's current weight-version label."""
         ...
 
-    async def models(self) -> list[dict[str, Any]]:
-        """The served models (each with at least an `id`)."""
+    async def models(self) -> list[ServedModel]:
+        """The models the engine serves."""
         ...

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc.server.capabilities import Capabilities
 from rollout_grpc.server.engines import EngineHandle
 
 
@@ -15,7 +14,7 @@ def engine_info_extras(engine: EngineHandle | None) -> dict[str, Any]:
         return {}
     extras: dict[str, Any] = {"problems": list(engine.problems), "usable": engine.usable}
     caps = engine.capabilities
-    if isinstance(caps, Capabilities):
+    if caps is not None:
         extras["warnings"] = list(caps.warnings)
         message = pb.EngineCapabilities(
             logprobs_mode=caps.logprobs_mode,

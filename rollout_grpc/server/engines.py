@@ -19,12 +19,11 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 import structlog
 
-from rollout_grpc.server.engine_api import EngineAdapter
+from rollout_grpc.server.engine_api import EngineAdapter, EngineCapabilities
 from rollout_grpc.server.vllm import EngineTimeouts, VllmEngine
 
 log = structlog.get_logger(__name__)
@@ -46,10 +45,6 @@ class EngineHandle:
     last_error: str = ""
     weight_version: str = ""
     model: str = ""
-    #: None until /server_info was read: whether the engine returns routed experts (R3).
-    routed_experts_enabled: bool | None = None
-    #: None until /server_info was read: whether the model is a mixture of experts.
-    is_moe: bool | None = None
     #: Observed seconds per generated token per request (EWMA), None until measured. Sizes the
     #: `stream_interval` asked of the engine so that its batching never outlasts the time flush.
     token_gap_s: float | None = None
@@ -64,8 +59,9 @@ class EngineHandle:
     #: Why the engine cannot serve the contract (each names the vLLM flag to add); set by the
     #: capability check (`capabilities.py`). An engine with problems receives no generations.
     problems: list[str] = field(default_factory=list)
-    #: `capabilities.Capabilities` once checked, None before (or after a failed check).
-    capabilities: Any = None
+    #: What the capability check found (`capabilities.py`), None before it (or after a failed
+    #: check). The one source of the engine's capability facts.
+    capabilities: EngineCapabilities | None = None
 
     @property
     def usable(self) -> bool:

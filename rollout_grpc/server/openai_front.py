@@ -206,11 +206,11 @@ class OpenAIFrontDoor:
             return self._error(request, OpenAIError(503, f"engine {exc.url}: {exc.message}"))
         data = [
             {
-                "id": m.get("id"),
+                "id": m.id,
                 "object": "model",
-                "created": m.get("created", int(time.time())),
+                "created": m.created if m.created is not None else int(time.time()),
                 "owned_by": "rollout-grpc",
-                "max_model_len": m.get("max_model_len"),
+                "max_model_len": m.max_model_len,
             }
             for m in models
         ]

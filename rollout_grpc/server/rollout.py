@@ -218,9 +218,6 @@ class Rollout:
             yield sample
             return
         entry = self.registry.register(request_id, sample.session_id, sample.group_index)
-        started = time.monotonic()
-        first_attempt = len(sample.engine_attempts)
-        call_offset = sample.response_length
         try:
             try:
                 async with self.admission.slot(entry):
@@ -233,16 +230,6 @@ class Rollout:
         problem = sample_ops.check_invariants(sample)
         if problem:
             sample_ops.finish(sample, Finish.ERROR, Status.FAILED, problem)
-        log.info(
-            "generation",
-            request_id=request_id,
-            engine=[a.engine for a in sample.engine_attempts[first_attempt:]],
-            new_tokens=sample.response_length - call_offset,
-            status=sample.status.name,
-            finish=sample.finish_reason.name,
-            latency_ms=round((time.monotonic() - started) * 1000, 2),
-            failure=sample.failure_reason or None,
-        )
         yield sample
 
     async def _run(
@@ -252,13 +239,11 @@ class Rollout:
         batcher = _Batcher(options)
         run = _RunState(call_offset=sample.response_length)
         while not entry.abort_requested:
-            engine = self.pool.pick(sample.session_id, exclude=run.excluded | run.tried) or self.pool.pick(
-                sample.session_id, exclude=run.excluded
-            )
+            engine = self._pick(sample, options, run)
             run.decision, run.error = None, None
             if engine is None:
-                run.decision = failover.decide(
-                    self._situation(Failure.NO_ENGINE, sample, params, entry, run, 0)
+                run.decision = _decide(
+                    self._situation(Failure.NO_ENGINE, sample, params, entry, run, 0), entry
                 )
             else:
                 async for batch in self._attempt(engine, sample, params, options, entry, run, batcher):
@@ -272,9 +257,6 @@ class Rollout:
                 sample_ops.finish(sample, decision.finish, decision.status, decision.reason)
                 break
             run.media_resent = run.media_resent or decision.action is Action.RETRY_WITH_MEDIA
-            log.warning(
-                "failover", request_id=entry.request_id, action=decision.action.value, reason=decision.reason
-            )
         else:
             sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
         last = batcher.flush()
@@ -294,8 +276,6 @@ class Rollout:
         """One engine call; on failure, `run.decision` says what next (None: the call succeeded)."""
         if not sample.tokens:
             await self._render_prompt(engine, sample, options)
-        if options.return_routed_experts:
-            await self._check_routed_experts(engine)
         run.attempts += 1
         run.tried.add(engine.url)
         attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
@@ -316,9 +296,7 @@ class Rollout:
             run.request_failures += 1
         self._label_orphans(sample, engine, attempt)
         tokens = sample.response_length - attempt.start
-        run.decision = decision = failover.decide(
-            self._situation(failure, sample, params, entry, run, tokens)
-        )
+        run.decision = decision = _decide(self._situation(failure, sample, params, entry, run, tokens), entry)
         if decision.mark_unhealthy:
             self.pool.report_failure(engine, attempt.error)
         if decision.exclude_engine:
@@ -547,19 +525,41 @@ class Rollout:
             raise InvalidArgument("sample.prompt", "the engine rendered the prompt to no tokens")
         sample.tokens = list(rendered.token_ids)
 
-    async def _check_routed_experts(self, engine: EngineHandle) -> None:
-        """Fail fast when R3 is requested from an MoE engine started without the flag."""
-        if engine.routed_experts_enabled is None:
-            try:
-                caps = await engine.client.capabilities()
-            except EngineError:
-                return  # the engine does not say; the result will tell
-            engine.routed_experts_enabled, engine.is_moe = caps.routed_experts_enabled, caps.is_moe
-        if engine.routed_experts_enabled is False and engine.is_moe:
-            raise FailedPrecondition(
-                f"routed experts were requested but engine {engine.url} was not started with "
-                "--enable-return-routed-experts"
-            )
+    def _pick(self, sample: Sample, options: GenerateOptions, run: _RunState) -> EngineHandle | None:
+        """The engine for the next call: usable, not at fault, untried while others remain, and
+        able to return routed experts when they are asked for.
+
+        R3 from engines that cannot return it (dense model, MoE without the flag; known from the
+        capability check) is refused with FAILED_PRECONDITION naming each engine and its reason
+        before anything is generated. After tokens of this Generate, the failover policy decides as
+        for no engine at all (the sample keeps its tokens).
+        """
+        avoid = set(run.excluded)
+        if options.return_routed_experts:
+            unable = self._unable_to_route(run.excluded)
+            produced = sample.response_length > run.call_offset
+            if unable and not produced and len(unable) == self._usable_count(run.excluded):
+                raise FailedPrecondition(
+                    "return_routed_experts: no usable engine can return routed experts: "
+                    + "; ".join(unable.values())
+                )
+            avoid |= unable.keys()
+        return self.pool.pick(sample.session_id, exclude=avoid | run.tried) or self.pool.pick(
+            sample.session_id, exclude=avoid
+        )
+
+    def _unable_to_route(self, excluded: set[str]) -> dict[str, str]:
+        """Usable engines (not at fault) that cannot return routed experts -> why."""
+        unable: dict[str, str] = {}
+        for engine in self.pool.engines:
+            if engine.usable and engine.url not in excluded and engine.capabilities is not None:
+                problem = engine.capabilities.routed_experts_problem(engine.url)
+                if problem is not None:
+                    unable[engine.url] = problem
+        return unable
+
+    def _usable_count(self, excluded: set[str]) -> int:
+        return sum(1 for e in self.pool.engines if e.usable and e.url not in excluded)
 
 
 @dataclass(slots=True)
@@ -608,6 +608,28 @@ FINISH_STATUS: dict[FinishKind, tuple[Finish, Status]] = {
     FinishKind.ERROR: (Finish.ERROR, Status.FAILED),
     FinishKind.REPETITION: (Finish.REPETITION, Status.COMPLETED),
 }
+
+
+#: Decisions that make another engine call.
+_RETRIES = frozenset({Action.RETRY_ELSEWHERE, Action.RETRY_WITH_MEDIA})
+
+
+def _decide(situation: Situation, entry: InFlight) -> Decision:
+    """`failover.decide`, with one `failover` log line per decision: at warning level when the
+    sample moves on to another engine call (an operator wants to see those), at debug otherwise."""
+    decision = failover.decide(situation)
+    emit = log.warning if decision.action in _RETRIES else log.debug
+    emit(
+        "failover",
+        request_id=entry.request_id,
+        failure=situation.failure.value,
+        action=decision.action.value,
+        reason=decision.reason,
+        tokens_this_call=situation.tokens_this_call,
+        tokens_so_far=situation.tokens_this_generate,
+        attempts=situation.attempts,
+    )
+    return decision
 
 
 def _rejection(exc: EngineRejected, default_field: str = "sample.tokens") -> Exception:

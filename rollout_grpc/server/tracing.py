@@ -14,6 +14,7 @@ Off by default; `--otlp-endpoint host:port` turns it on with an OTLP/gRPC export
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import Token
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,6 +22,7 @@ import aiohttp
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -70,87 +72,108 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         full = handler_call_details.method
         if handler is None or not full.startswith(SERVICE_PREFIX):
             return handler
-        carrier = {
-            k: v if isinstance(v, str) else v.decode()
-            for k, v in (handler_call_details.invocation_metadata or ())
-        }
-        parent = propagate.extract(carrier)
-        name = full.lstrip("/")
-        method = full.removeprefix(SERVICE_PREFIX)
-        tracer = self._tracer
-
-        def start(request: Any) -> trace.Span:
-            return tracer.start_span(
-                name,
-                context=parent,
-                kind=SpanKind.SERVER,
-                attributes={
-                    "rpc.system": "grpc",
-                    "rpc.service": SERVICE_PREFIX.strip("/"),
-                    "rpc.method": method,
-                    **_identity(request),
-                },
-            )
-
-        def end(
-            span: trace.Span, context: grpc.aio.ServicerContext[Any, Any], exc: BaseException | None
-        ) -> None:
-            code = context.code()
-            if isinstance(code, grpc.StatusCode):
-                span.set_attribute("rpc.grpc.status_code", code.value[0])
-                if code is not grpc.StatusCode.OK:
-                    span.set_status(Status(StatusCode.ERROR, code.name))
-            elif exc is not None:
-                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            record = CURRENT_CALL.get()
-            if record is not None and record.sample is not None:
-                span.set_attribute("rollout.new_tokens", record.new_tokens)
-            span.end()
-
+        spans = _RpcSpans(self._tracer, full, handler_call_details.invocation_metadata)
         if handler.unary_stream is not None:
-            behavior: Any = handler.unary_stream
-
-            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-                span = start(request)
-                token = otel_context.attach(trace.set_span_in_context(span, parent))
-                error: BaseException | None = None
-                try:
-                    async for message in behavior(request, context):
-                        yield message
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    end(span, context, error)
-                    otel_context.detach(token)
-
-            return grpc.unary_stream_rpc_method_handler(
-                stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return _traced_stream(handler, spans)
         if handler.unary_unary is not None:
-            unary_behavior: Any = handler.unary_unary
-
-            async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                span = start(request)
-                token = otel_context.attach(trace.set_span_in_context(span, parent))
-                error: BaseException | None = None
-                try:
-                    return await unary_behavior(request, context)
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    end(span, context, error)
-                    otel_context.detach(token)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return _traced_unary(handler, spans)
         return handler
+
+
+class _RpcSpans:
+    """Opens and closes the SERVER span of one RPC, child of the caller's trace context."""
+
+    def __init__(self, tracer: trace.Tracer, full_method: str, metadata: Any) -> None:
+        carrier = {k: v if isinstance(v, str) else v.decode() for k, v in (metadata or ())}
+        self.parent = propagate.extract(carrier)
+        self._tracer = tracer
+        self._name = full_method.lstrip("/")
+        self._method = full_method.removeprefix(SERVICE_PREFIX)
+
+    def start(self, request: Any) -> tuple[trace.Span, Token[Context]]:
+        """The started span (with the sample identity) and the token of its attached context."""
+        span = self._tracer.start_span(
+            self._name,
+            context=self.parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": SERVICE_PREFIX.strip("/"),
+                "rpc.method": self._method,
+                **_identity(request),
+            },
+        )
+        return span, otel_context.attach(trace.set_span_in_context(span, self.parent))
+
+    @staticmethod
+    def end(
+        span: trace.Span,
+        token: Token[Context],
+        context: grpc.aio.ServicerContext[Any, Any],
+        exc: BaseException | None,
+    ) -> None:
+        """Record the RPC's status code (or the exception) and the new tokens; end and detach."""
+        code = context.code()
+        if isinstance(code, grpc.StatusCode):
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code is not grpc.StatusCode.OK:
+                span.set_status(Status(StatusCode.ERROR, code.name))
+        elif exc is not None:
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        record = CURRENT_CALL.get()
+        if record is not None and record.sample is not None:
+            span.set_attribute("rollout.new_tokens", record.new_tokens)
+        span.end()
+        otel_context.detach(token)
+
+
+def _traced_stream(
+    handler: grpc.RpcMethodHandler[Any, Any], spans: _RpcSpans
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A server-streaming handler run inside its RPC span."""
+    behavior: Any = handler.unary_stream
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        span, token = spans.start(request)
+        error: BaseException | None = None
+        try:
+            async for message in behavior(request, context):
+                yield message
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            spans.end(span, token, context, error)
+
+    return grpc.unary_stream_rpc_method_handler(
+        stream,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _traced_unary(
+    handler: grpc.RpcMethodHandler[Any, Any], spans: _RpcSpans
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A unary handler run inside its RPC span."""
+    behavior: Any = handler.unary_unary
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        span, token = spans.start(request)
+        error: BaseException | None = None
+        try:
+            return await behavior(request, context)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            spans.end(span, token, context, error)
+
+    return grpc.unary_unary_rpc_method_handler(
+        unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def engine_tracing(provider: trace.TracerProvider) -> aiohttp.TraceConfig:

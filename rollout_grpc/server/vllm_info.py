@@ -98,5 +98,4 @@ async def read_model(client: VllmEngine) -> tuple[str, int | None]:
     models = await client.models()
     if not models:
         return "", None
-    first = models[0]
-    return str(first.get("id", "")), _int(first.get("max_model_len"))
+    return models[0].id, models[0].max_model_len

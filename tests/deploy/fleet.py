@@ -238,8 +238,7 @@ class Replica:
     def log_events(self, event: str) -> list[dict[str, object]]:
         """The replica's JSON log records named `event`.
 
-        Output is unbuffered, and the replica logs a `generation` record before it sends that
-        generation's final sample, so a caller holding a final sample can read its record.
+        Output is unbuffered; a record is read as soon as the replica has written it.
         """
         records = []
         for line in self.proc.log_text().splitlines():

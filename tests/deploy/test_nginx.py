@@ -14,6 +14,7 @@ import asyncio
 import random
 import re
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from grpc_health.v1 import health_pb2
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from tests.deploy.fleet import (
+    POLL_S,
     Engine,
     Nginx,
     Processes,
@@ -58,6 +60,8 @@ pytestmark = [
 #: test needs it in flight; 200 tokens take ~1 s.
 TOKEN_DELAY_MS = 5.0
 LONG = 3000
+#: How long a replica may take to write a Generate's log line after its final sample.
+LOG_LINE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -69,12 +73,23 @@ class Fleet:
     nginx: Nginx
 
     def replica_serving(self, request_id: str) -> list[int]:
-        """Indexes of the replicas whose logs record the generation `request_id`."""
-        return [
-            i
-            for i, replica in enumerate(self.replicas)
-            if any(r.get("request_id") == request_id for r in replica.log_events("generation"))
-        ]
+        """Indexes of the replicas whose logs record the generation `request_id`.
+
+        A replica writes a Generate's `generate_done` line when the call ends, which may be just
+        after the caller received the final sample: wait (bounded) for a line to appear.
+        """
+
+        def serving() -> list[int]:
+            return [
+                i
+                for i, replica in enumerate(self.replicas)
+                if any(r.get("request_id") == request_id for r in replica.log_events("generate_done"))
+            ]
+
+        deadline = time.monotonic() + LOG_LINE_TIMEOUT_S
+        while not (found := serving()) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return found
 
 
 def start_fleet(procs: Processes, engines: int, replica_args: list[str]) -> Fleet:
@@ -134,7 +149,7 @@ async def test_generates_complete_and_are_spread_over_both_replicas(
     for request_id in ids:  # sequential calls on one channel: an L4 balancer would pin them all
         sample = await client.generate(make_sample(PROMPT), params(8), request_id=request_id, timeout=60)
         assert sample.status == pb.SAMPLE_STATUS_TRUNCATED and sample.response_length == 8
-    # Each replica logs a generation before sending its final sample: exactly one served each call.
+    # Each replica logs every Generate that ends: exactly one served each call.
     served = [fleet.replica_serving(request_id) for request_id in ids]
     assert all(len(s) == 1 for s in served), served
     assert {s[0] for s in served} == {0, 1}, served

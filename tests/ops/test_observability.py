@@ -227,6 +227,27 @@ async def test_debug_level_logs_each_engine_call(slow: Harness) -> None:
     assert calls[0]["status"] == 200
 
 
+async def test_each_failover_decision_leaves_one_line() -> None:
+    async with harness("sim", sim_count=2, sim_config={"token_delay_s": 0.001}) as h:
+        for sim in h.sims:
+            sim.faults.drop_connection = -1
+            sim.faults.drop_after_tokens = 10
+        with capture_logs() as logs:
+            async for _ in stub(h).Generate(request(100, "fo-1")):
+                pass
+    decisions = [e for e in logs if e.get("event") == "failover" and e.get("request_id") == "fo-1"]
+    calls = [e for e in logs if e.get("event") == "engine_call" and e.get("request_id") == "fo-1"]
+    generates = [c for c in calls if str(c["url"]).endswith("/inference/v1/generate")]
+    # One decision per failed engine call, then one when no engine is left.
+    assert [d["failure"] for d in decisions] == ["unavailable"] * len(generates) + ["no_engine"]
+    assert len(generates) >= 2
+    assert decisions[0]["action"] == "retry_elsewhere" and decisions[0]["log_level"] == "warning"
+    assert decisions[0]["tokens_this_call"] == 10 and decisions[0]["tokens_so_far"] == 10
+    assert decisions[-1]["action"] == "finish" and decisions[-1]["log_level"] == "debug"
+    assert decisions[-1]["tokens_so_far"] == 10 * len(generates)
+    assert not [e for e in logs if e.get("event") == "generation"]  # `generate_done` is the one line
+
+
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
 

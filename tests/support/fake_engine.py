@@ -17,12 +17,12 @@ from typing import Any
 from rollout_grpc.server.domain import WeightSpan
 from rollout_grpc.server.engine_api import (
     EngineCall,
-    EngineCapabilities,
     EngineDelta,
     EngineEvent,
     EngineFinal,
     FinishKind,
     Rendered,
+    ServedModel,
 )
 
 #: A script step that never ends (an engine that went silent).
@@ -73,9 +73,6 @@ class FakeEngine:
     async def abort_requests(self, engine_request_ids: list[str]) -> None:
         self.aborted.extend(engine_request_ids)
 
-    async def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities()
-
     async def render_text(self, text: str, model: str = "") -> Rendered:
         return Rendered([ord(c) for c in text])
 
@@ -97,5 +94,5 @@ class FakeEngine:
     async def weight_version(self) -> str:
         return "v1"
 
-    async def models(self) -> list[dict[str, Any]]:
-        return [{"id": "fake"}]
+    async def models(self) -> list[ServedModel]:
+        return [ServedModel("fake")]

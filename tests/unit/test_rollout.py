@@ -18,6 +18,7 @@ from rollout_grpc.server.domain import (
     TokenBatch,
 )
 from rollout_grpc.server.engine_api import (
+    EngineCapabilities,
     EngineDelta,
     EngineHung,
     EngineMalformed,
@@ -234,3 +235,52 @@ async def test_a_transient_500_on_a_one_engine_fleet_is_retried_there() -> None:
     a = FakeEngine("a", [[EngineRequestFailed("a", "HTTP 500")], [tokens(4), final(FinishKind.STOP, 1)]])
     _, sample = await run(make(a))
     assert sample.status == Status.COMPLETED and len(a.calls) == 2
+
+
+def _r3_fleet(*engines: tuple[FakeEngine, EngineCapabilities]) -> Rollout:
+    rollout = make(*(engine for engine, _ in engines))
+    for handle, (_, caps) in zip(rollout.pool.engines, engines, strict=True):
+        handle.capabilities = caps
+    return rollout
+
+
+async def _generate_r3(rollout: Rollout) -> Sample:
+    options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0, return_routed_experts=True)
+    result: Sample | None = None
+    async for item in rollout.generate(
+        Sample(tokens=list(PROMPT)), SamplingParams(max_new_tokens=6), options, "r3"
+    ):
+        if isinstance(item, Sample):
+            result = item
+    assert result is not None
+    return result
+
+
+DENSE = EngineCapabilities(is_moe=False)
+MOE_NO_FLAG = EngineCapabilities(is_moe=True, routed_experts=False)
+MOE_R3 = EngineCapabilities(is_moe=True, routed_experts=True)
+
+
+async def test_routed_experts_from_engines_that_cannot_return_them_fail_before_any_call() -> None:
+    a = FakeEngine("a", [[tokens(10), final(FinishKind.LENGTH, 1)]])
+    b = FakeEngine("b", [[tokens(10), final(FinishKind.LENGTH, 1)]])
+    with pytest.raises(FailedPrecondition) as info:
+        await _generate_r3(_r3_fleet((a, DENSE), (b, MOE_NO_FLAG)))
+    assert "engine a serves a dense model" in str(info.value)
+    assert "engine b was not started with --enable-return-routed-experts" in str(info.value)
+    assert not a.calls and not b.calls
+
+
+async def test_routed_experts_skip_engines_that_cannot_return_them() -> None:
+    dense = FakeEngine("dense", [[tokens(10), final(FinishKind.LENGTH, 1)]])
+    moe = FakeEngine("moe", [[tokens(10, 11), final(FinishKind.LENGTH, 2)]])
+    sample = await _generate_r3(_r3_fleet((dense, DENSE), (moe, MOE_R3)))
+    assert sample.status == Status.TRUNCATED and not dense.calls and len(moe.calls) == 1
+
+
+async def test_routed_experts_engine_lost_after_tokens_keeps_them_when_no_other_can_route() -> None:
+    moe = FakeEngine("moe", [[tokens(10, 11), EngineUnavailable("moe", "connection reset")]])
+    dense = FakeEngine("dense", [[tokens(12), final(FinishKind.LENGTH, 1)]])
+    sample = await _generate_r3(_r3_fleet((moe, MOE_R3), (dense, DENSE)))
+    assert sample.tokens == [*PROMPT, 10, 11] and sample.status == Status.ABORTED
+    assert not dense.calls
