@@ -8,17 +8,20 @@ Gating mirrors vLLM: without ``scale_out`` the scale-out routes still exist but 
 from __future__ import annotations
 
 import collections
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from . import admin, chat, control, discovery, render
+from . import chat, control, discovery, render
 from .config import SimConfig
 from .core import CORE_KEY, EngineCore
 from .errors import SCALE_OUT_DISABLED, ApiError, not_found_route
 from .generate import handle_generate
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Adds routes (or state) to a freshly built app before it serves; how a test suite mounts its own
+#: simulator-only routes (``tests/support/sim_admin.py``) without shipping them in the package.
+AppExtension = Callable[[web.Application], None]
 
 #: The headers of the latest requests to the scale-out routes (``/inference/...``), newest last, as
 #: (path, headers) pairs: lets tests check what a client sent (e.g. W3C ``traceparent``).
@@ -75,8 +78,17 @@ async def _abort_requests(request: web.Request) -> web.StreamResponse:
     return not_found_route()
 
 
-def create_app(config: SimConfig | None = None, *, core: EngineCore | None = None) -> web.Application:
-    """Build the simulated engine's app. ``app["core"]`` is its ``EngineCore``."""
+def create_app(
+    config: SimConfig | None = None,
+    *,
+    core: EngineCore | None = None,
+    extensions: Sequence[AppExtension] = (),
+) -> web.Application:
+    """Build the simulated engine's app. ``app[CORE_KEY]`` is its ``EngineCore``.
+
+    Only vLLM's routes are registered; each of ``extensions`` is then called with the app (the
+    error middleware covers the routes it adds).
+    """
     cfg = config if config is not None else SimConfig()
     app = web.Application(middlewares=[_record_headers, _errors], client_max_size=256 * 1024 * 1024)
     app[RECEIVED_HEADERS] = collections.deque(maxlen=64)
@@ -123,11 +135,6 @@ def create_app(config: SimConfig | None = None, *, core: EngineCore | None = Non
     for method, path, handler in dev:
         r.add_route(method, path, _dev(handler))
     r.add_post("/abort_requests", _abort_requests)
-    # simulator-only admin routes
-    r.add_get("/_sim/faults", admin.get_faults)
-    r.add_post("/_sim/faults", admin.post_faults)
-    r.add_get("/_sim/stats", admin.get_stats)
-    r.add_post("/_sim/stats/reset", admin.reset_stats)
-    r.add_post("/_sim/config", admin.post_config)
-    r.add_post("/_sim/wait", admin.wait)
+    for extend in extensions:
+        extend(app)
     return app
