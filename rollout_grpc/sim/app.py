@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from . import chat, control, discovery, render
+from . import chat, control, discovery, fidelity, render
 from .config import SimConfig
 from .core import CORE_KEY, EngineCore
 from .errors import SCALE_OUT_DISABLED, ApiError, not_found_route
@@ -96,14 +96,7 @@ def create_app(
     r = app.router
     # discovery
     r.add_get("/health", discovery.health)
-    r.add_get("/ping", discovery.ping)
-    r.add_post("/ping", discovery.ping)
-    r.add_get("/version", discovery.version)
     r.add_get("/v1/models", discovery.models)
-    r.add_get("/load", discovery.load)
-    r.add_get("/metrics", discovery.metrics)
-    r.add_post("/tokenize", discovery.tokenize)
-    r.add_post("/detokenize", discovery.detokenize)
     # scale-out (403 when disabled)
     r.add_post("/inference/v1/generate", _scale_out(handle_generate))
     r.add_post("/inference/v1/abort_requests", _scale_out(control.scaleout_abort))
@@ -117,24 +110,14 @@ def create_app(
         ("GET", "/is_paused", control.is_paused),
         ("POST", "/update_weight_version", control.update_weight_version),
         ("GET", "/weight_info", control.weight_info),
-        ("POST", "/reset_prefix_cache", control.reset_prefix_cache),
         ("POST", "/reset_mm_cache", control.reset_mm_cache),
-        ("POST", "/reset_encoder_cache", control.reset_encoder_cache),
-        ("GET", "/get_world_size", control.get_world_size),
-        ("POST", "/sleep", control.sleep),
-        ("POST", "/wake_up", control.wake_up),
-        ("GET", "/is_sleeping", control.is_sleeping),
-        ("POST", "/release_kv_cache_memory", control.release_kv_cache_memory),
-        ("POST", "/collective_rpc", control.collective_rpc),
         ("GET", "/server_info", control.server_info),
-        ("POST", "/init_weight_transfer_engine", control.weight_transfer_unconfigured),
-        ("POST", "/start_weight_update", control.weight_transfer_unconfigured),
-        ("POST", "/update_weights", control.weight_transfer_unconfigured),
-        ("POST", "/finish_weight_update", control.weight_transfer_unconfigured),
     ]
     for method, path, handler in dev:
         r.add_route(method, path, _dev(handler))
     r.add_post("/abort_requests", _abort_requests)
+    # the rest of vLLM's surface, which the service never calls
+    fidelity.add_routes(r, dev=_dev)
     for extend in extensions:
         extend(app)
     return app
