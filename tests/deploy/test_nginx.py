@@ -22,17 +22,6 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
-from tests.deploy.fleet import (
-    Engine,
-    Nginx,
-    Processes,
-    Replica,
-    nginx_binary,
-    start_engine,
-    start_nginx,
-    start_replica,
-    wait_until,
-)
 from tests.deploy.streams import (
     PROMPT,
     SERVICE,
@@ -43,6 +32,17 @@ from tests.deploy.streams import (
     params,
     start_stream,
     started,
+)
+from tests.support.processes import (
+    Engine,
+    Nginx,
+    Processes,
+    Replica,
+    nginx_binary,
+    start_engine,
+    start_nginx,
+    start_replica,
+    wait_until,
 )
 
 NGINX = nginx_binary()
