@@ -6,7 +6,8 @@
 * ``processes``: the one process supervisor (engines, replicas, nginx as subprocesses), shared with
   ``bench/``.
 * ``conformance``: structural comparison of JSON bodies and SSE streams (simulator vs vLLM).
-* ``sim_admin``: the simulator's ``/_sim/*`` test routes, mounted through ``SimEngine(extensions=...)``.
+* ``sim_admin``: the simulator's ``/_sim/*`` test routes, mounted through ``SimEngine(extensions=...)``;
+  ``sim_server``: ``python -m tests.support.sim_server``, a subprocess engine with those routes.
 
 ``tests/harness.py`` (a replica and client on simulated or real engines) stays where it is; it is a
 helper, not a test module.

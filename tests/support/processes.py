@@ -131,9 +131,11 @@ class Processes:
     ) -> None:
         self.stop_all()
 
-    def start(self, name: str, argv: Sequence[str], *, src: Path | None = None) -> Proc:
-        """Start `argv` with output to `<workdir>/<name>.log` (a file: a pipe nobody reads would
-        fill up and block the child). With `src` (see `child_env`) the child also runs in `src`,
+    def start(
+        self, name: str, argv: Sequence[str], *, src: Path | None = None, cwd: Path | None = None
+    ) -> Proc:
+        """Start `argv` in `cwd` with output to `<workdir>/<name>.log` (a file: a pipe nobody reads
+        would fill up and block the child). With `src` (see `child_env`) the child runs in `src`,
         since `python -m` puts the working directory first on `sys.path`."""
         log = self.workdir / f"{name}.log"
         with log.open("wb") as out:
@@ -143,7 +145,7 @@ class Processes:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=child_env(src),
-                cwd=src,
+                cwd=src or cwd,
             )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
@@ -268,16 +270,19 @@ def start_engine(
     token_delay_ms: float,
     seed: int = 0,
     src: Path | None = None,
+    test_routes: bool = False,
 ) -> Engine:
     """`python -m rollout_grpc.sim --port 0 --port-file F ... EXTRA`; ready once F exists.
 
     `extra` are more `rollout-grpc sim` flags (e.g. `--eos-probability 0`); `src` as in `child_env`.
+    `test_routes` runs `tests.support.sim_server` instead (the same engine plus the `/_sim/*`
+    routes), from the repository root.
     """
     port_file = fresh_port_file(procs.workdir / f"{name}.port")
     argv = [
         sys.executable,
         "-m",
-        "rollout_grpc.sim",
+        "tests.support.sim_server" if test_routes else "rollout_grpc.sim",
         "--port",
         "0",
         "--port-file",
@@ -288,7 +293,7 @@ def start_engine(
         str(seed),
         *extra,
     ]
-    proc = procs.start(name, argv, src=src)
+    proc = procs.start(name, argv, src=src, cwd=REPO if test_routes else None)
     return Engine(proc, int(read_port_file(port_file, proc)))
 
 

@@ -2,10 +2,11 @@
 
 Test-side on purpose: they do not exist on vLLM and the service never calls them, so the installed
 package does not ship them. A test mounts them on a simulated engine with
-``SimEngine(config, extensions=[sim_admin.mount])`` (or ``create_app(..., extensions=[mount])``);
-in-process tests can use the same knobs from Python (``SimEngine.faults``, ``.stats``,
-``.wait_for_tokens``). They give an engine whose Python objects a test cannot reach (another
-process, another language's test) an HTTP twin of every knob.
+``SimEngine(config, extensions=[sim_admin.mount])`` (or ``create_app(..., extensions=[mount])``),
+and an engine in its own process gets them from ``python -m tests.support.sim_server`` (or
+``processes.start_engine(..., test_routes=True)``). In-process tests can use the same knobs from
+Python (``SimEngine.faults``, ``.stats``, ``.wait_for_tokens``); these routes are their HTTP twins,
+for an engine whose Python objects a test cannot reach.
 
 * ``GET /_sim/faults`` → the fault state; ``POST /_sim/faults`` merges a JSON object into it
   (``{"reset": true}`` clears everything first); unknown names → 400.
