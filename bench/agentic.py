@@ -111,11 +111,11 @@ async def _measure(base_urls: list[str], workload: Workload) -> dict[str, Any]:
 def run(quick: bool = False, reps: int = 2) -> dict[str, Any]:
     """Every workload on both paths, alternating; the best repetition per path."""
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench-agentic-") as tmp, procs.ProcessGroup(Path(tmp)) as group:
+    with tempfile.TemporaryDirectory(prefix="bench-agentic-") as tmp, procs.Processes(Path(tmp)) as group:
         for delay in sorted({w.token_delay_ms for w in plan(quick)}):
-            engines = [procs.start_sim(group, f"sim{delay:g}-{i}", delay, i) for i in range(2)]
-            child, _ = procs.start_service(group, f"service{delay:g}", engines, ["--openai-port", "0"])
-            front = f"http://127.0.0.1:{child.info['openai']}/v1"
+            engines = [procs.start_sim(group, f"sim{delay:g}-{i}", delay, i).url for i in range(2)]
+            service = procs.start_service(group, f"service{delay:g}", engines, ["--openai-port", "0"])
+            front = f"http://127.0.0.1:{service.info['openai']}/v1"
             urls = {"engine chat": [e + "/v1" for e in engines], "front door": [front]}
             for workload in (w for w in plan(quick) if w.token_delay_ms == delay):
                 best: dict[str, dict[str, Any]] = {}
@@ -135,7 +135,7 @@ def run(quick: bool = False, reps: int = 2) -> dict[str, Any]:
                         "added_ttft_p50_ms": round(front_row["ttft_p50_ms"] - engine["ttft_p50_ms"], 2),
                     }
                 )
-            group.close()
+            group.stop_all()
     return {"max_tokens": MAX_TOKENS, "quick": quick, "rows": rows}
 
 

@@ -97,15 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="rollout-compare-"))
     rows: list[dict[str, Any]] = []
     try:
-        with procs.ProcessGroup(workdir) as group:
-            engines = [
+        with procs.Processes(workdir) as group:
+            sims = [
                 procs.start_sim(group, f"engine{i}", args.delay, seed=i, src=args.sim_src) for i in range(2)
             ]
-            engine_pids = [c.pid for c in group.children]
+            engines = [sim.url for sim in sims]
+            engine_pids = [sim.proc.pid for sim in sims]
             targets: dict[str, tuple[str, int]] = {}
             for v in variants:
-                child, target = procs.start_service(group, f"svc-{v.name}", engines, list(v.args), src=v.src)
-                targets[v.name] = (target, child.pid)
+                service = procs.start_service(group, f"svc-{v.name}", engines, list(v.args), src=v.src)
+                targets[v.name] = (service.target, service.proc.pid)
             names = ([] if args.no_direct else ["direct"]) + [v.name for v in variants]
 
             def runner(name: str, seed: int, c: int, n: int, m: int) -> Any:

@@ -333,86 +333,48 @@ def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------- fleets
 
 
-def start_fleet(group: procs.ProcessGroup, token_delay_ms: float, with_nginx: bool, tag: str) -> Fleet:
+def start_fleet(group: procs.Processes, token_delay_ms: float, with_nginx: bool, tag: str) -> Fleet:
     """Two engines and one service replica; plus nginx over two more replicas when asked."""
-    engines = [procs.start_sim(group, f"{tag}-engine{i}", token_delay_ms, seed=i) for i in range(2)]
-    engine_pids = [c.pid for c in group.children[-2:]]
-    service, target = procs.start_service(group, f"{tag}-service", engines)
+    sims = [procs.start_sim(group, f"{tag}-engine{i}", token_delay_ms, seed=i) for i in range(2)]
+    engines = [sim.url for sim in sims]
+    service = procs.start_service(group, f"{tag}-service", engines)
     replica_pids: list[int] = []
     nginx_pids: list[int] = []
     nginx_target = None
     if with_nginx:
-        ports = []
-        for i in range(2):
-            child, replica_target = procs.start_service(group, f"{tag}-replica{i}", engines)
-            replica_pids.append(child.pid)
-            ports.append(int(replica_target.rsplit(":", 1)[1]))
-        master, nginx_target = start_nginx(group, ports, tag)
-        nginx_pids = [master.pid] + [p.pid for p in psutil.Process(master.pid).children()]
-    return Fleet(engines, engine_pids, service.pid, target, replica_pids, nginx_pids, nginx_target)
+        replicas = [procs.start_service(group, f"{tag}-replica{i}", engines) for i in range(2)]
+        replica_pids = [r.proc.pid for r in replicas]
+        binary = procs.nginx_binary()
+        assert binary is not None
+        nginx = procs.start_nginx(
+            group, binary, [r.port for r in replicas], random.Random(), workers=1, name=f"{tag}-nginx"
+        )
+        nginx_target = nginx.target
+        nginx_pids = [nginx.proc.pid] + [p.pid for p in psutil.Process(nginx.proc.pid).children()]
+    return Fleet(
+        engines,
+        [sim.proc.pid for sim in sims],
+        service.proc.pid,
+        service.target,
+        replica_pids,
+        nginx_pids,
+        nginx_target,
+    )
 
 
 def nginx_available() -> str | None:
     """Why the nginx row is left out, or None when nginx and the deploy template are present."""
     if not NGINX_TEMPLATE.exists():
         return f"{NGINX_TEMPLATE.relative_to(procs.REPO)} does not exist"
-    if nginx_binary() is None:
+    if procs.nginx_binary() is None:
         return "no nginx binary on this machine"
     return None
-
-
-def nginx_binary() -> str | None:
-    return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
-    )
-
-
-def _listen_port() -> int:
-    """A free loopback port below the ephemeral range (TIME_WAIT sockets of a load test hold
-    random ephemeral ports, and nginx must bind its listen port)."""
-    import socket
-
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(50):
-        port = rng.randint(max(1025, low - 12000), low - 1)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free listen port for nginx")
-
-
-def start_nginx(group: procs.ProcessGroup, upstream_ports: list[int], tag: str) -> tuple[procs.Child, str]:
-    """nginx from the deploy template, in its own prefix directory (unprivileged-friendly)."""
-    binary = nginx_binary()
-    assert binary is not None
-    prefix = group.workdir / f"{tag}-nginx"
-    prefix.mkdir(exist_ok=True)
-    prefix.chmod(0o755)  # workers run as `nobody` when started as root
-    port = _listen_port()
-    servers = " ".join(f"server 127.0.0.1:{p} max_fails=0;" for p in upstream_ports)
-    conf = (
-        NGINX_TEMPLATE.read_text()
-        .replace("@WORKER_PROCESSES@", "1")
-        .replace("@LISTEN@", f"127.0.0.1:{port}")
-        .replace("@UPSTREAM_SERVERS@", servers)
-    )
-    (prefix / "rollout-grpc.conf").write_text(conf)
-    child = group.start(
-        f"{tag}-nginx",
-        [binary, "-e", "stderr", "-p", f"{prefix}/", "-c", str(prefix / "rollout-grpc.conf")],
-        ready_port=port,
-    )
-    return child, f"127.0.0.1:{port}"
 
 
 # ----------------------------------------------------------------------------------- abort
 
 
-def run_aborts(group: procs.ProcessGroup, quick: bool) -> list[dict[str, Any]]:
+def run_aborts(group: procs.Processes, quick: bool) -> list[dict[str, Any]]:
     """Abort-all latency, service vs direct pause+resume, on slow engines."""
     fleet = start_fleet(group, ABORT_TOKEN_DELAY_MS, False, "abort")
     out = []
@@ -516,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
     workdir.chmod(0o755)
     try:
-        with procs.ProcessGroup(workdir) as group:
+        with procs.Processes(workdir) as group:
             for delay, workloads in plan(args.quick).items():
                 print(f"phase: engines with {delay:g} ms per token", flush=True)
                 fleet = start_fleet(group, delay, nginx_missing is None, f"d{delay:g}")
@@ -524,13 +486,13 @@ def main(argv: list[str] | None = None) -> int:
                     for workload in workloads:
                         all_rows += run_workload(fleet, workload, started + EXTRA_REP_BUDGET_S)
                 finally:
-                    group.close()
+                    group.stop_all()
             if not args.no_abort:
                 print("phase: abort-all", flush=True)
                 try:
                     results["abort"] = run_aborts(group, args.quick)
                 finally:
-                    group.close()
+                    group.stop_all()
     except procs.StartupError as exc:
         print(f"a process did not start: {exc}", file=sys.stderr)
         return 1

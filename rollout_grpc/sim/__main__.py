@@ -12,7 +12,9 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Sequence
 
+from .app import AppExtension
 from .config import SimConfig
 from .engine import SimEngine
 
@@ -91,22 +93,29 @@ def _write_port_file(path: str, port: int) -> None:
     os.replace(tmp, path)
 
 
-async def _serve(cfg: SimConfig, host: str, port: int, port_file: str | None) -> None:
+async def _serve(
+    cfg: SimConfig, host: str, port: int, port_file: str | None, extensions: Sequence[AppExtension] = ()
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    async with SimEngine(cfg, host=host, port=port) as eng:
+    async with SimEngine(cfg, host=host, port=port, extensions=extensions) as eng:
         if port_file:
             _write_port_file(port_file, eng.port)
         print(f"rollout_grpc.sim serving {cfg.model} on {eng.url}", file=sys.stderr, flush=True)
         await stop.wait()
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m rollout_grpc.sim") -> None:
+def main(
+    argv: list[str] | None = None,
+    prog: str = "python -m rollout_grpc.sim",
+    extensions: Sequence[AppExtension] = (),
+) -> None:
+    """Parse the flags and serve until SIGINT/SIGTERM; ``extensions`` as in ``create_app``."""
     a = build_parser(prog).parse_args(argv)
-    asyncio.run(_serve(config_from_args(a), a.host, a.port, a.port_file))
+    asyncio.run(_serve(config_from_args(a), a.host, a.port, a.port_file, extensions))
 
 
 if __name__ == "__main__":

@@ -8,17 +8,20 @@ Gating mirrors vLLM: without ``scale_out`` the scale-out routes still exist but 
 from __future__ import annotations
 
 import collections
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from . import admin, chat, control, discovery, render
+from . import chat, control, discovery, fidelity, render
 from .config import SimConfig
 from .core import CORE_KEY, EngineCore
 from .errors import SCALE_OUT_DISABLED, ApiError, not_found_route
 from .generate import handle_generate
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Adds routes (or state) to a freshly built app before it serves; how a test suite mounts its own
+#: simulator-only routes (``tests/support/sim_admin.py``) without shipping them in the package.
+AppExtension = Callable[[web.Application], None]
 
 #: The headers of the latest requests to the scale-out routes (``/inference/...``), newest last, as
 #: (path, headers) pairs: lets tests check what a client sent (e.g. W3C ``traceparent``).
@@ -75,8 +78,17 @@ async def _abort_requests(request: web.Request) -> web.StreamResponse:
     return not_found_route()
 
 
-def create_app(config: SimConfig | None = None, *, core: EngineCore | None = None) -> web.Application:
-    """Build the simulated engine's app. ``app["core"]`` is its ``EngineCore``."""
+def create_app(
+    config: SimConfig | None = None,
+    *,
+    core: EngineCore | None = None,
+    extensions: Sequence[AppExtension] = (),
+) -> web.Application:
+    """Build the simulated engine's app. ``app[CORE_KEY]`` is its ``EngineCore``.
+
+    Only vLLM's routes are registered; each of ``extensions`` is then called with the app (the
+    error middleware covers the routes it adds).
+    """
     cfg = config if config is not None else SimConfig()
     app = web.Application(middlewares=[_record_headers, _errors], client_max_size=256 * 1024 * 1024)
     app[RECEIVED_HEADERS] = collections.deque(maxlen=64)
@@ -84,14 +96,7 @@ def create_app(config: SimConfig | None = None, *, core: EngineCore | None = Non
     r = app.router
     # discovery
     r.add_get("/health", discovery.health)
-    r.add_get("/ping", discovery.ping)
-    r.add_post("/ping", discovery.ping)
-    r.add_get("/version", discovery.version)
     r.add_get("/v1/models", discovery.models)
-    r.add_get("/load", discovery.load)
-    r.add_get("/metrics", discovery.metrics)
-    r.add_post("/tokenize", discovery.tokenize)
-    r.add_post("/detokenize", discovery.detokenize)
     # scale-out (403 when disabled)
     r.add_post("/inference/v1/generate", _scale_out(handle_generate))
     r.add_post("/inference/v1/abort_requests", _scale_out(control.scaleout_abort))
@@ -105,29 +110,14 @@ def create_app(config: SimConfig | None = None, *, core: EngineCore | None = Non
         ("GET", "/is_paused", control.is_paused),
         ("POST", "/update_weight_version", control.update_weight_version),
         ("GET", "/weight_info", control.weight_info),
-        ("POST", "/reset_prefix_cache", control.reset_prefix_cache),
         ("POST", "/reset_mm_cache", control.reset_mm_cache),
-        ("POST", "/reset_encoder_cache", control.reset_encoder_cache),
-        ("GET", "/get_world_size", control.get_world_size),
-        ("POST", "/sleep", control.sleep),
-        ("POST", "/wake_up", control.wake_up),
-        ("GET", "/is_sleeping", control.is_sleeping),
-        ("POST", "/release_kv_cache_memory", control.release_kv_cache_memory),
-        ("POST", "/collective_rpc", control.collective_rpc),
         ("GET", "/server_info", control.server_info),
-        ("POST", "/init_weight_transfer_engine", control.weight_transfer_unconfigured),
-        ("POST", "/start_weight_update", control.weight_transfer_unconfigured),
-        ("POST", "/update_weights", control.weight_transfer_unconfigured),
-        ("POST", "/finish_weight_update", control.weight_transfer_unconfigured),
     ]
     for method, path, handler in dev:
         r.add_route(method, path, _dev(handler))
     r.add_post("/abort_requests", _abort_requests)
-    # simulator-only admin routes
-    r.add_get("/_sim/faults", admin.get_faults)
-    r.add_post("/_sim/faults", admin.post_faults)
-    r.add_get("/_sim/stats", admin.get_stats)
-    r.add_post("/_sim/stats/reset", admin.reset_stats)
-    r.add_post("/_sim/config", admin.post_config)
-    r.add_post("/_sim/wait", admin.wait)
+    # the rest of vLLM's surface, which the service never calls
+    fidelity.add_routes(r, dev=_dev)
+    for extend in extensions:
+        extend(app)
     return app

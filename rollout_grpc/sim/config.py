@@ -4,7 +4,8 @@
 ``--max-model-len``, ``--enable-scale-out``, ``VLLM_SERVER_DEV_MODE``, ``--max-logprobs``,
 ``--enable-return-routed-experts``, a multimodal model) plus simulator knobs (speed, EOS rate,
 seed). ``FaultConfig`` holds the failure modes tests switch on; it is mutable at runtime, from
-Python (``SimEngine.faults``) and over HTTP (``POST /_sim/faults``).
+Python (``SimEngine.faults``) and, in the simulator's own tests, over HTTP (``POST /_sim/faults``,
+mounted from ``tests/support/sim_admin.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Abort, pause/resume, weight versions, sleep and cache endpoints (reference §4, §5).
+"""Abort, pause/resume, weight versions, server info and the multimodal cache (reference §4, §5).
+
+The routes of the same family the service never calls (sleep, caches, collective RPC, weight
+transfer) are in ``fidelity.py``.
 
 The ``/pause`` family answers engine failures with ``{"error":"<string>"}`` in vLLM, unlike every
 other route; the simulator has no engine failures there, but keeps the success bodies exact.
@@ -17,11 +20,6 @@ from .request import parse_json_bytes
 
 _BOOL_TRUE = {"1", "true", "t", "yes", "y", "on"}
 _BOOL_FALSE = {"0", "false", "f", "no", "n", "off"}
-WEIGHT_TRANSFER_ERROR = (
-    "Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. "
-    "Please set weight_transfer_config to enable weight transfer.', please check the stack trace above "
-    "for the root cause"
-)
 
 
 def _core(request: web.Request) -> EngineCore:
@@ -29,7 +27,7 @@ def _core(request: web.Request) -> EngineCore:
     return core
 
 
-async def _json_or_none(request: web.Request) -> Any:
+async def json_or_none(request: web.Request) -> Any:
     data = await request.read()
     if not data.strip():
         return None
@@ -62,7 +60,7 @@ def _query_bool(request: web.Request, name: str, default: bool) -> bool:
     )
 
 
-def _query_mode(request: web.Request) -> str:
+def query_mode(request: web.Request) -> str:
     mode = request.query.get("mode", "abort")
     if mode not in ("abort", "wait", "keep"):
         raise validation_error(
@@ -122,7 +120,7 @@ async def dev_abort(request: web.Request) -> web.StreamResponse:
 async def pause(request: web.Request) -> web.StreamResponse:
     core = _core(request)
     core.stats.pause_calls += 1
-    mode = _query_mode(request)
+    mode = query_mode(request)
     if _query_bool(request, "clear_cache", True):
         # AsyncLLM.pause_generation clears the renderer's multimodal cache first, in every mode:
         # a later generate with kwargs_data null for an earlier hash then fails with 500.
@@ -144,7 +142,7 @@ async def is_paused(request: web.Request) -> web.StreamResponse:
 
 async def update_weight_version(request: web.Request) -> web.StreamResponse:
     core = _core(request)
-    body = await _json_or_none(request)
+    body = await json_or_none(request)
     if not isinstance(body, dict) or "new_version" not in body:
         raise validation_error(
             [{"type": "missing", "loc": "body.new_version", "msg": "Field required", "input": body or {}}]
@@ -170,77 +168,9 @@ async def weight_info(request: web.Request) -> web.StreamResponse:
     return json_response({"weight_version": _core(request).version})
 
 
-async def reset_prefix_cache(request: web.Request) -> web.StreamResponse:
-    return json_response({"success": True})
-
-
 async def reset_mm_cache(request: web.Request) -> web.StreamResponse:
     _core(request).mm_cache.clear()
     return web.Response(status=200)
-
-
-async def reset_encoder_cache(request: web.Request) -> web.StreamResponse:
-    return web.Response(status=200)
-
-
-async def get_world_size(request: web.Request) -> web.StreamResponse:
-    return json_response({"world_size": 1})
-
-
-async def sleep(request: web.Request) -> web.StreamResponse:
-    core = _core(request)
-    try:
-        level = int(request.query.get("level", "1"))
-    except ValueError:
-        raise validation_error(
-            [
-                {
-                    "type": "int_parsing",
-                    "loc": "query.level",
-                    "msg": "Input should be a valid integer, unable to parse string as an integer",
-                    "input": request.query.get("level"),
-                }
-            ]
-        ) from None
-    mode = _query_mode(request)
-    await core.pause(mode)
-    core.sleeping = True
-    core.sleep_level = level
-    return json_response({"status": "sleeping", "level": level})
-
-
-async def wake_up(request: web.Request) -> web.StreamResponse:
-    core = _core(request)
-    tags = request.query.getall("tags", None)
-    core.sleeping = False
-    core.resume()
-    return json_response({"status": "awake", "tags": tags})
-
-
-async def is_sleeping(request: web.Request) -> web.StreamResponse:
-    return json_response({"is_sleeping": _core(request).sleeping})
-
-
-async def release_kv_cache_memory(request: web.Request) -> web.StreamResponse:
-    return json_response({"status": "kv_cache_released"})
-
-
-async def collective_rpc(request: web.Request) -> web.StreamResponse:
-    body = await _json_or_none(request)
-    method = body.get("method") if isinstance(body, dict) else None
-    if method == "check_health":
-        return json_response({"results": [None]})
-    msg = (
-        "Call to collective_rpc method failed: Worker failed with error "
-        f"''SimWorker' object has no attribute '{method}'', "
-        "please check the stack trace above for the root cause"
-    )
-    return ApiError(500, msg, "InternalServerError").response()
-
-
-async def weight_transfer_unconfigured(request: web.Request) -> web.StreamResponse:
-    """Init/start/update/finish weight transfer: the simulator has no transfer backend."""
-    return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
 
 
 async def server_info(request: web.Request) -> web.StreamResponse:

@@ -37,7 +37,7 @@ from .vocab import Vocab, get_vocab
 
 @dataclass
 class SimStats:
-    """Counters for tests (``SimEngine.stats``; ``GET /_sim/stats``)."""
+    """Counters for tests (``SimEngine.stats``; ``GET /_sim/stats`` where the test routes are mounted)."""
 
     generate_requests: int = 0  # every POST to /inference/v1/generate, whatever the outcome
     generate_rejected: int = 0  # answered with an error before entering the engine

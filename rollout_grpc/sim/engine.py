@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Sequence
 from types import TracebackType
 
 from aiohttp import web
 
-from .app import create_app
+from .app import AppExtension, create_app
 from .config import FaultConfig, SimConfig
 from .core import EngineCore, SimStats
 
@@ -23,12 +24,20 @@ from .core import EngineCore, SimStats
 class SimEngine:
     """``async with SimEngine(SimConfig(...)) as eng: ... eng.url ...``"""
 
-    def __init__(self, config: SimConfig | None = None, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        config: SimConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        extensions: Sequence[AppExtension] = (),
+    ) -> None:
+        """``extensions`` add routes to the app before it serves (see ``create_app``)."""
         self.config = config if config is not None else SimConfig()
         self.host = host
         self._port = port
         self.core = EngineCore(self.config)
-        self.app = create_app(self.config, core=self.core)
+        self.app = create_app(self.config, core=self.core, extensions=extensions)
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
 

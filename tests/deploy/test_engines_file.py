@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
-from tests.deploy.fleet import Engine, Processes, Replica, start_engine, start_replica
 from tests.deploy.streams import PROMPT, params
+from tests.support.processes import Engine, Processes, Replica, start_engine, start_replica
 
 #: Bound on waiting for the replica to apply a new list (a SIGHUP plus one health probe).
 APPLY_TIMEOUT_S = 30.0

@@ -14,7 +14,7 @@ import subprocess
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server import bounds
 from rollout_grpc.server.app import ServerConfig
-from tests.deploy.fleet import REPO, replica_command
+from tests.support.processes import REPO, replica_command
 
 K8S = REPO / "deploy" / "k8s"
 DEPLOYMENT = (K8S / "deployment.yaml").read_text()

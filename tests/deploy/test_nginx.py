@@ -23,18 +23,6 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
-from tests.deploy.fleet import (
-    POLL_S,
-    Engine,
-    Nginx,
-    Processes,
-    Replica,
-    nginx_binary,
-    start_engine,
-    start_nginx,
-    start_replica,
-    wait_until,
-)
 from tests.deploy.streams import (
     PROMPT,
     SERVICE,
@@ -45,6 +33,18 @@ from tests.deploy.streams import (
     params,
     start_stream,
     started,
+)
+from tests.support.processes import (
+    POLL_S,
+    Engine,
+    Nginx,
+    Processes,
+    Replica,
+    nginx_binary,
+    start_engine,
+    start_nginx,
+    start_replica,
+    wait_until,
 )
 
 NGINX = nginx_binary()

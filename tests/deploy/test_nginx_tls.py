@@ -21,7 +21,9 @@ import pytest
 
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
-from tests.deploy.fleet import (
+from tests.deploy.streams import PROMPT, params
+from tests.security.certs import CertAuthority
+from tests.support.processes import (
     REPO,
     Nginx,
     Processes,
@@ -32,8 +34,6 @@ from tests.deploy.fleet import (
     start_replica,
     wait_until,
 )
-from tests.deploy.streams import PROMPT, params
-from tests.security.certs import CertAuthority
 
 NGINX = nginx_binary()
 TLS_TEMPLATE = REPO / "deploy" / "nginx" / "rollout-grpc-tls.conf.template"

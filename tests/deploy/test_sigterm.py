@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample
 from rollout_grpc.server.app import ServerConfig
-from tests.deploy.fleet import Engine, Processes, Replica, start_engine, start_replica
 from tests.deploy.streams import (
     PROMPT,
     SERVICE,
@@ -29,6 +28,7 @@ from tests.deploy.streams import (
     start_stream,
     started,
 )
+from tests.support.processes import Engine, Processes, Replica, start_engine, start_replica
 
 #: 10 ms per token: SHORT streams need ~0.4 s (a tenth of the grace), LONG ones ~30 s (far more).
 TOKEN_DELAY_MS = 10.0

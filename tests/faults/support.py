@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
-from tests.deploy.fleet import Engine, Processes, read_port_file
+from tests.support.processes import Engine, Processes, start_engine
 
 #: Short prompt of ordinary ids (valid in the simulator's vocabulary).
 PROMPT = [1, 92, 510, 206, 62, 79, 286, 317, 835, 1301]
@@ -159,35 +157,12 @@ async def silent_server() -> AsyncIterator[str]:
 
 
 def sim_process(procs: Processes, name: str, *extra: str, token_delay_ms: float = 5.0) -> Engine:
-    """A simulated engine in its own process (it can be SIGKILLed or SIGSTOPped)."""
-    port_file = procs.workdir / f"{name}.port"
-    argv = [
-        sys.executable,
-        "-m",
-        "rollout_grpc.sim",
-        "--port",
-        "0",
-        "--port-file",
-        str(port_file),
-        "--token-delay-ms",
-        str(token_delay_ms),
-        "--eos-probability",
-        "0",
-        *extra,
-    ]
-    proc = procs.start(name, argv)
-    return Engine(proc, int(read_port_file(port_file, proc)))
+    """A simulated engine in its own process (it can be SIGKILLed or SIGSTOPped), never ending early."""
+    return start_engine(procs, name, "--eos-probability", "0", *extra, token_delay_ms=token_delay_ms)
 
 
 @contextlib.contextmanager
 def processes(workdir: Path) -> Iterator[Processes]:
-    """A process group whose members are stopped at the end (stopped ones resumed first)."""
-    procs = Processes(workdir)
-    try:
+    """A process group whose members are stopped at the end (SIGSTOPped ones too: see `Processes.stop`)."""
+    with Processes(workdir) as procs:
         yield procs
-    finally:
-        for proc in procs.procs:
-            if proc.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.popen.send_signal(signal.SIGCONT)
-        procs.stop_all()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from rollout_grpc.client import AsyncRolloutClient, pb
 from rollout_grpc.server.app import ServerConfig
-from tests.deploy.fleet import Replica, start_replica, wait_until
 from tests.faults.support import Outcome, consume, first_tokens, processes, sim_process, start
+from tests.support.processes import Replica, start_replica, wait_until
 
 GRACE_S = 0.5
 BOUND_S = ServerConfig(engines=[], grace_s=GRACE_S).shutdown_bound_s()

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from rollout_grpc.info import run_info
-from tests.deploy.fleet import Processes, child_env, read_port_file, replica_command
 from tests.harness import harness
+from tests.support.processes import Processes, child_env, read_port_file, replica_command
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Fixtures for the simulator's tests: engines on loopback, an HTTP session, the golden files."""
+"""Fixtures for the simulator's tests: engines on loopback (with the test-side ``/_sim/*`` routes of
+``tests/support/sim_admin.py``), an HTTP session, the golden files."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import aiohttp
 import pytest
 
 from rollout_grpc.sim import SimConfig, SimEngine
+from tests.support import sim_admin
 from tests.support.sim_http import EngineFactory
 
 
@@ -21,7 +23,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 @contextlib.asynccontextmanager
 async def _engine(**config: Any) -> AsyncIterator[SimEngine]:
-    async with SimEngine(SimConfig(**config)) as eng:
+    async with SimEngine(SimConfig(**config), extensions=[sim_admin.mount]) as eng:
         yield eng
 
 
@@ -34,7 +36,7 @@ def make_engine() -> EngineFactory:
 @pytest.fixture
 async def engine() -> AsyncIterator[SimEngine]:
     """A default engine that never stops early on its own (``eos_probability=0``)."""
-    async with SimEngine(SimConfig(eos_probability=0.0)) as eng:
+    async with SimEngine(SimConfig(eos_probability=0.0), extensions=[sim_admin.mount]) as eng:
         yield eng
 
 

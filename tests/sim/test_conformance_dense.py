@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from rollout_grpc.sim import SimEngine
-from rollout_grpc.sim.conformance import assert_same_shape, parse_sse, shape_of, stream_shape_diff
+from tests.support.conformance import assert_same_shape, parse_sse, shape_of, stream_shape_diff
 from tests.support.sim_http import PROMPT, generate, get, golden, post
 
 DENSE = golden("r_dense")

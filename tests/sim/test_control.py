@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from rollout_grpc.sim import SimEngine
-from rollout_grpc.sim.conformance import assert_same_shape, shape_of
+from tests.support.conformance import assert_same_shape, shape_of
 from tests.support.sim_http import PROMPT, EngineFactory, Reply, generate, get, golden, post
 
 PAUSE = golden("r_pause")

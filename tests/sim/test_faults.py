@@ -211,3 +211,10 @@ async def test_engine_side_input_errors_come_inside_the_stream(
     error, done = _data_lines(r.raw)
     assert error.startswith(b'{"error": {"message": ') and done == b"[DONE]"
     assert orjson.loads(error) == plain.json
+
+
+async def test_the_package_serves_no_test_routes(session: aiohttp.ClientSession) -> None:
+    """`/_sim/*` is mounted by the tests (tests/support/sim_admin.py); a plain engine is vLLM's surface."""
+    async with SimEngine() as plain:
+        r = await get(session, plain.url + "/_sim/faults")
+        assert (r.status, r.json) == (404, {"detail": "Not Found"})

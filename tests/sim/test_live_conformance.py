@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from rollout_grpc.sim import SimConfig, SimEngine
-from rollout_grpc.sim.conformance import assert_same_shape, stream_shape_diff
+from tests.support.conformance import assert_same_shape, stream_shape_diff
 from tests.support.sim_http import PROMPT, Reply, call
 
 pytestmark = pytest.mark.vllm

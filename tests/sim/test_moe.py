@@ -8,8 +8,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from rollout_grpc.sim.conformance import assert_same_shape, parse_sse, shape_of
 from rollout_grpc.sim.moe import decode_npy_b64, routed_experts
+from tests.support.conformance import assert_same_shape, parse_sse, shape_of
 from tests.support.sim_http import PROMPT, EngineFactory, generate, golden, post
 
 MOE = golden("r_moe")["moe"]

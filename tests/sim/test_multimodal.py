@@ -13,9 +13,9 @@ from aiohttp import web
 from PIL import Image
 
 from rollout_grpc.sim import SimEngine
-from rollout_grpc.sim.conformance import assert_same_shape
 from rollout_grpc.sim.multimodal import smart_resize
 from rollout_grpc.sim.vocab import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
+from tests.support.conformance import assert_same_shape
 from tests.support.sim_http import EngineFactory, generate, golden, post
 
 VL = golden("r_vl")["mm"]

@@ -1,4 +1,4 @@
-"""The toy vocabulary and the ``python -m rollout_grpc.sim`` entry point."""
+"""The toy vocabulary and the `python -m rollout_grpc.sim` and `tests.support.sim_server` entry points."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 
 from rollout_grpc.sim.vocab import EOS_ID, IMAGE_PAD_ID, SPECIAL_TOKENS, IncrementalDecoder, Vocab, get_vocab
-from tests.support.sim_http import PROMPT, gen_body, generate, get
+from tests.support.processes import Processes, start_engine
+from tests.support.sim_http import PROMPT, gen_body, generate, get, post
 
 
 def test_special_ids_and_size() -> None:
@@ -102,3 +103,17 @@ async def test_cli_port_file(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert await proc.wait() == 0
+
+
+async def test_test_routes_only_on_the_test_launcher(tmp_path: Path) -> None:
+    """`python -m tests.support.sim_server` serves `/_sim/*` in its own process; the package's
+    entry point does not: faults of a subprocess engine are switched over HTTP from the test side."""
+    with Processes(tmp_path) as procs:
+        plain = start_engine(procs, "plain", token_delay_ms=0)
+        tested = start_engine(procs, "tested", token_delay_ms=0, test_routes=True)
+        async with aiohttp.ClientSession() as s:
+            assert (await get(s, plain.url + "/_sim/faults")).status == 404
+            assert (await post(s, tested.url + "/_sim/faults", {"http_500": 1})).json["http_500"] == 1
+            assert (await generate(s, tested.url, gen_body(max_tokens=2))).status == 500
+            assert (await generate(s, tested.url, gen_body(max_tokens=2))).status == 200
+            assert (await get(s, tested.url + "/_sim/stats")).json["generate_requests"] == 2

@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 
 from rollout_grpc.sim import SimEngine
-from rollout_grpc.sim.conformance import parse_sse
+from tests.support.conformance import parse_sse
 
 #: Real vLLM 0.32 bodies recorded on tiny random-weight models (see its README.md).
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "sim" / "golden"

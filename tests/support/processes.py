@@ -1,18 +1,24 @@
-"""Process helpers for the deployment tests: simulated engines, replicas and nginx as subprocesses.
+"""The one process supervisor: simulated engines, replicas and nginx as subprocesses.
 
-The deployment tests run what an operator runs: `python -m rollout_grpc.sim`, the `rollout-grpc
-serve` console script and nginx with `deploy/nginx/rollout-grpc.conf.template`, each in its own
-process, talking over loopback TCP. Everything started here is registered with a `Processes`
-group that stops each process by its PID (SIGTERM, then SIGKILL after a bounded wait), so nothing
-outlives a test, also when it fails.
+Used by the deployment and fault tests (`tests/deploy`, `tests/faults`, `tests/ops`) and by the
+benchmarks (`bench/procs.py`): they run what an operator runs — `python -m rollout_grpc.sim`, the
+`rollout-grpc serve` console script and nginx with `deploy/nginx/rollout-grpc.conf.template` —
+each in its own process, talking over loopback TCP. Everything started here is registered with a
+`Processes` group that stops each process by its PID (SIGTERM, then SIGKILL after a bounded wait),
+so nothing outlives a test or a benchmark, also when it fails.
 
 Readiness is never guessed with a sleep: a process is ready when it has written its port file
 (engines, replicas) or accepts a TCP connection (nginx). Those waits poll with a deadline and fail
-at once, with the process's log, when the process exits first.
+at once, with the process's log, when the process exits first (`StartupError`).
+
+It lives in `tests/support` because both users run from a checkout (the wheel ships only
+`rollout_grpc`), and `tests` is already an importable package there; `bench` imports it rather than
+keeping a second copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -26,6 +32,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 NGINX_TEMPLATE = REPO / "deploy" / "nginx" / "rollout-grpc.conf.template"
@@ -58,11 +66,25 @@ def replica_command() -> list[str]:
     return [sys.executable, "-m", "rollout_grpc.cli"]
 
 
-def child_env() -> dict[str, str]:
-    """Environment of every child: unbuffered output, so a log line exists once it is emitted."""
+def child_env(src: Path | None = None) -> dict[str, str]:
+    """Environment of every child: unbuffered output, so a log line exists once it is emitted.
+
+    `src` puts another copy of the `rollout_grpc` package first on `PYTHONPATH` (ahead of the
+    editable install): how `bench.compare` runs scratch variants of the code.
+    """
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH", "")]))
     return env
+
+
+class StartupError(RuntimeError):
+    """A child process exited before it was ready."""
+
+
+class StartupTimeout(StartupError, TimeoutError):
+    """A child process did not become ready before its deadline."""
 
 
 @dataclass
@@ -91,27 +113,53 @@ class Proc:
 
 @dataclass
 class Processes:
-    """A group of child processes stopped by PID, in reverse start order, by `stop_all()`."""
+    """A group of child processes stopped by PID, in reverse start order, by `stop_all()`.
+
+    Also a context manager (`with Processes(workdir) as procs:`) that stops them on exit. After
+    `stop_all()` the group is empty and may start new processes.
+    """
 
     workdir: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, name: str, argv: Sequence[str]) -> Proc:
-        """Start `argv` with output to `<workdir>/<name>.log` (a file: a pipe nobody reads would
-        fill up and block the child)."""
+    def __enter__(self) -> Processes:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop_all()
+
+    def start(
+        self, name: str, argv: Sequence[str], *, src: Path | None = None, cwd: Path | None = None
+    ) -> Proc:
+        """Start `argv` in `cwd` with output to `<workdir>/<name>.log` (a file: a pipe nobody reads
+        would fill up and block the child). With `src` (see `child_env`) the child runs in `src`,
+        since `python -m` puts the working directory first on `sys.path`."""
         log = self.workdir / f"{name}.log"
         with log.open("wb") as out:
             popen = subprocess.Popen(
-                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=child_env()
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=child_env(src),
+                cwd=src or cwd,
             )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc
 
     def stop(self, proc: Proc, sig: int = signal.SIGTERM) -> int:
-        """Stop one process by its PID: `sig`, then SIGKILL if it has not exited in time."""
+        """Stop one process by its PID: `sig`, then SIGKILL if it has not exited in time.
+
+        SIGCONT follows `sig`, so a process a test has SIGSTOPped handles it at once.
+        """
         if proc.popen.poll() is None:
             proc.popen.send_signal(sig)
+            with contextlib.suppress(ProcessLookupError):
+                proc.popen.send_signal(signal.SIGCONT)
             try:
                 proc.popen.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -120,9 +168,20 @@ class Processes:
         return proc.popen.returncode
 
     def stop_all(self) -> None:
-        """Stop every process of the group (the finaliser of every fixture that starts one)."""
-        for proc in reversed(self.procs):
-            self.stop(proc)
+        """Stop every process of the group (the finaliser of every fixture that starts one).
+
+        A process that cannot be stopped does not keep the others running: all are tried, then
+        the first failure is raised.
+        """
+        procs, self.procs = self.procs, []
+        failures: list[BaseException] = []
+        for proc in reversed(procs):
+            try:
+                self.stop(proc)
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
 
 def wait_until(what: str, ready: Callable[[], bool], proc: Proc, timeout: float = START_TIMEOUT_S) -> None:
@@ -130,9 +189,9 @@ def wait_until(what: str, ready: Callable[[], bool], proc: Proc, timeout: float 
     deadline = time.monotonic() + timeout
     while not ready():
         if proc.popen.poll() is not None:
-            raise RuntimeError(f"waiting for {what}: {proc.describe_exit()}")
+            raise StartupError(f"waiting for {what}: {proc.describe_exit()}")
         if time.monotonic() > deadline:
-            raise TimeoutError(
+            raise StartupTimeout(
                 f"{what} not ready after {timeout}s; log of {proc.name}:\n{proc.log_text()[-4000:]}"
             )
         time.sleep(POLL_S)
@@ -142,6 +201,12 @@ def read_port_file(path: Path, proc: Proc) -> str:
     """The content of a port file once it exists (both writers create it atomically by rename)."""
     wait_until(f"port file {path.name}", path.exists, proc)
     return path.read_text()
+
+
+def fresh_port_file(path: Path) -> Path:
+    """`path`, with a stale file from an earlier run removed (it would be read as ready)."""
+    path.unlink(missing_ok=True)
+    return path
 
 
 def tcp_accepts(port: int, host: str = LOOPBACK) -> bool:
@@ -198,13 +263,26 @@ class Engine:
         return f"http://{LOOPBACK}:{self.port}"
 
 
-def start_engine(procs: Processes, name: str, *, token_delay_ms: float, seed: int = 0) -> Engine:
-    """`python -m rollout_grpc.sim --port 0 --port-file F`; ready once F exists."""
-    port_file = procs.workdir / f"{name}.port"
+def start_engine(
+    procs: Processes,
+    name: str,
+    *extra: str,
+    token_delay_ms: float,
+    seed: int = 0,
+    src: Path | None = None,
+    test_routes: bool = False,
+) -> Engine:
+    """`python -m rollout_grpc.sim --port 0 --port-file F ... EXTRA`; ready once F exists.
+
+    `extra` are more `rollout-grpc sim` flags (e.g. `--eos-probability 0`); `src` as in `child_env`.
+    `test_routes` runs `tests.support.sim_server` instead (the same engine plus the `/_sim/*`
+    routes), from the repository root.
+    """
+    port_file = fresh_port_file(procs.workdir / f"{name}.port")
     argv = [
         sys.executable,
         "-m",
-        "rollout_grpc.sim",
+        "tests.support.sim_server" if test_routes else "rollout_grpc.sim",
         "--port",
         "0",
         "--port-file",
@@ -213,8 +291,9 @@ def start_engine(procs: Processes, name: str, *, token_delay_ms: float, seed: in
         str(token_delay_ms),
         "--seed",
         str(seed),
+        *extra,
     ]
-    proc = procs.start(name, argv)
+    proc = procs.start(name, argv, src=src, cwd=REPO if test_routes else None)
     return Engine(proc, int(read_port_file(port_file, proc)))
 
 
@@ -226,6 +305,8 @@ class Replica:
     port: int
     health_port: int
     engines: list[str]
+    #: Everything the replica wrote to its port file (e.g. `openai` with `--openai-port`).
+    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def target(self) -> str:
@@ -254,17 +335,24 @@ class Replica:
 
 
 def start_replica(
-    procs: Processes, name: str, engines: Sequence[Engine], extra: Sequence[str] = ()
+    procs: Processes,
+    name: str,
+    engines: Sequence[Engine | str],
+    extra: Sequence[str] = (),
+    src: Path | None = None,
 ) -> Replica:
-    """`rollout-grpc serve --engine URL... --port 0 --health-port 0 --port-file F`."""
-    port_file = procs.workdir / f"{name}.json"
+    """`rollout-grpc serve --engine URL... --port 0 --health-port 0 --port-file F --log-format json`.
+
+    `engines` are engine processes or URLs; `src` as in `child_env`.
+    """
+    port_file = fresh_port_file(procs.workdir / f"{name}.json")
     argv = [*replica_command(), "serve", "--port", "0", "--health-port", "0", "--port-file", str(port_file)]
     for engine in engines:
-        argv += ["--engine", engine.url]
+        argv += ["--engine", engine if isinstance(engine, str) else engine.url]
     argv += ["--log-format", "json", *extra]
-    proc = procs.start(name, argv)
+    proc = procs.start(name, argv, src=src)
     info = json.loads(read_port_file(port_file, proc))
-    return Replica(proc, int(info["grpc"]), int(info["health"]), list(info["engines"]))
+    return Replica(proc, int(info["grpc"]), int(info["health"]), list(info["engines"]), info)
 
 
 @dataclass
@@ -320,14 +408,19 @@ def start_nginx(
     attempts: int = 5,
     template: Path = NGINX_TEMPLATE,
     extra: Mapping[str, str] | None = None,
+    *,
+    workers: int = 2,
+    name: str = "nginx",
 ) -> Nginx:
-    """nginx in front of `upstream_ports` on a free port below the ephemeral range.
+    """nginx (`workers` worker processes) in front of `upstream_ports` on a free port below the
+    ephemeral range.
 
-    Runs as `nginx -e stderr -p PREFIX -c PREFIX/rollout-grpc.conf`: the pid file, logs and temp
-    directories land in PREFIX, nothing in the system nginx directories is touched, and it works
-    unprivileged. Retries with another port when the chosen one was taken in the meantime.
+    Runs as `nginx -e stderr -p PREFIX -c PREFIX/rollout-grpc.conf` with PREFIX `<workdir>/<name>`:
+    the pid file, logs and temp directories land in PREFIX, nothing in the system nginx directories
+    is touched, and it works unprivileged. Retries with another port when the chosen one was taken
+    in the meantime.
     """
-    prefix = procs.workdir / "nginx"
+    prefix = procs.workdir / name
     prefix.mkdir(exist_ok=True)
     # As root, nginx workers run as `nobody` and must traverse the prefix to reach their temp dirs.
     prefix.chmod(0o755)
@@ -335,16 +428,16 @@ def start_nginx(
     last = ""
     for attempt in range(attempts):
         port = free_listen_port(rng)
-        conf.write_text(render_nginx_config(port, upstream_ports, template=template, extra=extra))
+        conf.write_text(render_nginx_config(port, upstream_ports, workers, template=template, extra=extra))
         argv = [nginx, "-e", "stderr", "-p", f"{prefix}/", "-c", str(conf)]
-        proc = procs.start(f"nginx-{attempt}", argv)
+        proc = procs.start(f"{name}-{attempt}", argv)
         try:
             wait_until(f"nginx on port {port}", functools.partial(tcp_accepts, port), proc)
-        except RuntimeError as exc:
+        except StartupError as exc:
             last = str(exc)
             if "Address already in use" in proc.log_text():  # taken since the check: next port
                 continue
             raise
 
         return Nginx(proc, port, prefix)
-    raise RuntimeError(f"nginx did not start after {attempts} attempts; last: {last}")
+    raise StartupError(f"nginx did not start after {attempts} attempts; last: {last}")

@@ -29,72 +29,87 @@ def shape_of(value: Any, *, trimmed: Iterable[str] = ()) -> Shape:
     return _shape(value, "$", frozenset(trimmed))
 
 
+#: Scalar JSON types and their shape names (bool before int: ``True`` is an ``int`` too).
+_SCALARS: tuple[tuple[type, str], ...] = ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"))
+
+
 def _shape(v: Any, path: str, trimmed: frozenset[str]) -> Shape:
     if path in trimmed:
         return "<trimmed>"
     if v is None:
         return "null"
-    if isinstance(v, bool):
-        return "bool"
-    if isinstance(v, int):
-        return "int"
-    if isinstance(v, float):
-        return "float"
-    if isinstance(v, str):
-        return "str"
+    for kind, name in _SCALARS:
+        if isinstance(v, kind):
+            return name
     if isinstance(v, list):
-        shapes: list[Shape] = []
-        for i, x in enumerate(v):
-            s = _shape(x, f"{path}[]", trimmed) if f"{path}[{i}]" not in trimmed else "<trimmed>"
-            if s not in shapes:
-                shapes.append(s)
-        return {"[]": shapes}
+        return _list_shape(v, path, trimmed)
     if isinstance(v, dict):
-        if v and all(isinstance(k, str) and k.isdigit() for k in v):
-            vals: list[Shape] = []
-            for x in v.values():
-                s = _shape(x, f"{path}.{{id}}", trimmed)
-                if s not in vals:
-                    vals.append(s)
-            return {"{id}": vals}
-        return {"{}": [[k, _shape(x, f"{path}.{k}", trimmed)] for k, x in v.items()]}
+        return _dict_shape(v, path, trimmed)
     raise TypeError(f"not a JSON value at {path}: {type(v).__name__}")
+
+
+def _distinct(shapes: Iterable[Shape]) -> list[Shape]:
+    out: list[Shape] = []
+    for s in shapes:
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def _list_shape(v: list[Any], path: str, trimmed: frozenset[str]) -> Shape:
+    return {
+        "[]": _distinct(
+            "<trimmed>" if f"{path}[{i}]" in trimmed else _shape(x, f"{path}[]", trimmed)
+            for i, x in enumerate(v)
+        )
+    }
+
+
+def _dict_shape(v: dict[Any, Any], path: str, trimmed: frozenset[str]) -> Shape:
+    if v and all(isinstance(k, str) and k.isdigit() for k in v):
+        return {"{id}": _distinct(_shape(x, f"{path}.{{id}}", trimmed) for x in v.values())}
+    return {"{}": [[k, _shape(x, f"{path}.{k}", trimmed)] for k, x in v.items()]}
 
 
 def shape_diff(expected: Shape, actual: Shape, path: str = "$") -> list[str]:
     """Human-readable differences between two shapes (empty when they match)."""
-    if expected == actual:
-        return []
-    if "<trimmed>" in (expected, actual):
+    if expected == actual or "<trimmed>" in (expected, actual):
         return []
     if isinstance(expected, dict) and isinstance(actual, dict):
         if "{}" in expected and "{}" in actual:
-            ek = [k for k, _ in expected["{}"]]
-            ak = [k for k, _ in actual["{}"]]
-            out: list[str] = []
-            if ek != ak:
-                missing = [k for k in ek if k not in ak]
-                extra = [k for k in ak if k not in ek]
-                if missing or extra:
-                    out.append(f"{path}: missing keys {missing}, extra keys {extra}")
-                else:
-                    out.append(f"{path}: key order {ak} != expected {ek}")
-            amap = dict(actual["{}"])
-            for k, es in expected["{}"]:
-                if k in amap:
-                    out.extend(shape_diff(es, amap[k], f"{path}.{k}"))
-            return out
+            return _object_diff(expected["{}"], actual["{}"], path)
         if "[]" in expected and "[]" in actual:
-            el, al = expected["[]"], actual["[]"]
-            if not el or not al:
-                return []  # an empty array matches any element shape
-            if len(el) == 1 and len(al) == 1:
-                return shape_diff(el[0], al[0], f"{path}[]")
-            unmatched = [a for a in al if all(shape_diff(e, a, path) for e in el)]
-            return [f"{path}[]: element shapes {unmatched} not among expected {el}"] if unmatched else []
+            return _array_diff(expected["[]"], actual["[]"], path)
         if "{id}" in expected and "{id}" in actual:
             return shape_diff({"[]": expected["{id}"]}, {"[]": actual["{id}"]}, f"{path}.{{id}}")
     return [f"{path}: {_brief(actual)} != expected {_brief(expected)}"]
+
+
+def _object_diff(expected: list[list[Any]], actual: list[list[Any]], path: str) -> list[str]:
+    ek = [k for k, _ in expected]
+    ak = [k for k, _ in actual]
+    out: list[str] = []
+    if ek != ak:
+        missing = [k for k in ek if k not in ak]
+        extra = [k for k in ak if k not in ek]
+        if missing or extra:
+            out.append(f"{path}: missing keys {missing}, extra keys {extra}")
+        else:
+            out.append(f"{path}: key order {ak} != expected {ek}")
+    amap = dict(actual)
+    for k, es in expected:
+        if k in amap:
+            out.extend(shape_diff(es, amap[k], f"{path}.{k}"))
+    return out
+
+
+def _array_diff(expected: list[Shape], actual: list[Shape], path: str) -> list[str]:
+    if not expected or not actual:
+        return []  # an empty array matches any element shape
+    if len(expected) == 1 and len(actual) == 1:
+        return shape_diff(expected[0], actual[0], f"{path}[]")
+    unmatched = [a for a in actual if all(shape_diff(e, a, path) for e in expected)]
+    return [f"{path}[]: element shapes {unmatched} not among expected {expected}"] if unmatched else []
 
 
 def _brief(s: Shape) -> str:

@@ -1,8 +1,12 @@
-"""Private ``/_sim/*`` routes: faults, stats and synchronisation hooks over HTTP.
+"""The simulator's ``/_sim/*`` test routes: faults, stats and synchronisation hooks over HTTP.
 
-Other test suites run the simulator in a subprocess (``python -m rollout_grpc.sim``), so every
-Python-side knob of ``SimEngine`` has an HTTP twin here. These routes do not exist on vLLM; a
-client under test must never call them.
+Test-side on purpose: they do not exist on vLLM and the service never calls them, so the installed
+package does not ship them. A test mounts them on a simulated engine with
+``SimEngine(config, extensions=[sim_admin.mount])`` (or ``create_app(..., extensions=[mount])``),
+and an engine in its own process gets them from ``python -m tests.support.sim_server`` (or
+``processes.start_engine(..., test_routes=True)``). In-process tests can use the same knobs from
+Python (``SimEngine.faults``, ``.stats``, ``.wait_for_tokens``); these routes are their HTTP twins,
+for an engine whose Python objects a test cannot reach.
 
 * ``GET /_sim/faults`` → the fault state; ``POST /_sim/faults`` merges a JSON object into it
   (``{"reset": true}`` clears everything first); unknown names → 400.
@@ -23,9 +27,12 @@ from typing import Any
 
 from aiohttp import web
 
-from .core import CORE_KEY, EngineCore
-from .errors import ApiError, json_response
-from .request import parse_json_bytes
+from rollout_grpc.sim.core import CORE_KEY, EngineCore
+from rollout_grpc.sim.errors import ApiError, json_response
+from rollout_grpc.sim.request import parse_json_bytes
+
+#: Where the routes live (the prefix vLLM never uses).
+PREFIX = "/_sim"
 
 
 def _core(request: web.Request) -> EngineCore:
@@ -125,3 +132,14 @@ async def wait(request: web.Request) -> web.StreamResponse:
     except TimeoutError:
         return json_response({"ok": False, **stats_dict(core)}, status=408)
     return json_response({"ok": True})
+
+
+def mount(app: web.Application) -> None:
+    """Add the ``/_sim/*`` routes to a simulated engine's app (an ``AppExtension``)."""
+    r = app.router
+    r.add_get(f"{PREFIX}/faults", get_faults)
+    r.add_post(f"{PREFIX}/faults", post_faults)
+    r.add_get(f"{PREFIX}/stats", get_stats)
+    r.add_post(f"{PREFIX}/stats/reset", reset_stats)
+    r.add_post(f"{PREFIX}/config", post_config)
+    r.add_post(f"{PREFIX}/wait", wait)
