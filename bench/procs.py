@@ -155,9 +155,17 @@ def _accepts(port: int) -> bool:
 
 
 def start_sim(
-    group: ProcessGroup, name: str, token_delay_ms: float, seed: int, src: Path | None = None
+    group: ProcessGroup,
+    name: str,
+    token_delay_ms: float,
+    seed: int,
+    src: Path | None = None,
+    extra: list[str] | None = None,
 ) -> str:
-    """A simulated vLLM engine in its own process (`python -m rollout_grpc.sim`); returns its URL."""
+    """A simulated vLLM engine in its own process (`python -m rollout_grpc.sim`); returns its URL.
+
+    `extra` flags come last, so they override the defaults here (argparse keeps the last value).
+    """
     port_file = group.workdir / f"{name}.port"
     child = group.start(
         name,
@@ -177,6 +185,7 @@ def start_sim(
             "0",
             "--max-model-len",
             "8192",
+            *(extra or []),
         ],
         port_file=port_file,
         parse="int",

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench import r3
+from bench import r3, r3_e2e
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PATH_ORDER = ("direct", "service", "nginx x2", "service final_only", "service text mode")
@@ -159,6 +159,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             *abort_table(results["abort"]),
             "",
         ]
+    if results.get("r3_e2e"):
+        lines += r3_e2e.markdown(results["r3_e2e"])
     if results.get("r3"):
         lines += [r3.markdown(results["r3"]), ""]
     if PROFILE_NOTES.exists():

@@ -13,6 +13,8 @@ kept for each path. The rows:
   of two replicas, when nginx and the template exist; left out otherwise (the report says so).
 * `bench/agentic.py`: the agent front door vs the engines' own `/v1/chat/completions`
   (`docs/benchmarks.agentic.md`).
+* `bench/r3_e2e.py`: a sample with its routed experts at 4k and 32k new tokens on a 48-layer x top-8
+  MoE engine, direct vs through the service (bytes received and time to the array).
 * extra service rows at concurrency 64 without delay: `final_only` (what `client.generate()` asks
   for: no deltas) and `text` mode (the service's default when the caller does not set `skip_text`).
 
@@ -54,9 +56,10 @@ from typing import Any
 import grpc
 import psutil
 
-from bench import agentic, load, procs, r3
+from bench import agentic, load, procs, r3, r3_e2e
 from bench.report import write_markdown, write_plot
 from rollout_grpc.client import AsyncRolloutClient
+from rollout_grpc.server.domain import GenerateOptions
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 NGINX_TEMPLATE = procs.REPO / "deploy" / "nginx" / "rollout-grpc.conf.template"
@@ -94,6 +97,9 @@ def plan(quick: bool) -> dict[float, list[Workload]]:
         20.0: [Workload(20, 1, 2, 2, 2), Workload(20, 64, 64, 2, 3), Workload(20, 512, 512, 2, 3)],
     }
 
+
+#: The service's per-call defaults, so that the report describes what was measured.
+DEFAULTS = GenerateOptions()
 
 ABORT_IN_FLIGHT = (256, 1024)
 ABORT_TOKEN_DELAY_MS = 100.0  # slow enough that 1024 streams do not saturate 2 cores before the abort
@@ -490,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": load.PROMPT_LEN,
             "engines": 2,
             "quick": args.quick,
-            "stream_batch": "16 tokens / 50 ms (the service defaults)",
+            "stream_batch": f"{DEFAULTS.stream_batch_tokens} tokens / "
+            f"{DEFAULTS.stream_batch_interval_s * 1000:g} ms (the service defaults)",
             "abort_token_delay_ms": ABORT_TOKEN_DELAY_MS,
         },
         "nginx_row": (
@@ -517,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
                 print("phase: abort-all", flush=True)
                 try:
                     results["abort"] = run_aborts(group, args.quick)
+                finally:
+                    group.close()
+            if not args.no_r3:
+                print("phase: R3 end to end (48 layers x top-8)", flush=True)
+                try:
+                    results["r3_e2e"] = r3_e2e.run(group, args.quick)
                 finally:
                     group.close()
     except procs.StartupError as exc:
