@@ -120,8 +120,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         "(`ignore_eos`), temperature 1, one logprob per token, streamed, token-in/token-out.",
         "* **direct**: an aiohttp client posting `/inference/v1/generate` (SSE) to the engines "
         "round-robin, as vime's streaming rollout does. **service**: the same requests through one "
-        "`rollout-grpc serve` process with `AsyncRolloutClient.generate_stream` (`skip_text`; deltas "
-        f"batched at {settings['stream_batch']}). "
+        "`rollout-grpc serve` process with `AsyncRolloutClient.generate_stream` (`skip_text`; deltas: "
+        f"{settings['stream_batch']}). "
         f"**nginx x2**: {results['nginx_row']}.",
         "* Extra rows at concurrency 64 without delay: **service final_only** (no deltas; what "
         "`AsyncRolloutClient.generate()` asks for) and **service text mode** (the default when "
