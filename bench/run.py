@@ -59,7 +59,7 @@ import grpc
 import psutil
 
 from bench import agentic, load, procs, r3, r3_e2e
-from bench.report import write_markdown, write_plot
+from bench.report import previous_summary, write_markdown, write_plot
 from rollout_grpc.client import AsyncRolloutClient
 from rollout_grpc.server.domain import GenerateOptions
 
@@ -554,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         results["agentic"] = agentic.run(quick=args.quick)
     results["duration_s"] = round(time.monotonic() - started, 1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    previous = args.out_dir / "benchmarks.json"
+    if previous.exists() and not args.quick:
+        results["previous"] = previous_summary(json.loads(previous.read_text()))
     (args.out_dir / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
     if "r3" in results:
         r3.write(results["r3"], args.out_dir)
