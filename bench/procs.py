@@ -43,10 +43,16 @@ __all__ = [
 
 
 def start_sim(
-    group: Processes, name: str, token_delay_ms: float, seed: int, src: Path | None = None
+    group: Processes,
+    name: str,
+    token_delay_ms: float,
+    seed: int,
+    src: Path | None = None,
+    extra: list[str] | None = None,
 ) -> Engine:
     """A simulated vLLM engine in its own process (`python -m rollout_grpc.sim`) that never stops
-    early (EOS off) and takes long prompts."""
+    early (EOS off) and takes long prompts. `extra` flags come last, so they override the defaults
+    here (argparse keeps the last value)."""
     return start_engine(
         group,
         name,
@@ -54,6 +60,7 @@ def start_sim(
         "0",
         "--max-model-len",
         "8192",
+        *(extra or []),
         token_delay_ms=token_delay_ms,
         seed=seed,
         src=src,

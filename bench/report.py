@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench import r3
+from bench import r3, r3_e2e
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PATH_ORDER = ("direct", "service", "nginx x2", "service final_only", "service text mode")
@@ -98,6 +98,65 @@ def abort_table(aborts: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def previous_summary(old: dict[str, Any]) -> dict[str, Any]:
+    """What a later run compares itself with: the ratios, TTFTs and abort times of `old`."""
+    env = old.get("environment", {})
+    return {
+        "commit": env.get("commit", "?"),
+        "date": env.get("date", "?"),
+        "rows": {
+            f"{row['workload']} | {row['path']}": {
+                "ratio_tokens_per_s": row.get("ratio_tokens_per_s"),
+                "ttft_p50_ms": row.get("ttft_p50_ms"),
+            }
+            for row in old.get("rows", [])
+            if row["path"] != "direct"
+        },
+        "abort": {
+            f"{a['in_flight']} | {a['path']}": a.get("error") or round(a["last_delivery_s"] * 1000, 1)
+            for a in old.get("abort", [])
+        },
+    }
+
+
+def previous_table(results: dict[str, Any]) -> list[str]:
+    """This run against the previous `docs/benchmarks.json` (ratios made within each run)."""
+    prev = results["previous"]
+    out = [
+        "## Against the previous run",
+        "",
+        f"The previous `docs/benchmarks.json` (commit {prev['commit']}, {prev['date']}) against this run. "
+        "Tokens/s ratios are service over direct within each run (each run's machine load cancels out); "
+        "TTFT and abort times are absolute, so they also move with the load of the shared machine.",
+        "",
+        "| engine delay | conc. | path | tokens/s vs direct, before | now | TTFT p50 ms, before | now |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for row in _sorted_rows([r for r in results["rows"] if r["path"] != "direct"]):
+        before = prev["rows"].get(f"{row['workload']} | {row['path']}")
+        if before is None:
+            continue
+        out.append(
+            f"| {row['token_delay_ms']:g} ms | {row['concurrency']} | {row['path']} "
+            f"| {_num(before['ratio_tokens_per_s'], '.2f')} | {_num(row.get('ratio_tokens_per_s'), '.2f')} "
+            f"| {_num(before['ttft_p50_ms'], ',.1f')} | {_num(row['ttft_p50_ms'], ',.1f')} |"
+        )
+    if results.get("abort") and prev["abort"]:
+        out += [
+            "",
+            "| in flight | path | last ABORTED sample ms, before | now |",
+            "| ---: | --- | ---: | ---: |",
+        ]
+        for row in results["abort"]:
+            key = f"{row['in_flight']} | {row['path']}"
+            before = prev["abort"].get(key, "-")
+            now = row.get("error") or f"{row['last_delivery_s'] * 1000:,.1f}"
+            was = before if isinstance(before, str) else f"{before:,.1f}"
+            out.append(f"| {row['in_flight']} | {row['path']} | {was[:80]} | {now[:80]} |")
+    out.append("")
+    return out
+
+
 def write_markdown(results: dict[str, Any], path: Path) -> None:
     """docs/benchmarks.md: how it was measured, the tables, R3, and the profile notes if present."""
     env = results["environment"]
@@ -159,6 +218,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             *abort_table(results["abort"]),
             "",
         ]
+    if results.get("previous"):
+        lines += previous_table(results)
+    if results.get("r3_e2e"):
+        lines += r3_e2e.markdown(results["r3_e2e"])
     if results.get("r3"):
         lines += [r3.markdown(results["r3"]), ""]
     if PROFILE_NOTES.exists():

@@ -15,6 +15,8 @@ kept for each path. The rows:
   of two replicas, when nginx and the template exist; left out otherwise (the report says so).
 * `bench/agentic.py`: the agent front door vs the engines' own `/v1/chat/completions`
   (`docs/benchmarks.agentic.md`).
+* `bench/r3_e2e.py`: a sample with its routed experts at 4k and 32k new tokens on a 48-layer x top-8
+  MoE engine, direct vs through the service (bytes received and time to the array).
 * extra service rows at concurrency 64 without delay: `final_only` (what `client.generate()` asks
   for: no deltas) and `text` mode (the service's default when the caller does not set `skip_text`).
 
@@ -56,8 +58,8 @@ from typing import Any
 import grpc
 import psutil
 
-from bench import agentic, load, procs, r3
-from bench.report import write_markdown, write_plot
+from bench import agentic, load, procs, r3, r3_e2e
+from bench.report import previous_summary, write_markdown, write_plot
 from rollout_grpc.client import AsyncRolloutClient
 from rollout_grpc.server.domain import GenerateOptions
 
@@ -493,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
                     results["abort"] = run_aborts(group, args.quick)
                 finally:
                     group.stop_all()
+            if not args.no_r3:
+                print("phase: R3 end to end (48 layers x top-8)", flush=True)
+                try:
+                    results["r3_e2e"] = r3_e2e.run(group, args.quick)
+                finally:
+                    group.stop_all()
     except procs.StartupError as exc:
         print(f"a process did not start: {exc}", file=sys.stderr)
         return 1
@@ -508,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         results["agentic"] = agentic.run(quick=args.quick)
     results["duration_s"] = round(time.monotonic() - started, 1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    previous = args.out_dir / "benchmarks.json"
+    if previous.exists() and not args.quick:
+        results["previous"] = previous_summary(json.loads(previous.read_text()))
     (args.out_dir / "benchmarks.json").write_text(json.dumps(results, indent=2) + "\n")
     if "r3" in results:
         r3.write(results["r3"], args.out_dir)

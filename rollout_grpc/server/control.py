@@ -149,6 +149,12 @@ def _split(engines: Sequence[EngineHandle]) -> tuple[list[EngineHandle], FleetRe
     return asked, result
 
 
+#: How long after a late resume the engine is asked again whether a late pause paused it.
+LATE_PAUSE_SETTLE_S = 1.0
+#: Upper bound of the wait between late resumes of an engine that does not answer.
+LATE_RESUME_MAX_BACKOFF_S = 5.0
+
+
 class _AbortAllWindow:
     """One Abort(all)'s window on the Rollout (new generations end ABORTED), closed exactly once."""
 
@@ -207,6 +213,8 @@ class Control:
         self._resume_attempts = resume_attempts
         self._peer_abort = peer_abort
         self._background: set[asyncio.Task[None]] = set()
+        #: Bumped by every Pause: a late resume started before it must not undo it.
+        self._pause_epoch = 0
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a background task (late resumes), kept referenced and cancelled by `close()`."""
@@ -286,18 +294,34 @@ class Control:
             raise
 
     async def _resume_later(self, engine: EngineHandle) -> None:
-        """Best-effort resume of an engine whose pause did not answer in time.
+        """Resume, in the background, an engine whose pause or resume did not answer in time.
 
-        A hung engine may still read the pause once it wakes up; a paused vLLM holds every new
-        request, so it is resumed in the background (the RPC has already answered).
+        A hung engine still runs the unanswered pause when it wakes up (the request waits in its
+        socket buffer), possibly after this resume, and a paused vLLM holds every new request. So
+        the engine is resumed until it answers, then asked `/is_paused` once more after
+        `LATE_PAUSE_SETTLE_S` and resumed again while it reports paused. It stops when a caller
+        pauses the engines on purpose (Pause) or at `close()`.
         """
-        try:
-            await self._resume_one(engine)
-            log.info("engine_resumed_late", engine=engine.url)
-        except _StepFailed as exc:
-            log.warning("engine_resume_failed", engine=engine.url, error=str(exc.cause))
-        except Exception as exc:  # e.g. the HTTP session closed at shutdown: nothing left to do
-            log.warning("engine_resume_failed", engine=engine.url, error=repr(exc))
+        epoch = self._pause_epoch
+        backoff_s = 0.1
+        while epoch == self._pause_epoch:
+            try:
+                await engine.client.resume()
+                await asyncio.sleep(LATE_PAUSE_SETTLE_S)
+                if epoch != self._pause_epoch or not await engine.client.is_paused():
+                    log.info("engine_resumed_late", engine=engine.url)
+                    return
+                log.warning("engine_paused_late", engine=engine.url)
+            except EngineRejected as exc:  # e.g. no dev mode: asking again cannot help
+                log.warning("engine_resume_failed", engine=engine.url, error=str(exc))
+                return
+            except EngineError as exc:
+                log.warning("engine_resume_failed", engine=engine.url, error=str(exc))
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, LATE_RESUME_MAX_BACKOFF_S)
+            except Exception as exc:  # e.g. the HTTP session closed at shutdown: nothing left to do
+                log.warning("engine_resume_failed", engine=engine.url, error=repr(exc))
+                return
 
     # ----------------------------------------------------------------------------- abort
 
@@ -460,6 +484,7 @@ class Control:
         """Pause every engine (`abort`, `wait` or `keep`); fails when no engine paused."""
         if mode not in PAUSE_MODES:
             raise InvalidArgument("mode", f"must be one of ABORT, WAIT, KEEP; got {mode!r}")
+        self._pause_epoch += 1
         if mode == "abort":
             for entry in self._registry.all():
                 entry.request_abort("pause abort")

@@ -7,14 +7,17 @@ deadline; and when no engine did what was asked the RPC fails loudly, with what 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
+from aiohttp import web
 
 from rollout_grpc.client import AsyncRolloutClient, EngineErrors, pb
 from tests.faults.support import (
@@ -213,3 +216,91 @@ async def test_a_silent_peer_delays_a_session_abort_by_at_most_the_deadline() ->
         response = await client.abort(session_id="sess")
         assert time.monotonic() - began < DEADLINE_S + SLACK_S
         assert response.aborted == 0
+
+
+# ------------------------------------------------------------------------------ a pause that lands late
+
+
+@contextlib.asynccontextmanager
+async def late_pause_engine(late_s: float) -> AsyncIterator[LatePause]:
+    """An engine whose /pause takes effect `late_s` after it was asked, answered or not.
+
+    What a SIGSTOPped vLLM does when it wakes up: the pause request whose caller gave up is still in
+    its socket buffer and is executed then — possibly after the resume sent in the meantime.
+    """
+    state = LatePause()
+
+    async def pause(request: web.Request) -> web.Response:
+        async def land() -> None:
+            await asyncio.sleep(late_s)  # the fault: the pause takes effect late
+            state.paused = True
+            state.landed.set()
+
+        state.pending = asyncio.ensure_future(land())  # runs even when the caller hangs up
+        await asyncio.shield(state.pending)
+        return web.json_response({"status": "paused"})
+
+    async def resume(request: web.Request) -> web.Response:
+        state.paused = False
+        if state.landed.is_set():
+            state.resumed_after_landing.set()
+        return web.json_response({"status": "resumed"})
+
+    async def is_paused(request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": state.paused})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/pause", pause)
+    app.router.add_post("/resume", resume)
+    app.router.add_get("/is_paused", is_paused)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        state.url = f"http://127.0.0.1:{port}"
+        yield state
+    finally:
+        if state.pending is not None:
+            state.pending.cancel()
+        await runner.cleanup()
+
+
+@dataclass
+class LatePause:
+    """What the late-pause engine went through."""
+
+    url: str = ""
+    paused: bool = False
+    landed: asyncio.Event = field(default_factory=asyncio.Event)
+    resumed_after_landing: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: asyncio.Future[None] | None = None
+
+
+async def test_an_engine_whose_pause_lands_after_the_deadline_is_resumed_again() -> None:
+    """Abort(all) resumes every engine; a pause that takes effect after that resume must not win.
+
+    Seen on real vLLM (tests/vllm/test_vllm_faults.py): after a SIGSTOP, the engine woke up, ran the
+    unanswered pause and stayed paused, holding every later request until its caller's deadline.
+    """
+    deadline_s = 0.5
+    async with (
+        sim_engines(1) as sims,
+        late_pause_engine(late_s=2 * deadline_s) as late,
+        running_server(
+            [sims[0].url, late.url], control_deadline_s=deadline_s, health_interval_s=60.0
+        ) as server,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}") as client,
+    ):
+        server.pool.engines[1].healthy = True  # whatever its start-up probes made of the stub
+        response = await client.abort(all=True, raise_on_engine_errors=False)
+        assert [e.engine for e in response.engine_errors] == [late.url]
+        await asyncio.wait_for(late.landed.wait(), 10)
+        # The pause landed after the abort's resume: the replica must notice and resume again.
+        await asyncio.wait_for(late.resumed_after_landing.wait(), 10)
+        assert not late.paused

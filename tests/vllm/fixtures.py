@@ -3,9 +3,10 @@
     pytest_plugins = ["tests.vllm.fixtures"]
 
 (``tools/vllm/run_tier.sh`` also passes ``-p tests.vllm.fixtures``; registering a plugin twice is a
-no-op.) Fixtures, all session-scoped, each the base URL ``http://127.0.0.1:PORT`` of a real vLLM 0.32
-server: ``vllm_dense_url`` (tiny-llama), ``vllm_moe_url`` (tiny-qwen3moe), ``vllm_vl_url``
-(tiny-qwen2vl); ``vllm_servers`` is the :class:`VllmServerManager` itself.
+no-op.) Fixtures, each the base URL ``http://127.0.0.1:PORT`` of a real vLLM 0.32 server (running
+when the test gets it; the servers live for the session): ``vllm_dense_url`` (tiny-llama),
+``vllm_moe_url`` (tiny-qwen3moe), ``vllm_vl_url`` (tiny-qwen2vl); ``vllm_servers`` (session-scoped)
+is the :class:`VllmServerManager` itself.
 
 Without ``ROLLOUT_VLLM=1`` (plain ``make test``) every one of them skips, so nothing starts vLLM.
 
@@ -171,19 +172,24 @@ def vllm_servers() -> Generator[VllmServerManager, None, None]:
     mgr.stop_all()
 
 
-@pytest.fixture(scope="session")
+# The URL fixtures are function-scoped on purpose: a session-cached value would hand a later test the
+# address of a server evicted meanwhile (at most ROLLOUT_VLLM_MAX_SERVERS run at once). Asking the
+# manager for every test restarts an evicted server on its port; when it is running that is free.
+
+
+@pytest.fixture
 def vllm_dense_url(vllm_servers: VllmServerManager) -> str:
     """tiny-llama (LlamaForCausalLM), ``--max-model-len 4096``."""
     return _url("dense")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def vllm_moe_url(vllm_servers: VllmServerManager) -> str:
     """tiny-qwen3moe (Qwen3MoeForCausalLM, 8 experts top-2), ``--max-model-len 4096``."""
     return _url("moe")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def vllm_vl_url(vllm_servers: VllmServerManager) -> str:
     """tiny-qwen2vl (Qwen2VLForConditionalGeneration), ``--max-model-len 1024``, up to 2 images."""
     return _url("vl")
