@@ -29,6 +29,7 @@ class FakeManager:
     def __init__(self):
         self.calls = 0
         self.events = []
+        self.starts = {"dense": 0, "moe": 0, "vl": 0}  # read by the tier's end-of-run summary
 
     def running_kinds(self):
         return ["dense", "moe", "vl"]
