@@ -51,11 +51,9 @@ async def test_image_sample_generates_aborts_and_continues(
         while (await h.client.server_info()).in_flight < 1:  # until the call is on an engine
             assert time.monotonic() < deadline, "the generate call never got in flight"
             await asyncio.sleep(0.005)
-        # By session, not abort_all: on real vLLM 0.32 an abort-all (pause in abort mode, which clears
-        # the engine's caches) makes every later generate with these features fail: the engine logs
-        # "Multi-modal cache miss ... P0/P1 cache drift; returning a retryable response" and the
-        # service does not retry it yet (the simulator does not model that cache).
-        await h.client.abort(session_id="img-1")
+        # Abort(all) pauses the engines in abort mode, which clears vLLM's multimodal cache: the
+        # continuation must still generate (the service resends the image's tensors).
+        await slime.abort_all(args)
         first = await asyncio.wait_for(task, 30)
         assert first.status is Sample.Status.ABORTED and first.tokens
         before = list(first.tokens)
