@@ -17,29 +17,15 @@ import zlib
 
 import grpc
 import pytest
-from grpc_status import rpc_status
 from PIL import Image
 
 from rollout_grpc.client import image_part, make_sample, pb
 from rollout_grpc.server.app import RolloutServer, ServerConfig
 from tests.harness import harness, running_server, sim_engines
+from tests.support.service import field_violation
 
 PROMPT = [1, 92, 510, 206, 62, 79, 286, 317, 835, 1301]
 GENERATE = "/rollout.v1.RolloutService/Generate"
-
-
-def field_violation(error: grpc.aio.AioRpcError) -> str:
-    """The field named by the BadRequest detail of an INVALID_ARGUMENT."""
-    from google.rpc import error_details_pb2
-
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
-    status = rpc_status.from_call(error)
-    assert status is not None
-    for detail in status.details:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            return str(bad.field_violations[0].field)
-    raise AssertionError(f"no BadRequest detail in {error}")
 
 
 # ------------------------------------------------------------------------------------ request ids

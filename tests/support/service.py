@@ -40,6 +40,7 @@ async def collect(
 
 def field_violation(err: grpc.aio.AioRpcError) -> str:
     """The BadRequest field named by an INVALID_ARGUMENT error."""
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
     status = rpc_status.from_call(err)
     assert status is not None
     for detail in status.details:
