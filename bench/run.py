@@ -61,7 +61,7 @@ import psutil
 from bench import agentic, load, procs, r3, r3_e2e
 from bench.report import previous_summary, write_markdown, write_plot
 from rollout_grpc.client import AsyncRolloutClient
-from rollout_grpc.server.domain import GenerateOptions
+from rollout_grpc.server.domain.model import GenerateOptions
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 NGINX_TEMPLATE = procs.REPO / "deploy" / "nginx" / "rollout-grpc.conf.template"

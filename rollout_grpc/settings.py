@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from rollout_grpc.server.app import ServerConfig
-from rollout_grpc.server.domain import GenerateOptions
+from rollout_grpc.server.domain.model import GenerateOptions
 
 ENV_PREFIX: Final = "ROLLOUT_GRPC_"
 

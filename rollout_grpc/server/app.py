@@ -28,26 +28,28 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.server import bounds, decoding, domain
-from rollout_grpc.server.auth import AuthConfig, AuthInterceptor, TokenStore
-from rollout_grpc.server.calls import CallInterceptor, TimedAdmission, log_generate
-from rollout_grpc.server.capabilities import CapabilityChecker
-from rollout_grpc.server.control import Control
-from rollout_grpc.server.engines import EnginePool
-from rollout_grpc.server.httplog import engine_call_logging
-from rollout_grpc.server.identity import Role
-from rollout_grpc.server.inflight import InFlightRegistry
-from rollout_grpc.server.limits import ControlRateLimiter, LimitsInterceptor, RequestLimits
-from rollout_grpc.server.metrics import Metrics, MetricsEndpoint
-from rollout_grpc.server.openai_front import FrontDoorConfig, OpenAIFrontDoor
-from rollout_grpc.server.peers import PeerAborter
-from rollout_grpc.server.render import RenderService
-from rollout_grpc.server.replica import ReplicaServicer
-from rollout_grpc.server.rollout import Rollout, RolloutConfig
-from rollout_grpc.server.service import RolloutServicer
-from rollout_grpc.server.tls import TlsConfig, peer_channel_credentials, server_credentials
-from rollout_grpc.server.trajectory import TrajectoryStore
-from rollout_grpc.server.vllm import EngineTimeouts
+from rollout_grpc.server.domain import bounds
+from rollout_grpc.server.domain import model as domain
+from rollout_grpc.server.domain.identity import Role
+from rollout_grpc.server.domain.trajectory import TrajectoryStore
+from rollout_grpc.server.engines.capabilities import CapabilityChecker
+from rollout_grpc.server.engines.pool import EnginePool
+from rollout_grpc.server.engines.vllm.adapter import EngineTimeouts
+from rollout_grpc.server.facade.calls import CallInterceptor, TimedAdmission, log_generate
+from rollout_grpc.server.front.grpc import decoding
+from rollout_grpc.server.front.grpc.peers import PeerAborter
+from rollout_grpc.server.front.grpc.replica import ReplicaServicer
+from rollout_grpc.server.front.grpc.service import RolloutServicer
+from rollout_grpc.server.front.openai.server import FrontDoorConfig, OpenAIFrontDoor
+from rollout_grpc.server.observe.httplog import engine_call_logging
+from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
+from rollout_grpc.server.rollout.control import Control
+from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
+from rollout_grpc.server.rollout.inflight import InFlightRegistry
+from rollout_grpc.server.rollout.render import RenderService
+from rollout_grpc.server.security.auth import AuthConfig, AuthInterceptor, TokenStore
+from rollout_grpc.server.security.limits import ControlRateLimiter, LimitsInterceptor, RequestLimits
+from rollout_grpc.server.security.tls import TlsConfig, peer_channel_credentials, server_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -339,7 +341,7 @@ class RolloutServer:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         if self._tracer_provider is None and cfg.otlp_endpoint:
             try:
-                from rollout_grpc.server.tracing import otlp_provider
+                from rollout_grpc.server.observe.tracing import otlp_provider
             except ImportError as exc:
                 raise RuntimeError(
                     "--otlp-endpoint needs the tracing extra: pip install 'rollout-grpc[tracing]'"
@@ -348,7 +350,7 @@ class RolloutServer:
         trace_configs = [engine_call_logging()]
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self._tracer_provider is not None:
-            from rollout_grpc.server.tracing import TracingInterceptor, engine_tracing
+            from rollout_grpc.server.observe.tracing import TracingInterceptor, engine_tracing
 
             trace_configs.append(engine_tracing(self._tracer_provider))
             interceptors.append(TracingInterceptor(self._tracer_provider))

@@ -34,7 +34,7 @@ from google.rpc import error_details_pb2, status_pb2
 from PIL import Image
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb, routed_experts_array
-from rollout_grpc.server import redact
+from rollout_grpc.server.security import redact
 from tests.harness import Harness, harness
 
 pytestmark = [pytest.mark.crosslang, pytest.mark.asyncio(loop_scope="module")]

@@ -12,8 +12,8 @@ import re
 import subprocess
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc.server import bounds
 from rollout_grpc.server.app import ServerConfig
+from rollout_grpc.server.domain import bounds
 from tests.support.processes import REPO, replica_command
 
 K8S = REPO / "deploy" / "k8s"
@@ -148,9 +148,9 @@ async def test_grafana_dashboard_queries_only_metrics_the_server_exports() -> No
 
     import aiohttp
 
-    from rollout_grpc.server.admission import Admission
-    from rollout_grpc.server.engines import EnginePool
-    from rollout_grpc.server.metrics import PREFIX, Metrics
+    from rollout_grpc.server.engines.pool import EnginePool
+    from rollout_grpc.server.observe.metrics import PREFIX, Metrics
+    from rollout_grpc.server.rollout.admission import Admission
 
     dashboard = json.loads((REPO / "deploy" / "grafana" / "rollout-grpc.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]

@@ -35,7 +35,7 @@ TOKEN_DELAY_MS = 10.0
 SHORT = 40
 LONG = 3000
 GRACE_S = 4.0
-#: The replica's own bound from SIGTERM to exit (rollout_grpc/server/bounds.py), the one
+#: The replica's own bound from SIGTERM to exit (rollout_grpc/server/domain/bounds.py), the one
 #: deploy/k8s is checked against. Exceeding it means it hung.
 EXIT_BOUND_S = ServerConfig(engines=[], grace_s=GRACE_S).shutdown_bound_s()
 

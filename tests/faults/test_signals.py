@@ -1,6 +1,6 @@
 """Signals on a replica process: SIGHUP never kills it; SIGTERM with a hung engine keeps its bound.
 
-The bound is `ServerConfig.shutdown_bound_s()` (rollout_grpc/server/bounds.py), the same number
+The bound is `ServerConfig.shutdown_bound_s()` (rollout_grpc/server/domain/bounds.py), the same number
 deploy/k8s's terminationGracePeriodSeconds is checked against.
 """
 

@@ -163,7 +163,7 @@ async def test_image_limits_in_pixels_and_bytes_are_the_configured_ones() -> Non
 async def test_images_are_decoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """The replica's image checks run in a worker thread (the in-process simulator decodes too,
     on its own: only the replica's module is watched)."""
-    from rollout_grpc.server import render
+    from rollout_grpc.server.rollout import render
 
     loop_thread = threading.get_ident()
     opened_on: list[int] = []

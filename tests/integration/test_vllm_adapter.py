@@ -11,8 +11,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from rollout_grpc.server.domain import MultimodalFeatures, MultimodalItem, SamplingParams
-from rollout_grpc.server.engine_api import (
+from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem, SamplingParams
+from rollout_grpc.server.engines.api import (
     EngineCall,
     EngineDelta,
     EngineFinal,
@@ -20,7 +20,7 @@ from rollout_grpc.server.engine_api import (
     EngineMalformed,
     MediaCacheMiss,
 )
-from rollout_grpc.server.vllm import EngineTimeouts, VllmEngine
+from rollout_grpc.server.engines.vllm.adapter import EngineTimeouts, VllmEngine
 from rollout_grpc.sim import SimConfig, SimEngine
 
 CALL = EngineCall("r", 0, [1, 2, 3], SamplingParams(temperature=0), 4, 0, want_text=False)

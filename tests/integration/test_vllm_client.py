@@ -6,7 +6,7 @@ import asyncio
 
 import aiohttp
 
-from rollout_grpc.server.vllm import EngineTimeouts, VllmEngine
+from rollout_grpc.server.engines.vllm.adapter import EngineTimeouts, VllmEngine
 from rollout_grpc.sim import SimConfig, SimEngine
 from tests.support.service import PROMPT
 

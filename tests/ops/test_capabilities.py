@@ -8,9 +8,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import SERVICE_NAME
-from rollout_grpc.server.capabilities import classify
-from rollout_grpc.server.engine_api import EngineCapabilities
-from rollout_grpc.server.vllm_info import ServerInfo, parse_server_info
+from rollout_grpc.server.engines.api import EngineCapabilities
+from rollout_grpc.server.engines.capabilities import classify
+from rollout_grpc.server.engines.vllm.info import ServerInfo, parse_server_info
 from tests.harness import harness, running_server, sim_engines
 
 

@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client import make_sample, pb
 from rollout_grpc.server.app import RolloutServer, ServerConfig
-from rollout_grpc.server.calls import CallRecord
+from rollout_grpc.server.facade.calls import CallRecord
 from rollout_grpc.sim.app import RECEIVED_HEADERS
 from tests.harness import Harness, harness, sim_engines
 

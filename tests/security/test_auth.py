@@ -15,8 +15,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.app import RolloutServer
-from rollout_grpc.server.auth import TokenFileError, TokenStore, parse_tokens
-from rollout_grpc.server.redact import engine_label
+from rollout_grpc.server.security.auth import TokenFileError, TokenStore, parse_tokens
+from rollout_grpc.server.security.redact import engine_label
 from tests.harness import running_server, sim_engines
 from tests.security.credentials import ADMIN, PEER, TRAINER_A, Pki
 from tests.support.service import PROMPT

@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample
 from rollout_grpc.server.app import RolloutServer
-from rollout_grpc.server.redact import engine_label
+from rollout_grpc.server.security.redact import engine_label
 from tests.harness import running_server, sim_engines
 from tests.security.certs import CertAuthority
 from tests.security.credentials import ADMIN, PEER, TRAINER_A, TRAINER_B, Pki

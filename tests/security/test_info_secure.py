@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollout_grpc.cli import main
-from rollout_grpc.server.redact import engine_label
+from rollout_grpc.server.security.redact import engine_label
 from tests.harness import running_server, sim_engines
 from tests.security.credentials import ADMIN, TRAINER_A, Pki
 

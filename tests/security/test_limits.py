@@ -10,8 +10,8 @@ import pytest
 from google.protobuf import struct_pb2
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
-from rollout_grpc.server.errors import ResourceExhausted
-from rollout_grpc.server.limits import ControlRateLimiter
+from rollout_grpc.server.domain.errors import ResourceExhausted
+from rollout_grpc.server.security.limits import ControlRateLimiter
 from tests.harness import harness, running_server, sim_engines
 from tests.security.credentials import TRAINER_A, TRAINER_B
 from tests.support.service import PROMPT, SLOW_SIM, field_violation, start_stream, started

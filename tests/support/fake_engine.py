@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from types import EllipsisType
 from typing import Any
 
-from rollout_grpc.server.domain import WeightSpan
-from rollout_grpc.server.engine_api import (
+from rollout_grpc.server.domain.model import WeightSpan
+from rollout_grpc.server.engines.api import (
     EngineCall,
     EngineDelta,
     EngineEvent,

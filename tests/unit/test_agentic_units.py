@@ -10,11 +10,11 @@ import pytest
 
 from rollout_grpc.client import make_sample, pb
 from rollout_grpc.client.multiturn import append_observation, turn_params
-from rollout_grpc.server.domain import Finish, RoutedExperts, Status, WeightSpan
-from rollout_grpc.server.errors import InvalidArgument, ResourceExhausted, Unavailable
-from rollout_grpc.server.openai_protocol import OpenAIError, finish_reason, from_domain, sampling_params
-from rollout_grpc.server.tools import HermesToolParser, NoToolParser, get_parser, held_back
-from rollout_grpc.server.trajectory import Session, Turn, extends, splice, to_samples
+from rollout_grpc.server.domain.errors import InvalidArgument, ResourceExhausted, Unavailable
+from rollout_grpc.server.domain.model import Finish, RoutedExperts, Status, WeightSpan
+from rollout_grpc.server.domain.trajectory import Session, Turn, extends, splice, to_samples
+from rollout_grpc.server.front.openai.protocol import OpenAIError, finish_reason, from_domain, sampling_params
+from rollout_grpc.server.front.openai.tools import HermesToolParser, NoToolParser, get_parser, held_back
 
 
 def test_hermes_parses_calls_and_the_content_before_them() -> None:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_grpc.server.control import (
+from rollout_grpc.server.domain.errors import FailedPrecondition, Unavailable
+from rollout_grpc.server.engines.api import EngineRejected, EngineRequestFailed, EngineUnavailable
+from rollout_grpc.server.rollout.control import (
     DEV_MODE_HINT,
     Failure,
     FleetResult,
     attempt_request_ids,
     describe_failure,
 )
-from rollout_grpc.server.engine_api import EngineRejected, EngineRequestFailed, EngineUnavailable
-from rollout_grpc.server.errors import FailedPrecondition, Unavailable
 
 URL = "http://engine:8000"
 

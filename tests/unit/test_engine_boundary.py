@@ -11,9 +11,8 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_grpc.server import vllm
-from rollout_grpc.server.domain import SamplingParams
-from rollout_grpc.server.engine_api import (
+from rollout_grpc.server.domain.model import SamplingParams
+from rollout_grpc.server.engines.api import (
     EngineCall,
     EngineDelta,
     EngineFinal,
@@ -22,8 +21,9 @@ from rollout_grpc.server.engine_api import (
     EngineRequestFailed,
     FinishKind,
 )
+from rollout_grpc.server.engines.vllm import adapter as vllm
 
-SERVER = Path(vllm.__file__).parent
+SERVER = Path(vllm.__file__).parents[2]
 #: vLLM wire-format keys that must appear as string literals only in the adapter (our own proto
 #: shares some words, e.g. `stop_reason`, so these are vLLM-only names, matched exactly) ...
 VLLM_KEYS = frozenset(
@@ -48,21 +48,23 @@ VLLM_FRAGMENTS = ("generate-tokens-", "/inference/", "/server_info", "/pause", "
 
 #: Modules allowed to name vLLM's wire format, and why.
 ALLOWED: dict[str, str] = {
-    "vllm.py": "the adapter",
-    "vllm_info.py": "adapter-side: parses /server_info and /v1/models for the capability check",
-    "vllm_chat.py": "adapter-side: the chat render of the OpenAI front door",
-    "capabilities.py": "classifies vLLM engines; its messages name the exact vLLM flag and route to fix",
-    "openai_front.py": "speaks OpenAI's chat-completions format to harnesses (its keys are OpenAI's)",
-    "openai_protocol.py": "OpenAI's request and response format (shares key names with vLLM's)",
+    "engines/vllm/": "the vLLM adapter",
+    "engines/capabilities.py": "classifies vLLM engines; its messages name the exact vLLM flag and route to fix",
+    "front/openai/": "speaks OpenAI's chat-completions format to harnesses (its keys are OpenAI's)",
 }
 
 
-@pytest.mark.parametrize("path", sorted(p.name for p in SERVER.glob("*.py") if p.name not in ALLOWED))
+def _checked_modules() -> list[str]:
+    paths = (p.relative_to(SERVER).as_posix() for p in SERVER.rglob("*.py"))
+    return sorted(p for p in paths if not p.startswith(tuple(ALLOWED)))
+
+
+@pytest.mark.parametrize("path", _checked_modules())
 def test_no_module_but_the_adapter_knows_vllm_json(path: str) -> None:
     text = (SERVER / path).read_text()
     literals = {lit for pair in re.findall(r"\"([^\"\n]*)\"|'([^'\n]*)'", text) for lit in pair if lit}
     found = (literals & VLLM_KEYS) | {f for f in VLLM_FRAGMENTS for lit in literals if f in lit}
-    if path == "params.py":
+    if path == "domain/params.py":
         # The knob table maps engine error params back to our fields, by the engine-side names.
         found -= {"max_tokens", "logprobs"}
     assert not found, f"{path} contains vLLM wire keys {sorted(found)}: move them into vllm.py"

@@ -7,11 +7,11 @@ import asyncio
 import aiohttp
 import pytest
 
-from rollout_grpc.server.admission import Admission
 from rollout_grpc.server.app import rollout_num_engines
-from rollout_grpc.server.engines import EnginePool
-from rollout_grpc.server.errors import ResourceExhausted
-from rollout_grpc.server.inflight import AbortedWhileQueued, InFlight
+from rollout_grpc.server.domain.errors import ResourceExhausted
+from rollout_grpc.server.engines.pool import EnginePool
+from rollout_grpc.server.rollout.admission import Admission
+from rollout_grpc.server.rollout.inflight import AbortedWhileQueued, InFlight
 
 URLS = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from rollout_grpc.server.domain import Finish, Status
-from rollout_grpc.server.failover import Action, Decision, Failure, Raise, Situation, decide
+from rollout_grpc.server.domain.failover import Action, Decision, Failure, Raise, Situation, decide
+from rollout_grpc.server.domain.model import Finish, Status
 
 F = Failure
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_grpc.server import multimodal, vllm
-from rollout_grpc.server.domain import MultimodalFeatures, MultimodalItem
-from rollout_grpc.server.errors import InvalidArgument
+from rollout_grpc.server.domain import multimodal
+from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem
+from rollout_grpc.server.engines.vllm import adapter as vllm
 
 PAD = 6
 

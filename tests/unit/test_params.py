@@ -7,11 +7,12 @@ import math
 import pytest
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc.server import convert, params
-from rollout_grpc.server.domain import SamplingParams
-from rollout_grpc.server.engine_api import EngineCall
-from rollout_grpc.server.errors import InvalidArgument
-from rollout_grpc.server.vllm import sampling_params
+from rollout_grpc.server.domain import params
+from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.domain.model import SamplingParams
+from rollout_grpc.server.engines.api import EngineCall
+from rollout_grpc.server.engines.vllm.adapter import sampling_params
+from rollout_grpc.server.front.grpc import convert
 
 
 def to_vllm(p: SamplingParams, *, max_tokens: int | None, min_tokens: int) -> dict[str, object]:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from rollout_grpc.server.admission import Admission
-from rollout_grpc.server.domain import (
+from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rollout_grpc.server.domain.model import (
     GenerateOptions,
     MultimodalFeatures,
     MultimodalItem,
@@ -17,7 +17,7 @@ from rollout_grpc.server.domain import (
     Status,
     TokenBatch,
 )
-from rollout_grpc.server.engine_api import (
+from rollout_grpc.server.engines.api import (
     EngineCapabilities,
     EngineDelta,
     EngineHung,
@@ -28,10 +28,10 @@ from rollout_grpc.server.engine_api import (
     FinishKind,
     MediaCacheMiss,
 )
-from rollout_grpc.server.engines import EnginePool
-from rollout_grpc.server.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rollout_grpc.server.inflight import InFlightRegistry
-from rollout_grpc.server.rollout import Rollout, RolloutConfig
+from rollout_grpc.server.engines.pool import EnginePool
+from rollout_grpc.server.rollout.admission import Admission
+from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
+from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from tests.support.fake_engine import HANG, FakeEngine, final, tokens
 
 PROMPT = [1, 2, 3]

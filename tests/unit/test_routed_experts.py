@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 
-from rollout_grpc.server import routed_experts
-from rollout_grpc.server.domain import RoutedExperts
+from rollout_grpc.server.domain import routed_experts
+from rollout_grpc.server.domain.model import RoutedExperts
 
 
 def encode(array: np.ndarray) -> str:

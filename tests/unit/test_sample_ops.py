@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_grpc.server import sample_ops
-from rollout_grpc.server.domain import Sample, SamplingParams, Status, WeightSpan
-from rollout_grpc.server.errors import InvalidArgument
+from rollout_grpc.server.domain import sample_ops
+from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.domain.model import Sample, SamplingParams, Status, WeightSpan
 
 
 def partial(k: int) -> Sample:

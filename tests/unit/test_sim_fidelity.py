@@ -29,10 +29,10 @@ def fidelity_paths() -> set[str]:
 
 
 def adapter_string_constants() -> set[str]:
-    """Every string literal of the vLLM adapter (`vllm*.py`: the only modules that know vLLM's
+    """Every string literal of the vLLM adapter (`engines/vllm/`: the only modules that know vLLM's
     paths; the service's own HTTP routes, such as its `/metrics`, are elsewhere)."""
-    adapter = sorted(SERVER.glob("vllm*.py"))
-    assert SERVER / "vllm.py" in adapter
+    adapter = sorted((SERVER / "engines" / "vllm").glob("*.py"))
+    assert SERVER / "engines" / "vllm" / "adapter.py" in adapter
     found: set[str] = set()
     for path in adapter:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

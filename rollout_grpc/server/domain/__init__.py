@@ -1,0 +1,3 @@
+"""The rollout domain: plain-Python types, errors, sampling knobs, sample operations and pure policies (no
+transport, no engine kind).
+"""

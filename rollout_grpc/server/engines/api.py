@@ -1,0 +1,261 @@
+"""The engine boundary: what the domain asks of an engine and what it gets back, engine-neutral.
+
+`rollout.py` talks to engines only through `EngineAdapter` and these types; an adapter module
+(`vllm.py` today) is the only place that knows an engine's HTTP paths, JSON keys, status codes and
+request-id scheme. A second engine kind is one more adapter module (docs/engines.md).
+
+Errors are split by what the caller of the adapter can do about them, not by how the engine
+reported them (HTTP status or an error event inside a 200 stream are the same thing here):
+
+* `EngineRejected` — the engine refused the request as invalid (a caller error, carries `param`);
+* `EngineUnavailable` — no (complete) answer: refused connection, broken or silent stream;
+* `EngineRequestFailed` — the engine answered this request with an internal error;
+* `EngineMalformed` — the engine answered something this service cannot parse;
+* `MediaCacheMiss` — a call that sent media by hash only failed the way a cache miss does.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from types import EllipsisType
+from typing import Any, Protocol
+
+import numpy as np
+
+from rollout_grpc.server.domain.model import MultimodalFeatures, SamplingParams, WeightSpan
+
+
+class FinishKind(enum.Enum):
+    """Why an engine call ended, in neutral terms (the adapter maps the engine's strings)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    REPETITION = "repetition"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """One generate call: everything an adapter needs, already resolved by the domain."""
+
+    #: The caller's request id; the adapter derives the engine-side id from it and `attempt`.
+    request_id: str
+    #: 0 for the first engine call of a Generate, then 1, 2, ... for failover calls.
+    attempt: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    #: Tokens this call may still produce (the remaining budget), None for the engine's limit.
+    max_tokens: int | None
+    #: Tokens this call must produce before a stop may end it (0 for none).
+    min_tokens: int
+    #: Ask the engine to batch this many tokens per stream event (1 = every token).
+    stream_interval: int = 1
+    #: Candidates per position to return with each token (0 = the sampled token's logprob only).
+    top_logprobs: int = 0
+    return_routed_experts: bool = False
+    #: First prompt position whose routing the engine returns (multi-turn reuse).
+    routed_experts_start: int = 0
+    features: MultimodalFeatures | None = None
+    #: Send every media item's tensors even if the engine should hold them (after a cache miss).
+    resend_media: bool = False
+    model: str = ""
+    #: Detokenize and return text deltas.
+    want_text: bool = True
+
+
+@dataclass(slots=True)
+class EngineDelta:
+    """New output of one stream event; an empty delta still means the engine holds the request."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    #: Per token (candidate ids, candidate logprobs) when top logprobs were asked for, else None.
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineUsage:
+    """Prompt accounting reported by the engine for this call."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineFinal:
+    """How the call ended: its delta (already yielded before this) is complete."""
+
+    finish: FinishKind
+    stop_reason: int | str | None = None
+    #: Weight versions of this call's output tokens; positions relative to this call's first token.
+    weight_spans: list[WeightSpan] = field(default_factory=list)
+    #: R3 routing, shape [positions, layers, topk], first row = `EngineCall.routed_experts_start`.
+    routed_experts: np.ndarray | None = None
+
+
+EngineEvent = EngineDelta | EngineUsage | EngineFinal
+
+
+@dataclass(slots=True)
+class EngineCapabilities:
+    """What the capability check found out about an engine; None where the engine did not say.
+
+    The one source of these facts: `capabilities.CapabilityChecker` sets it on the `EngineHandle`
+    at start and whenever the engine joins or comes back healthy; routing and the generation path
+    read it from there and never ask the engine again.
+    """
+
+    scale_out: bool | None = None
+    dev_mode: bool | None = None
+    logprobs_mode: str = ""
+    is_moe: bool | None = None
+    #: Whether the engine returns routed experts (R3) when asked.
+    routed_experts: bool | None = None
+    model: str = ""
+    max_model_len: int | None = None
+    #: Why the engine cannot serve the contract (each names the flag to add): not routed to.
+    problems: list[str] = field(default_factory=list)
+    #: What is wrong but leaves the engine in rotation.
+    warnings: list[str] = field(default_factory=list)
+
+    def routed_experts_problem(self, url: str) -> str | None:
+        """Why the engine at `url` cannot return routed experts (R3), or None when it can or does
+        not say (then its reply decides)."""
+        if self.is_moe is False:
+            return (
+                f"engine {url} serves a dense model, which has no expert routing to return "
+                "(R3 needs a mixture-of-experts model)"
+            )
+        if self.is_moe and self.routed_experts is False:
+            return f"engine {url} was not started with --enable-return-routed-experts"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model an engine serves."""
+
+    #: The served model name (what `model` in a request must match).
+    id: str
+    #: The longest sequence (prompt + output) the engine accepts; None when it does not say.
+    max_model_len: int | None = None
+    #: Unix time the engine reports for the model; None when it does not say.
+    created: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """Prompt token ids from the engine's tokenizer/processor, with media features if any."""
+
+    token_ids: list[int]
+    features: MultimodalFeatures | None = None
+
+
+class EngineError(Exception):
+    """Base class of engine failures; `url` names the engine, `message` is safe to show."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(message)
+        self.url = url
+        self.message = message
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request as invalid: the caller's error, never retried elsewhere.
+
+    `param` is the engine's name of the offending field when it gave one; `not_found` marks an
+    unknown model or route (a caller error too, reported as NOT_FOUND).
+    """
+
+    def __init__(self, url: str, message: str, param: str | None = None, *, not_found: bool = False) -> None:
+        super().__init__(url, message)
+        self.param = param
+        self.not_found = not_found
+
+
+class EngineUnavailable(EngineError):
+    """No complete answer: connection refused, stream broken or closed early, engine gone."""
+
+
+class EngineHung(EngineUnavailable):
+    """The stream went silent and the engine did not answer a liveness probe either."""
+
+
+class EngineRequestFailed(EngineError):
+    """The engine answered this request with an internal error (HTTP 5xx or an error event).
+
+    Alone it does not say whether the engine or the request is at fault; the failover policy
+    asks the engine's health to tell them apart.
+    """
+
+
+class EngineMalformed(EngineError):
+    """The engine's reply cannot be parsed or breaks the protocol (bad JSON, ids, logprobs, spans)."""
+
+
+class MediaCacheMiss(EngineError):
+    """A call that sent media by hash only failed as a cache miss; the adapter forgot the hashes."""
+
+
+class EngineAdapter(Protocol):
+    """One engine, as the domain sees it. `vllm.VllmEngine` is the production implementation."""
+
+    url: str
+
+    def engine_request_id(self, request_id: str, attempt: int = 0) -> str:
+        """The id the engine knows call `attempt` of `request_id` by (what abort_requests takes)."""
+        ...
+
+    def generate(self, call: EngineCall) -> AsyncIterator[EngineEvent]:
+        """Run one generate call, yielding deltas, usage and, last, exactly one `EngineFinal`.
+
+        Raises the `EngineError` subclasses above. Leaving the iteration early closes the call,
+        which makes the engine abort it.
+        """
+        ...
+
+    async def health(self, timeout: float = 2.0) -> bool:
+        """A short liveness check; False when the engine does not answer healthy in time."""
+        ...
+
+    async def abort_requests(self, engine_request_ids: list[str]) -> None:
+        """Abort these engine-side calls."""
+        ...
+
+    async def render_text(self, text: str, model: str = "") -> Rendered:
+        """Tokenize a plain prompt with the engine's tokenizer (no template)."""
+        ...
+
+    async def render_chat(self, body: Mapping[str, Any]) -> Rendered:
+        """Render an OpenAI-style chat body with the engine's template and media processor."""
+        ...
+
+    # Fleet control (control.py).
+
+    async def pause(self, mode: str, timeout: float | EllipsisType | None = ...) -> None:
+        """Pause generation (`abort`, `wait` or `keep`); forgets media the engine may have dropped."""
+        ...
+
+    async def resume(self) -> None:
+        """Resume generation (idempotent)."""
+        ...
+
+    async def is_paused(self) -> bool:
+        """Whether the engine is paused."""
+        ...
+
+    async def update_weight_version(self, version: str) -> None:
+        """Label later output tokens with `version`."""
+        ...
+
+    async def weight_version(self) -> str:
+        """The engine's current weight-version label."""
+        ...
+
+    async def models(self) -> list[ServedModel]:
+        """The models the engine serves."""
+        ...

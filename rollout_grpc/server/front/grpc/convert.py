@@ -1,0 +1,247 @@
+"""The one place that converts between protobuf messages and domain types.
+
+Proto fields the domain never touches (index, group index, reward, metadata) are not converted:
+the outgoing sample starts as a copy of the incoming one and only generated fields are rewritten.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server.domain import model as domain
+from rollout_grpc.server.domain import params
+from rollout_grpc.server.domain.errors import InvalidArgument
+
+_DTYPE_TO_PB: dict[np.dtype[Any], Any] = {
+    np.dtype("uint8"): pb.D_TYPE_UINT8,
+    np.dtype("<u2"): pb.D_TYPE_UINT16,
+    np.dtype("<i4"): pb.D_TYPE_INT32,
+}
+_PB_TO_DTYPE: dict[int, np.dtype[Any]] = {
+    pb.D_TYPE_UINT8: np.dtype("uint8"),
+    pb.D_TYPE_UINT16: np.dtype("<u2"),
+    pb.D_TYPE_INT32: np.dtype("<i4"),
+}
+
+
+def _knob_reader(name: str) -> Any:
+    """How to read one SamplingParams field: optional scalar, repeated or map."""
+    empty = getattr(pb.SamplingParams(), name)
+    if hasattr(empty, "keys"):
+        return lambda msg: dict(getattr(msg, name))
+    if hasattr(empty, "extend"):
+        return lambda msg: list(getattr(msg, name))
+    return lambda msg: getattr(msg, name) if msg.HasField(name) else None
+
+
+#: (field name, reader) for every knob of the table in `params.py`.
+_KNOB_READERS: tuple[tuple[str, Any], ...] = tuple((k.name, _knob_reader(k.name)) for k in params.KNOBS)
+
+
+def sampling_params_from_pb(msg: pb.SamplingParams) -> domain.SamplingParams:
+    """Domain sampling parameters from the knob table; unset optionals stay None."""
+    return domain.SamplingParams(**{name: read(msg) for name, read in _KNOB_READERS})
+
+
+def options_from_pb(msg: pb.GenerateOptions, defaults: domain.GenerateOptions) -> domain.GenerateOptions:
+    """Domain options; unset batching knobs take the server's defaults."""
+    batch_tokens = (
+        msg.stream_batch_tokens if msg.HasField("stream_batch_tokens") else defaults.stream_batch_tokens
+    )
+    if batch_tokens < 1:
+        raise InvalidArgument("options.stream_batch_tokens", f"must be at least 1, got {batch_tokens}")
+    if msg.HasField("stream_batch_interval_ms"):
+        if msg.stream_batch_interval_ms < 0:
+            raise InvalidArgument(
+                "options.stream_batch_interval_ms",
+                f"must be non-negative, got {msg.stream_batch_interval_ms}",
+            )
+        interval = msg.stream_batch_interval_ms / 1000.0
+    else:
+        interval = defaults.stream_batch_interval_s
+    return domain.GenerateOptions(
+        mask_offpolicy=msg.mask_offpolicy,
+        return_routed_experts=msg.return_routed_experts,
+        stream_batch_tokens=batch_tokens,
+        stream_batch_interval_s=interval,
+        final_only=msg.final_only,
+        skip_text=msg.skip_text,
+        model=msg.model,
+        routed_experts_start=msg.routed_experts_start if msg.HasField("routed_experts_start") else 0,
+    )
+
+
+def routed_experts_from_pb(msg: pb.RoutedExperts, field: str) -> domain.RoutedExperts:
+    """Validate and view the bytes as a numpy array (no copy)."""
+    dtype = _PB_TO_DTYPE.get(msg.dtype)
+    if dtype is None:
+        raise InvalidArgument(field + ".dtype", "must be UINT8, UINT16 or INT32")
+    shape = tuple(int(d) for d in msg.shape)
+    if len(shape) != 3 or any(not 0 <= d < 2**31 for d in shape):
+        raise InvalidArgument(field + ".shape", f"must be [num_tokens, num_layers, topk], got {list(shape)}")
+    expected = shape[0] * shape[1] * shape[2] * dtype.itemsize
+    if len(msg.data) != expected:
+        raise InvalidArgument(field + ".data", f"has {len(msg.data)} bytes, shape and dtype need {expected}")
+    array = np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+    return domain.RoutedExperts(array=array, start=msg.start)
+
+
+def features_from_pb(msg: pb.MultimodalFeatures) -> domain.MultimodalFeatures:
+    """Domain multimodal features (payload bytes kept as they are)."""
+    result = domain.MultimodalFeatures()
+    for i, modality in enumerate(msg.modalities):
+        if not modality.modality:
+            raise InvalidArgument(f"sample.multimodal_features.modalities[{i}].modality", "must be set")
+        result.modalities.setdefault(modality.modality, []).extend(
+            domain.MultimodalItem(
+                mm_hash=item.mm_hash,
+                offset=item.placeholder.offset,
+                length=item.placeholder.length,
+                kwargs_data=item.kwargs_data if item.HasField("kwargs_data") else None,
+                mm_metadata=item.mm_metadata if item.HasField("mm_metadata") else None,
+                placeholder_token_id=item.placeholder_token_id,
+            )
+            for item in modality.items
+        )
+    return result
+
+
+def sample_from_pb(msg: pb.Sample) -> domain.Sample:
+    """The domain view of an incoming sample."""
+    # UNSPECIFIED (proto3's zero, what every language sends when the field is not set) is PENDING.
+    status_value = int(msg.status) or int(domain.Status.PENDING)
+    try:
+        status = domain.Status(status_value)
+    except ValueError:
+        raise InvalidArgument("sample.status", f"unknown status value {status_value}") from None
+    stop: int | str | None = None
+    if msg.HasField("stop_reason"):
+        kind = msg.stop_reason.WhichOneof("kind")
+        stop = msg.stop_reason.token_id if kind == "token_id" else msg.stop_reason.text
+    try:
+        finish = domain.Finish(int(msg.finish_reason))
+    except ValueError:
+        finish = domain.Finish.UNSPECIFIED
+    return domain.Sample(
+        session_id=msg.session_id,
+        group_index=msg.group_index,
+        prompt=msg.prompt if msg.HasField("prompt") else None,
+        tokens=list(msg.tokens),
+        response=msg.response,
+        response_length=msg.response_length,
+        loss_mask=list(msg.loss_mask),
+        rollout_log_probs=list(msg.rollout_log_probs),
+        status=status,
+        finish_reason=finish,
+        stop_reason=stop,
+        failure_reason=msg.failure_reason,
+        weight_versions=[domain.WeightSpan(w.version, w.start, w.end) for w in msg.weight_versions],
+        usage=domain.Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens),
+        routed_experts=(
+            routed_experts_from_pb(msg.routed_experts, "sample.routed_experts")
+            if msg.HasField("routed_experts")
+            else None
+        ),
+        features=features_from_pb(msg.multimodal_features) if msg.HasField("multimodal_features") else None,
+        engine_attempts=[
+            domain.EngineAttempt(a.engine, a.start, a.end, a.error) for a in msg.engine_attempts
+        ],
+        top_logprobs=[(list(t.token_ids), list(t.logprobs)) for t in msg.rollout_top_logprobs],
+    )
+
+
+def routed_experts_to_pb(value: domain.RoutedExperts, out: pb.RoutedExperts) -> None:
+    """Fill `out` with the array's bytes in its own (narrow) dtype."""
+    array = value.array
+    dtype = _DTYPE_TO_PB.get(array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype)
+    if dtype is None:
+        raise ValueError(f"unsupported routed experts dtype {array.dtype}")
+    out.data = np.ascontiguousarray(array).tobytes()
+    out.dtype = dtype
+    out.shape[:] = list(array.shape)
+    out.start = value.start
+
+
+def features_to_pb(value: domain.MultimodalFeatures, out: pb.MultimodalFeatures) -> None:
+    """Fill `out` from domain features."""
+    for modality, items in value.modalities.items():
+        entry = out.modalities.add(modality=modality)
+        for item in items:
+            pb_item = entry.items.add(mm_hash=item.mm_hash, placeholder_token_id=item.placeholder_token_id)
+            pb_item.placeholder.offset = item.offset
+            pb_item.placeholder.length = item.length
+            if item.kwargs_data is not None:
+                pb_item.kwargs_data = item.kwargs_data
+            if item.mm_metadata is not None:
+                pb_item.mm_metadata = item.mm_metadata
+
+
+def sample_to_pb(value: domain.Sample, original: pb.Sample) -> pb.Sample:
+    """The outgoing sample: a copy of the incoming one with every generated field rewritten."""
+    out = pb.Sample()
+    out.CopyFrom(original)
+    if value.prompt is not None:
+        out.prompt = value.prompt
+    out.tokens[:] = value.tokens
+    out.response = value.response
+    out.response_length = value.response_length
+    out.loss_mask[:] = value.loss_mask
+    out.rollout_log_probs[:] = value.rollout_log_probs
+    out.status = int(value.status)  # type: ignore[assignment]
+    out.finish_reason = int(value.finish_reason)  # type: ignore[assignment]
+    out.ClearField("stop_reason")
+    if isinstance(value.stop_reason, int):
+        out.stop_reason.token_id = value.stop_reason
+    elif isinstance(value.stop_reason, str):
+        out.stop_reason.text = value.stop_reason
+    out.failure_reason = value.failure_reason
+    del out.weight_versions[:]
+    out.weight_versions.extend(
+        pb.WeightVersionSpan(version=w.version, start=w.start, end=w.end) for w in value.weight_versions
+    )
+    out.usage.prompt_tokens = value.usage.prompt_tokens
+    out.usage.completion_tokens = value.usage.completion_tokens
+    out.usage.cached_tokens = value.usage.cached_tokens
+    out.ClearField("routed_experts")
+    if value.routed_experts is not None:
+        routed_experts_to_pb(value.routed_experts, out.routed_experts)
+    out.ClearField("multimodal_features")
+    if value.features is not None:
+        features_to_pb(value.features, out.multimodal_features)
+    del out.engine_attempts[:]
+    out.engine_attempts.extend(
+        pb.EngineAttempt(engine=a.engine, start=a.start, end=a.end, error=a.error)
+        for a in value.engine_attempts
+    )
+    del out.rollout_top_logprobs[:]
+    out.rollout_top_logprobs.extend(
+        pb.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in value.top_logprobs
+    )
+    return out
+
+
+def delta_to_pb(batch: domain.TokenBatch) -> pb.GenerateResponse:
+    """One stream message for a batch of tokens."""
+    return pb.GenerateResponse(
+        delta=pb.TokenDelta(
+            token_ids=batch.token_ids, logprobs=batch.logprobs, offset=batch.offset, text=batch.text
+        )
+    )
+
+
+def content_part_from_pb(part: pb.ContentPart, field: str) -> tuple[str, str | bytes, str]:
+    """A content part as (kind, payload, mime type): ("text", str, "") or ("image", bytes|url, mime)."""
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return ("text", part.text, "")
+    if kind == "image":
+        source = part.image.WhichOneof("source")
+        if source == "data":
+            return ("image", part.image.data, part.image.mime_type)
+        if source == "data_url":
+            return ("image", part.image.data_url, "")
+        raise InvalidArgument(field + ".image", "set data or data_url")
+    raise InvalidArgument(field, "set text or image")

@@ -1,0 +1,46 @@
+"""The internal replica-to-replica service (`rollout.v1.ReplicaService`): transport only.
+
+Only the `peer` and `admin` roles may call it (enforced by the auth interceptor); the forwarded
+abort carries the original caller's identity as `owner`, so a peer ends only that caller's work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.front.grpc import status
+from rollout_grpc.server.rollout.control import AbortScope, Control
+
+
+class ReplicaServicer(pb_grpc.ReplicaServiceServicer):
+    """Implements rollout.v1.ReplicaService on top of `Control`."""
+
+    def __init__(self, control: Control) -> None:
+        self._control = control
+
+    @status.unary
+    async def AbortLocal(
+        self, request: pb.AbortLocalRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AbortLocalResponse:
+        owner = request.owner or None
+        target = request.WhichOneof("target")
+        if target == "request_ids":
+            if not request.request_ids.ids:
+                raise InvalidArgument("request_ids.ids", "must list at least one request id")
+            scope = AbortScope(owner=owner, request_ids=tuple(request.request_ids.ids))
+        elif target == "session_id":
+            scope = AbortScope(owner=owner, session_id=request.session_id)
+        elif target == "group_index":
+            scope = AbortScope(owner=owner, group_index=request.group_index)
+        else:
+            raise InvalidArgument("target", "set one of request_ids, session_id, group_index")
+        result = await self._control.abort_local(scope)
+        return pb.AbortLocalResponse(
+            aborted=result.aborted,
+            engine_errors=[pb.EngineError(engine=url, error=err) for url, err in result.engine_errors],
+        )

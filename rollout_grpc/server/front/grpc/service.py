@@ -1,0 +1,263 @@
+"""The gRPC servicer: transport only (proto <-> domain, request ids, status codes).
+
+Rollout logic lives in `rollout.py`, fleet control in `control.py`, rendering in `render.py`; every
+exception is mapped to a status code by the decorators of `status.py`.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import orjson
+import structlog
+from google.protobuf import json_format
+
+from rollout_grpc import __version__
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server.domain import model as domain
+from rollout_grpc.server.domain import trajectory
+from rollout_grpc.server.domain.errors import InvalidArgument, NotFound
+from rollout_grpc.server.domain.identity import current_caller
+from rollout_grpc.server.domain.trajectory import TrajectoryStore
+from rollout_grpc.server.front.grpc import convert, status
+from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
+from rollout_grpc.server.rollout.control import Control, FleetResult
+from rollout_grpc.server.rollout.generation import Rollout
+from rollout_grpc.server.rollout.render import RenderService
+from rollout_grpc.server.security import redact
+
+log = structlog.get_logger(__name__)
+
+#: Request ids: 1-256 characters safe in gRPC metadata, HTTP bodies and logs. `~` is excluded: the
+#: engine request ids of failover attempts are `<request id>~<n>`, so no caller's id can equal
+#: another caller's attempt id (an abort of an unknown `X` then never touches someone else's call).
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/@+=-]{1,256}")
+REQUEST_ID_RULE = "must be 1-256 characters of A-Z a-z 0-9 . _ : / @ + = -"
+
+
+def check_request_id(request_id: str, field: str) -> None:
+    """INVALID_ARGUMENT naming `field` unless `request_id` follows REQUEST_ID."""
+    if REQUEST_ID.fullmatch(request_id) is None:
+        raise InvalidArgument(field, f"{REQUEST_ID_RULE}; got {request_id[:64]!r}")
+
+
+_PAUSE_MODES = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
+
+
+def _engine_errors(pairs: list[tuple[str, str]]) -> list[pb.EngineError]:
+    return [pb.EngineError(engine=url, error=err) for url, err in pairs]
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    """Implements rollout.v1.RolloutService on top of the domain objects."""
+
+    def __init__(
+        self,
+        rollout: Rollout,
+        control: Control,
+        renderer: RenderService,
+        default_options: domain.GenerateOptions | None = None,
+        *,
+        trajectories: TrajectoryStore | None = None,
+        simulated_engines: bool = False,
+    ) -> None:
+        self._simulated_engines = simulated_engines
+        self._rollout = rollout
+        self._control = control
+        self._renderer = renderer
+        self._defaults = default_options or domain.GenerateOptions()
+        self._trajectories = trajectories
+
+    @status.streaming
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        check_request_id(request_id, "request_id")
+        sample = convert.sample_from_pb(request.sample)
+        params = convert.sampling_params_from_pb(request.sampling_params)
+        options = convert.options_from_pb(request.options, self._defaults)
+        headers_sent = False
+        async for event in self._rollout.generate(sample, params, options, request_id):
+            if not headers_sent:
+                # Headers go out with the first message, not before: until then every refusal
+                # (shutting down, queue full, no engine) is a trailers-only response that client
+                # retry policies and proxies may retry on another replica.
+                await context.send_initial_metadata((("x-request-id", request_id),))
+                headers_sent = True
+            if isinstance(event, domain.TokenBatch):
+                yield convert.delta_to_pb(event)
+            else:
+                final = convert.sample_to_pb(event, request.sample)
+                if not current_caller().is_admin:
+                    redact.redact_sample(final)
+                yield pb.GenerateResponse(sample=final)
+
+    @status.unary
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AbortResponse:
+        target = request.WhichOneof("target")
+        if target is None:
+            raise InvalidArgument("target", "set one of all, request_ids, session_id, group_index")
+        if target == "all":
+            if not request.all:
+                raise InvalidArgument("all", "must be true when it is the target")
+            result = await self._control.abort_all()
+        elif target == "request_ids":
+            for i, rid in enumerate(request.request_ids.ids):
+                if rid:  # empty ids are refused as a whole by Control.abort_ids
+                    check_request_id(rid, f"request_ids.ids[{i}]")
+            result = await self._control.abort_ids(list(request.request_ids.ids))
+        elif target == "session_id":
+            result = await self._control.abort_matching(session_id=request.session_id)
+        else:
+            result = await self._control.abort_matching(group_index=request.group_index)
+        response = pb.AbortResponse(
+            aborted=result.aborted,
+            unknown_request_ids=result.unknown_request_ids,
+            engine_errors=_engine_errors(result.engine_errors),
+        )
+        if not current_caller().is_admin:
+            redact.redact_engine_errors(list(response.engine_errors))
+        return response
+
+    @status.unary
+    async def Pause(
+        self, request: pb.PauseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PauseResponse:
+        mode = _PAUSE_MODES.get(request.mode)
+        if mode is None:
+            raise InvalidArgument("mode", f"must be ABORT, WAIT or KEEP; got {int(request.mode)}")
+        result: FleetResult = await self._control.pause(mode)
+        return pb.PauseResponse(paused_engines=result.ok, engine_errors=_engine_errors(result.errors))
+
+    @status.unary
+    async def Resume(
+        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ResumeResponse:
+        version = request.weight_version if request.HasField("weight_version") else None
+        result = await self._control.resume(version)
+        return pb.ResumeResponse(resumed_engines=result.ok, engine_errors=_engine_errors(result.errors))
+
+    @status.unary
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetServerInfoResponse:
+        statuses = await self._control.engine_statuses()
+        show_url = current_caller().is_admin
+        versions = {s.weight_version for s in statuses if s.healthy and s.weight_version}
+        return pb.GetServerInfoResponse(
+            engines=[
+                pb.EngineInfo(
+                    url=s.url if show_url else redact.engine_label(s.url),
+                    healthy=s.healthy,
+                    paused=s.paused,
+                    weight_version=s.weight_version,
+                    in_flight=s.in_flight,
+                    draining=s.draining,
+                    model=s.model,
+                    **engine_info_extras(self._rollout.pool.get(s.url)),
+                )
+                for s in statuses
+            ],
+            simulated_engines=self._simulated_engines,
+            paused=any(s.paused for s in statuses),
+            weight_version=versions.pop() if len(versions) == 1 else "",
+            in_flight=self._rollout.admission.running,
+            queued=self._rollout.admission.queued,
+            version=__version__,
+        )
+
+    @status.unary
+    async def Render(
+        self, request: pb.RenderRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RenderResponse:
+        kind = request.WhichOneof("prompt")
+        template_kwargs = (
+            json_format.MessageToDict(request.chat_template_kwargs)
+            if request.HasField("chat_template_kwargs")
+            else {}
+        )
+        add_generation_prompt = (
+            request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        )
+        if kind == "chat":
+            messages = [
+                (
+                    m.role,
+                    [
+                        convert.content_part_from_pb(p, f"chat.messages[{i}].content[{j}]")
+                        for j, p in enumerate(m.content)
+                    ],
+                )
+                for i, m in enumerate(request.chat.messages)
+            ]
+            rendered = await self._renderer.render_chat(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=template_kwargs,
+                session_id=request.session_id,
+                model=request.model,
+            )
+        elif kind == "text":
+            rendered = await self._renderer.render_text(
+                request.text, session_id=request.session_id, model=request.model
+            )
+        else:
+            raise InvalidArgument("prompt", "set chat or text")
+        engine = rendered.engine if current_caller().is_admin else redact.engine_label(rendered.engine)
+        response = pb.RenderResponse(token_ids=rendered.token_ids, engine=engine)
+        if rendered.features:
+            convert.features_to_pb(rendered.features, response.features)
+        return response
+
+    @status.unary
+    async def GetTrajectory(
+        self, request: pb.GetTrajectoryRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetTrajectoryResponse:
+        if not request.session_id:
+            raise InvalidArgument("session_id", "must not be empty")
+        store = self._trajectories
+        caller = current_caller()
+        # Another caller's session reads as missing (admins read every session).
+        session = store.get(request.session_id, caller) if store is not None else None
+        missing = NotFound(f"session {request.session_id!r} is not recorded on this replica")
+        if store is None or session is None:
+            raise missing
+        async with session.lock:  # a running turn is waited for: recorded whole or not at all
+            if not session.turns:  # every request of the session failed before generating
+                raise missing
+            samples, turn_samples = trajectory.to_samples_indexed(session)
+            if request.remove:
+                store.pop(request.session_id)
+        original = pb.Sample(session_id=request.session_id)
+        finals = [convert.sample_to_pb(s, original) for s in samples]
+        if not caller.is_admin:
+            for final in finals:
+                redact.redact_sample(final)
+        return pb.GetTrajectoryResponse(
+            samples=finals,
+            turns=[
+                pb.TrajectoryTurn(
+                    request_id=t.request_id,
+                    prompt_token_ids=t.prompt_ids,
+                    response_token_ids=t.response_ids,
+                    response_logprobs=t.logprobs,
+                    weight_versions=[
+                        pb.WeightVersionSpan(version=w.version, start=w.start, end=w.end)
+                        for w in t.weight_versions
+                    ],
+                    finish_reason=int(t.finish),  # type: ignore[arg-type]
+                    tool_calls_json=[orjson.dumps(c).decode() for c in t.tool_calls],
+                    sample_index=index,
+                    drift=t.drift,
+                )
+                for t, index in zip(session.turns, turn_samples, strict=True)
+            ],
+        )

@@ -1,0 +1,142 @@
+"""The OpenAI chat-completions protocol for the front door: request fields, errors, finish reasons.
+
+Pure translation between OpenAI's JSON and the domain (no I/O): sampling fields -> `SamplingParams`
+(a wrong type names the field), domain errors -> OpenAI's error envelope and HTTP status, and the
+domain's finish reasons -> OpenAI's `finish_reason` strings (vLLM's `"abort"` and `"error"` kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from rollout_grpc.server.domain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    RolloutError,
+)
+from rollout_grpc.server.domain.model import Finish, SamplingParams
+
+#: Domain finish reasons as OpenAI `finish_reason` strings (vLLM's "abort" and "error" kept).
+FINISH = {
+    Finish.STOP: "stop",
+    Finish.LENGTH: "length",
+    Finish.ABORT: "abort",
+    Finish.ERROR: "error",
+    Finish.REPETITION: "stop",
+    Finish.UNSPECIFIED: "stop",
+}
+
+
+class OpenAIError(Exception):
+    """An OpenAI error envelope with its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, etype: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.etype = etype or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers: dict[str, str] = {}
+
+
+def from_domain(exc: RolloutError) -> OpenAIError:
+    """Domain errors as OpenAI errors (400 naming the request field, 404, 429, 503)."""
+    if isinstance(exc, InvalidArgument):
+        param = exc.field.removeprefix("sampling_params.").replace("max_new_tokens", "max_tokens")
+        return OpenAIError(400, f"{param}: {exc.description}", param)
+    if isinstance(exc, FailedPrecondition):
+        return OpenAIError(400, exc.message)
+    if isinstance(exc, PermissionDenied):
+        return OpenAIError(403, exc.message, etype="permission_denied")
+    if isinstance(exc, NotFound):
+        return OpenAIError(404, exc.message, etype="not_found_error")
+    if isinstance(exc, ResourceExhausted):
+        err = OpenAIError(429, exc.message, etype="rate_limit_error")
+        err.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return err
+    return OpenAIError(503, exc.message)
+
+
+def error_response(err: OpenAIError) -> web.Response:
+    body = {"error": {"message": err.message, "type": err.etype, "param": err.param, "code": err.status}}
+    return web.Response(
+        status=err.status, body=orjson.dumps(body), content_type="application/json", headers=err.headers
+    )
+
+
+def _number(body: dict[str, Any], key: str, kind: type[int] | type[float]) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (kind is int and isinstance(value, float))
+    ):
+        raise OpenAIError(400, f"{key}: must be a {kind.__name__}", key)
+    return kind(value)
+
+
+def sampling_params(body: dict[str, Any]) -> SamplingParams:
+    """OpenAI (and vLLM extra) sampling fields as domain parameters; wrong types name the field."""
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise OpenAIError(400, "stop: must be a string or a list of strings", "stop")
+    max_tokens = _number(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", int)
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+        raise OpenAIError(400, "stop_token_ids: must be a list of token ids", "stop_token_ids")
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise OpenAIError(400, "logit_bias: must map token ids to biases", "logit_bias")
+    try:
+        logit_bias = {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise OpenAIError(400, "logit_bias: must map token ids to biases", "logit_bias") from None
+    return SamplingParams(
+        temperature=_number(body, "temperature", float),
+        top_p=_number(body, "top_p", float),
+        top_k=_number(body, "top_k", int),
+        min_p=_number(body, "min_p", float),
+        max_new_tokens=max_tokens,
+        min_new_tokens=_number(body, "min_tokens", int),
+        stop=list(stop or []),
+        stop_token_ids=list(stop_ids),
+        ignore_eos=body.get("ignore_eos") if isinstance(body.get("ignore_eos"), bool) else None,
+        # OpenAI's (and vLLM's chat endpoint's) default: no special tokens in the content.
+        skip_special_tokens=body.get("skip_special_tokens")
+        if isinstance(body.get("skip_special_tokens"), bool)
+        else True,
+        seed=_number(body, "seed", int),
+        repetition_penalty=_number(body, "repetition_penalty", float),
+        presence_penalty=_number(body, "presence_penalty", float),
+        frequency_penalty=_number(body, "frequency_penalty", float),
+        logit_bias=logit_bias,
+    )
+
+
+def finish_reason(finish: Finish, tool_calls: bool) -> str:
+    """OpenAI's finish_reason; parsed tool calls make it "tool_calls" unless the turn was cut off
+    by an abort or an error (as vLLM's chat endpoint does)."""
+    if tool_calls and finish in (Finish.STOP, Finish.LENGTH, Finish.REPETITION):
+        return "tool_calls"
+    return FINISH[finish]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's `usage` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

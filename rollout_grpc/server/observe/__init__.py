@@ -1,0 +1,1 @@
+"""Observation: Prometheus metrics, OpenTelemetry tracing, engine HTTP call logs."""

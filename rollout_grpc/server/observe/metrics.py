@@ -1,0 +1,347 @@
+"""Prometheus metrics of one replica, and the HTTP endpoint that exposes them.
+
+Every replica owns its `CollectorRegistry` (several replicas may share a process in tests). Values
+come from three places, none of them inside the generation loop:
+
+* per-RPC records of the call interceptor (`calls.py`): RPC counts by code and latency, TTFT, time
+  per output token, end-to-end latency, queue wait, tokens, generations by final status,
+  refusals, aborts by target, failovers, abort-all and pause durations;
+* per-request records of the OpenAI front door (`openai_calls.py`): requests by route and HTTP
+  status, latency, TTFT and tokens (its turns' queue wait joins the shared queue histogram);
+* the engine pool and admission, read at scrape time (`_StateCollector`): running, queued and
+  limit, and per engine health, circuit breaker, paused, usable, capability problems, in flight and
+  the current weight version (an info-style gauge).
+
+Names follow Prometheus conventions (`_total` counters, `_seconds` units, base units) with the
+`rollout_grpc_` prefix; where vLLM has the same quantity (`vllm:time_to_first_token_seconds`,
+`vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`,
+`vllm:generation_tokens_total`, `vllm:num_requests_running`, `vllm:num_requests_waiting`) the
+name after the prefix is vLLM's, so dashboards can put the service and its engines side by side.
+RPC metrics follow go-grpc-prometheus (`grpc_server_handled_total{grpc_method,grpc_code}`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Final
+
+import grpc
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server.engines.pool import EnginePool
+from rollout_grpc.server.facade.calls import CallRecord
+from rollout_grpc.server.front.openai.calls import FrontDoorCall
+from rollout_grpc.server.rollout.admission import Admission
+
+log = structlog.get_logger(__name__)
+
+PREFIX: Final = "rollout_grpc_"
+#: Latency buckets in seconds (vLLM's request-latency buckets, from 10 ms to 2 h).
+_LATENCY_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, 7200.0,
+)  # fmt: skip
+#: TTFT buckets (vLLM's `time_to_first_token_seconds` buckets).
+_TTFT_BUCKETS: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+#: Time-per-output-token buckets (vLLM's).
+_TPOT_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_RPC_BUCKETS: Final = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
+
+
+class Metrics:
+    """The replica's metrics; `observe` is a `calls.CallInterceptor` listener."""
+
+    def __init__(self, pool: EnginePool, admission: Admission) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.handled = Counter(
+            PREFIX + "grpc_server_handled",
+            "RPCs completed on the server, by method and status code.",
+            ["grpc_method", "grpc_code"],
+            registry=r,
+        )
+        self.handling = Histogram(
+            PREFIX + "grpc_server_handling_seconds",
+            "RPC latency on the server (a Generate counts until its last message).",
+            ["grpc_method"],
+            buckets=_RPC_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Generate: time from the call's start to its first token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Generate: (latency - TTFT) / (new tokens - 1), per generation of at least 2 tokens.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Generate: end-to-end latency of generations that returned a sample.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Generate: time waiting for an admission slot.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated (returned in final samples).", registry=r
+        )
+        self.generations = Counter(
+            PREFIX + "generations",
+            "Generate calls by outcome: the final sample's status, or the gRPC code when none was returned.",
+            ["status"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            PREFIX + "admission_rejections",
+            "Generate calls refused with RESOURCE_EXHAUSTED (queue full).",
+            registry=r,
+        )
+        self.aborts = Counter(PREFIX + "aborts", "Abort RPCs by target.", ["target"], registry=r)
+        self.aborted = Counter(
+            PREFIX + "aborted_generations",
+            "Generations on this replica ended by Abort RPCs, by target.",
+            ["target"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            PREFIX + "failovers",
+            "Generations continued on another engine after an engine call failed.",
+            registry=r,
+        )
+        self.abort_all = Histogram(
+            PREFIX + "abort_all_duration_seconds",
+            "Abort(all): duration of the abort-all window (pause(abort) on every engine, then resume).",
+            buckets=_RPC_BUCKETS,
+            registry=r,
+        )
+        self.pause = Histogram(
+            PREFIX + "pause_duration_seconds",
+            "Time from a successful Pause to the next successful Resume through this replica.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.openai_requests = Counter(
+            PREFIX + "openai_requests",
+            "OpenAI front-door requests by route and HTTP status (refusals by auth included).",
+            ["route", "code"],
+            registry=r,
+        )
+        self.openai_latency = Histogram(
+            PREFIX + "openai_request_duration_seconds",
+            "OpenAI front door: time from a request's arrival to its last byte, by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.openai_ttft = Histogram(
+            PREFIX + "openai_time_to_first_token_seconds",
+            "OpenAI front door: time from a chat completion's arrival to its first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.openai_tokens = Counter(
+            PREFIX + "openai_generation_tokens",
+            "Tokens generated by front-door chat completions.",
+            registry=r,
+        )
+        self._paused_since: float | None = None
+        self.paused_engines: set[str] = set()
+        r.register(_StateCollector(pool, admission, self))
+
+    def observe(self, record: CallRecord) -> None:
+        """Account one finished RPC."""
+        self.handled.labels(record.method, record.code.name).inc()
+        self.handling.labels(record.method).observe(record.duration_s)
+        if record.method == "Generate":
+            self._observe_generate(record)
+        elif record.code is grpc.StatusCode.OK:
+            if record.method == "Abort":
+                self._observe_abort(record)
+            elif record.method == "Pause":
+                self._observe_pause(record.response)
+            elif record.method == "Resume":
+                self._observe_resume(record.response)
+
+    def observe_openai(self, call: FrontDoorCall) -> None:
+        """Account one finished front-door request (an `OpenAIFrontDoor` listener)."""
+        self.openai_requests.labels(call.route, str(call.code)).inc()
+        self.openai_latency.labels(call.route).observe(call.duration_s)
+        if call.ttft_s is not None:
+            self.openai_ttft.observe(call.ttft_s)
+        self.openai_tokens.inc(call.new_tokens)
+        if call.queue_wait_s is not None:
+            self.queue.observe(call.queue_wait_s)
+
+    def _observe_generate(self, record: CallRecord) -> None:
+        self.generations.labels(record.status).inc()
+        if record.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.rejections.inc()
+        if record.queue_wait_s is not None:
+            self.queue.observe(record.queue_wait_s)
+        if record.sample is None:
+            return
+        tokens = record.new_tokens
+        self.tokens.inc(tokens)
+        self.e2e.observe(record.duration_s)
+        self.failovers.inc(max(0, len(record.engine_attempts) - 1))
+        if record.ttft_s is not None:
+            self.ttft.observe(record.ttft_s)
+            if tokens >= 2:
+                self.tpot.observe((record.duration_s - record.ttft_s) / (tokens - 1))
+
+    def _observe_abort(self, record: CallRecord) -> None:
+        target = record.request.WhichOneof("target") or "none"
+        if target == "all":
+            self.abort_all.observe(record.duration_s)
+        self.aborts.labels(target).inc()
+        if isinstance(record.response, pb.AbortResponse):
+            self.aborted.labels(target).inc(record.response.aborted)
+
+    def _observe_pause(self, response: object) -> None:
+        if isinstance(response, pb.PauseResponse) and response.paused_engines:
+            self.paused_engines.update(response.paused_engines)
+            if self._paused_since is None:
+                self._paused_since = time.monotonic()
+
+    def _observe_resume(self, response: object) -> None:
+        if isinstance(response, pb.ResumeResponse):
+            self.paused_engines.difference_update(response.resumed_engines)
+            if self._paused_since is not None and not self.paused_engines:
+                self.pause.observe(time.monotonic() - self._paused_since)
+                self._paused_since = None
+
+    def exposition(self) -> bytes:
+        """The text exposition format of every metric."""
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """Gauges read from the pool and admission at scrape time (always current, no bookkeeping)."""
+
+    def __init__(self, pool: EnginePool, admission: Admission, metrics: Metrics) -> None:
+        self._pool = pool
+        self._admission = admission
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            PREFIX + "num_requests_running", "Generations holding an admission slot.", self._admission.running
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "num_requests_waiting",
+            "Generations waiting for an admission slot.",
+            self._admission.queued,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "admission_limit", "Generations that may run at once.", self._admission.limit
+        )
+        labels = ["engine"]
+        families = {
+            "healthy": GaugeMetricFamily(
+                PREFIX + "engine_healthy", "1 when the engine's health probe succeeds.", labels=labels
+            ),
+            "breaker": GaugeMetricFamily(
+                PREFIX + "engine_breaker_open",
+                "1 while the engine's circuit breaker keeps it out after failed calls.",
+                labels=labels,
+            ),
+            "paused": GaugeMetricFamily(
+                PREFIX + "engine_paused", "1 when the engine was paused through this replica.", labels=labels
+            ),
+            "usable": GaugeMetricFamily(
+                PREFIX + "engine_usable", "1 when the engine receives new generations.", labels=labels
+            ),
+            "problems": GaugeMetricFamily(
+                PREFIX + "engine_capability_problems",
+                "Reasons the engine cannot serve the contract (GetServerInfo lists them).",
+                labels=labels,
+            ),
+            "in_flight": GaugeMetricFamily(
+                PREFIX + "engine_in_flight", "Generations this replica has on the engine.", labels=labels
+            ),
+        }
+        version = GaugeMetricFamily(
+            PREFIX + "engine_weight_version_info",
+            "The engine's current weight version (as label; value 1).",
+            labels=["engine", "weight_version"],
+        )
+        paused = self._metrics.paused_engines
+        for engine in self._pool.engines:
+            url = [engine.url]
+            families["healthy"].add_metric(url, float(engine.healthy))
+            families["breaker"].add_metric(url, float(not engine.healthy and engine.consecutive_failures > 0))
+            families["paused"].add_metric(url, float(engine.url in paused))
+            families["usable"].add_metric(url, float(engine.usable))
+            families["problems"].add_metric(url, float(len(engine.problems)))
+            families["in_flight"].add_metric(url, float(engine.in_flight))
+            if engine.weight_version:
+                version.add_metric([engine.url, engine.weight_version], 1.0)
+        yield from families.values()
+        yield version
+
+
+class MetricsEndpoint:
+    """`GET /metrics` over HTTP on its own port (aiohttp, in the replica's event loop)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0 = any free port); returns the bound port."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = int(sockets[0].getsockname()[1]) if sockets else port
+        log.info("metrics_serving", port=self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop listening."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -1,0 +1,594 @@
+"""Fleet control: abort, pause, resume and the server-info view, across all engines.
+
+Engines are shared by every service replica, so these operations act on the engines themselves
+(vLLM's `/pause`, `/resume`, `/inference/v1/abort_requests`, `/update_weight_version`): whichever
+replica receives the call, the streams served by the other replicas end too, because their engine
+calls end with `finish_reason: "abort"`.
+
+Every fan-out has ONE overall deadline (`bounds.CONTROL_DEADLINE_S` by default), retries included,
+except Pause WAIT, which waits until the engines drained. Engines the health probe marked unhealthy
+are skipped (and reported as such). When no engine did what was asked, the RPC fails:
+FAILED_PRECONDITION when engines answered 404 (vLLM's development routes are off), UNAVAILABLE
+otherwise; partial failures are reported per engine with an actionable message.
+
+Aborts are scoped to the caller (`identity.current_caller()`): a trainer reaches only the
+generations it owns, here and (through `ReplicaService.AbortLocal` on the peers) on the other
+replicas; only an admin may abort everything or reach other callers' generations. A trainer's ids
+that are not in flight here are forwarded to the peers with its identity, never sent blindly to the
+shared engines, where they could end another caller's generation of the same id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from rollout_grpc.server.domain.bounds import CONTROL_DEADLINE_S
+from rollout_grpc.server.domain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unavailable,
+)
+from rollout_grpc.server.domain.identity import current_caller
+from rollout_grpc.server.engines.api import EngineError, EngineRejected, EngineRequestFailed
+from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
+from rollout_grpc.server.engines.vllm.adapter import CONTROL_ROUTES, engine_request_id
+from rollout_grpc.server.rollout.generation import Rollout
+from rollout_grpc.server.rollout.inflight import InFlight, InFlightRegistry
+
+log = structlog.get_logger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+#: The separator of failover attempts in engine request ids (`X`, `X~1`, `X~2`, ...). Request ids
+#: may not contain it (service.py), so an attempt id can never equal another caller's request id.
+DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (the route is in its development router)"
+
+
+class Failure(enum.Enum):
+    """Why an engine did not do what was asked."""
+
+    NOT_FOUND = "not_found"  # 404: the route is off (dev mode) — a deployment problem
+    REJECTED = "rejected"  # another HTTP error
+    UNREACHABLE = "unreachable"  # connection refused or broken
+    TIMEOUT = "timeout"  # no answer within the deadline (hung engine)
+    SKIPPED = "skipped"  # marked unhealthy by the health probe: not asked
+    OTHER = "other"
+
+
+@dataclass(slots=True)
+class AbortResult:
+    """How many local generations were aborted, unknown ids, engines that failed."""
+
+    aborted: int = 0
+    unknown_request_ids: list[str] = field(default_factory=list)
+    engine_errors: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class AbortScope:
+    """What a forwarded abort targets on a peer: one of ids, session or group, of `owner` only."""
+
+    owner: str | None
+    request_ids: tuple[str, ...] = ()
+    session_id: str | None = None
+    group_index: int | None = None
+
+
+@dataclass(slots=True)
+class FleetResult:
+    """Engines that did what was asked, and those that did not (with the error and its kind)."""
+
+    ok: list[str] = field(default_factory=list)
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    kinds: list[Failure] = field(default_factory=list)
+
+    def fail(self, url: str, kind: Failure, message: str) -> None:
+        """Record one engine's failure."""
+        self.errors.append((url, message))
+        self.kinds.append(kind)
+
+    def extend(self, other: FleetResult, prefix: str = "") -> None:
+        """Add another fan-out's failures (e.g. resume after pause), messages prefixed."""
+        for (url, message), kind in zip(other.errors, other.kinds, strict=True):
+            self.fail(url, kind, prefix + message)
+
+    def raise_if_none_ok(self, what: str) -> None:
+        """Fail the RPC when engines were asked and none did it, with every engine's reason."""
+        if self.ok or not self.errors:
+            return
+        reasons = "; ".join(f"{url}: {message}" for url, message in self.errors)
+        text = f"no engine could {what} ({reasons})"
+        if Failure.NOT_FOUND in self.kinds:
+            raise FailedPrecondition(text)
+        raise Unavailable(text)
+
+
+def describe_failure(exc: BaseException, route: str) -> tuple[Failure, str]:
+    """An engine failure as (kind, actionable message) — never a raw `{"detail":...}` body."""
+    if isinstance(exc, EngineRejected):
+        if exc.not_found:
+            return Failure.NOT_FOUND, f"{route} answered 404: {DEV_MODE_HINT}"
+        return Failure.REJECTED, f"{route} was refused: {exc.message}"
+    if isinstance(exc, EngineRequestFailed):
+        return Failure.REJECTED, f"{route} failed on the engine: {exc.message}"
+    if isinstance(exc, EngineError):
+        return Failure.UNREACHABLE, f"{route}: engine unreachable ({exc.message})"
+    return Failure.OTHER, f"{route} failed ({type(exc).__name__})"
+
+
+@dataclass(slots=True)
+class EngineStatus:
+    """One engine as reported by GetServerInfo."""
+
+    url: str
+    healthy: bool
+    draining: bool
+    in_flight: int
+    paused: bool
+    weight_version: str
+    model: str
+
+
+def attempt_request_ids(request_id: str, attempts: int) -> list[str]:
+    """The engine ids of a generation's engine calls: the first and every failover attempt."""
+    return [engine_request_id(request_id, n) for n in range(attempts)]
+
+
+def _split(engines: Sequence[EngineHandle]) -> tuple[list[EngineHandle], FleetResult]:
+    """(engines to ask, a result listing the unhealthy ones as skipped)."""
+    result = FleetResult()
+    asked: list[EngineHandle] = []
+    for engine in engines:
+        if engine.healthy:
+            asked.append(engine)
+        else:
+            reason = engine.last_error or "no answer"
+            result.fail(engine.url, Failure.SKIPPED, f"skipped: marked unhealthy ({reason})")
+    return asked, result
+
+
+#: How long after a late resume the engine is asked again whether a late pause paused it.
+LATE_PAUSE_SETTLE_S = 1.0
+#: Upper bound of the wait between late resumes of an engine that does not answer.
+LATE_RESUME_MAX_BACKOFF_S = 5.0
+
+
+class _AbortAllWindow:
+    """One Abort(all)'s window on the Rollout (new generations end ABORTED), closed exactly once."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self._rollout = rollout
+        self._open = True
+        rollout.begin_abort_all()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._rollout.end_abort_all()
+
+
+class _PauseCountdown:
+    """Sets `all_answered` once every engine's pause answered (or failed, or was cancelled)."""
+
+    def __init__(self, engines: int) -> None:
+        self._remaining = engines
+        self.all_answered = asyncio.Event()
+        if engines == 0:
+            self.all_answered.set()
+
+    def answered(self) -> None:
+        self._remaining -= 1
+        if self._remaining == 0:
+            self.all_answered.set()
+
+
+class _StepFailed(Exception):
+    """An engine failed at `route` (one step of a multi-step per-engine action)."""
+
+    def __init__(self, route: str, cause: BaseException) -> None:
+        super().__init__(route)
+        self.route = route
+        self.cause = cause
+
+
+class Control:
+    """Abort / pause / resume / info over the engine pool."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        registry: InFlightRegistry,
+        rollout: Rollout,
+        *,
+        deadline_s: float = CONTROL_DEADLINE_S,
+        resume_attempts: int = 3,
+        peer_abort: Callable[[AbortScope], Awaitable[int]] | None = None,
+    ) -> None:
+        self._pool = pool
+        self._registry = registry
+        self._rollout = rollout
+        self._deadline_s = deadline_s
+        self._resume_attempts = resume_attempts
+        self._peer_abort = peer_abort
+        self._background: set[asyncio.Task[None]] = set()
+        #: Bumped by every Pause: a late resume started before it must not undo it.
+        self._pause_epoch = 0
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a background task (late resumes), kept referenced and cancelled by `close()`."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Cancel background work (at shutdown, before the HTTP session closes)."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ----------------------------------------------------------------------------- helpers
+
+    async def _fan_out(
+        self,
+        engines: Sequence[EngineHandle],
+        action: Callable[[EngineHandle], Awaitable[object]],
+        *,
+        route: str,
+        timeout_s: float | None,
+    ) -> FleetResult:
+        """Run `action` on every healthy engine concurrently, all of it within `timeout_s`.
+
+        Unhealthy engines are not asked (reported as skipped); engines still busy at the deadline
+        are reported as hung and their calls cancelled.
+        """
+        asked, result = _split(engines)
+        if not asked:
+            return result
+        tasks = [asyncio.ensure_future(action(engine)) for engine in asked]
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=None if timeout_s is None else max(0.0, timeout_s))
+        finally:
+            for task in tasks:
+                task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        for engine, task in zip(asked, tasks, strict=True):
+            if task in pending or task.cancelled():
+                wait = f"{timeout_s:.1f} s" if timeout_s is not None else "the deadline"
+                result.fail(engine.url, Failure.TIMEOUT, f"{route}: no answer within {wait} (engine hung?)")
+                continue
+            exc = task.exception()
+            if exc is None:
+                result.ok.append(engine.url)
+                continue
+            step, cause = (exc.route, exc.cause) if isinstance(exc, _StepFailed) else (route, exc)
+            kind, message = describe_failure(cause, step)
+            if kind is Failure.OTHER:
+                log.error("engine_control_failed", engine=engine.url, route=step, error=repr(cause))
+            result.fail(engine.url, kind, message)
+        return result
+
+    def _timeout(self, deadline: float) -> float:
+        return deadline - asyncio.get_running_loop().time()
+
+    async def _resume_one(self, engine: EngineHandle) -> None:
+        """POST /resume with bounded retries (the caller's deadline bounds them in time)."""
+        for attempt in range(1, self._resume_attempts + 1):
+            try:
+                await engine.client.resume()
+                return
+            except EngineError as exc:
+                if attempt == self._resume_attempts:
+                    raise _StepFailed(CONTROL_ROUTES["resume"], exc) from exc
+                await asyncio.sleep(0.05 * 2**attempt)
+
+    async def _resume_now_or_later(self, engine: EngineHandle) -> None:
+        """Resume within the caller's deadline; if the deadline cancels it, keep trying in the
+        background (a paused vLLM holds every new request)."""
+        try:
+            await self._resume_one(engine)
+        except asyncio.CancelledError:
+            self._spawn(self._resume_later(engine))
+            raise
+
+    async def _resume_later(self, engine: EngineHandle) -> None:
+        """Resume, in the background, an engine whose pause or resume did not answer in time.
+
+        A hung engine still runs the unanswered pause when it wakes up (the request waits in its
+        socket buffer), possibly after this resume, and a paused vLLM holds every new request. So
+        the engine is resumed until it answers, then asked `/is_paused` once more after
+        `LATE_PAUSE_SETTLE_S` and resumed again while it reports paused. It stops when a caller
+        pauses the engines on purpose (Pause) or at `close()`.
+        """
+        epoch = self._pause_epoch
+        backoff_s = 0.1
+        while epoch == self._pause_epoch:
+            try:
+                await engine.client.resume()
+                await asyncio.sleep(LATE_PAUSE_SETTLE_S)
+                if epoch != self._pause_epoch or not await engine.client.is_paused():
+                    log.info("engine_resumed_late", engine=engine.url)
+                    return
+                log.warning("engine_paused_late", engine=engine.url)
+            except EngineRejected as exc:  # e.g. no dev mode: asking again cannot help
+                log.warning("engine_resume_failed", engine=engine.url, error=str(exc))
+                return
+            except EngineError as exc:
+                log.warning("engine_resume_failed", engine=engine.url, error=str(exc))
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, LATE_RESUME_MAX_BACKOFF_S)
+            except Exception as exc:  # e.g. the HTTP session closed at shutdown: nothing left to do
+                log.warning("engine_resume_failed", engine=engine.url, error=repr(exc))
+                return
+
+    # ----------------------------------------------------------------------------- abort
+
+    @staticmethod
+    def _scope() -> str | None:
+        """The owner an abort may reach: the caller's identity, or None (any owner) for an admin."""
+        caller = current_caller()
+        return None if caller.is_admin else caller.identity
+
+    async def abort_all(self) -> AbortResult:
+        """Abort everything in flight on every engine: pause(abort), then always resume. Admin only.
+
+        Each engine is paused then resumed on its own, so a hung engine delays nobody; the whole
+        fan-out ends by the deadline. The abort-all window (new generations here end ABORTED at
+        once) closes when the local streams have ended and every pause answered, or at the
+        deadline, whichever is first.
+        """
+        if not current_caller().is_admin:
+            raise PermissionDenied(
+                "Abort(all) needs the admin role; abort your own request_ids, session or group"
+            )
+        deadline = asyncio.get_running_loop().time() + self._deadline_s
+        window = _AbortAllWindow(self._rollout)
+        try:
+            local = self._registry.all()
+            for entry in local:
+                entry.request_abort("abort all")
+            result = AbortResult(aborted=len(local))
+            engines, fleet = _split(self._pool.engines)
+            pauses = _PauseCountdown(len(engines))
+            fan_out = asyncio.ensure_future(
+                self._fan_out(
+                    engines,
+                    lambda engine: self._pause_then_resume(engine, pauses),
+                    route=CONTROL_ROUTES["pause"],
+                    timeout_s=self._timeout(deadline),
+                )
+            )
+            try:
+                await self._hold_abort_all_window(pauses, deadline)
+            finally:
+                window.close()
+            done = await fan_out
+            fleet.ok.extend(done.ok)
+            fleet.extend(done)
+        finally:
+            window.close()
+        result.engine_errors.extend(fleet.errors)
+        log.info("abort_all", aborted=result.aborted, engine_errors=len(result.engine_errors))
+        fleet.raise_if_none_ok("abort (pause and resume)")
+        return result
+
+    async def _pause_then_resume(self, engine: EngineHandle, pauses: _PauseCountdown) -> None:
+        """Pause `engine` with mode=abort, then resume it whatever the pause answered."""
+        pause_error: EngineError | None = None
+        try:
+            await engine.client.pause("abort")
+        except asyncio.CancelledError:
+            self._spawn(self._resume_later(engine))
+            raise
+        except EngineError as exc:
+            pause_error = exc  # it may have paused anyway: resume regardless
+        finally:
+            pauses.answered()
+        await self._resume_now_or_later(engine)
+        if pause_error is not None:
+            raise _StepFailed(CONTROL_ROUTES["pause"] + "?mode=abort", pause_error) from pause_error
+
+    async def _hold_abort_all_window(self, pauses: _PauseCountdown, deadline: float) -> None:
+        """Wait until every pause answered and the local streams ended, or the deadline."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await pauses.all_answered.wait()
+                await self._registry.wait_idle(max(0.0, self._timeout(deadline)))
+        except TimeoutError:
+            log.warning("abort_all_window_deadline", deadline_s=self._deadline_s)
+
+    async def abort_ids(self, request_ids: Sequence[str]) -> AbortResult:
+        """Abort the caller's generations by request id, here and elsewhere.
+
+        An admin's unknown ids go to every engine (ids of other replicas' generations, first call
+        and failover calls); a trainer's go to the peers with its identity instead.
+        """
+        if not request_ids or any(not rid for rid in request_ids):
+            raise InvalidArgument("request_ids.ids", "must list at least one non-empty request id")
+        owner = self._scope()
+        found, unknown = self._registry.select(request_ids, owner)
+        for entry in found:
+            entry.request_abort("abort by id")
+        # Engine ids of local generations, plus (for an admin, whose abort may reach any owner) the
+        # exact ids another replica would use for the unknown ones (first call and failover
+        # attempts) — never another caller's request id.
+        engine_ids = [eid for entry in found for eid in entry.engine_request_ids]
+        if owner is None:
+            for rid in unknown:
+                engine_ids.extend(attempt_request_ids(rid, self._rollout.config.max_engine_attempts))
+        result = AbortResult(aborted=len(found), unknown_request_ids=list(unknown))
+        if engine_ids:
+            outcome = await self._fan_out(
+                self._pool.engines,
+                lambda e: e.client.abort_requests(engine_ids),
+                route=CONTROL_ROUTES["abort"],
+                timeout_s=self._deadline_s,
+            )
+            result.engine_errors.extend(outcome.errors)
+        if owner is not None and unknown and self._peer_abort is not None:
+            result.aborted += await self._peer_abort(AbortScope(owner=owner, request_ids=tuple(unknown)))
+        return result
+
+    async def abort_matching(
+        self, *, session_id: str | None = None, group_index: int | None = None
+    ) -> AbortResult:
+        """Abort the caller's generations of a session or prompt group (here, and on the peers)."""
+        if session_id is not None and not session_id:
+            raise InvalidArgument("session_id", "must not be empty")
+        owner = self._scope()
+        entries = self._registry.matching(session_id=session_id, group_index=group_index, owner=owner)
+        result = await self._abort_entries(entries)
+        if self._peer_abort is not None:
+            scope = AbortScope(owner=owner, session_id=session_id, group_index=group_index)
+            result.aborted += await self._peer_abort(scope)
+        return result
+
+    async def abort_local(self, scope: AbortScope) -> AbortResult:
+        """Abort matching generations of this replica only (the target of a peer's forward)."""
+        if scope.request_ids:
+            if any(not rid for rid in scope.request_ids):
+                raise InvalidArgument("request_ids.ids", "must not contain an empty request id")
+            entries, _ = self._registry.select(scope.request_ids, scope.owner)
+        else:
+            if scope.session_id is not None and not scope.session_id:
+                raise InvalidArgument("session_id", "must not be empty")
+            entries = self._registry.matching(
+                session_id=scope.session_id, group_index=scope.group_index, owner=scope.owner
+            )
+        return await self._abort_entries(entries)
+
+    async def _abort_entries(self, entries: list[InFlight]) -> AbortResult:
+        result = AbortResult(aborted=len(entries))
+        by_engine: dict[str, tuple[EngineHandle, list[str]]] = {}
+        for entry in entries:
+            entry.request_abort("abort by session or group")
+            if entry.engine is not None and entry.engine_request_ids:
+                by_engine.setdefault(entry.engine.url, (entry.engine, []))[1].append(
+                    entry.engine_request_ids[-1]
+                )
+        if by_engine:
+            outcome = await self._fan_out(
+                [engine for engine, _ in by_engine.values()],
+                lambda e: e.client.abort_requests(by_engine[e.url][1]),
+                route=CONTROL_ROUTES["abort"],
+                timeout_s=self._deadline_s,
+            )
+            result.engine_errors.extend(outcome.errors)
+        return result
+
+    # ----------------------------------------------------------------------------- pause / resume
+
+    async def pause(self, mode: str) -> FleetResult:
+        """Pause every engine (`abort`, `wait` or `keep`); fails when no engine paused."""
+        if mode not in PAUSE_MODES:
+            raise InvalidArgument("mode", f"must be one of ABORT, WAIT, KEEP; got {mode!r}")
+        self._pause_epoch += 1
+        if mode == "abort":
+            for entry in self._registry.all():
+                entry.request_abort("pause abort")
+        # `wait` blocks until the engines drained: no limit of ours (the caller's deadline applies),
+        # neither on the fan-out nor on the HTTP call (vllm.py: None = no limit).
+        wait = mode == "wait"
+        result = await self._fan_out(
+            self._pool.engines,
+            lambda e: e.client.pause(mode, timeout=None) if wait else e.client.pause(mode),
+            route=f"{CONTROL_ROUTES['pause']}?mode={mode}",
+            timeout_s=None if wait else self._deadline_s,
+        )
+        log.info("pause", mode=mode, paused=len(result.ok), errors=len(result.errors))
+        result.raise_if_none_ok(f"pause ({mode})")
+        return result
+
+    async def resume(self, weight_version: str | None) -> FleetResult:
+        """Relabel the weights (when given), then resume every engine — resume happens regardless.
+
+        Each engine is relabelled then resumed on its own within the one deadline. Fails when no
+        engine took the weight version, or when none resumed.
+        """
+        if weight_version is not None and not weight_version:
+            raise InvalidArgument("weight_version", "must not be empty when set")
+        relabel = FleetResult()
+
+        async def relabel_then_resume(engine: EngineHandle) -> None:
+            if weight_version is not None:
+                try:
+                    await engine.client.update_weight_version(weight_version)
+                except EngineError as exc:
+                    kind, message = describe_failure(exc, CONTROL_ROUTES["update_weight_version"])
+                    relabel.fail(engine.url, kind, f"weight version not set: {message}")
+                else:
+                    relabel.ok.append(engine.url)
+                    engine.weight_version = weight_version
+            await self._resume_now_or_later(engine)
+
+        resumed = await self._fan_out(
+            self._pool.engines,
+            relabel_then_resume,
+            route=CONTROL_ROUTES["resume"],
+            timeout_s=self._deadline_s,
+        )
+        log.info("resume", weight_version=weight_version, resumed=len(resumed.ok), errors=len(resumed.errors))
+        if weight_version is not None:
+            versioned = FleetResult(ok=list(relabel.ok))
+            versioned.extend(relabel)
+            answered = {url for url in relabel.ok} | {url for url, _ in relabel.errors}
+            for (url, message), kind in zip(resumed.errors, resumed.kinds, strict=True):
+                if url not in answered:
+                    versioned.fail(url, kind, message)
+            versioned.raise_if_none_ok(f"set weight version {weight_version!r}")
+        resumed.raise_if_none_ok("resume")
+        merged = FleetResult(ok=resumed.ok)
+        merged.extend(relabel)
+        merged.extend(resumed)
+        return merged
+
+    # ----------------------------------------------------------------------------- info
+
+    async def engine_statuses(self) -> list[EngineStatus]:
+        """Every engine with its paused state and weight version (unknown ones reported as such).
+
+        A hung engine costs at most the control deadline: it is reported with what was known.
+        """
+
+        async def ask(engine: EngineHandle) -> bool:
+            paused = False
+            try:
+                paused, engine.weight_version = await asyncio.gather(
+                    engine.client.is_paused(), engine.client.weight_version()
+                )
+            except EngineError as exc:
+                log.warning("engine_info_failed", engine=engine.url, error=exc.message)
+            if not engine.model:
+                try:
+                    models = await engine.client.models()
+                    engine.model = models[0].id if models else ""
+                except EngineError:
+                    pass
+            return paused
+
+        async def one(engine: EngineHandle) -> EngineStatus:
+            paused, version = False, engine.weight_version
+            if engine.healthy:
+                try:
+                    paused = await asyncio.wait_for(ask(engine), self._deadline_s)
+                except TimeoutError:
+                    log.warning("engine_info_timeout", engine=engine.url, deadline_s=self._deadline_s)
+                version = engine.weight_version
+            return EngineStatus(
+                url=engine.url,
+                healthy=engine.healthy,
+                draining=engine.draining,
+                in_flight=engine.in_flight,
+                paused=paused,
+                weight_version=version,
+                model=engine.model,
+            )
+
+        return list(await asyncio.gather(*(one(e) for e in self._pool.engines)))

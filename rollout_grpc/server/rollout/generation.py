@@ -1,0 +1,668 @@
+"""One sample's generation: the domain logic of slime/vime `generate()` on inference engines.
+
+`Rollout.generate` is an async generator: it yields `TokenBatch`es as tokens arrive and, last, the
+final `Sample`. It owns budget, continuation, masks, status, weight versions, routed experts and
+failover; it knows nothing about gRPC, and engines only through `engine_api.EngineAdapter`. What
+happens after a failed engine call is decided by `failover.decide` (one table of rules). Guarantees:
+
+* every token yielded in a batch is in the final sample, and vice versa (no loss, no duplicates);
+* a failure after tokens were produced never raises: the sample comes back ABORTED (engines lost)
+  or FAILED (unusable reply) with everything generated so far;
+* when an engine dies or its stream breaks, the sample continues on another healthy engine from
+  the tokens already produced, with the reduced budget (partial-rollout continuation);
+* leaving early (client cancel, deadline) closes the upstream HTTP request, which makes vLLM
+  abort the engine-side generation;
+* an abort ends the generation within `RolloutConfig.abort_drain_s` of the request, even if its
+  engine never answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from rollout_grpc.server.domain import failover, multimodal, routed_experts, sample_ops
+from rollout_grpc.server.domain import params as params_mod
+from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from rollout_grpc.server.domain.failover import Action, Decision, Failure, Raise, Situation
+from rollout_grpc.server.domain.model import (
+    EngineAttempt,
+    Finish,
+    GenerateOptions,
+    Sample,
+    SamplingParams,
+    Status,
+    TokenBatch,
+    WeightSpan,
+)
+from rollout_grpc.server.engines.api import (
+    EngineCall,
+    EngineDelta,
+    EngineError,
+    EngineFinal,
+    EngineHung,
+    EngineMalformed,
+    EngineRejected,
+    EngineRequestFailed,
+    EngineUnavailable,
+    EngineUsage,
+    FinishKind,
+    MediaCacheMiss,
+)
+from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
+from rollout_grpc.server.rollout.admission import Admission
+from rollout_grpc.server.rollout.inflight import AbortedWhileQueued, InFlight, InFlightRegistry
+
+log = structlog.get_logger(__name__)
+
+#: Version label for tokens whose engine died before reporting their weight version.
+UNKNOWN_VERSION = "unknown"
+
+
+@dataclass(slots=True)
+class RolloutConfig:
+    """Knobs of the generation loop."""
+
+    #: Engine calls per Generate (the first plus failovers).
+    max_engine_attempts: int = 4
+    #: Ask engines to batch tokens into fewer SSE events (vLLM's `stream_interval`). Every SSE
+    #: event costs the service 25-50 us of CPU however few tokens it holds (bench/profile_notes.md),
+    #: so batching upstream is the largest saving. Turn off for engines that reject it.
+    engine_stream_interval: bool = True
+    #: `stream_interval` for callers that want no deltas (`final_only`).
+    final_only_stream_interval: int = 64
+    #: Healthy engines that may fail the same request with an internal error before the request,
+    #: not the engines, is held at fault (FAILED_PRECONDITION; no circuit breaker opens).
+    max_request_failures: int = 2
+    #: After an abort was requested, seconds to wait for the engine's final chunk before the
+    #: generation ends ABORTED with what it has (an engine that never answers cannot hold it).
+    abort_drain_s: float = 1.0
+    #: Seconds the health probe that tells an engine-wide from a request-specific failure may take.
+    health_probe_s: float = 2.0
+
+
+class _Batcher:
+    """Groups new tokens into stream messages: flush at N tokens or when the oldest is T old.
+
+    With a time flush (T > 0) the first tokens of a generation go out at once, so the time to the
+    first token is the engine's, not the batching delay (measured: TTFT p50 93-99 ms -> 15-23 ms at
+    20 ms/token, bench/profile_notes.md). The age is checked as tokens arrive (no timer task).
+    """
+
+    __slots__ = (
+        "_first",
+        "_interval",
+        "_limit",
+        "_logprobs",
+        "_offset",
+        "_since",
+        "_text",
+        "_tokens",
+        "enabled",
+    )
+
+    def __init__(self, options: GenerateOptions) -> None:
+        self.enabled = not options.final_only
+        self._limit = max(1, options.stream_batch_tokens)
+        self._interval = options.stream_batch_interval_s
+        self._tokens: list[int] = []
+        self._logprobs: list[float] = []
+        self._text = ""
+        self._offset = 0
+        self._since = 0.0
+        self._first = self._interval > 0
+
+    def _open(self, offset: int) -> None:
+        """Start a batch at response position `offset` unless one is pending."""
+        if not self._tokens and not self._text:
+            self._offset = offset
+            self._since = time.monotonic()
+
+    def add(self, offset: int, tokens: list[int], logprobs: list[float], text: str) -> TokenBatch | None:
+        if not self.enabled:
+            return None
+        self._open(offset)
+        self._tokens.extend(tokens)
+        self._logprobs.extend(logprobs)
+        self._text += text
+        if (
+            self._first
+            or len(self._tokens) >= self._limit
+            or (self._interval > 0 and time.monotonic() - self._since >= self._interval)
+        ):
+            self._first = False
+            return self.flush()
+        return None
+
+    def add_text(self, offset: int, text: str) -> None:
+        """Text that arrived without tokens (e.g. held back by a stop string until the end)."""
+        if self.enabled:
+            self._open(offset)
+            self._text += text
+
+    def flush(self) -> TokenBatch | None:
+        if not self.enabled or (not self._tokens and not self._text):
+            return None
+        batch = TokenBatch(self._tokens, self._logprobs, self._offset, self._text)
+        self._tokens, self._logprobs, self._text = [], [], ""
+        return batch
+
+
+class Rollout:
+    """Generates samples on the engine pool."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        admission: Admission,
+        registry: InFlightRegistry,
+        config: RolloutConfig | None = None,
+    ) -> None:
+        self.pool = pool
+        self.admission = admission
+        self.registry = registry
+        self.config = config or RolloutConfig()
+        self._abort_all_depth = 0
+        self._closed = False
+
+    def close(self) -> None:
+        """Refuse new generations (shutdown); in-flight ones continue."""
+        self._closed = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation is in flight; False on timeout."""
+        return await self.registry.wait_idle(timeout)
+
+    # ----------------------------------------------------------------------------- abort-all window
+
+    @property
+    def aborting(self) -> bool:
+        """True while an abort-all runs on this replica: new generations end ABORTED at once."""
+        return self._abort_all_depth > 0
+
+    def begin_abort_all(self) -> None:
+        """Open the abort-all window (nested calls are counted)."""
+        self._abort_all_depth += 1
+
+    def end_abort_all(self) -> None:
+        """Close the abort-all window."""
+        self._abort_all_depth = max(0, self._abort_all_depth - 1)
+
+    # ----------------------------------------------------------------------------- generate
+
+    async def generate(
+        self, sample: Sample, params: SamplingParams, options: GenerateOptions, request_id: str
+    ) -> AsyncIterator[TokenBatch | Sample]:
+        """Yield token batches, then the final sample (always last, exactly once)."""
+        if self._closed:
+            raise Unavailable("the server is shutting down; retry on another replica")
+        sample_ops.check_input(sample)
+        params_mod.validate(params, skip_text=options.skip_text)
+        routed_experts.check_input(sample.routed_experts, sample.tokens, options)
+        if sample.status in sample_ops.FINISHED:
+            yield sample
+            return
+        sample_ops.prepare_masks(sample, options.mask_offpolicy)
+        budget = sample_ops.remaining_budget(sample, params)
+        if budget == 0:
+            sample_ops.finish(sample, Finish.LENGTH, Status.TRUNCATED)
+            yield sample
+            return
+        if self.aborting:
+            sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
+            yield sample
+            return
+        entry = self.registry.register(request_id, sample.session_id, sample.group_index)
+        try:
+            try:
+                async with self.admission.slot(entry):
+                    async for batch in self._run(sample, params, options, entry):
+                        yield batch
+            except AbortedWhileQueued:
+                sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
+        finally:
+            self.registry.unregister(entry)
+        problem = sample_ops.check_invariants(sample)
+        if problem:
+            sample_ops.finish(sample, Finish.ERROR, Status.FAILED, problem)
+        yield sample
+
+    async def _run(
+        self, sample: Sample, params: SamplingParams, options: GenerateOptions, entry: InFlight
+    ) -> AsyncIterator[TokenBatch]:
+        """The engine calls of one generation: call, and on failure do what `failover.decide` says."""
+        batcher = _Batcher(options)
+        run = _RunState(call_offset=sample.response_length)
+        while not entry.abort_requested:
+            engine = self._pick(sample, options, run)
+            run.decision, run.error = None, None
+            if engine is None:
+                run.decision = _decide(
+                    self._situation(Failure.NO_ENGINE, sample, params, entry, run, 0), entry
+                )
+            else:
+                async for batch in self._attempt(engine, sample, params, options, entry, run, batcher):
+                    yield batch
+            decision = run.decision
+            if decision is None:
+                break  # the call ended normally
+            if decision.action is Action.RAISE:
+                raise _domain_error(decision, run.error) from run.error
+            if decision.action is Action.FINISH:
+                sample_ops.finish(sample, decision.finish, decision.status, decision.reason)
+                break
+            run.media_resent = run.media_resent or decision.action is Action.RETRY_WITH_MEDIA
+        else:
+            sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
+        last = batcher.flush()
+        if last is not None:
+            yield last
+
+    async def _attempt(
+        self,
+        engine: EngineHandle,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        entry: InFlight,
+        run: _RunState,
+        batcher: _Batcher,
+    ) -> AsyncIterator[TokenBatch]:
+        """One engine call; on failure, `run.decision` says what next (None: the call succeeded)."""
+        if not sample.tokens:
+            await self._render_prompt(engine, sample, options)
+        run.attempts += 1
+        run.tried.add(engine.url)
+        attempt = EngineAttempt(engine.url, sample.response_length, sample.response_length)
+        sample.engine_attempts.append(attempt)
+        try:
+            with self.pool.lease(engine):
+                async for batch in self._call(engine, sample, params, options, entry, run, batcher):
+                    yield batch
+            self.pool.report_success(engine)
+            return
+        except (EngineError, _DrainExpired) as exc:
+            run.error = exc if isinstance(exc, EngineError) else None
+            failure = await self._classify(engine, exc)
+            attempt.error = f"{failure.value}: {exc}"
+        finally:
+            attempt.end = sample.response_length
+        if failure is Failure.REQUEST_FAILED:
+            run.request_failures += 1
+        self._label_orphans(sample, engine, attempt)
+        tokens = sample.response_length - attempt.start
+        run.decision = decision = _decide(self._situation(failure, sample, params, entry, run, tokens), entry)
+        if decision.mark_unhealthy:
+            self.pool.report_failure(engine, attempt.error)
+        if decision.exclude_engine:
+            run.excluded.add(engine.url)
+
+    def _situation(
+        self,
+        failure: Failure,
+        sample: Sample,
+        params: SamplingParams,
+        entry: InFlight,
+        run: _RunState,
+        tokens_this_call: int,
+    ) -> Situation:
+        features = sample.features
+        return Situation(
+            failure=failure,
+            tokens_this_call=tokens_this_call,
+            tokens_this_generate=sample.response_length - run.call_offset,
+            attempts=run.attempts,
+            max_attempts=self.config.max_engine_attempts,
+            request_failures=run.request_failures,
+            max_request_failures=self.config.max_request_failures,
+            budget_left=sample_ops.remaining_budget(sample, params),
+            abort_requested=entry.abort_requested,
+            media_resent=run.media_resent,
+            media_resendable=features is not None and multimodal.has_all_kwargs(features),
+        )
+
+    async def _classify(self, engine: EngineHandle, exc: BaseException) -> Failure:
+        """The policy's name for an engine call's failure; an internal error asks the engine's health."""
+        if isinstance(exc, _DrainExpired):
+            return Failure.ABORT_DRAIN_EXPIRED
+        if isinstance(exc, EngineHung):
+            return Failure.HUNG
+        if isinstance(exc, EngineRejected):
+            return Failure.REJECTED
+        if isinstance(exc, MediaCacheMiss):
+            return Failure.MEDIA_CACHE_MISS
+        if isinstance(exc, EngineMalformed):
+            return Failure.MALFORMED
+        if isinstance(exc, EngineRequestFailed):
+            healthy = await engine.client.health(self.config.health_probe_s)
+            return Failure.REQUEST_FAILED if healthy else Failure.ENGINE_FAILED
+        return Failure.UNAVAILABLE
+
+    def _stream_interval(self, engine: EngineHandle, options: GenerateOptions) -> int:
+        """Tokens per engine SSE event: as many as the caller's batching releases at once.
+
+        vLLM sends the first token at once, then every `stream_interval` tokens, and the final
+        chunk (with every remaining token) whatever the count, so batching loses nothing. With a
+        time flush of T ms, the engine may batch only the tokens it makes in T ms (from its
+        observed speed; 1 until measured), so deltas still arrive every T ms.
+        """
+        if not self.config.engine_stream_interval:
+            return 1
+        if options.final_only:
+            return self.config.final_only_stream_interval
+        tokens = options.stream_batch_tokens
+        if options.stream_batch_interval_s > 0:
+            if engine.token_gap_s is None:
+                return 1
+            tokens = min(tokens, int(options.stream_batch_interval_s / max(engine.token_gap_s, 1e-6)))
+        return max(1, tokens)
+
+    def _engine_call(
+        self,
+        engine: EngineHandle,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        entry: InFlight,
+        run: _RunState,
+    ) -> EngineCall:
+        """The next engine call of this sample: its tokens so far, the remaining budget."""
+        if sample.features:
+            multimodal.align(sample.features, sample.tokens)
+        return EngineCall(
+            request_id=entry.request_id,
+            attempt=run.attempts - 1,
+            prompt_token_ids=sample.tokens,
+            sampling=params,
+            max_tokens=sample_ops.remaining_budget(sample, params),
+            min_tokens=sample_ops.remaining_min_tokens(sample, params),
+            stream_interval=self._stream_interval(engine, options),
+            top_logprobs=params.top_logprobs or 0,
+            return_routed_experts=options.return_routed_experts,
+            routed_experts_start=options.routed_experts_start if options.return_routed_experts else 0,
+            features=sample.features,
+            resend_media=run.media_resent,
+            model=options.model,
+            want_text=not options.skip_text,
+        )
+
+    async def _call(
+        self,
+        engine: EngineHandle,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        entry: InFlight,
+        run: _RunState,
+        batcher: _Batcher,
+    ) -> AsyncIterator[TokenBatch]:
+        """One engine call: append tokens as they arrive, then apply the final result.
+
+        Once an abort is requested the engine gets `abort_drain_s` to send its final chunk; then
+        the call ends here whatever the engine does (`_DrainExpired`).
+        """
+        call = self._engine_call(engine, sample, params, options, entry, run)
+        entry.engine = engine
+        entry.engine_started = False
+        entry.engine_request_ids.append(engine.client.engine_request_id(call.request_id, call.attempt))
+        if call.top_logprobs and len(sample.top_logprobs) < sample.response_length:
+            # Positions generated without top logprobs get empty entries, so index = position.
+            missing = sample.response_length - len(sample.top_logprobs)
+            sample.top_logprobs.extend(([], []) for _ in range(missing))
+        sample.usage.prompt_tokens += len(call.prompt_token_ids)
+        start = sample.response_length
+        speed = _Speed(sample.response_length)
+        finals: list[EngineFinal] = []
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None) as drain:
+                entry.on_abort = lambda: drain.reschedule(loop.time() + self.config.abort_drain_s)
+                if entry.abort_requested:  # asked while the call was being prepared
+                    entry.on_abort()
+                async for batch in self._consume(engine, call, sample, entry, batcher, speed, finals):
+                    yield batch
+        except TimeoutError as exc:
+            if entry.abort_requested:
+                raise _DrainExpired from exc
+            raise
+        finally:
+            entry.on_abort = None
+        if not finals:
+            raise EngineUnavailable(engine.url, "the stream ended without a final result")
+        speed.report(engine, sample.response_length)
+        self._apply_final(engine, finals[-1], sample, options, start)
+
+    async def _consume(
+        self,
+        engine: EngineHandle,
+        call: EngineCall,
+        sample: Sample,
+        entry: InFlight,
+        batcher: _Batcher,
+        speed: _Speed,
+        finals: list[EngineFinal],
+    ) -> AsyncIterator[TokenBatch]:
+        """Apply the call's events to the sample; the final result goes to `finals`."""
+        async for event in engine.client.generate(call):
+            if isinstance(event, EngineDelta):
+                self._on_engine_started(engine, entry)
+                speed.first(sample.response_length + len(event.token_ids), bool(event.token_ids))
+                batch = self._apply_delta(sample, event, batcher)
+                if batch is not None:
+                    yield batch
+            elif isinstance(event, EngineUsage):
+                sample.usage.cached_tokens += event.cached_tokens
+            else:
+                finals.append(event)
+
+    def _on_engine_started(self, engine: EngineHandle, entry: InFlight) -> None:
+        if not entry.engine_started:
+            entry.engine_started = True
+            if entry.abort_requested:
+                # The abort may have reached the engine before the request did: send it again.
+                _spawn(_quiet_abort(engine, entry.engine_request_ids[-1:]))
+
+    @staticmethod
+    def _apply_delta(sample: Sample, delta: EngineDelta, batcher: _Batcher) -> TokenBatch | None:
+        if not delta.token_ids:
+            if delta.text:
+                sample.response += delta.text
+                batcher.add_text(sample.response_length, delta.text)
+            return None
+        offset = sample.response_length
+        sample_ops.append_tokens(sample, delta.token_ids, delta.logprobs, delta.text)
+        sample.usage.completion_tokens += len(delta.token_ids)
+        if delta.top_logprobs is not None:
+            sample.top_logprobs.extend(delta.top_logprobs)
+        return batcher.add(offset, delta.token_ids, delta.logprobs, delta.text)
+
+    def _apply_final(
+        self, engine: EngineHandle, final: EngineFinal, sample: Sample, options: GenerateOptions, start: int
+    ) -> None:
+        """Status, stop reason, weight versions and routed experts from the final result."""
+        finish, status = FINISH_STATUS[final.finish]
+        sample.stop_reason = final.stop_reason
+        if final.weight_spans:
+            engine.weight_version = final.weight_spans[-1].version
+        sample_ops.add_weight_spans(sample, final.weight_spans, start)
+        failure = ""
+        if options.return_routed_experts and final.routed_experts is not None:
+            try:
+                sample.routed_experts = routed_experts.merge(
+                    sample.routed_experts,
+                    final.routed_experts,
+                    options.routed_experts_start,
+                    len(sample.tokens),
+                )
+            except routed_experts.RoutedExpertsError as exc:
+                finish, status, failure = Finish.ERROR, Status.FAILED, f"engine {engine.url}: {exc}"
+        sample_ops.finish(sample, finish, status, failure)
+
+    def _label_orphans(self, sample: Sample, engine: EngineHandle, attempt: EngineAttempt) -> None:
+        """Give tokens of a broken engine call a weight-version span (the engine's last known one)."""
+        covered = sample.weight_versions[-1].end if sample.weight_versions else 0
+        start = max(covered, attempt.start)
+        if sample.response_length > start:
+            version = engine.weight_version or UNKNOWN_VERSION
+            sample_ops.add_weight_spans(
+                sample, [WeightSpan(version, 0, sample.response_length - start)], start
+            )
+
+    async def _render_prompt(self, engine: EngineHandle, sample: Sample, options: GenerateOptions) -> None:
+        """Turn a prompt text into ids with the engine's tokenizer (the service loads none)."""
+        try:
+            rendered = await engine.client.render_text(sample.prompt or "", options.model)
+        except EngineRejected as exc:
+            raise _rejection(exc, default_field="sample.prompt") from exc
+        except EngineError as exc:
+            raise Unavailable(f"could not render the prompt: {exc.message}") from exc
+        if not rendered.token_ids:
+            raise InvalidArgument("sample.prompt", "the engine rendered the prompt to no tokens")
+        sample.tokens = list(rendered.token_ids)
+
+    def _pick(self, sample: Sample, options: GenerateOptions, run: _RunState) -> EngineHandle | None:
+        """The engine for the next call: usable, not at fault, untried while others remain, and
+        able to return routed experts when they are asked for.
+
+        R3 from engines that cannot return it (dense model, MoE without the flag; known from the
+        capability check) is refused with FAILED_PRECONDITION naming each engine and its reason
+        before anything is generated. After tokens of this Generate, the failover policy decides as
+        for no engine at all (the sample keeps its tokens).
+        """
+        avoid = set(run.excluded)
+        if options.return_routed_experts:
+            unable = self._unable_to_route(run.excluded)
+            produced = sample.response_length > run.call_offset
+            if unable and not produced and len(unable) == self._usable_count(run.excluded):
+                raise FailedPrecondition(
+                    "return_routed_experts: no usable engine can return routed experts: "
+                    + "; ".join(unable.values())
+                )
+            avoid |= unable.keys()
+        return self.pool.pick(sample.session_id, exclude=avoid | run.tried) or self.pool.pick(
+            sample.session_id, exclude=avoid
+        )
+
+    def _unable_to_route(self, excluded: set[str]) -> dict[str, str]:
+        """Usable engines (not at fault) that cannot return routed experts -> why."""
+        unable: dict[str, str] = {}
+        for engine in self.pool.engines:
+            if engine.usable and engine.url not in excluded and engine.capabilities is not None:
+                problem = engine.capabilities.routed_experts_problem(engine.url)
+                if problem is not None:
+                    unable[engine.url] = problem
+        return unable
+
+    def _usable_count(self, excluded: set[str]) -> int:
+        return sum(1 for e in self.pool.engines if e.usable and e.url not in excluded)
+
+
+@dataclass(slots=True)
+class _RunState:
+    """The failover bookkeeping of one Generate."""
+
+    call_offset: int
+    attempts: int = 0
+    request_failures: int = 0
+    media_resent: bool = False
+    #: Engines at fault (never tried again) and engines already tried (avoided while others remain).
+    excluded: set[str] = field(default_factory=set)
+    tried: set[str] = field(default_factory=set)
+    #: What the last failed call decided (None after a call that ended normally) and its error.
+    decision: Decision | None = None
+    error: EngineError | None = None
+
+
+class _Speed:
+    """Measures an engine call's decode speed from its first token to its end."""
+
+    __slots__ = ("_at", "_tokens")
+
+    def __init__(self, tokens: int) -> None:
+        self._at = 0.0
+        self._tokens = tokens
+
+    def first(self, tokens: int, has_tokens: bool) -> None:
+        if has_tokens and not self._at:
+            self._at, self._tokens = time.monotonic(), tokens
+
+    def report(self, engine: EngineHandle, tokens: int) -> None:
+        if self._at:
+            engine.observe_token_gap(time.monotonic() - self._at, tokens - self._tokens)
+
+
+class _DrainExpired(Exception):
+    """An abort was requested and the engine did not end its call within `abort_drain_s`."""
+
+
+#: Neutral finish -> (finish reason, sample status).
+FINISH_STATUS: dict[FinishKind, tuple[Finish, Status]] = {
+    FinishKind.STOP: (Finish.STOP, Status.COMPLETED),
+    FinishKind.LENGTH: (Finish.LENGTH, Status.TRUNCATED),
+    FinishKind.ABORT: (Finish.ABORT, Status.ABORTED),
+    FinishKind.ERROR: (Finish.ERROR, Status.FAILED),
+    FinishKind.REPETITION: (Finish.REPETITION, Status.COMPLETED),
+}
+
+
+#: Decisions that make another engine call.
+_RETRIES = frozenset({Action.RETRY_ELSEWHERE, Action.RETRY_WITH_MEDIA})
+
+
+def _decide(situation: Situation, entry: InFlight) -> Decision:
+    """`failover.decide`, with one `failover` log line per decision: at warning level when the
+    sample moves on to another engine call (an operator wants to see those), at debug otherwise."""
+    decision = failover.decide(situation)
+    emit = log.warning if decision.action in _RETRIES else log.debug
+    emit(
+        "failover",
+        request_id=entry.request_id,
+        failure=situation.failure.value,
+        action=decision.action.value,
+        reason=decision.reason,
+        tokens_this_call=situation.tokens_this_call,
+        tokens_so_far=situation.tokens_this_generate,
+        attempts=situation.attempts,
+    )
+    return decision
+
+
+def _rejection(exc: EngineRejected, default_field: str = "sample.tokens") -> Exception:
+    """An engine rejection before any token was produced, as a domain error naming our field."""
+    if exc.not_found:
+        return NotFound(f"engine {exc.url}: {exc.message}")
+    field_name = params_mod.field_for_engine_param(exc.param, default_field)
+    return InvalidArgument(field_name, f"rejected by the engine: {exc.message}")
+
+
+def _domain_error(decision: Decision, error: EngineError | None) -> Exception:
+    """The domain error of a RAISE decision."""
+    if decision.raise_as is Raise.REJECTION and isinstance(error, EngineRejected):
+        return _rejection(error)
+    detail = f": {error.message}" if error is not None else ""
+    if decision.raise_as is Raise.FAILED_PRECONDITION:
+        return FailedPrecondition(f"{decision.reason}{detail}")
+    return Unavailable(f"{decision.reason}{detail}")
+
+
+_background: set[asyncio.Task[None]] = set()
+
+
+def _spawn(coro: Coroutine[Any, Any, None]) -> None:
+    """Run a fire-and-forget coroutine, keeping a reference so it is not garbage-collected."""
+    task = asyncio.create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _quiet_abort(engine: EngineHandle, ids: list[str]) -> None:
+    """Best-effort abort (a lost abort is retried by the caller's own logic)."""
+    try:
+        await engine.client.abort_requests(ids)
+    except EngineError as exc:
+        log.warning("abort_failed", engine=engine.url, error=exc.message)

@@ -1,0 +1,1 @@
+"""Who may call and how much: authentication and roles, TLS, request bounds and rate limits, redaction."""
