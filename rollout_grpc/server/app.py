@@ -32,9 +32,10 @@ from rollout_grpc.server.domain import bounds
 from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain.identity import Role
 from rollout_grpc.server.domain.trajectory import TrajectoryStore
+from rollout_grpc.server.engines.api import EngineTimeouts
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
-from rollout_grpc.server.engines.vllm.adapter import EngineTimeouts
+from rollout_grpc.server.engines.registry import adapter_factory
 from rollout_grpc.server.facade.calls import CallInterceptor, TimedAdmission, log_generate
 from rollout_grpc.server.front.grpc import decoding
 from rollout_grpc.server.front.grpc.peers import PeerAborter
@@ -369,8 +370,7 @@ class RolloutServer:
         )
         self.pool = EnginePool(
             cfg.engines,
-            session,
-            timeouts=timeouts,
+            adapter_factory(session, timeouts),
             health_interval_s=cfg.health_interval_s,
             breaker_cooldown_s=cfg.breaker_cooldown_s,
         )

@@ -149,6 +149,7 @@ async def test_grafana_dashboard_queries_only_metrics_the_server_exports() -> No
     import aiohttp
 
     from rollout_grpc.server.engines.pool import EnginePool
+    from rollout_grpc.server.engines.registry import adapter_factory
     from rollout_grpc.server.observe.metrics import PREFIX, Metrics
     from rollout_grpc.server.rollout.admission import Admission
 
@@ -157,7 +158,7 @@ async def test_grafana_dashboard_queries_only_metrics_the_server_exports() -> No
     assert exprs
     used = {n for e in exprs for n in re.findall(rf"\b({PREFIX}[a-z0-9_]+)", e)}
     async with aiohttp.ClientSession() as session:
-        metrics = Metrics(EnginePool([], session), Admission(1, 0))
+        metrics = Metrics(EnginePool([], adapter_factory(session)), Admission(1, 0))
         families = list(metrics.registry.collect())
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     exported = {f.name + s for f in families for s in suffixes.get(f.type, ("",))}

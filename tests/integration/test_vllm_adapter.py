@@ -18,9 +18,10 @@ from rollout_grpc.server.engines.api import (
     EngineFinal,
     EngineHung,
     EngineMalformed,
+    EngineTimeouts,
     MediaCacheMiss,
 )
-from rollout_grpc.server.engines.vllm.adapter import EngineTimeouts, VllmEngine
+from rollout_grpc.server.engines.vllm.adapter import VllmEngine
 from rollout_grpc.sim import SimConfig, SimEngine
 
 CALL = EngineCall("r", 0, [1, 2, 3], SamplingParams(temperature=0), 4, 0, want_text=False)

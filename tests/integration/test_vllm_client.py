@@ -6,7 +6,8 @@ import asyncio
 
 import aiohttp
 
-from rollout_grpc.server.engines.vllm.adapter import EngineTimeouts, VllmEngine
+from rollout_grpc.server.engines.api import EngineTimeouts
+from rollout_grpc.server.engines.vllm.adapter import VllmEngine
 from rollout_grpc.sim import SimConfig, SimEngine
 from tests.support.service import PROMPT
 

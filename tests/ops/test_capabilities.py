@@ -9,8 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import SERVICE_NAME
 from rollout_grpc.server.engines.api import EngineCapabilities
-from rollout_grpc.server.engines.capabilities import classify
-from rollout_grpc.server.engines.vllm.info import ServerInfo, parse_server_info
+from rollout_grpc.server.engines.vllm.info import ServerInfo, classify, parse_server_info
 from tests.harness import harness, running_server, sim_engines
 
 
@@ -132,6 +131,8 @@ def test_routed_experts_decision_for_dense_and_moe_engines() -> None:
     url = "http://e"
     assert EngineCapabilities().routed_experts_problem(url) is None  # unknown: the engine's reply decides
     assert "dense model" in (EngineCapabilities(is_moe=False).routed_experts_problem(url) or "")
-    no_flag = EngineCapabilities(is_moe=True, routed_experts=False).routed_experts_problem(url)
+    no_flag = EngineCapabilities(
+        is_moe=True, routed_experts=False, routed_experts_flag="--enable-return-routed-experts"
+    ).routed_experts_problem(url)
     assert no_flag is not None and "--enable-return-routed-experts" in no_flag and url in no_flag
     assert EngineCapabilities(is_moe=True, routed_experts=True).routed_experts_problem(url) is None

@@ -9,14 +9,16 @@ is set when a call has yielded its first event.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import EllipsisType
-from typing import Any
 
 from rollout_grpc.server.domain.model import WeightSpan
 from rollout_grpc.server.engines.api import (
+    ChatRenderRequest,
+    ControlAction,
     EngineCall,
+    EngineCapabilities,
     EngineDelta,
     EngineEvent,
     EngineFinal,
@@ -52,6 +54,10 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     paused: bool = False
+    missing_route_hint: str = "the fake engine serves every route"
+
+    def control_route(self, action: ControlAction) -> str:
+        return f"/fake/{action}"
 
     def engine_request_id(self, request_id: str, attempt: int = 0) -> str:
         return f"fake-{request_id}~{attempt}"
@@ -76,7 +82,7 @@ class FakeEngine:
     async def render_text(self, text: str, model: str = "") -> Rendered:
         return Rendered([ord(c) for c in text])
 
-    async def render_chat(self, body: Mapping[str, Any]) -> Rendered:
+    async def render_chat(self, request: ChatRenderRequest) -> Rendered:
         return Rendered([1, 2, 3])
 
     async def pause(self, mode: str, timeout: float | EllipsisType | None = ...) -> None:
@@ -96,3 +102,6 @@ class FakeEngine:
 
     async def models(self) -> list[ServedModel]:
         return [ServedModel("fake")]
+
+    async def capabilities(self, raw_logprobs: str) -> EngineCapabilities | None:
+        return None  # nothing to probe: the pool records no capabilities for a fake engine

@@ -6,19 +6,16 @@ import pytest
 
 from rollout_grpc.server.domain.errors import FailedPrecondition, Unavailable
 from rollout_grpc.server.engines.api import EngineRejected, EngineRequestFailed, EngineUnavailable
-from rollout_grpc.server.rollout.control import (
-    DEV_MODE_HINT,
-    Failure,
-    FleetResult,
-    attempt_request_ids,
-    describe_failure,
-)
+from rollout_grpc.server.engines.vllm.adapter import DEV_MODE_HINT, engine_request_id
+from rollout_grpc.server.rollout.control import Failure, FleetResult, describe_failure
 
 URL = "http://engine:8000"
 
 
 def test_a_404_names_the_dev_mode_flag_never_the_raw_body() -> None:
-    kind, message = describe_failure(EngineRejected(URL, '{"detail":"Not Found"}', not_found=True), "/pause")
+    kind, message = describe_failure(
+        EngineRejected(URL, '{"detail":"Not Found"}', not_found=True), "/pause", DEV_MODE_HINT
+    )
     assert kind is Failure.NOT_FOUND
     assert DEV_MODE_HINT in message and "/pause" in message and "detail" not in message
 
@@ -60,6 +57,6 @@ def test_partial_failures_and_empty_fan_outs_do_not_fail_the_rpc(ok: list[str], 
 
 
 def test_attempt_ids_are_exact_and_use_the_reserved_separator() -> None:
-    ids = attempt_request_ids("job", 3)
+    ids = [engine_request_id("job", n) for n in range(3)]
     assert ids[0].endswith("job") and ids[1].endswith("job~1") and ids[2].endswith("job~2")
     assert not any(i.endswith("job.1") for i in ids)

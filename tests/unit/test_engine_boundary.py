@@ -49,7 +49,6 @@ VLLM_FRAGMENTS = ("generate-tokens-", "/inference/", "/server_info", "/pause", "
 #: Modules allowed to name vLLM's wire format, and why.
 ALLOWED: dict[str, str] = {
     "engines/vllm/": "the vLLM adapter",
-    "engines/capabilities.py": "classifies vLLM engines; its messages name the exact vLLM flag and route to fix",
     "front/openai/": "speaks OpenAI's chat-completions format to harnesses (its keys are OpenAI's)",
 }
 

@@ -10,6 +10,7 @@ import pytest
 from rollout_grpc.server.app import rollout_num_engines
 from rollout_grpc.server.domain.errors import ResourceExhausted
 from rollout_grpc.server.engines.pool import EnginePool
+from rollout_grpc.server.engines.registry import adapter_factory
 from rollout_grpc.server.rollout.admission import Admission
 from rollout_grpc.server.rollout.inflight import AbortedWhileQueued, InFlight
 
@@ -18,7 +19,10 @@ URLS = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
 
 async def test_session_affinity_is_stable_across_pools() -> None:
     async with aiohttp.ClientSession() as session:
-        a, b = EnginePool(URLS, session), EnginePool(list(reversed(URLS)), session)
+        a, b = (
+            EnginePool(URLS, adapter_factory(session)),
+            EnginePool(list(reversed(URLS)), adapter_factory(session)),
+        )
         for sid in (f"s{i}" for i in range(50)):
             first, second = a.pick(sid), b.pick(sid)
             assert first is not None and second is not None
@@ -27,7 +31,7 @@ async def test_session_affinity_is_stable_across_pools() -> None:
 
 async def test_hot_session_spills_over_under_bounded_load() -> None:
     async with aiohttp.ClientSession() as session:
-        pool = EnginePool(URLS, session)
+        pool = EnginePool(URLS, adapter_factory(session))
         home = pool.pick("hot")
         assert home is not None
         home.in_flight = 10
@@ -37,7 +41,7 @@ async def test_hot_session_spills_over_under_bounded_load() -> None:
 
 async def test_least_outstanding_without_session() -> None:
     async with aiohttp.ClientSession() as session:
-        pool = EnginePool(URLS, session)
+        pool = EnginePool(URLS, adapter_factory(session))
         for i, e in enumerate(pool.engines):
             e.in_flight = 5 - i
         chosen = pool.pick()

@@ -40,7 +40,7 @@ PROMPT = [1, 2, 3]
 def make(*engines: FakeEngine, **config: Any) -> Rollout:
     """A Rollout over `engines`; the first one is picked first (the others look busier)."""
     by_url = {e.url: e for e in engines}
-    pool = EnginePool(list(by_url), None, adapter=by_url.__getitem__)
+    pool = EnginePool(list(by_url), by_url.__getitem__)
     for handle in pool.engines[1:]:
         handle.in_flight = 1
     return Rollout(pool, Admission(16, 16), InFlightRegistry(), RolloutConfig(**config))
@@ -257,7 +257,9 @@ async def _generate_r3(rollout: Rollout) -> Sample:
 
 
 DENSE = EngineCapabilities(is_moe=False)
-MOE_NO_FLAG = EngineCapabilities(is_moe=True, routed_experts=False)
+MOE_NO_FLAG = EngineCapabilities(
+    is_moe=True, routed_experts=False, routed_experts_flag="--enable-return-routed-experts"
+)
 MOE_R3 = EngineCapabilities(is_moe=True, routed_experts=True)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from rollout_grpc.server.domain import routed_experts
 from rollout_grpc.server.domain.model import RoutedExperts
+from rollout_grpc.server.engines.vllm import experts
 
 
 def encode(array: np.ndarray) -> str:
@@ -21,16 +22,16 @@ def encode(array: np.ndarray) -> str:
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
 def test_decode_keeps_the_engine_dtype_and_shape(dtype: type) -> None:
     array: np.ndarray = np.arange(5 * 3 * 2, dtype=dtype).reshape(5, 3, 2)
-    decoded = routed_experts.decode(encode(array))
+    decoded = experts.decode(encode(array))
     assert decoded.dtype == np.dtype(dtype) and decoded.shape == (5, 3, 2)
     assert np.array_equal(decoded, array)
 
 
 def test_decode_rejects_garbage() -> None:
     with pytest.raises(routed_experts.RoutedExpertsError):
-        routed_experts.decode("not base64!")
+        experts.decode("not base64!")
     with pytest.raises(routed_experts.RoutedExpertsError):
-        routed_experts.decode(encode(np.zeros((4, 2), dtype=np.uint8)))
+        experts.decode(encode(np.zeros((4, 2), dtype=np.uint8)))
 
 
 def test_fresh_rows_must_cover_every_token_but_the_last() -> None:

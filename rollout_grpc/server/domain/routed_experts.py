@@ -1,16 +1,12 @@
-"""R3 routed experts: decode vLLM's base64 `.npy`, validate its rows, merge across calls.
+"""R3 routed experts in the domain: validate a sample's rows and merge them across engine calls.
 
-vLLM returns `choices[i].routed_experts` as base64 of `np.save(array)` with shape
-`[prompt_len - start + n_out - 1, num_layers, topk]` and dtype uint8 (<= 256 experts) or uint16.
+An engine adapter decodes its own wire encoding (vLLM's is in `engines/vllm/experts.py`) into a
+`[positions, layers, topk]` array of a supported dtype; from there on the rows are engine-neutral.
 The array is kept in the engine's dtype (never widened) and its shape is taken from the array
 itself, never reshaped from model-config arguments, which a dense model does not have.
 """
 
 from __future__ import annotations
-
-import base64
-import binascii
-import io
 
 import numpy as np
 
@@ -23,21 +19,6 @@ SUPPORTED_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32))
 
 class RoutedExpertsError(ValueError):
     """The engine's routed experts are malformed or do not match the sample."""
-
-
-def decode(encoded: str) -> np.ndarray:
-    """Decode vLLM's base64 `.npy` into a little-endian 3-D array of a supported dtype."""
-    try:
-        raw = base64.b64decode(encoded, validate=True)
-        array = np.load(io.BytesIO(raw), allow_pickle=False)
-    except (binascii.Error, ValueError, OSError) as exc:
-        raise RoutedExpertsError(f"routed_experts is not a base64 .npy array: {exc}") from exc
-    if array.ndim != 3:
-        raise RoutedExpertsError(f"routed_experts must have 3 dimensions, got shape {array.shape}")
-    dtype = array.dtype.newbyteorder("=") if array.dtype.byteorder not in ("=", "|", "<") else array.dtype
-    if np.dtype(dtype.str.replace(">", "<")) not in SUPPORTED_DTYPES:
-        raise RoutedExpertsError(f"routed_experts has unsupported dtype {array.dtype}")
-    return np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
 
 
 def merge(previous: RoutedExperts | None, new: np.ndarray, start: int, num_tokens: int) -> RoutedExperts:

@@ -17,7 +17,7 @@ reported them (HTTP status or an error event inside a 200 stream are the same th
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import EllipsisType
 from typing import Any, Protocol
@@ -117,6 +117,8 @@ class EngineCapabilities:
     routed_experts: bool | None = None
     model: str = ""
     max_model_len: int | None = None
+    #: The engine flag that turns routed experts on (named in `routed_experts_problem`).
+    routed_experts_flag: str = "the routed-experts flag"
     #: Why the engine cannot serve the contract (each names the flag to add): not routed to.
     problems: list[str] = field(default_factory=list)
     #: What is wrong but leaves the engine in rotation.
@@ -131,7 +133,7 @@ class EngineCapabilities:
                 "(R3 needs a mixture-of-experts model)"
             )
         if self.is_moe and self.routed_experts is False:
-            return f"engine {url} was not started with --enable-return-routed-experts"
+            return f"engine {url} was not started with {self.routed_experts_flag}"
         return None
 
 
@@ -153,6 +155,50 @@ class Rendered:
 
     token_ids: list[int]
     features: MultimodalFeatures | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRenderRequest:
+    """A conversation for the engine's own chat template and media processor.
+
+    Messages are in OpenAI's chat shape (role, content parts with `image_url` data URLs, tool
+    calls), which every engine kind's chat template takes; each adapter builds its own request
+    body from these fields.
+    """
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    #: The served model name; empty: the engine's only model.
+    model: str = ""
+    #: OpenAI tool definitions the template renders into the prompt (tool calls are parsed by the
+    #: front door, never by the engine).
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: A template that replaces the engine's own.
+    chat_template: str | None = None
+    documents: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTimeouts:
+    """Timeouts and limits of engine calls.
+
+    There is no total limit on a generation (it may legitimately take hours, and the engine holds
+    requests while paused) unless the gRPC caller set a deadline. Instead a stream silent for
+    `idle` seconds is checked with a `liveness` probe: an engine that answers keeps its stream (it
+    may be paused, or prefilling a long prompt), one that does not is treated as hung.
+    """
+
+    connect: float = 5.0
+    #: aiohttp's socket read timeout (None = off; the idle check below is the stream guard).
+    sock_read: float | None = None
+    control: float = 30.0
+    #: Seconds without a byte from a generate stream before the engine is probed.
+    idle: float = 30.0
+    #: Seconds the liveness probe of a silent engine may take.
+    liveness: float = 2.0
+    #: Largest accepted SSE line (R3 at 32k tokens x 48 layers x top-8 is ~16 MB).
+    max_event_bytes: int = 256 * 1024 * 1024
 
 
 class EngineError(Exception):
@@ -201,10 +247,25 @@ class MediaCacheMiss(EngineError):
     """A call that sent media by hash only failed as a cache miss; the adapter forgot the hashes."""
 
 
+class ControlAction(enum.StrEnum):
+    """A fleet-control operation, named so an adapter can say which of its routes does it."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    ABORT = "abort"
+    UPDATE_WEIGHT_VERSION = "update_weight_version"
+
+
 class EngineAdapter(Protocol):
     """One engine, as the domain sees it. `vllm.VllmEngine` is the production implementation."""
 
     url: str
+    #: What an operator does when one of this engine kind's control routes answers 404.
+    missing_route_hint: str
+
+    def control_route(self, action: ControlAction) -> str:
+        """The engine route behind `action`, for messages that tell an operator which call failed."""
+        ...
 
     def engine_request_id(self, request_id: str, attempt: int = 0) -> str:
         """The id the engine knows call `attempt` of `request_id` by (what abort_requests takes)."""
@@ -230,8 +291,8 @@ class EngineAdapter(Protocol):
         """Tokenize a plain prompt with the engine's tokenizer (no template)."""
         ...
 
-    async def render_chat(self, body: Mapping[str, Any]) -> Rendered:
-        """Render an OpenAI-style chat body with the engine's template and media processor."""
+    async def render_chat(self, request: ChatRenderRequest) -> Rendered:
+        """Render a conversation with the engine's template and media processor."""
         ...
 
     # Fleet control (control.py).
@@ -258,4 +319,10 @@ class EngineAdapter(Protocol):
 
     async def models(self) -> list[ServedModel]:
         """The models the engine serves."""
+        ...
+
+    async def capabilities(self, raw_logprobs: str) -> EngineCapabilities | None:
+        """Probe and classify the engine (its problems name this engine kind's flags); None when
+        the adapter has nothing to report. `raw_logprobs` is the replica's policy for engines
+        that return logprobs before sampling (`refuse` makes it a problem, `warn` a warning)."""
         ...

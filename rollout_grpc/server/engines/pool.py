@@ -20,11 +20,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-import aiohttp
 import structlog
 
 from rollout_grpc.server.engines.api import EngineAdapter, EngineCapabilities
-from rollout_grpc.server.engines.vllm.adapter import EngineTimeouts, VllmEngine
 
 log = structlog.get_logger(__name__)
 
@@ -81,20 +79,14 @@ class EnginePool:
     def __init__(
         self,
         urls: Iterable[str],
-        session: aiohttp.ClientSession | None,
+        adapter: Callable[[str], EngineAdapter],
         *,
-        timeouts: EngineTimeouts | None = None,
         health_interval_s: float = 2.0,
         failure_threshold: int = 1,
         breaker_cooldown_s: float = 5.0,
-        adapter: Callable[[str], EngineAdapter] | None = None,
     ) -> None:
-        #: Builds the adapter of a new engine URL (vLLM over `session` unless given, e.g. in tests).
-        if adapter is None:
-            if session is None:
-                raise ValueError("EnginePool needs an HTTP session or an adapter factory")
-            http = session
-            adapter = lambda url: VllmEngine(url, http, timeouts)  # noqa: E731
+        """`adapter` builds the adapter of a new engine URL (`registry.adapter_factory` in a
+        replica, a fake engine in tests): the pool never names an engine kind."""
         self._adapter = adapter
         self._health_interval_s = health_interval_s
         self._failure_threshold = failure_threshold

@@ -36,19 +36,14 @@ from rollout_grpc.server.domain.errors import (
     Unavailable,
 )
 from rollout_grpc.server.domain.identity import current_caller
-from rollout_grpc.server.engines.api import EngineError, EngineRejected, EngineRequestFailed
+from rollout_grpc.server.engines.api import ControlAction, EngineError, EngineRejected, EngineRequestFailed
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
-from rollout_grpc.server.engines.vllm.adapter import CONTROL_ROUTES, engine_request_id
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlight, InFlightRegistry
 
 log = structlog.get_logger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
-
-#: The separator of failover attempts in engine request ids (`X`, `X~1`, `X~2`, ...). Request ids
-#: may not contain it (service.py), so an attempt id can never equal another caller's request id.
-DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (the route is in its development router)"
 
 
 class Failure(enum.Enum):
@@ -110,11 +105,14 @@ class FleetResult:
         raise Unavailable(text)
 
 
-def describe_failure(exc: BaseException, route: str) -> tuple[Failure, str]:
-    """An engine failure as (kind, actionable message) — never a raw `{"detail":...}` body."""
+def describe_failure(exc: BaseException, route: str, missing_route_hint: str = "") -> tuple[Failure, str]:
+    """An engine failure as (kind, actionable message) — never a raw `{"detail":...}` body.
+
+    `missing_route_hint` is the engine kind's advice for a route that answers 404
+    (`EngineAdapter.missing_route_hint`)."""
     if isinstance(exc, EngineRejected):
         if exc.not_found:
-            return Failure.NOT_FOUND, f"{route} answered 404: {DEV_MODE_HINT}"
+            return Failure.NOT_FOUND, f"{route} answered 404: {missing_route_hint or 'route not served'}"
         return Failure.REJECTED, f"{route} was refused: {exc.message}"
     if isinstance(exc, EngineRequestFailed):
         return Failure.REJECTED, f"{route} failed on the engine: {exc.message}"
@@ -134,11 +132,6 @@ class EngineStatus:
     paused: bool
     weight_version: str
     model: str
-
-
-def attempt_request_ids(request_id: str, attempts: int) -> list[str]:
-    """The engine ids of a generation's engine calls: the first and every failover attempt."""
-    return [engine_request_id(request_id, n) for n in range(attempts)]
 
 
 def _split(engines: Sequence[EngineHandle]) -> tuple[list[EngineHandle], FleetResult]:
@@ -190,11 +183,12 @@ class _PauseCountdown:
 
 
 class _StepFailed(Exception):
-    """An engine failed at `route` (one step of a multi-step per-engine action)."""
+    """An engine failed at `action` (one step of a multi-step per-engine action)."""
 
-    def __init__(self, route: str, cause: BaseException) -> None:
-        super().__init__(route)
-        self.route = route
+    def __init__(self, action: ControlAction, cause: BaseException, detail: str = "") -> None:
+        super().__init__(action)
+        self.action = action
+        self.detail = detail
         self.cause = cause
 
 
@@ -240,7 +234,8 @@ class Control:
         engines: Sequence[EngineHandle],
         action: Callable[[EngineHandle], Awaitable[object]],
         *,
-        route: str,
+        route: ControlAction,
+        detail: str = "",
         timeout_s: float | None,
     ) -> FleetResult:
         """Run `action` on every healthy engine concurrently, all of it within `timeout_s`.
@@ -260,16 +255,21 @@ class Control:
         if pending:
             await asyncio.wait(pending)
         for engine, task in zip(asked, tasks, strict=True):
+            client = engine.client
             if task in pending or task.cancelled():
                 wait = f"{timeout_s:.1f} s" if timeout_s is not None else "the deadline"
-                result.fail(engine.url, Failure.TIMEOUT, f"{route}: no answer within {wait} (engine hung?)")
+                where = client.control_route(route) + detail
+                result.fail(engine.url, Failure.TIMEOUT, f"{where}: no answer within {wait} (engine hung?)")
                 continue
             exc = task.exception()
             if exc is None:
                 result.ok.append(engine.url)
                 continue
-            step, cause = (exc.route, exc.cause) if isinstance(exc, _StepFailed) else (route, exc)
-            kind, message = describe_failure(cause, step)
+            if isinstance(exc, _StepFailed):
+                step, cause = client.control_route(exc.action) + exc.detail, exc.cause
+            else:
+                step, cause = client.control_route(route) + detail, exc
+            kind, message = describe_failure(cause, step, client.missing_route_hint)
             if kind is Failure.OTHER:
                 log.error("engine_control_failed", engine=engine.url, route=step, error=repr(cause))
             result.fail(engine.url, kind, message)
@@ -286,7 +286,7 @@ class Control:
                 return
             except EngineError as exc:
                 if attempt == self._resume_attempts:
-                    raise _StepFailed(CONTROL_ROUTES["resume"], exc) from exc
+                    raise _StepFailed(ControlAction.RESUME, exc) from exc
                 await asyncio.sleep(0.05 * 2**attempt)
 
     async def _resume_now_or_later(self, engine: EngineHandle) -> None:
@@ -361,7 +361,7 @@ class Control:
                 self._fan_out(
                     engines,
                     lambda engine: self._pause_then_resume(engine, pauses),
-                    route=CONTROL_ROUTES["pause"],
+                    route=ControlAction.PAUSE,
                     timeout_s=self._timeout(deadline),
                 )
             )
@@ -393,7 +393,7 @@ class Control:
             pauses.answered()
         await self._resume_now_or_later(engine)
         if pause_error is not None:
-            raise _StepFailed(CONTROL_ROUTES["pause"] + "?mode=abort", pause_error) from pause_error
+            raise _StepFailed(ControlAction.PAUSE, pause_error, "?mode=abort") from pause_error
 
     async def _hold_abort_all_window(self, pauses: _PauseCountdown, deadline: float) -> None:
         """Wait until every pause answered and the local streams ended, or the deadline."""
@@ -419,16 +419,21 @@ class Control:
         # Engine ids of local generations, plus (for an admin, whose abort may reach any owner) the
         # exact ids another replica would use for the unknown ones (first call and failover
         # attempts) — never another caller's request id.
-        engine_ids = [eid for entry in found for eid in entry.engine_request_ids]
-        if owner is None:
-            for rid in unknown:
-                engine_ids.extend(attempt_request_ids(rid, self._rollout.config.max_engine_attempts))
+        local_ids = [eid for entry in found for eid in entry.engine_request_ids]
+        guessed = unknown if owner is None else []
+        attempts = range(self._rollout.config.max_engine_attempts)
+
+        def engine_ids(engine: EngineHandle) -> list[str]:
+            """The ids to abort on `engine`, in its own kind's id scheme for the guessed ones."""
+            client = engine.client
+            return local_ids + [client.engine_request_id(rid, n) for rid in guessed for n in attempts]
+
         result = AbortResult(aborted=len(found), unknown_request_ids=list(unknown))
-        if engine_ids:
+        if local_ids or guessed:
             outcome = await self._fan_out(
                 self._pool.engines,
-                lambda e: e.client.abort_requests(engine_ids),
-                route=CONTROL_ROUTES["abort"],
+                lambda e: e.client.abort_requests(engine_ids(e)),
+                route=ControlAction.ABORT,
                 timeout_s=self._deadline_s,
             )
             result.engine_errors.extend(outcome.errors)
@@ -477,7 +482,7 @@ class Control:
             outcome = await self._fan_out(
                 [engine for engine, _ in by_engine.values()],
                 lambda e: e.client.abort_requests(by_engine[e.url][1]),
-                route=CONTROL_ROUTES["abort"],
+                route=ControlAction.ABORT,
                 timeout_s=self._deadline_s,
             )
             result.engine_errors.extend(outcome.errors)
@@ -499,7 +504,8 @@ class Control:
         result = await self._fan_out(
             self._pool.engines,
             lambda e: e.client.pause(mode, timeout=None) if wait else e.client.pause(mode),
-            route=f"{CONTROL_ROUTES['pause']}?mode={mode}",
+            route=ControlAction.PAUSE,
+            detail=f"?mode={mode}",
             timeout_s=None if wait else self._deadline_s,
         )
         log.info("pause", mode=mode, paused=len(result.ok), errors=len(result.errors))
@@ -521,7 +527,8 @@ class Control:
                 try:
                     await engine.client.update_weight_version(weight_version)
                 except EngineError as exc:
-                    kind, message = describe_failure(exc, CONTROL_ROUTES["update_weight_version"])
+                    route = engine.client.control_route(ControlAction.UPDATE_WEIGHT_VERSION)
+                    kind, message = describe_failure(exc, route, engine.client.missing_route_hint)
                     relabel.fail(engine.url, kind, f"weight version not set: {message}")
                 else:
                     relabel.ok.append(engine.url)
@@ -531,7 +538,7 @@ class Control:
         resumed = await self._fan_out(
             self._pool.engines,
             relabel_then_resume,
-            route=CONTROL_ROUTES["resume"],
+            route=ControlAction.RESUME,
             timeout_s=self._deadline_s,
         )
         log.info("resume", weight_version=weight_version, resumed=len(resumed.ok), errors=len(resumed.errors))

@@ -21,7 +21,7 @@ from PIL import Image, UnidentifiedImageError
 
 from rollout_grpc.server.domain.errors import InvalidArgument, NotFound, Unavailable
 from rollout_grpc.server.domain.model import MultimodalFeatures
-from rollout_grpc.server.engines.api import EngineError, EngineRejected
+from rollout_grpc.server.engines.api import ChatRenderRequest, EngineError, EngineRejected
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
 
 SUPPORTED_MIME = {"image/png": "PNG", "image/jpeg": "JPEG"}
@@ -160,14 +160,15 @@ class RenderService:
                     )
                     content.append({"type": "image_url", "image_url": {"url": url}})
             body_messages.append({"role": role, "content": content})
-        body: dict[str, Any] = {"messages": body_messages, "add_generation_prompt": add_generation_prompt}
-        if chat_template_kwargs:
-            body["chat_template_kwargs"] = chat_template_kwargs
-        if model:
-            body["model"] = model
+        request = ChatRenderRequest(
+            body_messages,
+            add_generation_prompt=add_generation_prompt,
+            model=model,
+            chat_template_kwargs=chat_template_kwargs or None,
+        )
         engine = self._engine(session_id)
         with _engine_errors("chat"):
-            result = await engine.client.render_chat(body)
+            result = await engine.client.render_chat(request)
         return Rendered(result.token_ids, result.features, engine.url)
 
     async def render_text(self, text: str, *, session_id: str, model: str) -> Rendered:

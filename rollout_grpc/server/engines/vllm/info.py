@@ -1,4 +1,4 @@
-"""What a vLLM engine says about its own configuration: part of the vLLM adapter (with `vllm.py`).
+"""What a vLLM engine says about its own configuration, and what the service makes of it.
 
 Reads `/v1/models`, `/server_info?config_format=json` and two cheap probes, and knows where vLLM
 0.32 puts each fact in those bodies; nothing outside the adapter parses vLLM's JSON.
@@ -12,17 +12,34 @@ Reads `/v1/models`, `/server_info?config_format=json` and two cheap probes, and 
   `--logprobs-mode processed_logprobs`), `model_config.max_model_len`,
   `parallel_config.is_moe_model`, `aux_output_config.enable_return_routed_experts`. vLLM 0.32
   reports no vocabulary size there (the HF config is not part of the dump).
+
+`classify` turns those facts into `EngineCapabilities` whose problems name the exact vLLM flag:
+
+* scale-out routes off (403): problem, add `--enable-scale-out`;
+* development routes off (404): problem, set `VLLM_SERVER_DEV_MODE=1` (pause, resume, weight
+  versions and abort-all depend on them);
+* `--logprobs-mode raw_logprobs` (vLLM's default): a problem with the replica flag
+  `--raw-logprobs refuse`, a warning with `warn`;
+* `--logprobs-mode raw_logits|processed_logits`: problem (logits are not log-probabilities);
+* an MoE model without routed experts: warning (R3 requests on it fail).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
-from rollout_grpc.server.engines.api import EngineRejected
-from rollout_grpc.server.engines.vllm.adapter import VllmEngine
+from rollout_grpc.server.engines.api import EngineCapabilities, EngineRejected
+
+if TYPE_CHECKING:
+    from rollout_grpc.server.engines.vllm.adapter import VllmEngine
+
+#: The logprobs mode the contract wants: log-probabilities of the distribution actually sampled.
+WANTED_LOGPROBS_MODE: Final = "processed_logprobs"
+#: The vLLM flag that makes an MoE engine return routed experts (R3).
+ROUTED_EXPERTS_FLAG: Final = "--enable-return-routed-experts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +116,75 @@ async def read_model(client: VllmEngine) -> tuple[str, int | None]:
     if not models:
         return "", None
     return models[0].id, models[0].max_model_len
+
+
+def classify(
+    *,
+    scale_out: bool | None,
+    dev_mode: bool | None,
+    info: ServerInfo | None,
+    model: str,
+    max_model_len: int | None,
+    raw_logprobs: str = "warn",
+) -> EngineCapabilities:
+    """Capabilities, problems and warnings from the probe results (pure, for tests)."""
+    info = info or ServerInfo()
+    caps = EngineCapabilities(
+        scale_out=scale_out,
+        dev_mode=dev_mode,
+        logprobs_mode=info.logprobs_mode or "",
+        is_moe=info.is_moe,
+        routed_experts=info.routed_experts_enabled,
+        model=model or info.served_model_name or "",
+        max_model_len=max_model_len if max_model_len is not None else info.max_model_len,
+        routed_experts_flag=ROUTED_EXPERTS_FLAG,
+    )
+    if scale_out is False:
+        caps.problems.append(
+            "scale-out routes are off (/inference/v1/generate answers 403): restart `vllm serve` with "
+            "--enable-scale-out"
+        )
+    if dev_mode is False:
+        caps.problems.append(
+            "development routes are off (/pause, /resume, /is_paused, /update_weight_version answer "
+            "404), so pause, resume, weight versions and abort-all cannot work: start vLLM with the "
+            "environment variable VLLM_SERVER_DEV_MODE=1"
+        )
+    mode = caps.logprobs_mode
+    if mode.endswith("_logits"):
+        caps.problems.append(
+            f"--logprobs-mode is {mode}: the engine returns logits, not log-probabilities: restart "
+            f"`vllm serve` with --logprobs-mode {WANTED_LOGPROBS_MODE}"
+        )
+    elif mode == "raw_logprobs":
+        text = (
+            "--logprobs-mode is raw_logprobs (vLLM's default): logprobs are taken before temperature, "
+            "top-p/top-k and penalties, which skews importance ratios whenever sampling changes the "
+            f"distribution: restart `vllm serve` with --logprobs-mode {WANTED_LOGPROBS_MODE}"
+        )
+        if raw_logprobs == "refuse":
+            caps.problems.append(text + " (or run this replica with --raw-logprobs warn)")
+        else:
+            caps.warnings.append(text)
+    if caps.is_moe and caps.routed_experts is False:
+        caps.warnings.append(
+            "MoE model without routed experts: requests with return_routed_experts fail on this engine; "
+            f"restart `vllm serve` with {ROUTED_EXPERTS_FLAG} to use R3"
+        )
+    return caps
+
+
+async def check(client: VllmEngine, raw_logprobs: str) -> EngineCapabilities:
+    """Probe one vLLM engine and classify it (`VllmEngine.capabilities`)."""
+    model, max_model_len = await read_model(client)
+    scale_out = await probe_scale_out(client)
+    dev_mode = await probe_dev_mode(client)
+    info = await read_server_info(client) if dev_mode else None
+    return classify(
+        scale_out=scale_out,
+        dev_mode=dev_mode,
+        info=info,
+        model=model,
+        max_model_len=max_model_len,
+        raw_logprobs=raw_logprobs,
+    )

@@ -21,6 +21,7 @@ from rollout_grpc.server.domain.errors import (
     RolloutError,
 )
 from rollout_grpc.server.domain.model import Finish, SamplingParams
+from rollout_grpc.server.engines.api import ChatRenderRequest
 
 #: Domain finish reasons as OpenAI `finish_reason` strings (vLLM's "abort" and "error" kept).
 FINISH = {
@@ -140,3 +141,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def render_request(
+    messages: list[dict[str, Any]], body: dict[str, Any], model: str, *, add_generation_prompt: bool = True
+) -> ChatRenderRequest:
+    """The engine render of `messages` with the request fields that shape the prompt (tools,
+    template and its arguments, documents), passed through unchanged."""
+    return ChatRenderRequest(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        model=model,
+        tools=body.get("tools"),
+        chat_template_kwargs=body.get("chat_template_kwargs"),
+        chat_template=body.get("chat_template"),
+        documents=body.get("documents"),
+    )

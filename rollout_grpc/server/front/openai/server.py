@@ -46,9 +46,8 @@ from rollout_grpc.server.domain.errors import FailedPrecondition, RolloutError, 
 from rollout_grpc.server.domain.identity import current_caller, reset_caller, set_caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, TokenBatch
 from rollout_grpc.server.domain.trajectory import DriftPolicy, Session, TrajectoryStore, Turn
-from rollout_grpc.server.engines.api import EngineError, EngineRejected, EngineUnavailable
+from rollout_grpc.server.engines.api import EngineAdapter, EngineError, EngineRejected, EngineUnavailable
 from rollout_grpc.server.engines.pool import EnginePool
-from rollout_grpc.server.engines.vllm import chat as vllm_chat
 from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord
 from rollout_grpc.server.front.openai import auth as openai_auth
 from rollout_grpc.server.front.openai.calls import FrontDoorCall, Listener, log_openai
@@ -57,6 +56,7 @@ from rollout_grpc.server.front.openai.protocol import (
     error_response,
     finish_reason,
     from_domain,
+    render_request,
     sampling_params,
     usage,
 )
@@ -366,16 +366,15 @@ class OpenAIFrontDoor:
 
     async def _render(
         self,
-        client: Any,
+        client: EngineAdapter,
         messages: list[dict[str, Any]],
         body: dict[str, Any],
         model: str,
         add_generation_prompt: bool = True,
     ) -> list[int]:
         try:
-            return await vllm_chat.render_token_ids(
-                client, messages, request=body, model=model, add_generation_prompt=add_generation_prompt
-            )
+            request = render_request(messages, body, model, add_generation_prompt=add_generation_prompt)
+            return list((await client.render_chat(request)).token_ids)
         except EngineRejected as exc:
             if exc.not_found:
                 raise OpenAIError(404, exc.message, "model", "not_found_error") from exc
