@@ -36,8 +36,10 @@ from rollout_grpc.server.engines.api import EngineTimeouts
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.engines.registry import adapter_factory
-from rollout_grpc.server.facade.calls import CallInterceptor, TimedAdmission, log_generate
+from rollout_grpc.server.facade.calls import TimedAdmission, log_call
+from rollout_grpc.server.facade.door import CallBook, RolloutFacade
 from rollout_grpc.server.front.grpc import decoding
+from rollout_grpc.server.front.grpc.interceptor import RpcInterceptor
 from rollout_grpc.server.front.grpc.peers import PeerAborter
 from rollout_grpc.server.front.grpc.replica import ReplicaServicer
 from rollout_grpc.server.front.grpc.service import RolloutServicer
@@ -48,8 +50,8 @@ from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
-from rollout_grpc.server.security.auth import AuthConfig, AuthInterceptor, TokenStore
-from rollout_grpc.server.security.limits import ControlRateLimiter, LimitsInterceptor, RequestLimits
+from rollout_grpc.server.security.auth import AuthConfig, TokenStore
+from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
 from rollout_grpc.server.security.tls import TlsConfig, peer_channel_credentials, server_credentials
 
 log = structlog.get_logger(__name__)
@@ -250,6 +252,7 @@ class RolloutServer:
         self.auth = self._auth_config(config)
         self.rollout: Rollout
         self.control: Control
+        self.facade: RolloutFacade
         self.peers: PeerAborter | None = None
         self.trajectories = TrajectoryStore()
         self.front_door: OpenAIFrontDoor | None = None
@@ -376,8 +379,8 @@ class RolloutServer:
         )
         admission = TimedAdmission(limit, cfg.max_queue, cfg.retry_after_s)
         self.metrics = Metrics(self.pool, admission)
-        #: Per-RPC observers (log line, metrics); more may be added (e.g. by tests) before calls.
-        self.calls = CallInterceptor([log_generate, self.metrics.observe])
+        #: Every call's record, of either door, goes to these (log line, metrics; tests add theirs).
+        self.calls = CallBook([log_call, self.metrics.observe])
         self.rollout = Rollout(
             self.pool,
             admission,
@@ -399,14 +402,10 @@ class RolloutServer:
         renderer = RenderService(
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
-        return RolloutServicer(
-            self.rollout,
-            self.control,
-            renderer,
-            cfg.default_options,
-            trajectories=self.trajectories,
-            simulated_engines=cfg.simulated_engines,
+        self.facade = RolloutFacade(
+            self.rollout, self.control, renderer, trajectories=self.trajectories, calls=self.calls
         )
+        return RolloutServicer(self.facade, cfg.default_options, simulated_engines=cfg.simulated_engines)
 
     async def _start_engine_pool(self) -> None:
         """Classify every engine once (capability check), then start health probing."""
@@ -423,20 +422,20 @@ class RolloutServer:
     ) -> grpc.aio.Server:
         """The main gRPC server with its interceptor chain and services, bound to its port."""
         cfg = self.config
-        # Order matters: tracing and the call record (metrics, the per-Generate log line) wrap
-        # everything, so refusals by auth and limits are traced and counted too; auth binds the
-        # caller that the limits (per-caller rate) then read.
+        # Tracing (when on) wraps everything; then the one per-call wrapper: record, auth, bounds,
+        # status mapping (refusals at the door are recorded and counted too).
         chain = [
             *interceptors,
-            self.calls,
-            AuthInterceptor(self.auth),
-            LimitsInterceptor(
-                cfg.request_limits(), ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst)
+            RpcInterceptor(
+                self.calls,
+                self.auth,
+                cfg.request_limits(),
+                ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst),
             ),
         ]
         server = grpc.aio.server(options=cfg.grpc_options(), interceptors=chain)
         decoding.add_rollout_service(servicer, server)
-        pb_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(self.control), server)
+        pb_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(self.facade), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if cfg.reflection:
             reflection.enable_server_reflection(
@@ -461,15 +460,7 @@ class RolloutServer:
             await self._start_health_port(tls)
         if cfg.openai_port is not None:
             self.front_door = OpenAIFrontDoor(
-                self.rollout,
-                self.pool,
-                self.control,
-                self.trajectories,
-                cfg.openai,
-                auth=self.auth,
-                tls=tls,
-                limits=cfg.request_limits(),
-                metrics=self.metrics,
+                self.facade, cfg.openai, auth=self.auth, tls=tls, limits=cfg.request_limits()
             )
             self.openai_port = await self.front_door.start(cfg.host, cfg.openai_port)
         if cfg.metrics_port is not None:

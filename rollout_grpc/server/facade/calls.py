@@ -1,63 +1,80 @@
-"""Per-RPC observation: a server interceptor that measures every rollout RPC and reports it.
+"""One record per call, whichever door it came through: what it asked, what it did, how it ended.
 
-The interceptor builds one `CallRecord` per RPC from what the transport sees (the request, the
-streamed responses, the final sample, the status code) and hands it to the listeners: the
-Prometheus metrics (`metrics.py`) and the per-Generate log line (`log_generate`). It needs no hook
-inside the generation loop:
+Both front doors open a `CallRecord` for every call they serve (`RolloutFacade.call`), before
+authentication, so a call refused at the door is recorded like one that generated. The facade
+fills in what the domain did (the final sample, the first token's time, the control result), the
+admission queue wait arrives through `CURRENT_CALL` (`TimedAdmission`), and when the call ends
+the record goes to the listeners: the log line (`log_call`: `generate_done` for the Generate RPC,
+`openai_done` for the front door) and the Prometheus metrics (`observe.metrics.Metrics.observe`).
 
-* TTFT is the time from the call's start to the first message carrying tokens;
-* new tokens, engines, weight versions, failovers and the final status come from the final sample;
-* the queue wait is written into the call's record by `TimedAdmission` through a context variable
-  (the handler runs in the interceptor's task, so the record is visible there);
-* a call that ends without a sample (refused, invalid, cancelled, past its deadline) is recorded
-  with its status code, so every Generate that ends leaves exactly one log line.
-
-A Generate without `request_id` gets its generated id here, before the handler runs, so that the log
-line, the trace and the `x-request-id` header agree.
+Outcomes are named with the canonical status codes (`OK`, `INVALID_ARGUMENT`, `CANCELLED`, ...,
+the names gRPC uses), whatever the door: the front door adds its HTTP status.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
+import enum
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import grpc
 import structlog
 
-from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server.domain.model import Sample
 from rollout_grpc.server.rollout.admission import Admission
 from rollout_grpc.server.rollout.inflight import InFlight
 
-log = structlog.get_logger("rollout_grpc.server.facade.calls")
+log = structlog.get_logger("rollout_grpc.server.calls")
+openai_log = structlog.get_logger("rollout_grpc.server.front.openai.calls")
 
-SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["RolloutService"].full_name + "/"
-_STATUS_NAMES = {v: k.removeprefix("SAMPLE_STATUS_") for k, v in pb.SampleStatus.items()}
+
+class Door(enum.StrEnum):
+    """Which front door a call came through."""
+
+    GRPC = "grpc"
+    OPENAI = "openai"
 
 
 @dataclass(slots=True)
 class CallRecord:
-    """What one rollout RPC did, as seen by the transport."""
+    """What one call did, in domain terms (no protobuf, no HTTP objects)."""
 
+    door: Door
+    #: The RPC name (`Generate`, `Abort`, ...) or the front door's route (`/v1/chat/completions`).
     method: str
-    request: Any
     started: float = field(default_factory=time.monotonic)
     ended: float = 0.0
-    code: grpc.StatusCode = grpc.StatusCode.OK
+    #: The canonical status code name of the outcome (`OK` until the call fails).
+    code: str = "OK"
+    #: The error message of a call that failed.
     details: str = ""
-    #: Seconds from the call's start to the first message with tokens (Generate); None without.
+    #: The front door's HTTP status (None on the gRPC door).
+    http_status: int | None = None
+    #: Identity of the authenticated caller (None before authentication, or when it refused).
+    caller: str | None = None
+    request_id: str | None = None
+    session_id: str | None = None
+    sample_index: int = 0
+    group_index: int = 0
+    #: Whether the caller asked for streamed tokens (the front door's `stream`).
+    stream: bool = False
+    #: Seconds from the call's start to the first generated token; None without one.
     ttft_s: float | None = None
-    #: Seconds the generation waited for an admission slot (Generate); None if it never asked.
+    #: Seconds the generation waited for an admission slot; None if it never asked.
     queue_wait_s: float | None = None
-    #: The final sample (Generate), None when the call ended without one.
-    sample: pb.Sample | None = None
-    #: The response of a unary call (Abort, Pause, Resume, ...), None on error.
-    response: Any = None
+    #: The final sample of a generation, None when the call ended without one.
+    sample: Sample | None = None
+    #: Response tokens and engine attempts the sample had before this call (a continuation).
+    prior_response_length: int = 0
+    prior_attempts: int = 0
+    #: Prompt tokens of a front-door turn (its new tokens are the rest of the sample).
+    prompt_tokens: int | None = None
+    #: What a control call did (`AbortResult`, `FleetResult`), for the metrics.
+    result: object = None
+    #: The target of an Abort (`all`, `request_ids`, `session_id`, `group_index`).
+    abort_target: str | None = None
 
     @property
     def duration_s(self) -> float:
@@ -69,38 +86,64 @@ class CallRecord:
         """Tokens this call generated (a continued sample already had some)."""
         if self.sample is None:
             return 0
-        return max(0, int(self.sample.response_length) - int(self.request.sample.response_length))
+        if self.prompt_tokens is not None:
+            return max(0, len(self.sample.tokens) - self.prompt_tokens)
+        return max(0, self.sample.response_length - self.prior_response_length)
 
     @property
-    def engine_attempts(self) -> list[pb.EngineAttempt]:
-        """The engine calls of this Generate (earlier calls of a continued sample excluded)."""
+    def engines(self) -> list[str]:
+        """The engines this call's generation ran on, in order (earlier calls excluded)."""
         if self.sample is None:
             return []
-        return list(self.sample.engine_attempts[len(self.request.sample.engine_attempts) :])
+        return [a.engine for a in self.sample.engine_attempts[self.prior_attempts :]]
 
     @property
     def weight_versions(self) -> list[str]:
         """Weight versions of the tokens this call generated, in order, without repeats."""
         if self.sample is None:
             return []
-        start = self.request.sample.response_length
-        versions: list[str] = []
-        for span in self.sample.weight_versions:
-            if span.end > start and span.version not in versions:
-                versions.append(span.version)
-        return versions
+        start = self.prior_response_length if self.prompt_tokens is None else 0
+        return list(dict.fromkeys(s.version for s in self.sample.weight_versions if s.end > start))
 
     @property
     def status(self) -> str:
-        """The final sample's status name, or the gRPC code's name when there was no sample."""
-        if self.sample is not None:
-            return _STATUS_NAMES.get(self.sample.status, str(self.sample.status))
-        return self.code.name
+        """The final sample's status name, or the outcome's code when there was no sample."""
+        return self.sample.status.name if self.sample is not None else self.code
+
+    def mark_token(self) -> None:
+        """Record the first generated token's time (later calls keep the first)."""
+        if self.ttft_s is None:
+            self.ttft_s = time.monotonic() - self.started
 
 
 Listener = Callable[[CallRecord], None]
 
-#: The record of the RPC the current task serves (set by the interceptor).
+#: The canonical code of an HTTP status (the front door's outcome, in the gRPC door's terms).
+_HTTP_CODES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    408: "DEADLINE_EXCEEDED",
+    409: "FAILED_PRECONDITION",
+    413: "RESOURCE_EXHAUSTED",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    501: "UNIMPLEMENTED",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+def http_code_name(status: int) -> str:
+    """The canonical code name of an HTTP status: `OK` below 400, `INTERNAL` for unknown 5xx."""
+    if status < 400:
+        return "OK"
+    return _HTTP_CODES.get(status, "INVALID_ARGUMENT" if status < 500 else "INTERNAL")
+
+
+#: The record of the call the current task serves (set by the door that opened it).
 CURRENT_CALL: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("rollout_call", default=None)
 
 
@@ -117,136 +160,74 @@ class TimedAdmission(Admission):
             yield
 
 
-def _final_code(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException | None) -> grpc.StatusCode:
-    code = context.code()
-    if isinstance(code, grpc.StatusCode) and (code is not grpc.StatusCode.OK or exc is None):
-        return code
-    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            return grpc.StatusCode.DEADLINE_EXCEEDED
-        return grpc.StatusCode.CANCELLED
-    if exc is not None:
-        return grpc.StatusCode.UNKNOWN
-    return grpc.StatusCode.OK
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
 
 
-class CallInterceptor(grpc.aio.ServerInterceptor):
-    """Measures every `rollout.v1.RolloutService` RPC and reports a `CallRecord` to the listeners."""
-
-    def __init__(self, listeners: list[Listener]) -> None:
-        self.listeners = listeners
-
-    def _finish(
-        self, record: CallRecord, context: grpc.aio.ServicerContext[Any, Any], exc: BaseException | None
-    ) -> None:
-        record.ended = time.monotonic()
-        record.code = _final_code(context, exc)
-        details = context.details() if record.code is not grpc.StatusCode.OK else ""
-        record.details = details.decode() if isinstance(details, bytes) else str(details or "")
-        for listener in self.listeners:
-            try:
-                listener(record)
-            except Exception:  # an observer bug must never fail the RPC
-                log.exception("call_listener_failed", method=record.method)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        full = handler_call_details.method
-        if handler is None or not full.startswith(SERVICE_PREFIX):
-            return handler
-        method = full.removeprefix(SERVICE_PREFIX)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
-
-    def _wrap_unary(self, method: str, behavior: Any) -> Any:
-        async def observed(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            record = CallRecord(method, request)
-            token = CURRENT_CALL.set(record)
-            try:
-                record.response = await behavior(request, context)
-            except BaseException as exc:
-                self._finish(record, context, exc)
-                raise
-            finally:
-                CURRENT_CALL.reset(token)
-            self._finish(record, context, None)
-            return record.response
-
-        return observed
-
-    def _wrap_stream(self, method: str, behavior: Any) -> Any:
-        async def observed(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            if isinstance(request, pb.GenerateRequest) and not request.request_id:
-                request.request_id = uuid.uuid4().hex
-            record = CallRecord(method, request)
-            token = CURRENT_CALL.set(record)
-            try:
-                async for message in behavior(request, context):
-                    if isinstance(message, pb.GenerateResponse):
-                        kind = message.WhichOneof("event")
-                        if kind == "sample":
-                            record.sample = message.sample
-                            if record.ttft_s is None and record.new_tokens > 0:
-                                record.ttft_s = time.monotonic() - record.started
-                        elif kind == "delta" and record.ttft_s is None and message.delta.token_ids:
-                            record.ttft_s = time.monotonic() - record.started
-                    yield message
-            except BaseException as exc:
-                self._finish(record, context, exc)
-                raise
-            finally:
-                CURRENT_CALL.reset(token)
-            self._finish(record, context, None)
-
-        return observed
+def log_call(record: CallRecord) -> None:
+    """The one log line of every generation that ends, whatever its outcome and door."""
+    if record.door is Door.OPENAI:
+        _log_front_door(record)
+    elif record.method == "Generate":
+        _log_generate(record)
 
 
-def log_generate(record: CallRecord) -> None:
-    """The one log line of every Generate that ends, whatever its outcome."""
-    if record.method != "Generate":
-        return
-    request = record.request
+def _log_generate(record: CallRecord) -> None:
     sample = record.sample
-    fields: dict[str, Any] = {
-        "request_id": request.request_id,
-        "sample_index": request.sample.index,
-        "group_index": request.sample.group_index,
-        "session_id": request.sample.session_id or None,
+    fields: dict[str, object] = {
+        "request_id": record.request_id,
+        "sample_index": record.sample_index,
+        "group_index": record.group_index,
+        "session_id": record.session_id or None,
         "status": record.status,
-        "code": record.code.name,
-        "engines": [a.engine for a in record.engine_attempts],
+        "code": record.code,
+        "engines": record.engines,
         "weight_versions": record.weight_versions,
         "new_tokens": record.new_tokens,
-        "queue_wait_ms": None if record.queue_wait_s is None else round(record.queue_wait_s * 1000, 2),
-        "ttft_ms": None if record.ttft_s is None else round(record.ttft_s * 1000, 2),
-        "latency_ms": round(record.duration_s * 1000, 2),
+        "queue_wait_ms": _ms(record.queue_wait_s),
+        "ttft_ms": _ms(record.ttft_s),
+        "latency_ms": _ms(record.duration_s),
     }
     if sample is not None:
-        fields["finish"] = pb.FinishReason.Name(sample.finish_reason).removeprefix("FINISH_REASON_")
+        fields["finish"] = sample.finish_reason.name
         if sample.failure_reason:
             fields["failure"] = sample.failure_reason
-        failovers = max(0, len(record.engine_attempts) - 1)
+        failovers = max(0, len(record.engines) - 1)
         if failovers:
             fields["failovers"] = failovers
     elif record.details:
         fields["error"] = record.details
-    if record.code is grpc.StatusCode.OK and sample is not None:
+    if record.code == "OK" and sample is not None:
         log.info("generate_done", **fields)
     else:
         log.warning("generate_done", **fields)
+
+
+def _log_front_door(record: CallRecord) -> None:
+    sample = record.sample
+    code = record.http_status or 200
+    fields: dict[str, object] = {
+        "route": record.method,
+        "code": code,
+        "caller": record.caller,
+        "session_id": record.session_id,
+        "request_id": record.request_id,
+        "stream": record.stream,
+        "new_tokens": record.new_tokens,
+        "queue_wait_ms": _ms(record.queue_wait_s),
+        "ttft_ms": _ms(record.ttft_s),
+        "latency_ms": _ms(record.duration_s),
+    }
+    if sample is not None:
+        fields["status"] = sample.status.name
+        fields["finish"] = sample.finish_reason.name
+        fields["engines"] = record.engines
+        fields["weight_versions"] = record.weight_versions
+        if sample.failure_reason:
+            fields["failure"] = sample.failure_reason
+    if record.details:
+        fields["error"] = record.details
+    if code < 400 and (sample is None or not sample.failure_reason):
+        openai_log.info("openai_done", **fields)
+    else:
+        openai_log.warning("openai_done", **fields)

@@ -24,8 +24,7 @@ async def _start(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: o
 
 def _request_id() -> str | None:
     record = CURRENT_CALL.get()
-    request_id = getattr(record.request, "request_id", "") if record is not None else ""
-    return str(request_id) or None
+    return record.request_id if record is not None and record.request_id else None
 
 
 async def _end(

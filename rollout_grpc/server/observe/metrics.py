@@ -3,11 +3,11 @@
 Every replica owns its `CollectorRegistry` (several replicas may share a process in tests). Values
 come from three places, none of them inside the generation loop:
 
-* per-RPC records of the call interceptor (`calls.py`): RPC counts by code and latency, TTFT, time
-  per output token, end-to-end latency, queue wait, tokens, generations by final status,
-  refusals, aborts by target, failovers, abort-all and pause durations;
-* per-request records of the OpenAI front door (`openai_calls.py`): requests by route and HTTP
-  status, latency, TTFT and tokens (its turns' queue wait joins the shared queue histogram);
+* the facade's call records (`facade/calls.py`), one per call of either door. gRPC calls: RPC counts
+  by code and latency, TTFT, time per output token, end-to-end latency, queue wait, tokens,
+  generations by final status, refusals, aborts by target, failovers, abort-all and pause
+  durations. Front-door requests: requests by route and HTTP status, latency, TTFT and tokens
+  (its turns' queue wait joins the shared queue histogram);
 * the engine pool and admission, read at scrape time (`_StateCollector`): running, queued and
   limit, and per engine health, circuit breaker, paused, usable, capability problems, in flight and
   the current weight version (an info-style gauge).
@@ -26,18 +26,16 @@ import time
 from collections.abc import Iterator
 from typing import Final
 
-import grpc
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.engines.pool import EnginePool
-from rollout_grpc.server.facade.calls import CallRecord
-from rollout_grpc.server.front.openai.calls import FrontDoorCall
+from rollout_grpc.server.facade.calls import CallRecord, Door
 from rollout_grpc.server.rollout.admission import Admission
+from rollout_grpc.server.rollout.control import AbortResult, FleetResult
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +73,7 @@ _RPC_BUCKETS: Final = (
 
 
 class Metrics:
-    """The replica's metrics; `observe` is a `calls.CallInterceptor` listener."""
+    """The replica's metrics; `observe` is a listener of the facade's `CallBook`."""
 
     def __init__(self, pool: EnginePool, admission: Admission) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -184,32 +182,34 @@ class Metrics:
         r.register(_StateCollector(pool, admission, self))
 
     def observe(self, record: CallRecord) -> None:
-        """Account one finished RPC."""
-        self.handled.labels(record.method, record.code.name).inc()
+        """Account one finished call of either door."""
+        if record.door is Door.OPENAI:
+            self._observe_front_door(record)
+            return
+        self.handled.labels(record.method, record.code).inc()
         self.handling.labels(record.method).observe(record.duration_s)
         if record.method == "Generate":
             self._observe_generate(record)
-        elif record.code is grpc.StatusCode.OK:
+        elif record.code == "OK":
             if record.method == "Abort":
                 self._observe_abort(record)
             elif record.method == "Pause":
-                self._observe_pause(record.response)
+                self._observe_pause(record.result)
             elif record.method == "Resume":
-                self._observe_resume(record.response)
+                self._observe_resume(record.result)
 
-    def observe_openai(self, call: FrontDoorCall) -> None:
-        """Account one finished front-door request (an `OpenAIFrontDoor` listener)."""
-        self.openai_requests.labels(call.route, str(call.code)).inc()
-        self.openai_latency.labels(call.route).observe(call.duration_s)
-        if call.ttft_s is not None:
-            self.openai_ttft.observe(call.ttft_s)
-        self.openai_tokens.inc(call.new_tokens)
-        if call.queue_wait_s is not None:
-            self.queue.observe(call.queue_wait_s)
+    def _observe_front_door(self, record: CallRecord) -> None:
+        self.openai_requests.labels(record.method, str(record.http_status or 200)).inc()
+        self.openai_latency.labels(record.method).observe(record.duration_s)
+        if record.ttft_s is not None:
+            self.openai_ttft.observe(record.ttft_s)
+        self.openai_tokens.inc(record.new_tokens)
+        if record.queue_wait_s is not None:
+            self.queue.observe(record.queue_wait_s)
 
     def _observe_generate(self, record: CallRecord) -> None:
         self.generations.labels(record.status).inc()
-        if record.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if record.code == "RESOURCE_EXHAUSTED":
             self.rejections.inc()
         if record.queue_wait_s is not None:
             self.queue.observe(record.queue_wait_s)
@@ -218,29 +218,29 @@ class Metrics:
         tokens = record.new_tokens
         self.tokens.inc(tokens)
         self.e2e.observe(record.duration_s)
-        self.failovers.inc(max(0, len(record.engine_attempts) - 1))
+        self.failovers.inc(max(0, len(record.engines) - 1))
         if record.ttft_s is not None:
             self.ttft.observe(record.ttft_s)
             if tokens >= 2:
                 self.tpot.observe((record.duration_s - record.ttft_s) / (tokens - 1))
 
     def _observe_abort(self, record: CallRecord) -> None:
-        target = record.request.WhichOneof("target") or "none"
+        target = record.abort_target or "none"
         if target == "all":
             self.abort_all.observe(record.duration_s)
         self.aborts.labels(target).inc()
-        if isinstance(record.response, pb.AbortResponse):
-            self.aborted.labels(target).inc(record.response.aborted)
+        if isinstance(record.result, AbortResult):
+            self.aborted.labels(target).inc(record.result.aborted)
 
-    def _observe_pause(self, response: object) -> None:
-        if isinstance(response, pb.PauseResponse) and response.paused_engines:
-            self.paused_engines.update(response.paused_engines)
+    def _observe_pause(self, result: object) -> None:
+        if isinstance(result, FleetResult) and result.ok:
+            self.paused_engines.update(result.ok)
             if self._paused_since is None:
                 self._paused_since = time.monotonic()
 
-    def _observe_resume(self, response: object) -> None:
-        if isinstance(response, pb.ResumeResponse):
-            self.paused_engines.difference_update(response.resumed_engines)
+    def _observe_resume(self, result: object) -> None:
+        if isinstance(result, FleetResult):
+            self.paused_engines.difference_update(result.ok)
             if self._paused_since is not None and not self.paused_engines:
                 self.pause.observe(time.monotonic() - self._paused_since)
                 self._paused_since = None

@@ -29,9 +29,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from rollout_grpc import __version__
-from rollout_grpc.server.facade.calls import CURRENT_CALL, SERVICE_PREFIX
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord
 
 INSTRUMENTATION = "rollout_grpc"
+SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["RolloutService"].full_name + "/"
 
 
 def otlp_provider(endpoint: str) -> TracerProvider:
@@ -54,6 +56,19 @@ def _identity(request: Any) -> dict[str, Any]:
         attributes["rollout.group_index"] = sample.group_index
         if sample.session_id:
             attributes["rollout.session_id"] = sample.session_id
+    return attributes
+
+
+def _record_identity(record: CallRecord) -> dict[str, Any]:
+    """The sample identity of the call an engine request belongs to, as span attributes."""
+    attributes: dict[str, Any] = {}
+    if record.request_id:
+        attributes["rollout.request_id"] = record.request_id
+    if record.method == "Generate" or record.sample is not None or record.session_id:
+        attributes["rollout.sample_index"] = record.sample_index
+        attributes["rollout.group_index"] = record.group_index
+        if record.session_id:
+            attributes["rollout.session_id"] = record.session_id
     return attributes
 
 
@@ -190,7 +205,7 @@ def engine_tracing(provider: trace.TracerProvider) -> aiohttp.TraceConfig:
         }
         record = CURRENT_CALL.get()
         if record is not None:
-            attributes.update(_identity(record.request))
+            attributes.update(_record_identity(record))
         span = tracer.start_span(
             f"{params.method} {params.url.path}", kind=SpanKind.CLIENT, attributes=attributes
         )

@@ -1,7 +1,8 @@
 """The internal replica-to-replica service (`rollout.v1.ReplicaService`): transport only.
 
-Only the `peer` and `admin` roles may call it (enforced by the auth interceptor); the forwarded
-abort carries the original caller's identity as `owner`, so a peer ends only that caller's work.
+Only the `peer` and `admin` roles may call it (enforced by the per-call wrapper,
+`interceptor.py`); the forwarded abort carries the original caller's identity as `owner`, so a
+peer ends only that caller's work.
 """
 
 from __future__ import annotations
@@ -13,17 +14,17 @@ import grpc
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.domain.errors import InvalidArgument
-from rollout_grpc.server.front.grpc import status
-from rollout_grpc.server.rollout.control import AbortScope, Control
+from rollout_grpc.server.facade.door import RolloutFacade
+from rollout_grpc.server.front.grpc.service import engine_errors_to_pb
+from rollout_grpc.server.rollout.control import AbortScope
 
 
 class ReplicaServicer(pb_grpc.ReplicaServiceServicer):
-    """Implements rollout.v1.ReplicaService on top of `Control`."""
+    """Implements rollout.v1.ReplicaService on top of the facade."""
 
-    def __init__(self, control: Control) -> None:
-        self._control = control
+    def __init__(self, facade: RolloutFacade) -> None:
+        self._facade = facade
 
-    @status.unary
     async def AbortLocal(
         self, request: pb.AbortLocalRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.AbortLocalResponse:
@@ -39,8 +40,6 @@ class ReplicaServicer(pb_grpc.ReplicaServiceServicer):
             scope = AbortScope(owner=owner, group_index=request.group_index)
         else:
             raise InvalidArgument("target", "set one of request_ids, session_id, group_index")
-        result = await self._control.abort_local(scope)
-        return pb.AbortLocalResponse(
-            aborted=result.aborted,
-            engine_errors=[pb.EngineError(engine=url, error=err) for url, err in result.engine_errors],
-        )
+        result = await self._facade.abort_local(scope)
+        errors = engine_errors_to_pb(result.engine_errors)
+        return pb.AbortLocalResponse(aborted=result.aborted, engine_errors=errors)

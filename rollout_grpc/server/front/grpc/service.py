@@ -1,7 +1,8 @@
-"""The gRPC servicer: transport only (proto <-> domain, request ids, status codes).
+"""The gRPC servicer: transport only (proto <-> domain, request ids), over the facade.
 
-Rollout logic lives in `rollout.py`, fleet control in `control.py`, rendering in `render.py`; every
-exception is mapped to a status code by the decorators of `status.py`.
+Every RPC calls the transport-neutral `RolloutFacade` (the OpenAI front door calls the same one)
+and records into the call's `CallRecord`, which the per-call wrapper (`interceptor.py`) opened and
+closes; the wrapper also maps every exception to its status code.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain import trajectory
 from rollout_grpc.server.domain.errors import InvalidArgument, NotFound
 from rollout_grpc.server.domain.identity import current_caller
-from rollout_grpc.server.domain.trajectory import TrajectoryStore
-from rollout_grpc.server.front.grpc import convert, status
+from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord, Door
+from rollout_grpc.server.facade.door import RolloutFacade
+from rollout_grpc.server.front.grpc import convert
 from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
-from rollout_grpc.server.rollout.control import Control, FleetResult
-from rollout_grpc.server.rollout.generation import Rollout
-from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
@@ -49,8 +48,14 @@ def check_request_id(request_id: str, field: str) -> None:
 _PAUSE_MODES = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
 
 
-def _engine_errors(pairs: list[tuple[str, str]]) -> list[pb.EngineError]:
+def engine_errors_to_pb(pairs: list[tuple[str, str]]) -> list[pb.EngineError]:
+    """`(engine URL, error)` pairs of a fleet operation as `rollout.v1.EngineError`s."""
     return [pb.EngineError(engine=url, error=err) for url, err in pairs]
+
+
+def current_record(method: str) -> CallRecord:
+    """The record the per-call wrapper opened for this call (a detached one without it)."""
+    return CURRENT_CALL.get() or CallRecord(Door.GRPC, method)
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -58,98 +63,92 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     def __init__(
         self,
-        rollout: Rollout,
-        control: Control,
-        renderer: RenderService,
+        facade: RolloutFacade,
         default_options: domain.GenerateOptions | None = None,
         *,
-        trajectories: TrajectoryStore | None = None,
         simulated_engines: bool = False,
     ) -> None:
         self._simulated_engines = simulated_engines
-        self._rollout = rollout
-        self._control = control
-        self._renderer = renderer
+        self._facade = facade
         self._defaults = default_options or domain.GenerateOptions()
-        self._trajectories = trajectories
 
-    @status.streaming
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
+        record = current_record("Generate")
         request_id = request.request_id or uuid.uuid4().hex
+        record.request_id = request_id
+        record.sample_index = request.sample.index
         check_request_id(request_id, "request_id")
         sample = convert.sample_from_pb(request.sample)
         params = convert.sampling_params_from_pb(request.sampling_params)
         options = convert.options_from_pb(request.options, self._defaults)
         headers_sent = False
-        async for event in self._rollout.generate(sample, params, options, request_id):
+        async for event in self._facade.generate(record, sample, params, options, request_id):
             if not headers_sent:
                 # Headers go out with the first message, not before: until then every refusal
                 # (shutting down, queue full, no engine) is a trailers-only response that client
                 # retry policies and proxies may retry on another replica.
                 await context.send_initial_metadata((("x-request-id", request_id),))
                 headers_sent = True
-            if isinstance(event, domain.TokenBatch):
+            if type(event) is domain.TokenBatch:
                 yield convert.delta_to_pb(event)
             else:
-                final = convert.sample_to_pb(event, request.sample)
+                final = convert.sample_to_pb(event, request.sample)  # type: ignore[arg-type]
                 if not current_caller().is_admin:
                     redact.redact_sample(final)
                 yield pb.GenerateResponse(sample=final)
 
-    @status.unary
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.AbortResponse:
+        record = current_record("Abort")
         target = request.WhichOneof("target")
+        record.abort_target = target or "none"
         if target is None:
             raise InvalidArgument("target", "set one of all, request_ids, session_id, group_index")
         if target == "all":
             if not request.all:
                 raise InvalidArgument("all", "must be true when it is the target")
-            result = await self._control.abort_all()
+            result = await self._facade.abort_all(record)
         elif target == "request_ids":
             for i, rid in enumerate(request.request_ids.ids):
                 if rid:  # empty ids are refused as a whole by Control.abort_ids
                     check_request_id(rid, f"request_ids.ids[{i}]")
-            result = await self._control.abort_ids(list(request.request_ids.ids))
+            result = await self._facade.abort_ids(record, list(request.request_ids.ids))
         elif target == "session_id":
-            result = await self._control.abort_matching(session_id=request.session_id)
+            result = await self._facade.abort_matching(record, session_id=request.session_id)
         else:
-            result = await self._control.abort_matching(group_index=request.group_index)
+            result = await self._facade.abort_matching(record, group_index=request.group_index)
         response = pb.AbortResponse(
             aborted=result.aborted,
             unknown_request_ids=result.unknown_request_ids,
-            engine_errors=_engine_errors(result.engine_errors),
+            engine_errors=engine_errors_to_pb(result.engine_errors),
         )
         if not current_caller().is_admin:
             redact.redact_engine_errors(list(response.engine_errors))
         return response
 
-    @status.unary
     async def Pause(
         self, request: pb.PauseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PauseResponse:
         mode = _PAUSE_MODES.get(request.mode)
         if mode is None:
             raise InvalidArgument("mode", f"must be ABORT, WAIT or KEEP; got {int(request.mode)}")
-        result: FleetResult = await self._control.pause(mode)
-        return pb.PauseResponse(paused_engines=result.ok, engine_errors=_engine_errors(result.errors))
+        result = await self._facade.pause(current_record("Pause"), mode)
+        return pb.PauseResponse(paused_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors))
 
-    @status.unary
     async def Resume(
         self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ResumeResponse:
         version = request.weight_version if request.HasField("weight_version") else None
-        result = await self._control.resume(version)
-        return pb.ResumeResponse(resumed_engines=result.ok, engine_errors=_engine_errors(result.errors))
+        result = await self._facade.resume(current_record("Resume"), version)
+        return pb.ResumeResponse(resumed_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors))
 
-    @status.unary
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetServerInfoResponse:
-        statuses = await self._control.engine_statuses()
+        statuses = await self._facade.engine_statuses()
         show_url = current_caller().is_admin
         versions = {s.weight_version for s in statuses if s.healthy and s.weight_version}
         return pb.GetServerInfoResponse(
@@ -162,19 +161,18 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     in_flight=s.in_flight,
                     draining=s.draining,
                     model=s.model,
-                    **engine_info_extras(self._rollout.pool.get(s.url)),
+                    **engine_info_extras(self._facade.engine(s.url)),
                 )
                 for s in statuses
             ],
             simulated_engines=self._simulated_engines,
             paused=any(s.paused for s in statuses),
             weight_version=versions.pop() if len(versions) == 1 else "",
-            in_flight=self._rollout.admission.running,
-            queued=self._rollout.admission.queued,
+            in_flight=self._facade.admission.running,
+            queued=self._facade.admission.queued,
             version=__version__,
         )
 
-    @status.unary
     async def Render(
         self, request: pb.RenderRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RenderResponse:
@@ -198,7 +196,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 )
                 for i, m in enumerate(request.chat.messages)
             ]
-            rendered = await self._renderer.render_chat(
+            rendered = await self._facade.render_chat(
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=template_kwargs,
@@ -206,7 +204,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 model=request.model,
             )
         elif kind == "text":
-            rendered = await self._renderer.render_text(
+            rendered = await self._facade.render_text(
                 request.text, session_id=request.session_id, model=request.model
             )
         else:
@@ -217,25 +215,23 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             convert.features_to_pb(rendered.features, response.features)
         return response
 
-    @status.unary
     async def GetTrajectory(
         self, request: pb.GetTrajectoryRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetTrajectoryResponse:
         if not request.session_id:
             raise InvalidArgument("session_id", "must not be empty")
-        store = self._trajectories
         caller = current_caller()
         # Another caller's session reads as missing (admins read every session).
-        session = store.get(request.session_id, caller) if store is not None else None
+        session = self._facade.session(request.session_id, caller)
         missing = NotFound(f"session {request.session_id!r} is not recorded on this replica")
-        if store is None or session is None:
+        if session is None or self._facade.trajectories is None:
             raise missing
         async with session.lock:  # a running turn is waited for: recorded whole or not at all
             if not session.turns:  # every request of the session failed before generating
                 raise missing
             samples, turn_samples = trajectory.to_samples_indexed(session)
             if request.remove:
-                store.pop(request.session_id)
+                self._facade.trajectories.pop(request.session_id)
         original = pb.Sample(session_id=request.session_id)
         finals = [convert.sample_to_pb(s, original) for s in samples]
         if not caller.is_admin:

@@ -1,4 +1,4 @@
-"""The one place that maps exceptions to gRPC status codes.
+"""The one place that maps domain errors to gRPC statuses (the per-call wrapper applies it).
 
 Domain errors carry messages meant for the caller; INVALID_ARGUMENT also carries a
 `google.rpc.BadRequest` field violation naming the field, RESOURCE_EXHAUSTED a `RetryInfo` and the
@@ -8,37 +8,19 @@ exception is logged, never sent: its text could leak internals).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
-import structlog
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rollout_grpc.server.domain import errors
-from rollout_grpc.server.front.grpc.decoding import Undecodable
-
-log = structlog.get_logger(__name__)
-
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
-
-_CODES: list[tuple[type[errors.RolloutError], grpc.StatusCode, int]] = [
-    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, code_pb2.INVALID_ARGUMENT),
-    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION, code_pb2.FAILED_PRECONDITION),
-    (errors.NotFound, grpc.StatusCode.NOT_FOUND, code_pb2.NOT_FOUND),
-    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE, code_pb2.UNAVAILABLE),
-    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED, code_pb2.RESOURCE_EXHAUSTED),
-    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, code_pb2.PERMISSION_DENIED),
-]
 
 
 def to_status(exc: errors.RolloutError) -> grpc.Status:
     """The rich gRPC status for a domain error."""
-    code = next(c for cls, _, c in _CODES if isinstance(exc, cls))
+    code = code_pb2.Code.Value(exc.code)
     details: list[any_pb2.Any] = []
     if isinstance(exc, errors.InvalidArgument):
         detail = any_pb2.Any()
@@ -73,58 +55,3 @@ class _Status(grpc.Status):
         self.code = code
         self.details = details
         self.trailing_metadata = trailing_metadata
-
-
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
-    if isinstance(exc, errors.RolloutError):
-        await context.abort_with_status(to_status(exc))
-    log.exception("internal_error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the server)")
-
-
-def _check_decoded(request: object) -> None:
-    """A request whose bytes did not parse (see decoding.py) is the caller's error."""
-    if isinstance(request, Undecodable):
-        raise errors.InvalidArgument(
-            "request", f"the bytes are not a valid {request.message_type}: {request.error}"
-        )
-
-
-def unary(
-    handler: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]:
-    """Map exceptions of a unary handler to status codes."""
-
-    @functools.wraps(handler)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]) -> Resp:
-        try:
-            _check_decoded(request)
-            return await handler(self, request, context)
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            await _abort(context, exc)
-            raise  # unreachable: abort raises
-
-    return wrapper
-
-
-def streaming(
-    handler: Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncIterator[Resp]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], AsyncIterator[Resp]]:
-    """Map exceptions of a server-streaming handler to status codes."""
-
-    @functools.wraps(handler)
-    async def wrapper(
-        self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]
-    ) -> AsyncIterator[Resp]:
-        try:
-            _check_decoded(request)
-            async for message in handler(self, request, context):
-                yield message
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            await _abort(context, exc)
-
-    return wrapper

@@ -21,18 +21,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rollout_grpc.server.domain.identity import ANONYMOUS, Caller, Role
+from rollout_grpc.server.domain.identity import Caller, Role
 from rollout_grpc.server.front.openai.protocol import OpenAIError
-from rollout_grpc.server.security.auth import AuthConfig
+from rollout_grpc.server.security.auth import AuthConfig, Presented, Refused, Wording
+from rollout_grpc.server.security.auth import authenticate as authenticate_presented
 
 #: Roles that may call the front door (the roles of Generate).
 FRONT_DOOR_ROLES = frozenset({Role.TRAINER, Role.ADMIN})
 
-
-def _unauthenticated(message: str) -> OpenAIError:
-    err = OpenAIError(401, message, etype="invalid_request_error")
-    err.headers["WWW-Authenticate"] = 'Bearer realm="rollout-grpc"'
-    return err
+_WORDING = Wording(
+    header="Authorization",
+    missing=(
+        "credentials required: send `Authorization: Bearer <token>` (the client's api_key) "
+        "or a client certificate"
+    ),
+    bearer_needs_tokens=True,
+)
 
 
 def certificate_names(peercert: Mapping[str, Any] | None) -> list[str]:
@@ -46,44 +50,17 @@ def certificate_names(peercert: Mapping[str, Any] | None) -> list[str]:
     return names
 
 
-def _bearer(config: AuthConfig, authorization: str) -> Caller:
-    scheme, _, rest = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not rest.strip():
-        raise _unauthenticated("Authorization: expected `Bearer <token>`")
-    caller = config.tokens.authenticate(rest.strip()) if config.tokens is not None else None
-    if caller is None:
-        raise _unauthenticated("invalid bearer token")
-    return caller
-
-
-def _certificate(config: AuthConfig, names: list[str]) -> Caller | None:
-    roles = config.cert_roles or {}
-    for name in names:
-        role = roles.get(name)
-        if role is not None:
-            return Caller(identity=name, role=role)
-    return None
-
-
 def authenticate(config: AuthConfig, authorization: str | None, peercert: Mapping[str, Any] | None) -> Caller:
     """The caller of one HTTP request, or an OpenAIError (401 no/bad credentials, 403 wrong role)."""
-    if not config.enabled:
-        return ANONYMOUS
-    caller: Caller | None
-    if authorization is not None and config.tokens is not None:
-        caller = _bearer(config, authorization)
-    else:
-        names = certificate_names(peercert) if config.cert_roles else []
-        caller = _certificate(config, names)
-        if caller is None and names:
-            raise OpenAIError(
-                403, "the client certificate is not mapped to a role", etype="permission_denied"
-            )
-        if caller is None:
-            raise _unauthenticated(
-                "credentials required: send `Authorization: Bearer <token>` (the client's api_key) "
-                "or a client certificate"
-            )
+    presented = Presented(authorization, certificate_names(peercert) if config.cert_roles else ())
+    try:
+        caller = authenticate_presented(config, presented, _WORDING)
+    except Refused as refused:
+        if refused.code == "PERMISSION_DENIED":
+            raise OpenAIError(403, refused.message, etype="permission_denied") from None
+        err = OpenAIError(401, refused.message, etype="invalid_request_error")
+        err.headers["WWW-Authenticate"] = 'Bearer realm="rollout-grpc"'
+        raise err from None
     if caller.role not in FRONT_DOOR_ROLES:
         raise OpenAIError(
             403,

@@ -21,8 +21,8 @@ Security is the gRPC port's (docs/security.md): the same credentials (`openai_au
 token or client certificate), TLS from the same files, and the caller bound as `identity` does for
 an RPC, so each turn's generation is owned by its caller (Abort, the per-caller admission share),
 a session by the caller that opened it, and the request bounds of `limits.RequestLimits` apply.
-Every request ends with one `openai_done` log line and in the Prometheus metrics
-(`openai_calls.py`).
+Every request is one `CallRecord` of the facade (`facade/calls.py`), which the gRPC door shares:
+it ends with one `openai_done` log line and in the Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import contextlib
 import secrets
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,17 +40,15 @@ import orjson
 import structlog
 from aiohttp import web
 
-from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.domain import trajectory
 from rollout_grpc.server.domain.errors import FailedPrecondition, RolloutError, Unavailable
 from rollout_grpc.server.domain.identity import current_caller, reset_caller, set_caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, TokenBatch
 from rollout_grpc.server.domain.trajectory import DriftPolicy, Session, TrajectoryStore, Turn
 from rollout_grpc.server.engines.api import EngineAdapter, EngineError, EngineRejected, EngineUnavailable
-from rollout_grpc.server.engines.pool import EnginePool
-from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord
+from rollout_grpc.server.facade.calls import CallRecord, Door, http_code_name
+from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.openai import auth as openai_auth
-from rollout_grpc.server.front.openai.calls import FrontDoorCall, Listener, log_openai
 from rollout_grpc.server.front.openai.protocol import (
     OpenAIError,
     error_response,
@@ -61,9 +59,6 @@ from rollout_grpc.server.front.openai.protocol import (
     usage,
 )
 from rollout_grpc.server.front.openai.tools import ParsedOutput, ToolCallParser, get_parser, held_back
-from rollout_grpc.server.observe.metrics import Metrics
-from rollout_grpc.server.rollout.control import Control
-from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.security import redact
 from rollout_grpc.server.security.auth import AuthConfig
 from rollout_grpc.server.security.limits import RequestLimits
@@ -74,7 +69,7 @@ log = structlog.get_logger(__name__)
 SESSION_HEADER = "X-Session-Id"
 REQUEST_ID_HEADER = "X-Request-Id"
 #: Where the middleware keeps the request's `FrontDoorCall`.
-_CALL = web.RequestKey("rollout_front_door_call", FrontDoorCall)
+_CALL = web.RequestKey("rollout_front_door_call", CallRecord)
 _SESSION_PREFIX = "/sessions/{session_id}"
 
 #: A neutral conversation the KEEP_PREFIX policy renders new messages after (see `_delta`).
@@ -99,32 +94,25 @@ class OpenAIFrontDoor:
 
     def __init__(
         self,
-        rollout: Rollout,
-        pool: EnginePool,
-        control: Control,
-        store: TrajectoryStore,
+        facade: RolloutFacade,
         config: FrontDoorConfig | None = None,
         *,
         auth: AuthConfig | None = None,
         tls: TlsConfig | None = None,
         limits: RequestLimits | None = None,
-        metrics: Metrics | None = None,
     ) -> None:
         """`auth`, `tls` and `limits` are the gRPC port's (off, plaintext and the defaults when not
-        given); `metrics` receives every request next to the `openai_done` log line."""
-        self._rollout = rollout
-        self._pool = pool
-        self._control = control
-        self.store = store
+        given); every request is recorded in the facade's `CallBook` (log line and metrics)."""
+        if facade.trajectories is None:
+            raise ValueError("the front door records sessions: the facade needs a TrajectoryStore")
+        self._facade = facade
+        self._pool = facade.pool
+        self.store: TrajectoryStore = facade.trajectories
         self.config = config or FrontDoorConfig()
         self._parser: ToolCallParser = get_parser(self.config.tool_parser)
         self._auth = auth or AuthConfig()
         self._tls = tls
         self._limits = limits or RequestLimits()
-        #: Called with every ended request's record (tests may add their own before requests).
-        self.listeners: list[Listener] = [log_openai]
-        if metrics is not None:
-            self.listeners.append(metrics.observe_openai)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -158,7 +146,7 @@ class OpenAIFrontDoor:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         """Authenticate, bind the caller to the request's task, record and report the request."""
-        call = FrontDoorCall(route=_route(request))
+        call = self._facade.calls.open(Door.OPENAI, _route(request))
         request[_CALL] = call
         try:
             try:
@@ -174,27 +162,23 @@ class OpenAIFrontDoor:
                     response = await handler(request)
                 finally:
                     reset_caller(token)
-            call.code = response.status
+            call.http_status = response.status
             return response
         except web.HTTPException as exc:  # the router's 404 and 405
-            call.code, call.error = exc.status, exc.reason
+            call.http_status, call.details = exc.status, exc.reason
             raise
         except BaseException as exc:  # cancelled (client gone before the response) or a bug
-            call.code, call.error = 499 if isinstance(exc, asyncio.CancelledError) else 500, repr(exc)
+            call.http_status = 499 if isinstance(exc, asyncio.CancelledError) else 500
+            call.details = repr(exc)
             raise
         finally:
-            call.ended = time.monotonic()
-            for listener in self.listeners:
-                try:
-                    listener(call)
-                except Exception:  # an observer bug must never fail the request
-                    log.exception("openai_listener_failed", route=call.route)
+            self._facade.calls.close(call, http_code_name(call.http_status or 200), call.details)
 
     def _error(self, request: web.Request, err: OpenAIError) -> web.Response:
         """The error response; engine addresses are shown to admins only (as on the gRPC port)."""
         if not current_caller().is_admin:
             err.message = redact.redact_text(err.message, [e.url for e in self._pool.engines])
-        request[_CALL].error = err.message
+        request[_CALL].details = err.message
         return error_response(err)
 
     # ----------------------------------------------------------------------------- handlers
@@ -301,22 +285,16 @@ class OpenAIFrontDoor:
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         chat_id = "chatcmpl-" + request_id
         created = int(time.time())
-        with _observed_generation(call, session.session_id):
-            events = self._rollout.generate(sample, params, options, request_id)
-            # The first event comes before the response starts, so refusals are plain HTTP errors.
-            first = await anext(events)
-            if isinstance(first, TokenBatch) and first.token_ids:
-                call.mark_token()
-            if body.get("stream"):
-                response, final = await self._stream(
-                    request, body, events, first, chat_id, created, model, use_tools, session.session_id
-                )
-            else:
-                final = first if isinstance(first, Sample) else await _last(events)
-                response = None
-        call.sample = final
-        if call.new_tokens:
-            call.mark_token()
+        events = self._facade.generate(call, sample, params, options, request_id)
+        # The first event comes before the response starts, so refusals are plain HTTP errors.
+        first = await anext(events)
+        if body.get("stream"):
+            response, final = await self._stream(
+                request, body, events, first, chat_id, created, model, use_tools, session.session_id
+            )
+        else:
+            final = first if isinstance(first, Sample) else await _last(events)
+            response = None
         parsed = self._parser.parse(final.response) if use_tools else ParsedOutput(content=final.response)
         turn = self._record(session, messages, request_id, prompt_ids, final, parsed, new_sample, drift)
         if response is not None:
@@ -478,7 +456,7 @@ class OpenAIFrontDoor:
         response.headers[REQUEST_ID_HEADER] = chat_id.removeprefix("chatcmpl-")
         await response.prepare(request)
         writer = _ChunkWriter(
-            response, chat_id, created, model, self._control, chat_id.removeprefix("chatcmpl-")
+            response, chat_id, created, model, self._facade, chat_id.removeprefix("chatcmpl-")
         )
         await writer.send({"role": "assistant", "content": ""}, None)
         marker = self._parser.start_marker if use_tools else ""
@@ -490,8 +468,6 @@ class OpenAIFrontDoor:
             if isinstance(event, Sample):
                 final = event
                 break
-            if event.token_ids:
-                request[_CALL].mark_token()
             text += event.text
             held = text.find(marker) if marker else -1
             upto = held if held >= 0 else len(text) - held_back(text, marker)
@@ -530,11 +506,17 @@ class _ChunkWriter:
     """Writes `chat.completion.chunk` events; a vanished client aborts the turn (kept recorded)."""
 
     def __init__(
-        self, response: web.StreamResponse, chat_id: str, created: int, model: str, control: Control, rid: str
+        self,
+        response: web.StreamResponse,
+        chat_id: str,
+        created: int,
+        model: str,
+        facade: RolloutFacade,
+        rid: str,
     ) -> None:
         self._response = response
         self._base = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        self._control = control
+        self._facade = facade
         self._request_id = rid
         self._gone = False
 
@@ -551,27 +533,13 @@ class _ChunkWriter:
             # generation still ends with its sample, which is recorded.
             self._gone = True
             with contextlib.suppress(RolloutError):
-                await self._control.abort_ids([self._request_id])
+                await self._facade.abort_ids(None, [self._request_id])
 
     async def done(self) -> None:
         if not self._gone:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await self._response.write(b"data: [DONE]\n\n")
                 await self._response.write_eof()
-
-
-@contextlib.contextmanager
-def _observed_generation(call: FrontDoorCall, session_id: str) -> Iterator[None]:
-    """Run a turn's generation as the task's current call, as a Generate runs: admission writes
-    its queue wait into the record, and the engine-call log and traces name the request."""
-    request = pb.GenerateRequest(request_id=call.request_id or "", sample=pb.Sample(session_id=session_id))
-    record = CallRecord("ChatCompletions", request)
-    token = CURRENT_CALL.set(record)
-    try:
-        yield
-    finally:
-        CURRENT_CALL.reset(token)
-        call.queue_wait_s = record.queue_wait_s
 
 
 def _route(request: web.Request) -> str:

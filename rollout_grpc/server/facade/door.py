@@ -1,0 +1,179 @@
+"""The transport-neutral door: what both front doors call, and where every call is recorded.
+
+MLServer's data-plane shape: the gRPC servicer and the OpenAI front door are thin translators of
+their wire formats; they open a `CallRecord` here (`CallBook.open`), call the data plane
+(`RolloutFacade`: generate, abort, pause, resume, server info, render, trajectories) with domain
+values, and close the record (`CallBook.close`), which produces the call's log line and metrics
+once, for either door. Nothing here knows protobuf, gRPC or HTTP.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import structlog
+
+from rollout_grpc.server.domain.identity import Caller
+from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, TokenBatch
+from rollout_grpc.server.domain.trajectory import Session, TrajectoryStore
+from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
+from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord, Door, Listener
+from rollout_grpc.server.rollout.admission import Admission
+from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control, EngineStatus, FleetResult
+from rollout_grpc.server.rollout.generation import Rollout
+from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
+
+log = structlog.get_logger(__name__)
+
+
+class CallBook:
+    """Opens and closes call records; a closed record goes to every listener."""
+
+    def __init__(self, listeners: Sequence[Listener] = ()) -> None:
+        #: Called with every closed record (the log line, the metrics; tests add their own).
+        self.listeners: list[Listener] = list(listeners)
+
+    def open(self, door: Door, method: str) -> CallRecord:
+        """A new record, made the current task's call (the admission queue wait, the engine-call
+        log and traces find it there). It is never reset: each call runs in a task of its own."""
+        record = CallRecord(door, method)
+        CURRENT_CALL.set(record)
+        return record
+
+    def close(self, record: CallRecord, code: str = "OK", details: str = "") -> None:
+        """End the record with its outcome and report it."""
+        record.ended = time.monotonic()
+        record.code = code
+        record.details = details if code != "OK" else record.details
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception:  # an observer bug must never fail the call
+                log.exception("call_listener_failed", method=record.method)
+
+
+class RolloutFacade:
+    """The data plane of a replica, in domain terms, for both front doors."""
+
+    def __init__(
+        self,
+        rollout: Rollout,
+        control: Control,
+        renderer: RenderService,
+        *,
+        trajectories: TrajectoryStore | None = None,
+        calls: CallBook | None = None,
+    ) -> None:
+        self._rollout = rollout
+        self._control = control
+        self._renderer = renderer
+        self.trajectories = trajectories
+        self.calls = calls or CallBook()
+
+    @property
+    def pool(self) -> EnginePool:
+        """The engines (the doors read models and redaction lists from it)."""
+        return self._rollout.pool
+
+    @property
+    def admission(self) -> Admission:
+        """The admission limit and queue (GetServerInfo reports them)."""
+        return self._rollout.admission
+
+    # ----------------------------------------------------------------------------- generation
+
+    async def generate(
+        self,
+        record: CallRecord,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        request_id: str,
+    ) -> AsyncIterator[TokenBatch | Sample]:
+        """One sample's generation (`Rollout.generate`), observed into `record`: its identity,
+        the first token's time and the final sample."""
+        record.request_id = request_id
+        record.session_id = sample.session_id
+        record.group_index = sample.group_index
+        record.prior_response_length = sample.response_length
+        record.prior_attempts = len(sample.engine_attempts)
+        async for event in self._rollout.generate(sample, params, options, request_id):
+            if type(event) is TokenBatch:
+                if record.ttft_s is None and event.token_ids:
+                    record.mark_token()
+            else:
+                record.sample = event  # type: ignore[assignment]
+                if record.ttft_s is None and record.new_tokens > 0:
+                    record.mark_token()
+            yield event
+
+    # ----------------------------------------------------------------------------- control
+
+    async def abort_all(self, record: CallRecord) -> AbortResult:
+        result = await self._control.abort_all()
+        record.result = result
+        return result
+
+    async def abort_ids(self, record: CallRecord | None, request_ids: Sequence[str]) -> AbortResult:
+        result = await self._control.abort_ids(request_ids)
+        if record is not None:
+            record.result = result
+        return result
+
+    async def abort_matching(
+        self, record: CallRecord, *, session_id: str | None = None, group_index: int | None = None
+    ) -> AbortResult:
+        result = await self._control.abort_matching(session_id=session_id, group_index=group_index)
+        record.result = result
+        return result
+
+    async def abort_local(self, scope: AbortScope) -> AbortResult:
+        """Abort matching generations of this replica only (a peer's forwarded abort)."""
+        return await self._control.abort_local(scope)
+
+    async def pause(self, record: CallRecord, mode: str) -> FleetResult:
+        result = await self._control.pause(mode)
+        record.result = result
+        return result
+
+    async def resume(self, record: CallRecord, weight_version: str | None) -> FleetResult:
+        result = await self._control.resume(weight_version)
+        record.result = result
+        return result
+
+    async def engine_statuses(self) -> list[EngineStatus]:
+        """Every engine as GetServerInfo reports it."""
+        return await self._control.engine_statuses()
+
+    def engine(self, url: str) -> EngineHandle | None:
+        """The pool's handle of `url` (its capability facts), if any."""
+        return self._rollout.pool.get(url)
+
+    # ----------------------------------------------------------------------------- render, sessions
+
+    async def render_chat(
+        self,
+        messages: list[tuple[str, list[Part]]],
+        *,
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, object],
+        session_id: str,
+        model: str,
+    ) -> Rendered:
+        return await self._renderer.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            session_id=session_id,
+            model=model,
+        )
+
+    async def render_text(self, text: str, *, session_id: str, model: str) -> Rendered:
+        return await self._renderer.render_text(text, session_id=session_id, model=model)
+
+    def session(self, session_id: str, caller: Caller) -> Session | None:
+        """A recorded agent session of `caller` (admins read every session), None if missing."""
+        if self.trajectories is None:
+            return None
+        return self.trajectories.get(session_id, caller)

@@ -1,0 +1,346 @@
+"""The one per-call wrapper of the gRPC door: record, authenticate, bound, run, map the outcome.
+
+Every RPC of `rollout.v1.RolloutService` and `rollout.v1.ReplicaService` runs inside one wrapper
+(one server interceptor) that, per call and in this order:
+
+1. opens the call's record in the facade's `CallBook` (rollout RPCs), so that a call refused at
+   the door leaves its log line and metrics like one that generated;
+2. authenticates the caller from the `authorization` metadata or the verified client certificate
+   (`security.auth`), checks the role against `METHOD_ROLES` and binds the caller to the call
+   (`identity.set_caller`); UNAUTHENTICATED / PERMISSION_DENIED otherwise;
+3. refuses request bytes that did not decode (`decoding.py`), requests over a size cap
+   (`security.limits.RequestLimits`) and control RPCs over the caller's rate;
+4. runs the servicer: a stream's messages pass through this wrapper's one loop untouched (no
+   per-message inspection: the facade observes the domain events before conversion);
+5. maps a domain error to its rich status (`status.to_status`), anything unexpected to INTERNAL
+   with a generic message, and closes the record with the code the caller got. A stream whose
+   final sample was already sent is OK even if the client leaves before reading the trailers.
+
+Control RPCs leave one `audit` line with the caller, target and outcome, refusals included.
+Health is always open (probes carry no credentials); reflection is open, or needs any valid
+credential (`AuthConfig.reflection_open`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+import grpc
+import structlog
+
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server.domain.errors import InvalidArgument, RolloutError
+from rollout_grpc.server.domain.identity import Caller, Role, set_caller
+from rollout_grpc.server.facade.calls import CallRecord, Door
+from rollout_grpc.server.facade.door import CallBook
+from rollout_grpc.server.front.grpc import status
+from rollout_grpc.server.front.grpc.decoding import Undecodable
+from rollout_grpc.server.security.auth import AuthConfig, Presented, Refused, authenticate, authorize
+from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
+
+log = structlog.get_logger(__name__)
+audit_log = structlog.get_logger("rollout_grpc.audit")
+
+ROLLOUT = "/" + pb.DESCRIPTOR.services_by_name["RolloutService"].full_name + "/"
+REPLICA = "/" + pb.DESCRIPTOR.services_by_name["ReplicaService"].full_name + "/"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
+
+#: Which roles may call which method. A method of these services missing here is refused.
+METHOD_ROLES: dict[str, frozenset[Role]] = {
+    ROLLOUT + "Generate": frozenset({Role.TRAINER, Role.ADMIN}),
+    ROLLOUT + "Render": frozenset({Role.TRAINER, Role.ADMIN}),
+    ROLLOUT + "GetServerInfo": frozenset({Role.TRAINER, Role.ADMIN}),
+    # Front-door sessions are collected by the trainer that drives the agent harness.
+    ROLLOUT + "GetTrajectory": frozenset({Role.TRAINER, Role.ADMIN}),
+    # Abort(all) and other callers' generations are admin-only; control.py scopes the rest.
+    ROLLOUT + "Abort": frozenset({Role.TRAINER, Role.ADMIN}),
+    ROLLOUT + "Pause": frozenset({Role.ADMIN}),
+    ROLLOUT + "Resume": frozenset({Role.ADMIN}),
+    REPLICA + "AbortLocal": frozenset({Role.PEER, Role.ADMIN}),
+}
+
+#: The control RPCs: audited, and rate-limited per caller (below).
+CONTROL_METHODS = frozenset(
+    {ROLLOUT + "Abort", ROLLOUT + "Pause", ROLLOUT + "Resume", REPLICA + "AbortLocal"}
+)
+#: Public control RPCs, rate-limited per caller (replica-to-replica AbortLocal is not: one caller's
+#: abort fans out to every peer, and peers are trusted).
+RATE_LIMITED_METHODS = frozenset({ROLLOUT + "Abort", ROLLOUT + "Pause", ROLLOUT + "Resume"})
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def check_request(limits: RequestLimits, request: object) -> None:
+    """InvalidArgument naming the field and limit when `request` exceeds a cap, or did not decode."""
+    if isinstance(request, Undecodable):
+        raise InvalidArgument("request", f"the bytes are not a valid {request.message_type}: {request.error}")
+    if isinstance(request, pb.GenerateRequest):
+        if request.sample.HasField("metadata"):
+            limits.check_size("sample.metadata", request.sample.metadata.ByteSize(), "max_metadata_bytes")
+        limits.check_stop(request.sampling_params.stop, "sampling_params.stop")
+    elif isinstance(request, pb.AbortRequest | pb.AbortLocalRequest):
+        if request.WhichOneof("target") == "request_ids":
+            limits.check_ids(len(request.request_ids.ids))
+    elif isinstance(request, pb.RenderRequest) and request.HasField("chat_template_kwargs"):
+        limits.check_size(
+            "chat_template_kwargs", request.chat_template_kwargs.ByteSize(), "max_chat_template_kwargs_bytes"
+        )
+
+
+def _auth_values(auth_context: Mapping[str, Iterable[bytes]], key: str) -> list[str]:
+    return [v.decode(errors="replace") for v in auth_context.get(key, ())]
+
+
+def presented(context: Context) -> Presented:
+    """The credentials of a call: its `authorization` metadata and its client certificate's names."""
+    authorization = None
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            authorization = str(value)
+            break
+    auth = context.auth_context() or {}
+    names = _auth_values(auth, "x509_subject_alternative_name") + _auth_values(auth, "x509_common_name")
+    return Presented(authorization, names)
+
+
+def describe_target(method: str, request: object) -> dict[str, object]:
+    """What a control RPC acts on, for the audit line (never the whole request)."""
+    if isinstance(request, pb.AbortRequest | pb.AbortLocalRequest):
+        target = request.WhichOneof("target")
+        described: dict[str, object] = {"target": target}
+        if target == "request_ids":
+            ids = list(request.request_ids.ids)
+            described["request_ids"] = ids[:8]
+            described["request_id_count"] = len(ids)
+        elif target is not None:
+            described[target] = getattr(request, target)
+        if isinstance(request, pb.AbortLocalRequest):
+            described["owner"] = request.owner
+        return described
+    if isinstance(request, pb.PauseRequest):
+        return {
+            "mode": pb.PauseMode.Name(request.mode) if request.mode in pb.PauseMode.values() else request.mode
+        }
+    if isinstance(request, pb.ResumeRequest):
+        return {"weight_version": request.weight_version if request.HasField("weight_version") else None}
+    return {}
+
+
+def _describe_result(response: object) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for field in ("aborted", "paused_engines", "resumed_engines", "engine_errors"):
+        if hasattr(response, field):
+            value = getattr(response, field)
+            out[field] = value if isinstance(value, int) else len(value)
+    return out
+
+
+def _code_name(context: Context, exc: BaseException | None, sample_sent: bool) -> str:
+    """The status code the caller got, from the context (an abort sets it) or the exception."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and (code is not grpc.StatusCode.OK or exc is None):
+        return code.name
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        if sample_sent:
+            return "OK"  # the sample was delivered; the client left before reading the trailers
+        remaining = context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+    return "UNKNOWN" if exc is not None else "OK"
+
+
+def _details(context: Context) -> str:
+    details = context.details()
+    return details.decode() if isinstance(details, bytes) else str(details or "")
+
+
+class RpcInterceptor(grpc.aio.ServerInterceptor):
+    """The one per-call wrapper (see the module docstring)."""
+
+    def __init__(
+        self,
+        calls: CallBook,
+        auth: AuthConfig,
+        limits: RequestLimits,
+        rate: ControlRateLimiter,
+    ) -> None:
+        self._calls = calls
+        self._auth = auth
+        self._limits = limits
+        self._rate = rate
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        if method.startswith(REFLECTION_PREFIXES):
+            if self._config_open_reflection():
+                return handler
+            return self._guard_reflection(handler, method)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(method, handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.unary_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return handler
+
+    def _config_open_reflection(self) -> bool:
+        return not self._auth.enabled or self._auth.reflection_open
+
+    # ----------------------------------------------------------------------------- per call
+
+    def _open(self, method: str) -> CallRecord | None:
+        if not method.startswith(ROLLOUT):
+            return None
+        return self._calls.open(Door.GRPC, method.removeprefix(ROLLOUT))
+
+    def _admit(self, method: str, context: Context, request: object, record: CallRecord | None) -> Caller:
+        """Authenticate and authorise the caller, bind it to the call, check the request's bounds.
+
+        Raises `Refused` or a `RolloutError` (the caller's, mapped by `_refuse`)."""
+        caller = authenticate(self._auth, presented(context))
+        if self._auth.enabled:
+            authorize(caller, method.rsplit("/", 1)[-1], METHOD_ROLES.get(method, frozenset()))
+        set_caller(caller)
+        if record is not None:
+            record.caller = caller.identity
+        check_request(self._limits, request)
+        if method in RATE_LIMITED_METHODS:
+            self._rate.acquire(caller.identity)
+        return caller
+
+    async def _refuse(self, method: str, context: Context, request: object, exc: Exception) -> None:
+        """Abort the call with the status of `exc` (audited for control methods); always raises."""
+        if isinstance(exc, Refused):
+            if method in CONTROL_METHODS:
+                who = exc.caller
+                audit_log.warning(
+                    "audit",
+                    method=method,
+                    caller=who.identity if who else None,
+                    role=who.role.value if who else None,
+                    peer=context.peer(),
+                    outcome=exc.code,
+                    **describe_target(method, request),
+                )
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        if isinstance(exc, RolloutError):
+            await context.abort_with_status(status.to_status(exc))
+        log.exception("internal_error", exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the server)")
+
+    def _close(
+        self,
+        record: CallRecord | None,
+        context: Context,
+        exc: BaseException | None,
+        sample_sent: bool = False,
+    ) -> None:
+        if record is None:
+            return
+        code = _code_name(context, exc, sample_sent)
+        self._calls.close(record, code, _details(context) if code != "OK" else "")
+
+    def _wrap_unary(self, method: str, inner: Any) -> Any:
+        audited = method in CONTROL_METHODS
+
+        async def unary(request: Any, context: Context) -> Any:
+            record = self._open(method)
+            try:
+                try:
+                    caller = self._admit(method, context, request, record)
+                    if audited:
+                        response = await self._audited(method, request, context, inner, caller)
+                    else:
+                        response = await inner(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await self._refuse(method, context, request, exc)
+                    raise  # unreachable: abort raises
+            except BaseException as exc:
+                self._close(record, context, exc)
+                raise
+            self._close(record, context, None)
+            return response
+
+        return unary
+
+    def _wrap_stream(self, method: str, inner: Any) -> Any:
+        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            record = self._open(method)
+            #: The final sample was handed to gRPC (it is the one message sent after the facade
+            #: recorded the sample): a client that leaves after it got what it asked for.
+            delivered = False
+            try:
+                try:
+                    self._admit(method, context, request, record)
+                    async for message in inner(request, context):
+                        delivered = delivered or (record is not None and record.sample is not None)
+                        yield message
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await self._refuse(method, context, request, exc)
+            except BaseException as exc:
+                self._close(record, context, exc, delivered)
+                raise
+            self._close(record, context, None, delivered)
+
+        return stream
+
+    async def _audited(
+        self, method: str, request: object, context: Context, inner: Any, caller: Caller
+    ) -> Any:
+        """Run a control RPC and log one audit line with the caller, target and outcome."""
+        fields: dict[str, object] = {
+            "method": method,
+            "caller": caller.identity,
+            "role": caller.role.value,
+            "peer": context.peer(),
+            **describe_target(method, request),
+        }
+        try:
+            response = await inner(request, context)
+        except BaseException as exc:
+            code = context.code() if isinstance(exc, grpc.aio.AbortError) else None
+            if isinstance(exc, RolloutError):
+                outcome = exc.code
+            else:
+                outcome = code.name if isinstance(code, grpc.StatusCode) else type(exc).__name__
+            audit_log.warning("audit", outcome=outcome, **fields)
+            raise
+        audit_log.info("audit", outcome="OK", **fields, **_describe_result(response))
+        return response
+
+    def _guard_reflection(
+        self, handler: grpc.RpcMethodHandler[Any, Any], method: str
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        """Reflection (a bidirectional stream) for authenticated callers only."""
+        inner: Any = handler.stream_stream
+
+        async def stream_stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            try:
+                set_caller(authenticate(self._auth, presented(context)))
+            except Refused as refused:
+                await context.abort(grpc.StatusCode[refused.code], refused.message)
+            async for message in inner(requests, context):
+                yield message
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream, handler.request_deserializer, handler.response_serializer
+        )
