@@ -46,6 +46,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy rollout_grpc tests tools bench
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/buf lint
 	bash tools/buf_breaking.sh
 

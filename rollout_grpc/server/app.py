@@ -43,6 +43,7 @@ from rollout_grpc.server.front.grpc.interceptor import RpcInterceptor
 from rollout_grpc.server.front.grpc.peers import PeerAborter
 from rollout_grpc.server.front.grpc.replica import ReplicaServicer
 from rollout_grpc.server.front.grpc.service import RolloutServicer
+from rollout_grpc.server.front.grpc.tls import peer_channel_credentials, server_credentials
 from rollout_grpc.server.front.openai.server import FrontDoorConfig, OpenAIFrontDoor
 from rollout_grpc.server.observe.httplog import engine_call_logging
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
@@ -52,7 +53,7 @@ from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
-from rollout_grpc.server.security.tls import TlsConfig, peer_channel_credentials, server_credentials
+from rollout_grpc.server.security.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
 

@@ -7,6 +7,7 @@ import io
 import re
 from pathlib import Path
 
+import grimp
 import numpy as np
 import orjson
 import pytest
@@ -67,6 +68,21 @@ def test_no_module_but_the_adapter_knows_vllm_json(path: str) -> None:
         # The knob table maps engine error params back to our fields, by the engine-side names.
         found -= {"max_tokens", "logprobs"}
     assert not found, f"{path} contains vLLM wire keys {sorted(found)}: move them into vllm.py"
+
+
+def test_only_the_registry_imports_an_engine_kind() -> None:
+    """Import-level: ids, routes, capability facts, the chat-render body and R3 decoding live in the
+    adapter, so nothing of the server but the registry may import `engines/vllm` at all."""
+    graph = grimp.build_graph("rollout_grpc", cache_dir=None)
+    kind = "rollout_grpc.server.engines.vllm"
+    inside = {kind, *graph.find_descendants(kind)}
+    importers = {
+        importer
+        for module in inside
+        for importer in graph.find_modules_that_directly_import(module)
+        if importer not in inside
+    }
+    assert importers == {"rollout_grpc.server.engines.registry"}
 
 
 def test_engine_request_ids() -> None:

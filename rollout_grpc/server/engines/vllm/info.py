@@ -27,19 +27,26 @@ Reads `/v1/models`, `/server_info?config_format=json` and two cheap probes, and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import orjson
 
-from rollout_grpc.server.engines.api import EngineCapabilities, EngineRejected
-
-if TYPE_CHECKING:
-    from rollout_grpc.server.engines.vllm.adapter import VllmEngine
+from rollout_grpc.server.engines.api import EngineCapabilities, EngineRejected, ServedModel
 
 #: The logprobs mode the contract wants: log-probabilities of the distribution actually sampled.
 WANTED_LOGPROBS_MODE: Final = "processed_logprobs"
 #: The vLLM flag that makes an MoE engine return routed experts (R3).
 ROUTED_EXPERTS_FLAG: Final = "--enable-return-routed-experts"
+
+
+class VllmEngine(Protocol):
+    """What the probes need of the adapter (`adapter.VllmEngine`), which calls them."""
+
+    async def _request(self, method: str, path: str, *, json_body: Any = None) -> tuple[int, bytes]: ...
+
+    async def server_info(self) -> dict[str, Any]: ...
+
+    async def models(self) -> list[ServedModel]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from rollout_grpc.server.domain.errors import InvalidArgument, NotFound
 from rollout_grpc.server.domain.identity import current_caller
 from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord, Door
 from rollout_grpc.server.facade.door import RolloutFacade
-from rollout_grpc.server.front.grpc import convert
+from rollout_grpc.server.front.grpc import convert, redaction
 from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
 from rollout_grpc.server.security import redact
 
@@ -96,7 +96,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             else:
                 final = convert.sample_to_pb(event, request.sample)  # type: ignore[arg-type]
                 if not current_caller().is_admin:
-                    redact.redact_sample(final)
+                    redaction.redact_sample(final)
                 yield pb.GenerateResponse(sample=final)
 
     async def Abort(
@@ -126,7 +126,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             engine_errors=engine_errors_to_pb(result.engine_errors),
         )
         if not current_caller().is_admin:
-            redact.redact_engine_errors(list(response.engine_errors))
+            redaction.redact_engine_errors(list(response.engine_errors))
         return response
 
     async def Pause(
@@ -236,7 +236,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         finals = [convert.sample_to_pb(s, original) for s in samples]
         if not caller.is_admin:
             for final in finals:
-                redact.redact_sample(final)
+                redaction.redact_sample(final)
         return pb.GetTrajectoryResponse(
             samples=finals,
             turns=[
