@@ -245,7 +245,7 @@ async def test_unknown_top_level_keys_are_ignored(session: aiohttp.ClientSession
 
 
 async def test_routed_experts_raw_int32_rows_and_start(session: aiohttp.ClientSession) -> None:
-    cfg = {
+    cfg: dict[str, Any] = {
         "eos_probability": 0.0,
         "return_routed_experts": True,
         "moe_layers": 3,
