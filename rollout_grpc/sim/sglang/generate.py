@@ -19,7 +19,7 @@ from aiohttp import web
 
 from ..core import CORE_KEY, EngineCore, EngineRequest
 from ..errors import ApiError
-from ..generate import SSE_CT, _Dropped, _FaultPlan, _StreamFault
+from ..generate import SSE_CT, _Dropped, _FaultPlan, _StreamFault, run_to_end
 from ..moe import routed_experts
 from ..request import parse_json_bytes
 from ..responses import DONE
@@ -81,7 +81,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         plan = _FaultPlan(core)
         if g.stream:
             return await _stream(request, core, state, g, spec, ereq, plan)
-        return await _nonstream(request, core, state, g, spec, ereq, plan)
+        return await _nonstream(request, core, state, spec, ereq, plan)
     except SGLangValidationError as e:
         stats.generate_rejected += 1
         return e.response()
@@ -181,23 +181,13 @@ async def _nonstream(
     request: web.Request,
     core: EngineCore,
     state: SGLangState,
-    g: SGLangRequest,
     spec: OutputSpec,
     ereq: EngineRequest,
     plan: _FaultPlan,
 ) -> web.StreamResponse:
     started = time.monotonic()
-    gen = core.run(ereq)
     try:
-        plan.check(request, 0)
-        async with contextlib.aclosing(gen):
-            async for _ in gen:
-                t = request.transport
-                if t is None or t.is_closing():
-                    core.stats.disconnects += 1
-                    ereq.abort()
-                    continue
-                plan.check(request, ereq.n_out)
+        await run_to_end(request, core, ereq, plan)
     except _Dropped:
         return web.Response(status=200)
     except _StreamFault:
