@@ -138,10 +138,20 @@ async def test_pause_default_mode_is_abort(session: aiohttp.ClientSession) -> No
     async with sglang_engine(**SLOW) as eng:
         task = _start(session, eng, body("a", 4000))
         await eng.core.wait_for_tokens("a", 2)
-        r = await post(session, eng.url + "/pause_generation")
+        r = await post(session, eng.url + "/pause_generation", {})
         out = _final(await task)
-        await post(session, eng.url + "/continue_generation")
+        await post(session, eng.url + "/continue_generation", {})
     assert r.status == 200 and out["meta_info"]["finish_reason"] == ABORT
+
+
+@pytest.mark.parametrize(
+    "path", ["/pause_generation", "/continue_generation", "/abort_request", "/update_weight_version"]
+)
+async def test_control_routes_need_a_json_body(session: aiohttp.ClientSession, path: str) -> None:
+    async with sglang_engine() as eng:
+        r = await post(session, eng.url + path)
+        assert not eng.core.paused
+    assert r.status == 400 and r.json["object"] == "error" and r.json["type"] == "Bad Request"
 
 
 @pytest.mark.parametrize(("mode", "retractions", "flush_status"), [("in_place", 0, 400), ("retract", 1, 200)])
@@ -217,7 +227,7 @@ async def test_update_weight_version_without_abort_splits_the_spans(session: aio
         r = await post(
             session, eng.url + "/update_weight_version", {"new_version": "v3", "abort_all_requests": False}
         )
-        await post(session, eng.url + "/continue_generation")
+        await post(session, eng.url + "/continue_generation", {})
         out = _final(await task)
     assert r.status == 200
     m = out["meta_info"]

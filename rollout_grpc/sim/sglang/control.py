@@ -1,8 +1,8 @@
 """SGLang's control routes: abort, pause/continue, weight version and cache flush
 (``docs/sglang-http-api.md`` §4, §5).
 
-Bodies are the server's ``*ReqInput`` structs decoded by FastAPI: a missing required field or a
-wrong type is the flat validation envelope, an unknown key is ignored.
+Bodies are the server's ``*ReqInput`` structs decoded by FastAPI: a missing body, a missing required
+field or a wrong type is the flat validation envelope, an unknown key is ignored.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ def _core(request: web.Request) -> EngineCore:
     return request.app[CORE_KEY]
 
 
-async def _body(request: web.Request, *, required: bool) -> dict[str, Any]:
-    """The JSON object body; an empty body is ``{}`` where every field has a default."""
+async def _body(request: web.Request) -> dict[str, Any]:
+    """The JSON object body. FastAPI requires it even when every field has a default (the handler
+    takes the struct as a body parameter), so an empty body is a validation error: send ``{}``."""
     data = await request.read()
     if not data.strip():
-        if required:
-            raise SGLangValidationError("", "Field required")
-        return {}
+        raise SGLangValidationError("", "Field required")
     try:
         body = parse_json_bytes(data)
     except ApiError:
@@ -63,7 +62,7 @@ async def abort_request(request: web.Request) -> web.StreamResponse:
     core = _core(request)
     core.stats.abort_calls += 1
     try:
-        body = await _body(request, required=False)
+        body = await _body(request)
         rid = _field(body, "rid", str, None)
         abort_all = _field(body, "abort_all", bool, False)
     except (SGLangError, SGLangValidationError) as e:
@@ -80,7 +79,7 @@ async def pause_generation(request: web.Request) -> web.StreamResponse:
     core = _core(request)
     core.stats.pause_calls += 1
     try:
-        body = await _body(request, required=False)
+        body = await _body(request)
         mode = _field(body, "mode", str, "abort")
         if mode not in PAUSE_MODES:
             raise SGLangValidationError(
@@ -96,7 +95,7 @@ async def continue_generation(request: web.Request) -> web.StreamResponse:
     core = _core(request)
     core.stats.resume_calls += 1
     try:
-        body = await _body(request, required=False)
+        body = await _body(request)
         _field(body, "torch_empty_cache", bool, True)
     except (SGLangError, SGLangValidationError) as e:
         return _error_response(e)
@@ -110,7 +109,7 @@ async def update_weight_version(request: web.Request) -> web.StreamResponse:
     split where the new version starts."""
     core = _core(request)
     try:
-        body = await _body(request, required=True)
+        body = await _body(request)
         if "new_version" not in body:
             raise SGLangValidationError("new_version", "Field required")
         version = _field(body, "new_version", str, None)
