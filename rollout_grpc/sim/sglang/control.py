@@ -129,14 +129,11 @@ async def update_weight_version(request: web.Request) -> web.StreamResponse:
 
 
 async def flush_cache(request: web.Request) -> web.StreamResponse:
-    """Plain text, 200 when flushed, 400 when requests still hold KV cache."""
+    """Plain text, 200 when flushed; 400 when requests still hold KV cache (the scheduler's message,
+    or SGLang's fallback ``Flush cache failed.``)."""
     if _state(request).flush_cache():
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
             "waiting requests, the operation will not be performed.)\n"
         )
-    return web.Response(
-        status=400,
-        text="Cache not flushed.\nPlease check backend logs for more details. (When there are running or "
-        "waiting requests, the operation will not be performed.)\n",
-    )
+    return web.Response(status=400, text="Flush cache failed.\n")
