@@ -122,8 +122,11 @@ async def test_pause_abort_returns_after_in_flight_requests_ended_and_holds_new_
         assert eng.core.find("a") is None  # ended before the pause call returned
         held = _start(session, eng, body("b", 5))
         await eng.wait_for_held(1)
-        loads = (await get(session, eng.url + "/v1/loads")).json["loads"][0]
-        assert (loads["num_running_reqs"], loads["num_waiting_reqs"]) == (0, 1)
+        loads = (await get(session, eng.url + "/v1/loads")).json
+        assert list(loads) == ["timestamp", "version", "accelerator", "num_accelerators", "loads"]
+        assert (loads["loads"][0]["num_running_reqs"], loads["loads"][0]["num_waiting_reqs"]) == (0, 1)
+        legacy = (await get(session, eng.url + "/get_load")).json
+        assert (legacy[0]["num_reqs"], legacy[0]["num_waiting_reqs"]) == (1, 1)
         await post(session, eng.url + "/abort_request", {"abort_all": True})  # held: not reached
         c = await post(session, eng.url + "/continue_generation", {})
         assert c.json == {"message": "Generation continued successfully.", "status": "ok"}
@@ -271,6 +274,7 @@ async def test_health_model_and_server_info(session: aiohttp.ClientSession) -> N
         eng.set_dead()
         dead = await get(session, eng.url + "/health_generate")
         missing = await get(session, eng.url + "/inference/v1/generate")
+        gone = await get(session, eng.url + "/get_weight_version")
     assert [(h.status, h.raw) for h in health] == [(200, b""), (200, b"")]
     assert old == new
     assert list(old)[:5] == [
@@ -293,3 +297,4 @@ async def test_health_model_and_server_info(session: aiohttp.ClientSession) -> N
     assert models["data"][0]["max_model_len"] == eng.config.max_model_len
     assert dead.status == 503
     assert (missing.status, missing.json) == (404, {"detail": "Not Found"})
+    assert gone.status == 404 and gone.json["type"] == "404" and "/model_info" in gone.json["message"]

@@ -60,6 +60,9 @@ def create_sglang_app(
         r.add_get(path, discovery.server_info)
     r.add_get("/v1/models", discovery.models)
     r.add_get("/v1/loads", discovery.loads)
+    r.add_get("/get_load", discovery.get_load)
+    for path in ("/get_weight_version", "/weight_version"):
+        r.add_get(path, discovery.weight_version_gone)
     for extend in extensions:
         extend(app)
     return app

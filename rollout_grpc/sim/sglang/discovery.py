@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -86,11 +87,61 @@ async def models(request: web.Request) -> web.StreamResponse:
     return json_response({"object": "list", "data": [card]})
 
 
-async def loads(request: web.Request) -> web.StreamResponse:
-    """``/v1/loads``: per-DP running and waiting counts (held requests count as waiting)."""
+def _load_counts(request: web.Request) -> dict[str, int]:
+    """Running and waiting requests (held ones wait) and the tokens they hold."""
     state = request.app[SGLANG_KEY]
     core = state.core
-    running = len(state.admitted())
+    admitted = state.admitted()
     waiting = sum(1 for r in core.tracked() if not r.admitted and not r.done.is_set())
-    load = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting}
-    return json_response({"loads": [load]})
+    used = sum(len(r.prompt_ids) + r.n_out for r in admitted)
+    total = core.config.max_model_len * core.config.max_num_seqs
+    return {"running": len(admitted), "waiting": waiting, "used": used, "total": total}
+
+
+async def loads(request: web.Request) -> web.StreamResponse:
+    """``/v1/loads``: the envelope of ``entrypoints/v1_loads.py`` with one DP rank's core counts."""
+    c = _load_counts(request)
+    load = {
+        "dp_rank": 0,
+        "num_running_reqs": c["running"],
+        "num_waiting_reqs": c["waiting"],
+        "num_used_tokens": c["used"],
+        "num_total_tokens": c["total"],
+    }
+    return json_response(
+        {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "version": _core(request).config.sglang.version,
+            "accelerator": None,
+            "num_accelerators": 1,
+            "loads": [load],
+        }
+    )
+
+
+async def get_load(request: web.Request) -> web.StreamResponse:
+    """The deprecated ``/get_load``: a list per DP rank in the historical field shape."""
+    c = _load_counts(request)
+    return json_response(
+        [
+            {
+                "dp_rank": 0,
+                "num_reqs": c["running"] + c["waiting"],
+                "num_waiting_reqs": c["waiting"],
+                "num_tokens": c["total"],
+                "num_pending_tokens": c["total"] - c["used"],
+                "ts_tic": time.perf_counter(),
+            }
+        ]
+    )
+
+
+async def weight_version_gone(request: web.Request) -> web.StreamResponse:
+    """``/get_weight_version`` and ``/weight_version`` are deprecated: an ``HTTPException(404)``
+    rendered by SGLang's handler (``type`` is the status as a string)."""
+    message = (
+        "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
+    )
+    return json_response(
+        {"object": "error", "message": message, "type": "404", "param": None, "code": 404}, status=404
+    )
