@@ -42,11 +42,13 @@ class SGLangError(Exception):
 
 class SGLangValidationError(Exception):
     """FastAPI request validation as SGLang's exception handler renders it (always before a stream
-    opens, so never an SSE event). ``field`` is the offending body field, named in the message."""
+    opens, so never an SSE event). ``field`` is the offending body field, named in the message
+    (empty when the body as a whole is wrong)."""
 
     def __init__(self, field: str, problem: str) -> None:
         self.field = field
-        self.message = f"1 validation error: body.{field}: {problem}"
+        loc = f"body.{field}" if field else "body"
+        self.message = f"1 validation error: {loc}: {problem}"
         super().__init__(self.message)
 
     def response(self) -> web.Response:
