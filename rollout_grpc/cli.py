@@ -148,7 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     settings.add_serve_arguments(serve)
-    sub.add_parser("sim", help="run one simulated vLLM engine (see `rollout-grpc sim --help`)")
+    sub.add_parser(
+        "sim", help="run one simulated engine, vLLM or (--kind sglang) SGLang (see `rollout-grpc sim --help`)"
+    )
     info = sub.add_parser("info", help="show a replica and its engines (GetServerInfo) as a table")
     info_command.add_arguments(info)
     demo = sub.add_parser("demo", help="start a replica on simulated engines and run a demo rollout")

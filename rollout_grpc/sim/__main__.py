@@ -15,14 +15,14 @@ import sys
 from collections.abc import Sequence
 
 from .app import AppExtension
-from .config import SimConfig
+from .config import SGLangOptions, SimConfig
 from .engine import SimEngine
 
 
 def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="A simulated vLLM 0.32 engine (HTTP) for demos and tests: toy tokens, real API.",
+        description="A simulated vLLM 0.32 or SGLang engine (HTTP) for tests: toy tokens, real API.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1")
@@ -56,6 +56,27 @@ def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentP
     p.add_argument("--moe-topk", type=int, default=2)
     p.add_argument("--multimodal", action="store_true", help="a Qwen2-VL-like model")
     p.add_argument("--dead", action="store_true", help="start with /health answering 503")
+    sg = p.add_argument_group("SGLang personality (--kind sglang)")
+    sg.add_argument(
+        "--kind",
+        default="vllm",
+        choices=("vllm", "sglang"),
+        help="HTTP API to serve: vLLM 0.32's, or SGLang's native /generate API (docs/sglang-http-api.md)",
+    )
+    sg.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="SGLang's flag: stream chunks carry only new text/ids/logprobs instead of everything so far",
+    )
+    sg.add_argument(
+        "--weight-version", default="default", help="SGLang's --weight-version: the version before any update"
+    )
+    sg.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="SGLang's --stream-interval: tokens between stream chunks unless the request sets one",
+    )
     return p
 
 
@@ -83,6 +104,12 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         logprobs_mode=a.logprobs_mode,
     )
     cfg.faults.dead = a.dead
+    cfg.kind = a.kind
+    cfg.sglang = SGLangOptions(
+        incremental_streaming_output=a.incremental_streaming_output,
+        weight_version=a.weight_version,
+        stream_interval=a.stream_interval,
+    )
     return cfg
 
 
@@ -104,7 +131,8 @@ async def _serve(
     async with SimEngine(cfg, host=host, port=port, extensions=extensions) as eng:
         if port_file:
             _write_port_file(port_file, eng.port)
-        print(f"rollout_grpc.sim serving {cfg.model} on {eng.url}", file=sys.stderr, flush=True)
+        kind = "" if cfg.kind == "vllm" else f" ({cfg.kind})"
+        print(f"rollout_grpc.sim serving {cfg.model}{kind} on {eng.url}", file=sys.stderr, flush=True)
         await stop.wait()
 
 

@@ -87,9 +87,14 @@ def create_app(
     """Build the simulated engine's app. ``app[CORE_KEY]`` is its ``EngineCore``.
 
     Only vLLM's routes are registered; each of ``extensions`` is then called with the app (the
-    error middleware covers the routes it adds).
+    error middleware covers the routes it adds). ``config.kind == "sglang"`` builds the SGLang
+    personality instead (``rollout_grpc/sim/sglang/``).
     """
     cfg = config if config is not None else SimConfig()
+    if cfg.kind == "sglang":
+        from .sglang import create_sglang_app
+
+        return create_sglang_app(cfg, core=core, extensions=extensions)
     app = web.Application(middlewares=[_record_headers, _errors], client_max_size=256 * 1024 * 1024)
     app[RECEIVED_HEADERS] = collections.deque(maxlen=64)
     app[CORE_KEY] = core if core is not None else EngineCore(cfg)

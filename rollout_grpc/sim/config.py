@@ -114,6 +114,30 @@ class FaultConfig:
 
 
 @dataclass
+class SGLangOptions:
+    """Server arguments of a simulated SGLang engine (``SimConfig(kind="sglang")``) that change what
+    a client sees; see ``docs/sglang-http-api.md``.
+
+    * ``incremental_streaming_output`` (``--incremental-streaming-output``): stream chunks carry only
+      the new ``text``/``output_ids``/``output_token_logprobs``; off (SGLang's default) every chunk
+      is cumulative.
+    * ``weight_version`` (``--weight-version``): the version string before any update.
+    * ``stream_interval`` (``--stream-interval``): tokens between stream chunks when the request does
+      not set ``sampling_params.stream_interval``.
+    * ``version``: what ``/get_server_info`` reports as the SGLang version.
+
+    ``SimConfig.return_routed_experts`` is ``--enable-return-routed-experts``,
+    ``SimConfig.tokens_only`` is ``--skip-tokenizer-init`` and ``SimConfig.max_model_len`` the
+    context length.
+    """
+
+    incremental_streaming_output: bool = False
+    weight_version: str = "default"
+    stream_interval: int = 1
+    version: str = "0.0.0-sim"
+
+
+@dataclass
 class SimConfig:
     """A simulated vLLM 0.32 engine.
 
@@ -146,6 +170,10 @@ class SimConfig:
     (the tiny Qwen2-VL: 4 and 16); ``limit_images`` caps images per prompt.
 
     ``faults`` is the initial fault state (see ``FaultConfig``).
+
+    ``kind`` picks the HTTP personality: ``"vllm"`` (vLLM 0.32, the default) or ``"sglang"`` (SGLang's
+    native ``/generate`` API, ``rollout_grpc/sim/sglang/``, configured further by ``sglang``). Both
+    run the same engine core and toy model.
     """
 
     model: str = "sim-llama"
@@ -175,6 +203,8 @@ class SimConfig:
     limit_images: int = 2
     last_requests_kept: int = 64
     faults: FaultConfig = field(default_factory=FaultConfig)
+    kind: str = "vllm"
+    sglang: SGLangOptions = field(default_factory=SGLangOptions)
 
     @property
     def is_moe(self) -> bool:

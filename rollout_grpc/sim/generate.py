@@ -199,6 +199,20 @@ def _closed(request: web.Request) -> bool:
     return t is None or t.is_closing()
 
 
+async def run_to_end(request: web.Request, core: EngineCore, ereq: EngineRequest, plan: _FaultPlan) -> None:
+    """Drive a non-streaming request to its end (both personalities): a client that went away
+    aborts it, and the planned faults fire (``_Dropped``, ``_StreamFault``)."""
+    gen = core.run(ereq)
+    plan.check(request, 0)
+    async with contextlib.aclosing(gen):
+        async for _ in gen:
+            if _closed(request):
+                core.stats.disconnects += 1
+                ereq.abort()
+                continue
+            plan.check(request, ereq.n_out)
+
+
 async def _nonstream(
     request: web.Request,
     core: EngineCore,
@@ -208,16 +222,8 @@ async def _nonstream(
     plan: _FaultPlan,
 ) -> web.StreamResponse:
     created = int(time.time())
-    gen = core.run(ereq)
     try:
-        plan.check(request, 0)
-        async with contextlib.aclosing(gen):
-            async for _ in gen:
-                if _closed(request):
-                    core.stats.disconnects += 1
-                    ereq.abort()
-                    continue
-                plan.check(request, ereq.n_out)
+        await run_to_end(request, core, ereq, plan)
     except _Dropped:
         return web.Response(status=200)
     except _StreamFault:

@@ -8,12 +8,14 @@ vocabulary pass per prompt position, so it is computed only when asked for.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .core import EngineCore, EngineRequest
-from .model import clamp_logprob, context_hash, roll
+from .model import ToyLM, clamp_logprob, context_hash, roll
 
 
 def prompt_logprobs(core: EngineCore, ereq: EngineRequest) -> list[Any]:
@@ -24,10 +26,7 @@ def prompt_logprobs(core: EngineCore, ereq: EngineRequest) -> list[Any]:
     k = lm.vocab_size if k_req == -1 else k_req
     ids = ereq.prompt_ids
     out: list[Any] = [None]
-    h = context_hash(ids[:1])
-    for pos in range(1, len(ids)):
-        row, eos_step = lm.step_state(h)
-        full = lm.full_logprobs(row, eos_step)
+    for pos, full in prompt_rows(lm, ids):
         tok = ids[pos]
         rank = int(np.count_nonzero(full > full[tok])) + 1
         entry: dict[str, Any] = {
@@ -47,5 +46,14 @@ def prompt_logprobs(core: EngineCore, ereq: EngineRequest) -> list[Any]:
                         "decoded_token": vocab.token_str(t),
                     }
         out.append(entry)
-        h = roll(h, tok)
     return out
+
+
+def prompt_rows(lm: ToyLM, ids: list[int]) -> Iterator[tuple[int, npt.NDArray[np.float32]]]:
+    """For each prompt position after the first: (position, the model's log-softmax over the
+    vocabulary given the tokens before it). Shared by both personalities' prompt logprobs."""
+    h = context_hash(ids[:1])
+    for pos in range(1, len(ids)):
+        row, eos_step = lm.step_state(h)
+        yield pos, lm.full_logprobs(row, eos_step)
+        h = roll(h, ids[pos])

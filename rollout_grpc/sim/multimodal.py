@@ -339,6 +339,15 @@ def _from_features(
     return ids, phs, _mm_extra_hash(all_hashes)
 
 
+def expand_media(
+    core: EngineCore, ids: list[int], media: list[bytes]
+) -> tuple[list[int], dict[str, Any], bytes]:
+    """Process raw images and expand one ``<|image_pad|>`` per image into its placeholder run:
+    vLLM's ``content_parts`` path and SGLang's ``image_data`` path share it. Returns (prompt ids,
+    ``{"image": [{offset, length}]}``, hash of the images for the toy model)."""
+    return _from_content_parts(core, ids, media)
+
+
 def _from_content_parts(
     core: EngineCore, ids: list[int], media: list[bytes]
 ) -> tuple[list[int], dict[str, Any], bytes]:

@@ -1,0 +1,253 @@
+"""``POST /generate`` (and ``PUT``) as SGLang answers it: parse (``request``), prepare the prompt
+(``prepare``), run the shared engine core, answer one JSON object or an SSE stream of output
+objects (``output``), with the shared fault switches.
+
+Streaming is cumulative unless ``--incremental-streaming-output``: every chunk repeats the whole
+``text``, ``output_ids`` and ``output_token_logprobs`` so far, ``finish_reason`` is null until the
+last chunk, and the stream ends with ``data: [DONE]``. An aborted request ends normally (HTTP 200)
+with ``finish_reason.type == "abort"`` and every token generated so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import orjson
+from aiohttp import web
+
+from ..core import CORE_KEY, EngineCore, EngineRequest
+from ..errors import ApiError
+from ..generate import SSE_CT, _Dropped, _FaultPlan, _StreamFault, run_to_end
+from ..moe import routed_experts
+from ..request import parse_json_bytes
+from ..responses import DONE
+from ..sequence import Sequence
+from .errors import SGLangError, SGLangValidationError
+from .output import OutputSpec, encode_int32_b64, meta_info, output_object
+from .prepare import Prompt, input_logprobs, prepare_prompt
+from .request import SGLangRequest, parse_generate
+from .state import SGLANG_KEY, SGLangState
+
+INTERNAL_ERROR = "Internal server error"
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    core: EngineCore = request.app[CORE_KEY]
+    state: SGLangState = request.app[SGLANG_KEY]
+    stats = core.stats
+    faults = core.config.faults
+    stats.generate_requests += 1
+    core.load += 1
+    core.notify()
+    stream = False
+    try:
+        try:
+            body = parse_json_bytes(await request.read())
+        except ApiError:
+            stats.generate_rejected += 1
+            return SGLangValidationError("", "JSON decode error").response()
+        stats.last_requests.append(body if isinstance(body, dict) else {"_raw": body})
+        stream = isinstance(body, dict) and body.get("stream") is True
+        if faults.dead:
+            stats.generate_rejected += 1
+            return SGLangError(INTERNAL_ERROR, 500).response()
+        g = parse_generate(body, core.config.vocab_size)
+        prompt = await prepare_prompt(core, g)
+        if state.duplicate(g.rid):
+            raise SGLangError(f"Duplicate request ID detected: {g.rid}")
+        p = g.sampling.params
+        if (faults.request_500_seed >= 0 and p.seed == faults.request_500_seed) or faults.take("http_500"):
+            stats.generate_rejected += 1
+            return SGLangError(INTERNAL_ERROR, 500).response()
+        if faults.take("hang"):
+            stats.hung += 1
+            core.notify()
+            await asyncio.Event().wait()  # until the client leaves or the engine stops
+        spec = _spec(core, state, g, prompt)
+        if g.return_logprob:
+            p.logprobs = g.top_logprobs_num + 1 if g.top_logprobs_num > 0 else 0
+        ereq = core.new_request(
+            g.rid,
+            prompt.ids,
+            p,
+            max_out=max(prompt.max_out, 1),
+            want_text=spec.want_text,
+            extra_hash=prompt.extra_hash,
+        )
+        if prompt.max_out == 0:
+            ereq.seqs[0].finish_reason = "length"  # max_new_tokens 0: prefill only, no token
+        plan = _FaultPlan(core)
+        if g.stream:
+            return await _stream(request, core, state, g, spec, ereq, plan)
+        return await _nonstream(request, core, state, spec, ereq, plan)
+    except SGLangValidationError as e:
+        stats.generate_rejected += 1
+        return e.response()
+    except SGLangError as e:
+        stats.generate_rejected += 1
+        if stream:
+            return await _error_stream(request, e)
+        return e.response()
+    finally:
+        core.load -= 1
+        core.notify()
+
+
+def _spec(core: EngineCore, state: SGLangState, g: SGLangRequest, prompt: Prompt) -> OutputSpec:
+    lp_vocab = core.vocab if g.return_text_in_logprobs and not core.config.tokens_only else None
+    in_lp, in_top = (
+        input_logprobs(core, prompt.ids, g.logprob_start_len, g.top_logprobs_num, lp_vocab)
+        if g.return_logprob
+        else ([], [])
+    )
+    return OutputSpec(
+        rid=g.rid,
+        prompt_ids=prompt.ids,
+        length_limit=prompt.max_out,
+        return_logprob=g.return_logprob,
+        input_logprobs=in_lp,
+        input_top_logprobs=in_top,
+        top_logprobs_num=g.top_logprobs_num,
+        logprob_vocab=lp_vocab,
+        cached_tokens=state.cached_tokens(prompt.ids),
+        image_tokens=prompt.image_tokens,
+        prompt_token_ids=g.return_prompt_token_ids,
+        want_text=not core.config.tokens_only,
+        routed_start=g.routed_experts_start_len if g.return_routed_experts else None,
+    )
+
+
+async def _error_stream(request: web.Request, error: SGLangError) -> web.StreamResponse:
+    """A ``ValueError`` once streaming was asked for: 200, one error event, ``[DONE]``."""
+    resp = web.StreamResponse(status=200, headers={"Content-Type": SSE_CT})
+    await resp.prepare(request)
+    with contextlib.suppress(ConnectionError):
+        await resp.write(error.event())
+        await resp.write(DONE)
+        await resp.write_eof()
+    return resp
+
+
+def _routed(core: EngineCore, spec: OutputSpec, seq: Sequence) -> str | None:
+    """Rows ``[routed_experts_start_len, prompt + completion - 1)``, when both the server flag and
+    the request flag are on."""
+    cfg = core.config
+    if spec.routed_start is None or not cfg.return_routed_experts or cfg.faults.routed_experts_unavailable:
+        return None
+    all_ids = spec.prompt_ids + seq.token_ids
+    arr = routed_experts(
+        all_ids,
+        spec.routed_start,
+        len(all_ids) - 1,
+        num_layers=cfg.moe_layers,
+        num_experts=cfg.num_experts,
+        topk=cfg.moe_topk,
+        seed=cfg.model_seed,
+    )
+    return encode_int32_b64(arr)
+
+
+def _object(
+    core: EngineCore,
+    state: SGLangState,
+    spec: OutputSpec,
+    seq: Sequence,
+    *,
+    text: str | None,
+    start: int,
+    started: float,
+) -> bytes:
+    fin = seq.finish_reason is not None
+    meta = meta_info(
+        spec,
+        seq,
+        version=core.version,
+        retractions=state.retractions[spec.rid],
+        start=start,
+        routed_experts=_routed(core, spec, seq) if fin else None,
+        e2e_latency=time.monotonic() - started if fin else None,
+    )
+    return orjson.dumps(output_object(spec, text, seq.token_ids[start:], meta))
+
+
+def _finish(state: SGLangState, spec: OutputSpec, ereq: EngineRequest) -> None:
+    state.retractions.pop(spec.rid, None)
+    state.remember(spec.prompt_ids + ereq.seqs[0].token_ids)
+
+
+async def _nonstream(
+    request: web.Request,
+    core: EngineCore,
+    state: SGLangState,
+    spec: OutputSpec,
+    ereq: EngineRequest,
+    plan: _FaultPlan,
+) -> web.StreamResponse:
+    started = time.monotonic()
+    try:
+        await run_to_end(request, core, ereq, plan)
+    except _Dropped:
+        return web.Response(status=200)
+    except _StreamFault:
+        return SGLangError(INTERNAL_ERROR, 500).response()
+    except asyncio.CancelledError:
+        core.stats.disconnects += 1
+        raise
+    finally:
+        _finish(state, spec, ereq)
+    seq = ereq.seqs[0]
+    body = _object(core, state, spec, seq, text=seq.text, start=0, started=started)
+    return web.Response(body=body, content_type="application/json")
+
+
+async def _stream(
+    request: web.Request,
+    core: EngineCore,
+    state: SGLangState,
+    g: SGLangRequest,
+    spec: OutputSpec,
+    ereq: EngineRequest,
+    plan: _FaultPlan,
+) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers={"Content-Type": SSE_CT})
+    await resp.prepare(request)
+    opts = core.config.sglang
+    incremental = opts.incremental_streaming_output
+    interval = g.sampling.params.stream_interval or opts.stream_interval
+    seq = ereq.seqs[0]
+    sent = 0
+    started = time.monotonic()
+    gen = core.run(ereq)
+    try:
+        plan.check(request, 0)
+        async with contextlib.aclosing(gen):
+            async for _ in gen:
+                n = len(seq.token_ids)
+                if seq.finish_reason is None and (n == sent or (sent and n - sent < interval)):
+                    continue
+                if incremental:
+                    text = seq.take_text_delta() if spec.want_text else None
+                    obj = _object(core, state, spec, seq, text=text, start=sent, started=started)
+                else:
+                    obj = _object(core, state, spec, seq, text=seq.text, start=0, started=started)
+                await resp.write(b"data: " + obj + b"\n\n")
+                sent = n
+                plan.check(request, n)
+            await resp.write(DONE)
+    except _Dropped:
+        return resp
+    except _StreamFault:
+        with contextlib.suppress(ConnectionError):
+            await resp.write(SGLangError(INTERNAL_ERROR, 500).event())
+            await resp.write(DONE)
+        return resp
+    except (ConnectionError, asyncio.CancelledError):
+        core.stats.disconnects += 1
+        raise
+    finally:
+        _finish(state, spec, ereq)
+    with contextlib.suppress(ConnectionError):
+        await resp.write_eof()
+    return resp

@@ -1,0 +1,116 @@
+"""From a parsed ``/generate`` call to the prompt the engine runs: tokenisation, images, the
+``TokenizerManager`` checks (vocabulary, context length, routed-experts start) and the prompt
+logprobs asked for with ``logprob_start_len`` (``docs/sglang-http-api.md`` §2, §9).
+
+Images take the toy path of the vLLM personality's ``content_parts``: each image replaces the
+next single ``<|image_pad|>`` of the prompt with its placeholder run, so the output depends on the
+image; SGLang's processor does the same expansion on the chat-templated text slime sends.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import multimodal
+from ..core import EngineCore
+from ..errors import ApiError
+from ..logprobs import prompt_rows
+from ..vocab import IMAGE_PAD_ID, Vocab
+from .errors import SGLangError
+from .request import SGLangRequest
+
+
+@dataclass(slots=True)
+class Prompt:
+    ids: list[int]
+    max_out: int
+    image_tokens: int
+    extra_hash: bytes
+
+
+async def _image_bytes(item: str) -> bytes:
+    """A URL (``data:``, ``http(s):``) through the shared fetcher, else bare base64."""
+    if item.startswith(("data:", "http://", "https://")):
+        return await multimodal.fetch_media(item)
+    try:
+        return base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError):
+        raise SGLangError(f"Invalid image data: not a URL, path or base64 string ({item[:32]!r}).") from None
+
+
+async def prepare_prompt(core: EngineCore, g: SGLangRequest) -> Prompt:
+    cfg = core.config
+    if g.input_ids is not None:
+        ids = list(g.input_ids)
+    else:
+        if cfg.tokens_only:
+            raise SGLangError("text input requires a tokenizer; this server runs with --skip-tokenizer-init.")
+        ids = core.vocab.encode(g.text or "")
+        if not ids:
+            raise SGLangError("input_ids cannot be empty.")
+    if g.sampling.params.stop and cfg.tokens_only:
+        raise SGLangError("stop strings need a tokenizer; this server runs with --skip-tokenizer-init.")
+    extra = b""
+    image_tokens = 0
+    if g.image_data:
+        if not cfg.multimodal:
+            raise SGLangError(f"{cfg.model} does not take image input (not a multimodal model).")
+        if len(g.image_data) > cfg.limit_images:
+            raise SGLangError(
+                f"Image count {len(g.image_data)} exceeds limit {cfg.limit_images} per request."
+            )
+        try:
+            media = [await _image_bytes(i) for i in g.image_data]
+            pads = ids.count(IMAGE_PAD_ID)
+            if pads < len(media):
+                raise SGLangError(
+                    f"The prompt has {pads} image placeholder(s) for {len(media)} image(s) in image_data."
+                )
+            ids, ranges, extra = multimodal.expand_media(core, ids, media)
+        except ApiError as e:
+            raise SGLangError(e.message) from None
+        image_tokens = sum(r["length"] for r in ranges["image"])
+    if max(ids) >= cfg.vocab_size or min(ids) < 0:
+        raise SGLangError(
+            f"The input_ids {ids} contains values greater than the vocab size ({cfg.vocab_size})."
+        )
+    ctx = cfg.max_model_len
+    if len(ids) >= ctx:
+        raise SGLangError(
+            f"The input ({len(ids)} tokens) is longer than the model's context length ({ctx} tokens)."
+        )
+    if g.return_routed_experts and not 0 <= g.routed_experts_start_len <= len(ids):
+        raise SGLangError(
+            f"routed_experts_start_len={g.routed_experts_start_len} must be in [0, prompt_tokens={len(ids)}]."
+        )
+    room = ctx - len(ids)
+    max_new = g.sampling.max_new_tokens
+    return Prompt(ids, room if max_new is None else min(max_new, room), image_tokens, extra)
+
+
+def input_logprobs(
+    core: EngineCore, ids: list[int], start: int, top_k: int, vocab: Vocab | None
+) -> tuple[list[Any], list[Any]]:
+    """``input_token_logprobs`` and ``input_top_logprobs`` from prompt position ``start`` on (``-1``:
+    none). Position 0 has no logprob (``null``), as in SGLang."""
+    if start < 0:
+        return [], []
+
+    def text(t: int) -> str | None:
+        return vocab.token_str(t) if vocab is not None else None
+
+    tokens: list[Any] = [[None, ids[0], text(ids[0])]] if start == 0 else []
+    tops: list[Any] = [None] if start == 0 else []
+    for pos, full in prompt_rows(core.lm, ids):
+        if pos < start:
+            continue
+        tokens.append([float(full[ids[pos]]), ids[pos], text(ids[pos])])
+        if top_k > 0:
+            best = np.argsort(-full, kind="stable")[:top_k].tolist()
+            tops.append([[float(full[t]), t, text(t)] for t in best])
+    return tokens, tops
