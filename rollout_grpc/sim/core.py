@@ -30,7 +30,7 @@ from aiohttp import web
 
 from .config import SimConfig
 from .model import ToyLM, context_hash, mix64
-from .params import SamplingParams
+from .params import ToySampling
 from .sequence import Sequence, VersionRef
 from .vocab import Vocab, get_vocab
 
@@ -85,7 +85,7 @@ class EngineRequest:
     """One generate call inside the engine."""
 
     def __init__(
-        self, engine_id: str, prompt_ids: list[int], params: SamplingParams, seqs: list[Sequence]
+        self, engine_id: str, prompt_ids: list[int], params: ToySampling, seqs: list[Sequence]
     ) -> None:
         self.engine_id = engine_id
         self.prompt_ids = prompt_ids
@@ -209,7 +209,7 @@ class EngineCore:
         self,
         engine_id: str,
         prompt_ids: list[int],
-        params: SamplingParams,
+        params: ToySampling,
         *,
         max_out: int,
         want_text: bool,

@@ -1,7 +1,7 @@
 """``sampling_params`` parsing and validation with vLLM's rules and messages.
 
 vLLM decodes ``sampling_params`` with msgspec (unknown keys ignored, ints accepted for floats) and
-then runs ``SamplingParams.__post_init__``/``_verify_args``; the messages below follow that code
+then runs vLLM's ``SamplingParams.__post_init__``/``_verify_args``; the messages below follow that code
 (reference §3.2, §3.7) because clients surface them to users.
 """
 
@@ -37,7 +37,7 @@ _BOOL_FIELDS = (
 
 
 @dataclass(slots=True)
-class SamplingParams:
+class ToySampling:
     """The subset of vLLM's ``SamplingParams`` the simulator honours (defaults as vLLM's)."""
 
     n: int = 1
@@ -106,7 +106,7 @@ def _json_type(v: Any) -> str:
     return "object"
 
 
-def parse_sampling_params(raw: Any) -> SamplingParams:
+def parse_sampling_params(raw: Any) -> ToySampling:
     """Decode and validate; raises ``ApiError`` with vLLM's envelope and message."""
     if not isinstance(raw, dict):
         raise validation_error(
@@ -119,7 +119,7 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
                 }
             ]
         )
-    sp = SamplingParams()
+    sp = ToySampling()
     for name in _FLOAT_FIELDS:
         if name in raw and raw[name] is not None:
             v = raw[name]
@@ -203,8 +203,8 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
     return sp
 
 
-def _post_init(sp: SamplingParams) -> None:
-    """``SamplingParams.__post_init__`` and ``_verify_args``, in vLLM's order."""
+def _post_init(sp: ToySampling) -> None:
+    """vLLM's ``SamplingParams.__post_init__`` and ``_verify_args``, in vLLM's order."""
     if 0 < sp.temperature < MAX_TEMP_FLOOR:
         sp.temperature = MAX_TEMP_FLOOR
     if sp.seed == -1:

@@ -17,7 +17,7 @@ from aiohttp import web
 from .core import CORE_KEY, EngineCore
 from .errors import bad_request, json_response, not_found_model, validation_error
 from .multimodal import ImageItem, fetch_media, process_image, require_multimodal, too_many_images
-from .params import SamplingParams, parse_sampling_params
+from .params import ToySampling, parse_sampling_params
 from .request import read_json_body
 from .vocab import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 
@@ -75,8 +75,8 @@ def _small_int_default(value: int, default: int) -> bool:
     return value == default and -5 <= value <= 256
 
 
-def encode_sampling_params(sp: SamplingParams, max_tokens: int) -> dict[str, Any]:
-    """``SamplingParams`` as vLLM's msgspec encoder writes it (``omit_defaults``), in field order.
+def encode_sampling_params(sp: ToySampling, max_tokens: int) -> dict[str, Any]:
+    """vLLM's ``SamplingParams`` as its msgspec encoder writes it (``omit_defaults``), in field order.
 
     Floats taken from the request are new objects, so they are never "the default" and always
     appear; ints equal to a small default are omitted (see ``_small_int_default``). Private fields
@@ -188,7 +188,7 @@ def _check_common(core: EngineCore, body: Any) -> dict[str, Any]:
     return body
 
 
-def _resolve_max_tokens(core: EngineCore, sp: SamplingParams, prompt_len: int, *, from_text: bool) -> int:
+def _resolve_max_tokens(core: EngineCore, sp: ToySampling, prompt_len: int, *, from_text: bool) -> int:
     """The renderer's length check, then ``get_max_tokens`` (observed messages).
 
     Text is tokenized with truncation to ``max_model_len + 1``, hence "at least" in that case.
@@ -207,7 +207,7 @@ def _resolve_max_tokens(core: EngineCore, sp: SamplingParams, prompt_len: int, *
         )
     room = limit - prompt_len
     max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
-    if max_tokens < 1:  # SamplingParams rejects the resolved value
+    if max_tokens < 1:  # vLLM's SamplingParams rejects the resolved value
         raise bad_request(
             f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens, has_value=True
         )

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from .errors import ApiError, bad_request, missing_field, type_error, validation_error
 from .multimodal import check_features_shape
-from .params import SamplingParams, parse_sampling_params
+from .params import ToySampling, parse_sampling_params
 
 ENGINE_ID_PREFIX = "generate-tokens-"
 
@@ -29,7 +29,7 @@ class GenerateRequest:
     raw: dict[str, Any]
     request_id: str
     token_ids: list[int]
-    params: SamplingParams
+    params: ToySampling
     model: str | None
     output_mode: str
     stream: bool

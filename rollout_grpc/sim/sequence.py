@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .model import ToyLM, roll
-from .params import SamplingParams
+from .params import ToySampling
 from .vocab import EOS_ID, IncrementalDecoder, Vocab
 
 _NEG_INF = np.float32(-np.inf)
@@ -50,7 +50,7 @@ class Sequence:
         *,
         lm: ToyLM,
         vocab: Vocab,
-        params: SamplingParams,
+        params: ToySampling,
         prompt_ids: list[int],
         prompt_hash: int,
         max_out: int,

@@ -1,6 +1,6 @@
 """Input processing for generate: the checks vLLM runs after request parsing.
 
-They follow ``ServingTokens.serve_tokens``, ``SamplingParams.verify`` and
+They follow ``ServingTokens.serve_tokens``, ``ToySampling.verify`` and
 ``InputProcessor._validate_prompt_len``/``validate_token_ids`` in vLLM 0.32, with their messages, so a
 rejected request never reaches the engine (``SimStats.generate_started`` stays unchanged). Errors that
 vLLM's engine raises while processing the input (``in_stream=True``: out-of-vocabulary ids in the
@@ -16,7 +16,7 @@ from . import multimodal
 from .config import SimConfig
 from .core import EngineCore
 from .errors import bad_request, not_found_model
-from .params import SamplingParams
+from .params import ToySampling
 from .request import GenerateRequest
 
 MAX_LOGPROB_TOKEN_IDS = 128
@@ -39,7 +39,7 @@ class Prepared:
 def prepare_input(core: EngineCore, g: GenerateRequest) -> Prepared:
     """Engine-side checks after parsing (model, limits, multimodal input, lengths), in vLLM's order:
     ``_check_model``, ``n`` vs ``max_num_seqs``, tokens-only restrictions, multimodal processing,
-    ``SamplingParams.verify``, prompt length, vocabulary, routed-experts start."""
+    ``ToySampling.verify``, prompt length, vocabulary, routed-experts start."""
     cfg = core.config
     if g.model is not None and g.model != cfg.model:
         raise not_found_model(g.model, cfg.model)
@@ -89,8 +89,8 @@ def _out_of_vocab(ids: list[int], vocab_size: int) -> list[int]:
     return [t for t in ids if t < 0 or t >= vocab_size]
 
 
-def verify_sampling_params(cfg: SimConfig, p: SamplingParams) -> None:
-    """``SamplingParams.verify`` (logprob limits, token ids inside the vocabulary), in vLLM's order."""
+def verify_sampling_params(cfg: SimConfig, p: ToySampling) -> None:
+    """``ToySampling.verify`` (logprob limits, token ids inside the vocabulary), in vLLM's order."""
     v = cfg.vocab_size
     max_lp = v if cfg.max_logprobs == -1 else cfg.max_logprobs
     if p.logprobs:

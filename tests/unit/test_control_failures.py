@@ -7,7 +7,7 @@ import pytest
 from rollout_grpc.server.domain.errors import FailedPrecondition, Unavailable
 from rollout_grpc.server.engines.api import EngineRejected, EngineRequestFailed, EngineUnavailable
 from rollout_grpc.server.engines.vllm.adapter import DEV_MODE_HINT, engine_request_id
-from rollout_grpc.server.rollout.control import Failure, FleetResult, describe_failure
+from rollout_grpc.server.rollout.control import ControlFailure, FleetResult, describe_failure
 
 URL = "http://engine:8000"
 
@@ -16,20 +16,20 @@ def test_a_404_names_the_dev_mode_flag_never_the_raw_body() -> None:
     kind, message = describe_failure(
         EngineRejected(URL, '{"detail":"Not Found"}', not_found=True), "/pause", DEV_MODE_HINT
     )
-    assert kind is Failure.NOT_FOUND
+    assert kind is ControlFailure.NOT_FOUND
     assert DEV_MODE_HINT in message and "/pause" in message and "detail" not in message
 
 
 def test_other_failures_say_what_happened() -> None:
     assert describe_failure(EngineRequestFailed(URL, "HTTP 500: boom"), "/resume") == (
-        Failure.REJECTED,
+        ControlFailure.REJECTED,
         "/resume failed on the engine: HTTP 500: boom",
     )
     kind, message = describe_failure(EngineUnavailable(URL, "connection refused"), "/resume")
-    assert kind is Failure.UNREACHABLE and "connection refused" in message
+    assert kind is ControlFailure.UNREACHABLE and "connection refused" in message
 
 
-def _result(ok: list[str], kinds: list[Failure]) -> FleetResult:
+def _result(ok: list[str], kinds: list[ControlFailure]) -> FleetResult:
     result = FleetResult(ok=list(ok))
     for i, kind in enumerate(kinds):
         result.fail(f"http://e{i}", kind, kind.value)
@@ -39,20 +39,22 @@ def _result(ok: list[str], kinds: list[Failure]) -> FleetResult:
 @pytest.mark.parametrize(
     ("kinds", "error"),
     [
-        ([Failure.NOT_FOUND, Failure.NOT_FOUND], FailedPrecondition),
-        ([Failure.NOT_FOUND, Failure.UNREACHABLE], FailedPrecondition),
-        ([Failure.UNREACHABLE, Failure.TIMEOUT, Failure.SKIPPED], Unavailable),
-        ([Failure.REJECTED], Unavailable),
+        ([ControlFailure.NOT_FOUND, ControlFailure.NOT_FOUND], FailedPrecondition),
+        ([ControlFailure.NOT_FOUND, ControlFailure.UNREACHABLE], FailedPrecondition),
+        ([ControlFailure.UNREACHABLE, ControlFailure.TIMEOUT, ControlFailure.SKIPPED], Unavailable),
+        ([ControlFailure.REJECTED], Unavailable),
     ],
 )
-def test_no_engine_did_it_fails_the_rpc(kinds: list[Failure], error: type[Exception]) -> None:
+def test_no_engine_did_it_fails_the_rpc(kinds: list[ControlFailure], error: type[Exception]) -> None:
     with pytest.raises(error) as raised:
         _result([], kinds).raise_if_none_ok("pause")
     assert all(f"http://e{i}" in str(raised.value) for i in range(len(kinds)))
 
 
-@pytest.mark.parametrize(("ok", "kinds"), [(["http://a"], [Failure.NOT_FOUND]), ([], [])])
-def test_partial_failures_and_empty_fan_outs_do_not_fail_the_rpc(ok: list[str], kinds: list[Failure]) -> None:
+@pytest.mark.parametrize(("ok", "kinds"), [(["http://a"], [ControlFailure.NOT_FOUND]), ([], [])])
+def test_partial_failures_and_empty_fan_outs_do_not_fail_the_rpc(
+    ok: list[str], kinds: list[ControlFailure]
+) -> None:
     _result(ok, kinds).raise_if_none_ok("pause")
 
 

@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 
-from rollout_grpc.server.domain.failover import Action, Decision, Failure, Raise, Situation, decide
+from rollout_grpc.server.domain.failover import Action, CallFailure, Decision, Raise, Situation, decide
 from rollout_grpc.server.domain.model import Finish, Status
 
-F = Failure
+F = CallFailure
 
 
-def situation(failure: Failure, **kw: Any) -> Situation:
+def situation(failure: CallFailure, **kw: Any) -> Situation:
     base: dict[str, Any] = {
         "tokens_this_call": 0,
         "tokens_this_generate": 0,
@@ -260,4 +260,4 @@ def test_policy_table(
 
 
 def test_every_failure_kind_is_in_the_table() -> None:
-    assert {row[1].failure for row in TABLE} == set(Failure)
+    assert {row[1].failure for row in TABLE} == set(CallFailure)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from rollout_grpc.server.domain.model import Finish, Status
 
 
-class Failure(enum.Enum):
+class CallFailure(enum.Enum):
     """What went wrong with one engine call (or with picking one)."""
 
     #: Connection refused, stream broken or closed before its end.
@@ -78,7 +78,7 @@ class Raise(enum.Enum):
 class Situation:
     """Everything `decide` looks at."""
 
-    failure: Failure
+    failure: CallFailure
     #: Tokens produced by the failed engine call.
     tokens_this_call: int
     #: Tokens produced by this Generate so far (all of its engine calls).
@@ -114,9 +114,9 @@ class Decision:
 
 
 #: Failures that are the engine's fault (its breaker opens).
-_ENGINE_FAULTS = frozenset({Failure.UNAVAILABLE, Failure.HUNG, Failure.ENGINE_FAILED})
+_ENGINE_FAULTS = frozenset({CallFailure.UNAVAILABLE, CallFailure.HUNG, CallFailure.ENGINE_FAILED})
 #: Failures where the engine answered but unusably: the sample ends FAILED when attempts run out.
-_UNUSABLE = frozenset({Failure.REQUEST_FAILED, Failure.MALFORMED})
+_UNUSABLE = frozenset({CallFailure.REQUEST_FAILED, CallFailure.MALFORMED})
 
 
 def _finish(
@@ -152,15 +152,15 @@ def _raise(
 def decide(s: Situation) -> Decision:
     """The next step after a failed engine call (see the module docstring for the rules)."""
     nothing_yet = s.tokens_this_generate == 0
-    if s.abort_requested or s.failure is Failure.ABORT_DRAIN_EXPIRED:
+    if s.abort_requested or s.failure is CallFailure.ABORT_DRAIN_EXPIRED:
         return _finish(Finish.ABORT, Status.ABORTED)
-    if s.failure is Failure.REJECTED:
+    if s.failure is CallFailure.REJECTED:
         if nothing_yet:
             return _raise(Raise.REJECTION)
         return _finish(Finish.ERROR, Status.FAILED, "the engine rejected the continuation")
-    if s.failure is Failure.MEDIA_CACHE_MISS:
+    if s.failure is CallFailure.MEDIA_CACHE_MISS:
         return _media_cache_miss(s, nothing_yet)
-    if s.failure is Failure.NO_ENGINE:
+    if s.failure is CallFailure.NO_ENGINE:
         return _no_engine(s, nothing_yet)
     return _engine_fault(s, nothing_yet)
 
@@ -190,7 +190,7 @@ def _no_engine(s: Situation, nothing_yet: bool) -> Decision:
 
 def _engine_fault(s: Situation, nothing_yet: bool) -> Decision:
     blame = s.failure in _ENGINE_FAULTS
-    if s.failure is Failure.REQUEST_FAILED and s.request_failures >= s.max_request_failures:
+    if s.failure is CallFailure.REQUEST_FAILED and s.request_failures >= s.max_request_failures:
         reason = (
             f"{s.request_failures} healthy engine(s) failed this request with an internal error; "
             "the request itself is the likely cause"

@@ -46,7 +46,7 @@ log = structlog.get_logger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-class Failure(enum.Enum):
+class ControlFailure(enum.Enum):
     """Why an engine did not do what was asked."""
 
     NOT_FOUND = "not_found"  # 404: the route is off (dev mode) — a deployment problem
@@ -82,9 +82,9 @@ class FleetResult:
 
     ok: list[str] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)
-    kinds: list[Failure] = field(default_factory=list)
+    kinds: list[ControlFailure] = field(default_factory=list)
 
-    def fail(self, url: str, kind: Failure, message: str) -> None:
+    def fail(self, url: str, kind: ControlFailure, message: str) -> None:
         """Record one engine's failure."""
         self.errors.append((url, message))
         self.kinds.append(kind)
@@ -100,25 +100,30 @@ class FleetResult:
             return
         reasons = "; ".join(f"{url}: {message}" for url, message in self.errors)
         text = f"no engine could {what} ({reasons})"
-        if Failure.NOT_FOUND in self.kinds:
+        if ControlFailure.NOT_FOUND in self.kinds:
             raise FailedPrecondition(text)
         raise Unavailable(text)
 
 
-def describe_failure(exc: BaseException, route: str, missing_route_hint: str = "") -> tuple[Failure, str]:
+def describe_failure(
+    exc: BaseException, route: str, missing_route_hint: str = ""
+) -> tuple[ControlFailure, str]:
     """An engine failure as (kind, actionable message) — never a raw `{"detail":...}` body.
 
     `missing_route_hint` is the engine kind's advice for a route that answers 404
     (`EngineAdapter.missing_route_hint`)."""
     if isinstance(exc, EngineRejected):
         if exc.not_found:
-            return Failure.NOT_FOUND, f"{route} answered 404: {missing_route_hint or 'route not served'}"
-        return Failure.REJECTED, f"{route} was refused: {exc.message}"
+            return (
+                ControlFailure.NOT_FOUND,
+                f"{route} answered 404: {missing_route_hint or 'route not served'}",
+            )
+        return ControlFailure.REJECTED, f"{route} was refused: {exc.message}"
     if isinstance(exc, EngineRequestFailed):
-        return Failure.REJECTED, f"{route} failed on the engine: {exc.message}"
+        return ControlFailure.REJECTED, f"{route} failed on the engine: {exc.message}"
     if isinstance(exc, EngineError):
-        return Failure.UNREACHABLE, f"{route}: engine unreachable ({exc.message})"
-    return Failure.OTHER, f"{route} failed ({type(exc).__name__})"
+        return ControlFailure.UNREACHABLE, f"{route}: engine unreachable ({exc.message})"
+    return ControlFailure.OTHER, f"{route} failed ({type(exc).__name__})"
 
 
 @dataclass(slots=True)
@@ -143,7 +148,7 @@ def _split(engines: Sequence[EngineHandle]) -> tuple[list[EngineHandle], FleetRe
             asked.append(engine)
         else:
             reason = engine.last_error or "no answer"
-            result.fail(engine.url, Failure.SKIPPED, f"skipped: marked unhealthy ({reason})")
+            result.fail(engine.url, ControlFailure.SKIPPED, f"skipped: marked unhealthy ({reason})")
     return asked, result
 
 
@@ -215,7 +220,7 @@ class Control:
         #: Bumped by every Pause: a late resume started before it must not undo it.
         self._pause_epoch = 0
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn_background(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a background task (late resumes), kept referenced and cancelled by `close()`."""
         task = asyncio.create_task(coro)
         self._background.add(task)
@@ -259,7 +264,9 @@ class Control:
             if task in pending or task.cancelled():
                 wait = f"{timeout_s:.1f} s" if timeout_s is not None else "the deadline"
                 where = client.control_route(route) + detail
-                result.fail(engine.url, Failure.TIMEOUT, f"{where}: no answer within {wait} (engine hung?)")
+                result.fail(
+                    engine.url, ControlFailure.TIMEOUT, f"{where}: no answer within {wait} (engine hung?)"
+                )
                 continue
             exc = task.exception()
             if exc is None:
@@ -270,7 +277,7 @@ class Control:
             else:
                 step, cause = client.control_route(route) + detail, exc
             kind, message = describe_failure(cause, step, client.missing_route_hint)
-            if kind is Failure.OTHER:
+            if kind is ControlFailure.OTHER:
                 log.error("engine_control_failed", engine=engine.url, route=step, error=repr(cause))
             result.fail(engine.url, kind, message)
         return result
@@ -295,7 +302,7 @@ class Control:
         try:
             await self._resume_one(engine)
         except asyncio.CancelledError:
-            self._spawn(self._resume_later(engine))
+            self._spawn_background(self._resume_later(engine))
             raise
 
     async def _resume_later(self, engine: EngineHandle) -> None:
@@ -385,7 +392,7 @@ class Control:
         try:
             await engine.client.pause("abort")
         except asyncio.CancelledError:
-            self._spawn(self._resume_later(engine))
+            self._spawn_background(self._resume_later(engine))
             raise
         except EngineError as exc:
             pause_error = exc  # it may have paused anyway: resume regardless

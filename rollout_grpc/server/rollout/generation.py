@@ -29,7 +29,7 @@ import structlog
 from rollout_grpc.server.domain import failover, multimodal, routed_experts, sample_ops
 from rollout_grpc.server.domain import params as params_mod
 from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from rollout_grpc.server.domain.failover import Action, Decision, Failure, Raise, Situation
+from rollout_grpc.server.domain.failover import Action, CallFailure, Decision, Raise, Situation
 from rollout_grpc.server.domain.model import (
     EngineAttempt,
     Finish,
@@ -243,7 +243,7 @@ class Rollout:
             run.decision, run.error = None, None
             if engine is None:
                 run.decision = _decide(
-                    self._situation(Failure.NO_ENGINE, sample, params, entry, run, 0), entry
+                    self._situation(CallFailure.NO_ENGINE, sample, params, entry, run, 0), entry
                 )
             else:
                 async for batch in self._attempt(engine, sample, params, options, entry, run, batcher):
@@ -292,7 +292,7 @@ class Rollout:
             attempt.error = f"{failure.value}: {exc}"
         finally:
             attempt.end = sample.response_length
-        if failure is Failure.REQUEST_FAILED:
+        if failure is CallFailure.REQUEST_FAILED:
             run.request_failures += 1
         self._label_orphans(sample, engine, attempt)
         tokens = sample.response_length - attempt.start
@@ -304,7 +304,7 @@ class Rollout:
 
     def _situation(
         self,
-        failure: Failure,
+        failure: CallFailure,
         sample: Sample,
         params: SamplingParams,
         entry: InFlight,
@@ -326,22 +326,22 @@ class Rollout:
             media_resendable=features is not None and multimodal.has_all_kwargs(features),
         )
 
-    async def _classify(self, engine: EngineHandle, exc: BaseException) -> Failure:
+    async def _classify(self, engine: EngineHandle, exc: BaseException) -> CallFailure:
         """The policy's name for an engine call's failure; an internal error asks the engine's health."""
         if isinstance(exc, _DrainExpired):
-            return Failure.ABORT_DRAIN_EXPIRED
+            return CallFailure.ABORT_DRAIN_EXPIRED
         if isinstance(exc, EngineHung):
-            return Failure.HUNG
+            return CallFailure.HUNG
         if isinstance(exc, EngineRejected):
-            return Failure.REJECTED
+            return CallFailure.REJECTED
         if isinstance(exc, MediaCacheMiss):
-            return Failure.MEDIA_CACHE_MISS
+            return CallFailure.MEDIA_CACHE_MISS
         if isinstance(exc, EngineMalformed):
-            return Failure.MALFORMED
+            return CallFailure.MALFORMED
         if isinstance(exc, EngineRequestFailed):
             healthy = await engine.client.health(self.config.health_probe_s)
-            return Failure.REQUEST_FAILED if healthy else Failure.ENGINE_FAILED
-        return Failure.UNAVAILABLE
+            return CallFailure.REQUEST_FAILED if healthy else CallFailure.ENGINE_FAILED
+        return CallFailure.UNAVAILABLE
 
     def _stream_interval(self, engine: EngineHandle, options: GenerateOptions) -> int:
         """Tokens per engine SSE event: as many as the caller's batching releases at once.
@@ -465,7 +465,7 @@ class Rollout:
             entry.engine_started = True
             if entry.abort_requested:
                 # The abort may have reached the engine before the request did: send it again.
-                _spawn(_quiet_abort(engine, entry.engine_request_ids[-1:]))
+                _spawn_detached(_quiet_abort(engine, entry.engine_request_ids[-1:]))
 
     @staticmethod
     def _apply_delta(sample: Sample, delta: EngineDelta, batcher: _Batcher) -> TokenBatch | None:
@@ -653,7 +653,7 @@ def _domain_error(decision: Decision, error: EngineError | None) -> Exception:
 _background: set[asyncio.Task[None]] = set()
 
 
-def _spawn(coro: Coroutine[Any, Any, None]) -> None:
+def _spawn_detached(coro: Coroutine[Any, Any, None]) -> None:
     """Run a fire-and-forget coroutine, keeping a reference so it is not garbage-collected."""
     task = asyncio.create_task(coro)
     _background.add(task)

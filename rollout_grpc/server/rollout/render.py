@@ -94,7 +94,7 @@ async def _image_data_url(
 
 
 @contextlib.contextmanager
-def _engine_errors(field: str) -> Iterator[None]:
+def _render_errors(field: str) -> Iterator[None]:
     """Engine failures of a render call as domain errors (a rejection names the caller's `field`)."""
     try:
         yield
@@ -167,7 +167,7 @@ class RenderService:
             chat_template_kwargs=chat_template_kwargs or None,
         )
         engine = self._engine(session_id)
-        with _engine_errors("chat"):
+        with _render_errors("chat"):
             result = await engine.client.render_chat(request)
         return Rendered(result.token_ids, result.features, engine.url)
 
@@ -176,6 +176,6 @@ class RenderService:
         if not text:
             raise InvalidArgument("text", "must not be empty")
         engine = self._engine(session_id)
-        with _engine_errors("text"):
+        with _render_errors("text"):
             result = await engine.client.render_text(text, model)
         return Rendered(result.token_ids, None, engine.url)

@@ -1,5 +1,5 @@
 """SGLang ``sampling_params`` (``python/sglang/srt/sampling/sampling_params.py``) mapped onto the
-simulator's shared ``SamplingParams``, with SGLang's defaults and ``verify`` messages
+simulator's shared ``ToySampling``, with SGLang's defaults and ``verify`` messages
 (``docs/sglang-http-api.md`` §2.3).
 
 The differences from vLLM that a client trips over are kept: ``max_new_tokens`` defaults to 128
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..params import SamplingParams
+from ..params import ToySampling
 from .errors import SGLangError
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -43,7 +43,7 @@ KNOWN = frozenset((*_FLOATS, *_INTS, *_OPT_INTS, *_BOOLS, *_OTHER, *UNSUPPORTED)
 class SGLangSampling:
     """The shared parameters plus what only SGLang's output needs."""
 
-    params: SamplingParams
+    params: ToySampling
     #: ``max_new_tokens`` as sent (``None`` = no limit but the context); it is what
     #: ``finish_reason.length`` reports.
     max_new_tokens: int | None
@@ -70,7 +70,7 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SGLangSampling:
     for name in UNSUPPORTED:
         if raw.get(name) is not None:
             raise SGLangError(f"sampling_params.{name} is not supported by the simulated engine.")
-    sp = SamplingParams()
+    sp = ToySampling()
     values: dict[str, Any] = {}
     for name in _FLOATS:
         if raw.get(name) is not None:
