@@ -1,7 +1,7 @@
 """Plain-Python types of the rollout domain (no protobuf, no HTTP).
 
-`convert.py` maps them to and from the proto messages; `rollout.py` works on them. Fields the
-domain never changes (index, group index, reward, metadata) stay on the request proto and are
+`front/grpc/convert.py` maps them to and from the proto messages; `rollout/generation.py` works on
+them. Fields the domain never changes (index, group index, reward, metadata) stay on the request proto and are
 copied through by the transport, so they cost nothing here.
 """
 

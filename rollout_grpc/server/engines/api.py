@@ -1,8 +1,9 @@
 """The engine boundary: what the domain asks of an engine and what it gets back, engine-neutral.
 
-`rollout.py` talks to engines only through `EngineAdapter` and these types; an adapter module
-(`vllm.py` today) is the only place that knows an engine's HTTP paths, JSON keys, status codes and
-request-id scheme. A second engine kind is one more adapter module (docs/engines.md).
+`rollout/generation.py` talks to engines only through `EngineAdapter` and these types; an adapter
+sub-package (`engines/vllm/` today) is the only place that knows an engine's HTTP paths, JSON keys,
+status codes and request-id scheme. A second engine kind is one more sub-package, named in
+`engines/registry.py` (docs/engines.md, docs/architecture.md).
 
 Errors are split by what the caller of the adapter can do about them, not by how the engine
 reported them (HTTP status or an error event inside a 200 stream are the same thing here):

@@ -8,7 +8,7 @@ Off by default; `--otlp-endpoint host:port` turns it on with an OTLP/gRPC export
   identity (request id, sample index, group index, session id) as attributes.
 * `engine_tracing` is an `aiohttp.TraceConfig` for the shared engine session: each engine HTTP call
   gets a CLIENT span, child of the RPC span, and a `traceparent` header, which vLLM continues when
-  started with `--otlp-traces-endpoint`. The engine adapter (`vllm.py`) is not involved.
+  started with `--otlp-traces-endpoint`. The engine adapter (`engines/vllm/adapter.py`) is not involved.
 """
 
 from __future__ import annotations

@@ -506,7 +506,7 @@ class Control:
             for entry in self._registry.all():
                 entry.request_abort("pause abort")
         # `wait` blocks until the engines drained: no limit of ours (the caller's deadline applies),
-        # neither on the fan-out nor on the HTTP call (vllm.py: None = no limit).
+        # neither on the fan-out nor on the HTTP call (engines/vllm/adapter.py: None = no limit).
         wait = mode == "wait"
         result = await self._fan_out(
             self._pool.engines,

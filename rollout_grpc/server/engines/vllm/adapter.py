@@ -2,7 +2,7 @@
 
 This is the only server module that knows vLLM's HTTP surface (docs/engines.md; the surface itself:
 docs/vllm-http-api.md): paths, JSON keys, status codes, the `generate-tokens-` request-id prefix and
-the finish-reason strings. It turns them into the engine-neutral types of `engine_api` and nothing
+the finish-reason strings. It turns them into the engine-neutral types of `engines/api` and nothing
 about protobuf or rollout semantics leaks in. Every call goes through one shared
 `aiohttp.ClientSession`, owned by the caller, so connection pooling and the connector limit are
 decided once per process.
