@@ -2,8 +2,9 @@
 
 They run in two places: in the dev virtualenv (`make test`), and by `tools/client_matrix.sh` in
 client-only virtualenvs on Python 3.10-3.13 at the oldest and newest supported protobuf/grpcio.
-The replica they talk to is `ROLLOUT_GRPC_TARGET` when set (the matrix starts one for all
-interpreters), otherwise one started here with tools/serve_sim.sh (the one place that knows how).
+The replica they talk to is `ROLLOUT_GRPC_TARGET` when set (the matrix starts one per
+combination and also gives its Prometheus port as `ROLLOUT_GRPC_METRICS`), otherwise one started
+here with tools/serve_sim.sh (the one place that knows how).
 """
 
 from __future__ import annotations
@@ -20,17 +21,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.client.replica import METRICS_ENV, TARGET_ENV, Replica
+
 ROOT = Path(__file__).resolve().parents[2]
-TARGET_ENV = "ROLLOUT_GRPC_TARGET"
 START_TIMEOUT_S = 60.0
 
 
-def _wait_for_port_file(path: Path, proc: subprocess.Popen[bytes]) -> int:
-    """The gRPC port once the replica wrote its port file (bounded; fails if the process died)."""
+def _wait_for_port_file(path: Path, proc: subprocess.Popen[bytes]) -> dict[str, object]:
+    """The replica's ports once it wrote its port file (bounded; fails if the process died)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if path.exists():
-            return int(json.loads(path.read_text())["grpc"])
+            ports: dict[str, object] = json.loads(path.read_text())
+            return ports
         if proc.poll() is not None:
             raise RuntimeError(f"tools/serve_sim.sh exited with {proc.returncode}")
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -39,18 +42,19 @@ def _wait_for_port_file(path: Path, proc: subprocess.Popen[bytes]) -> int:
 
 
 @pytest.fixture(scope="session")
-def target() -> Iterator[str]:
-    """host:port of a live replica on simulated engines."""
+def replica() -> Iterator[Replica]:
+    """A live replica on simulated engines (the given one, or one started for this session)."""
     given = os.environ.get(TARGET_ENV)
     if given:
-        yield given
+        yield Replica(given, os.environ.get(METRICS_ENV) or None)
         return
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port.json"
         env = {**os.environ, "ROLLOUT_SERVER_PYTHON": os.environ.get("ROLLOUT_SERVER_PYTHON", sys.executable)}
         proc = subprocess.Popen(["bash", str(ROOT / "tools" / "serve_sim.sh"), str(port_file)], env=env)
         try:
-            yield f"127.0.0.1:{_wait_for_port_file(port_file, proc)}"
+            ports = _wait_for_port_file(port_file, proc)
+            yield Replica(f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['metrics']}")
         finally:
             proc.terminate()
             try:
@@ -58,3 +62,9 @@ def target() -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="session")
+def target(replica: Replica) -> str:
+    """host:port of a live replica on simulated engines."""
+    return replica.target
