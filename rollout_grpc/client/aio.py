@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 import grpc
@@ -146,8 +146,11 @@ class AsyncRolloutClient:
         *,
         timeout: float | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream the Generate messages: deltas, then the final sample."""
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Stream the Generate messages: deltas, then the final sample.
+
+        Read it to its end; leaving it early (`break`, `aclose()`) cancels the call.
+        """
         request = build_request(sample, params, options, request_id)
         call = self._stub.Generate(
             request, timeout=resolve_timeout(timeout, self._default_timeout), metadata=self._metadata
@@ -169,10 +172,16 @@ class AsyncRolloutClient:
         request = build_request(sample, params, options, request_id)
         request.options.final_only = True
         deadline = resolve_timeout(timeout, self._default_timeout)
+        final: pb.Sample | None = None
+        # To the stream's end, as RolloutClient does: a call dropped before its trailing status
+        # arrived is cancelled when grpc collects it (`grpc.aio.Call.__del__`), a CANCELLED on the
+        # server for a call that succeeded.
         async for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
             if message.HasField("sample"):
-                return message.sample
-        raise RuntimeError("the Generate stream ended without a sample")
+                final = message.sample
+        if final is None:
+            raise RuntimeError("the Generate stream ended without a sample")
+        return final
 
     @overload
     async def generate(

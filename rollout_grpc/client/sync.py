@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -83,8 +83,11 @@ class RolloutClient:
         *,
         timeout: float | None = None,
         request_id: str | None = None,
-    ) -> Iterator[pb.GenerateResponse]:
-        """Stream the Generate messages: deltas, then the final sample."""
+    ) -> Generator[pb.GenerateResponse, None, None]:
+        """Stream the Generate messages: deltas, then the final sample.
+
+        Read it to its end; leaving it early (`break`, `close()`) cancels the call.
+        """
         request = build_request(sample, params, options, request_id)
         call = self._stub.Generate(
             request, timeout=resolve_timeout(timeout, self._default_timeout), metadata=self._metadata
@@ -105,10 +108,16 @@ class RolloutClient:
         request = build_request(sample, params, options, request_id)
         request.options.final_only = True
         deadline = resolve_timeout(timeout, self._default_timeout)
+        final: pb.Sample | None = None
+        # Read on past the sample to the stream's end (the trailing OK status): a call dropped
+        # before its status arrived is cancelled when grpc collects it (`_Rendezvous.__del__`), and
+        # the server would record this successful call as CANCELLED.
         for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
             if message.HasField("sample"):
-                return message.sample
-        raise RuntimeError("the Generate stream ended without a sample")
+                final = message.sample
+        if final is None:
+            raise RuntimeError("the Generate stream ended without a sample")
+        return final
 
     def generate(
         self,
