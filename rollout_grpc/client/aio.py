@@ -22,7 +22,7 @@ from rollout_grpc.client.channel import (
     resolve_timeout,
 )
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
-from rollout_grpc.client.errors import check_engine_errors
+from rollout_grpc.client.errors import check_engine_errors, raising_rollout_errors
 from rollout_grpc.client.samples import (
     OptionsLike,
     ParamsLike,
@@ -156,8 +156,9 @@ class AsyncRolloutClient:
             request, timeout=resolve_timeout(timeout, self._default_timeout), metadata=self._metadata
         )
         try:
-            async for message in call:
-                yield message
+            with raising_rollout_errors():
+                async for message in call:
+                    yield message
         finally:
             call.cancel()
 
@@ -176,9 +177,10 @@ class AsyncRolloutClient:
         # To the stream's end, as RolloutClient does: a call dropped before its trailing status
         # arrived is cancelled when grpc collects it (`grpc.aio.Call.__del__`), a CANCELLED on the
         # server for a call that succeeded.
-        async for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
-            if message.HasField("sample"):
-                final = message.sample
+        with raising_rollout_errors():
+            async for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
+                if message.HasField("sample"):
+                    final = message.sample
         if final is None:
             raise RuntimeError("the Generate stream ended without a sample")
         return final
@@ -253,14 +255,16 @@ class AsyncRolloutClient:
         request = abort_request(
             all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
         )
-        response = await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response = await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Abort", response, raise_on_engine_errors)
 
     async def pause(
         self, mode: str = "keep", *, timeout: float | None = None, raise_on_engine_errors: bool = True
     ) -> pb.PauseResponse:
         """Pause every engine: "abort", "wait" or "keep" (`EngineErrors` when some failed)."""
-        response = await self._stub.Pause(pause_request(mode), timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response = await self._stub.Pause(pause_request(mode), timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Pause", response, raise_on_engine_errors)
 
     async def resume(
@@ -275,14 +279,16 @@ class AsyncRolloutClient:
         Raises `EngineErrors` when some engines failed (`raise_on_engine_errors=False`: return them).
         """
         request = resume_request(weight_version)
-        response = await self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response = await self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Resume", response, raise_on_engine_errors)
 
     async def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""
-        return await self._stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
-        )
+        with raising_rollout_errors():
+            return await self._stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
+            )
 
     async def render(
         self,
@@ -302,11 +308,13 @@ class AsyncRolloutClient:
             chat_template_kwargs=chat_template_kwargs,
             session_id=session_id,
         )
-        return await self._stub.Render(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            return await self._stub.Render(request, timeout=timeout, metadata=self._metadata)
 
     async def get_trajectory(
         self, session_id: str, *, remove: bool = False, timeout: float | None = 30.0
     ) -> pb.GetTrajectoryResponse:
         """A front-door session as training samples (ask the replica whose front door served it)."""
         request = pb.GetTrajectoryRequest(session_id=session_id, remove=remove)
-        return await self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            return await self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)

@@ -19,7 +19,7 @@ from rollout_grpc.client.channel import (
     resolve_timeout,
 )
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
-from rollout_grpc.client.errors import check_engine_errors
+from rollout_grpc.client.errors import check_engine_errors, raising_rollout_errors
 from rollout_grpc.client.samples import (
     OptionsLike,
     ParamsLike,
@@ -93,7 +93,8 @@ class RolloutClient:
             request, timeout=resolve_timeout(timeout, self._default_timeout), metadata=self._metadata
         )
         try:
-            yield from call
+            with raising_rollout_errors():
+                yield from call
         finally:
             call.cancel()
 
@@ -112,9 +113,10 @@ class RolloutClient:
         # Read on past the sample to the stream's end (the trailing OK status): a call dropped
         # before its status arrived is cancelled when grpc collects it (`_Rendezvous.__del__`), and
         # the server would record this successful call as CANCELLED.
-        for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
-            if message.HasField("sample"):
-                final = message.sample
+        with raising_rollout_errors():
+            for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
+                if message.HasField("sample"):
+                    final = message.sample
         if final is None:
             raise RuntimeError("the Generate stream ended without a sample")
         return final
@@ -163,16 +165,18 @@ class RolloutClient:
         request = abort_request(
             all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
         )
-        response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Abort", response, raise_on_engine_errors)
 
     def pause(
         self, mode: str = "keep", *, timeout: float | None = None, raise_on_engine_errors: bool = True
     ) -> pb.PauseResponse:
         """Pause every engine: "abort", "wait" or "keep" (`EngineErrors` when some failed)."""
-        response: pb.PauseResponse = self._stub.Pause(
-            pause_request(mode), timeout=timeout, metadata=self._metadata
-        )
+        with raising_rollout_errors():
+            response: pb.PauseResponse = self._stub.Pause(
+                pause_request(mode), timeout=timeout, metadata=self._metadata
+            )
         return check_engine_errors("Pause", response, raise_on_engine_errors)
 
     def resume(
@@ -185,14 +189,16 @@ class RolloutClient:
         """Resume every engine, optionally labelling its weights first (`EngineErrors` when some
         failed; `raise_on_engine_errors=False` returns them)."""
         request = resume_request(weight_version)
-        response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Resume", response, raise_on_engine_errors)
 
     def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""
-        response: pb.GetServerInfoResponse = self._stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
-        )
+        with raising_rollout_errors():
+            response: pb.GetServerInfoResponse = self._stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
+            )
         return response
 
     def render(
@@ -213,7 +219,8 @@ class RolloutClient:
             chat_template_kwargs=chat_template_kwargs,
             session_id=session_id,
         )
-        response: pb.RenderResponse = self._stub.Render(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response: pb.RenderResponse = self._stub.Render(request, timeout=timeout, metadata=self._metadata)
         return response
 
     def get_trajectory(
@@ -221,4 +228,5 @@ class RolloutClient:
     ) -> pb.GetTrajectoryResponse:
         """A front-door session as training samples (ask the replica whose front door served it)."""
         request = pb.GetTrajectoryRequest(session_id=session_id, remove=remove)
-        return self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            return self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)

@@ -16,11 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from rollout_grpc.client import pb
+from tests.client.fakes import RefuseOnce
 from tests.client.replica import METRICS_ENV, TARGET_ENV, Replica
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,3 +71,31 @@ def replica() -> Iterator[Replica]:
 def target(replica: Replica) -> str:
     """host:port of a live replica on simulated engines."""
     return replica.target
+
+
+@pytest.fixture
+async def refusing() -> AsyncIterator[tuple[str, RefuseOnce]]:
+    fake = RefuseOnce()
+    handler = grpc.method_handlers_generic_handler(
+        "rollout.v1.RolloutService",
+        {
+            "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+                fake.info,
+                request_deserializer=pb.GetServerInfoRequest.FromString,
+                response_serializer=pb.GetServerInfoResponse.SerializeToString,
+            ),
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                fake.generate,
+                request_deserializer=pb.GenerateRequest.FromString,
+                response_serializer=pb.GenerateResponse.SerializeToString,
+            ),
+        },
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", fake
+    finally:
+        await server.stop(None)
