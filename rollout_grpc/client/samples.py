@@ -10,6 +10,7 @@ import numpy as np
 from google.protobuf import json_format, struct_pb2
 
 from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.client.params import sampling_params
 
 _DTYPES: dict[int, np.dtype[Any]] = {
     pb.D_TYPE_UINT8: np.dtype("uint8"),
@@ -83,16 +84,16 @@ def to_sample(value: SampleLike) -> pb.Sample:
 
 
 def to_params(value: ParamsLike) -> pb.SamplingParams:
-    """Accept SamplingParams or a dict such as {"temperature": 0, "max_new_tokens": 32}."""
+    """Accept SamplingParams or a dict such as {"temperature": 0, "max_new_tokens": 32}.
+
+    Dict keys are the SamplingParams field names; an unknown key or a value of the wrong type is a
+    ValueError naming it (`rollout_grpc.client.params.sampling_params`).
+    """
     if value is None:
         return pb.SamplingParams()
     if isinstance(value, pb.SamplingParams):
         return value
-    data = {k: v for k, v in value.items() if k != "logit_bias"}
-    params = json_format.ParseDict(data, pb.SamplingParams())
-    for token, bias in (value.get("logit_bias") or {}).items():
-        params.logit_bias[int(token)] = float(bias)
-    return params
+    return sampling_params(value)
 
 
 def to_options(value: OptionsLike) -> pb.GenerateOptions:
