@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import grpc
 import numpy as np
@@ -24,6 +24,8 @@ from rollout_grpc.client.channel import (
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
 from rollout_grpc.client.errors import check_engine_errors, raising_rollout_errors
 from rollout_grpc.client.samples import (
+    BatchLike,
+    OneSample,
     OptionsLike,
     ParamsLike,
     SampleLike,
@@ -188,7 +190,18 @@ class AsyncRolloutClient:
     @overload
     async def generate(
         self,
-        sample: pb.Sample | Mapping[str, Any],
+        sample: BatchLike,
+        params: ParamsLike = ...,
+        options: OptionsLike = ...,
+        *,
+        timeout: float | None = ...,
+        request_ids: Sequence[str] | None = ...,
+    ) -> list[pb.Sample]: ...
+
+    @overload
+    async def generate(
+        self,
+        sample: OneSample,
         params: ParamsLike = ...,
         options: OptionsLike = ...,
         *,
@@ -199,18 +212,18 @@ class AsyncRolloutClient:
     @overload
     async def generate(
         self,
-        sample: Sequence[Any] | np.ndarray,
+        sample: np.ndarray,
         params: ParamsLike = ...,
         options: OptionsLike = ...,
         *,
         timeout: float | None = ...,
         request_id: str | None = ...,
         request_ids: Sequence[str] | None = ...,
-    ) -> Any: ...
+    ) -> pb.Sample | list[pb.Sample]: ...
 
     async def generate(
         self,
-        sample: Any,
+        sample: SampleLike | BatchLike,
         params: ParamsLike = None,
         options: OptionsLike = None,
         *,
@@ -227,16 +240,17 @@ class AsyncRolloutClient:
         call gets a fresh id.
         """
         if is_batch(sample):
-            ids = batch_request_ids(len(sample), request_ids)
+            batch = cast("BatchLike", sample)  # a 2-D array too: it iterates as its rows
+            ids = batch_request_ids(len(batch), request_ids)
             return list(
                 await asyncio.gather(
                     *(
                         self._generate_one(s, params, options, timeout, rid)
-                        for s, rid in zip(sample, ids, strict=True)
+                        for s, rid in zip(batch, ids, strict=True)
                     )
                 )
             )
-        return await self._generate_one(sample, params, options, timeout, request_id)
+        return await self._generate_one(cast("SampleLike", sample), params, options, timeout, request_id)
 
     async def abort(
         self,

@@ -23,12 +23,17 @@ _PB_DTYPES: dict[np.dtype[Any], Any] = {
     np.dtype("<i4"): pb.D_TYPE_INT32,
 }
 
-SampleLike = pb.Sample | Mapping[str, Any] | Sequence[int] | np.ndarray
+#: One sample as `generate` takes it (also a 1-D integer numpy array: see SampleLike).
+OneSample = pb.Sample | Mapping[str, Any] | Sequence[int | np.integer[Any]]
+#: A sample: a Sample, a dict of Sample fields, or prompt token ids (list, tuple, 1-D array).
+SampleLike = OneSample | np.ndarray
+#: Several samples for one `generate` call (a 2-D integer array is a batch too).
+BatchLike = Sequence[SampleLike]
 ParamsLike = pb.SamplingParams | Mapping[str, Any] | None
 OptionsLike = pb.GenerateOptions | Mapping[str, Any] | None
 
 
-def token_ids(tokens: Iterable[int] | np.ndarray) -> list[int]:
+def token_ids(tokens: Iterable[int | np.integer[Any]] | np.ndarray) -> list[int]:
     """Plain ints from a list, tuple, generator or 1-D integer numpy array (numpy ints included)."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
@@ -41,7 +46,7 @@ def token_ids(tokens: Iterable[int] | np.ndarray) -> list[int]:
 
 
 def make_sample(
-    tokens: Iterable[int] | np.ndarray = (),
+    tokens: Iterable[int | np.integer[Any]] | np.ndarray = (),
     *,
     prompt: str | None = None,
     index: int = 0,

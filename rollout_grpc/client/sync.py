@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast, overload
 
 import grpc
+import numpy as np
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.client.channel import (
@@ -21,6 +22,8 @@ from rollout_grpc.client.channel import (
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
 from rollout_grpc.client.errors import check_engine_errors, raising_rollout_errors
 from rollout_grpc.client.samples import (
+    BatchLike,
+    OneSample,
     OptionsLike,
     ParamsLike,
     SampleLike,
@@ -121,32 +124,69 @@ class RolloutClient:
             raise RuntimeError("the Generate stream ended without a sample")
         return final
 
+    @overload
     def generate(
         self,
-        sample: Any,
+        sample: BatchLike,
+        params: ParamsLike = ...,
+        options: OptionsLike = ...,
+        *,
+        timeout: float | None = ...,
+        request_ids: Sequence[str] | None = ...,
+    ) -> list[pb.Sample]: ...
+
+    @overload
+    def generate(
+        self,
+        sample: OneSample,
+        params: ParamsLike = ...,
+        options: OptionsLike = ...,
+        *,
+        timeout: float | None = ...,
+        request_id: str | None = ...,
+    ) -> pb.Sample: ...
+
+    @overload
+    def generate(
+        self,
+        sample: np.ndarray,
+        params: ParamsLike = ...,
+        options: OptionsLike = ...,
+        *,
+        timeout: float | None = ...,
+        request_id: str | None = ...,
+        request_ids: Sequence[str] | None = ...,
+    ) -> pb.Sample | list[pb.Sample]: ...
+
+    def generate(
+        self,
+        sample: SampleLike | BatchLike,
         params: ParamsLike = None,
         options: OptionsLike = None,
         *,
         timeout: float | None = None,
         request_id: str | None = None,
         request_ids: Sequence[str] | None = None,
-    ) -> Any:
+    ) -> pb.Sample | list[pb.Sample]:
         """Generate one sample (-> Sample), or a batch concurrently (-> list, in input order).
 
         The same inputs as AsyncRolloutClient.generate: tuples, numpy ids, `[]` -> `[]`, and
-        `request_ids` to name a batch's calls so one can be aborted from another thread.
+        `request_ids` to name a batch's calls so one can be aborted from another thread. Typed
+        per input: a batch gives `list[pb.Sample]`, one sample `pb.Sample`; a numpy array gives
+        either (1-D: one, 2-D: a batch; its rank is not in its static type).
         """
         if is_batch(sample):
-            if not len(sample):
+            batch = cast("BatchLike", sample)  # a 2-D array too: it iterates as its rows
+            if not len(batch):
                 return []
-            ids = batch_request_ids(len(sample), request_ids)
-            with ThreadPoolExecutor(max_workers=min(self._max_workers, len(sample))) as pool:
+            ids = batch_request_ids(len(batch), request_ids)
+            with ThreadPoolExecutor(max_workers=min(self._max_workers, len(batch))) as pool:
                 futures = [
                     pool.submit(self._generate_one, s, params, options, timeout, rid)
-                    for s, rid in zip(sample, ids, strict=True)
+                    for s, rid in zip(batch, ids, strict=True)
                 ]
                 return [f.result() for f in futures]
-        return self._generate_one(sample, params, options, timeout, request_id)
+        return self._generate_one(cast("SampleLike", sample), params, options, timeout, request_id)
 
     def abort(
         self,

@@ -73,7 +73,7 @@ async def test_batch_inputs_tuples_numpy_and_empty(target: str) -> None:
         pair = await client.generate((tuple(PROMPT), make_sample(ids)), SHORT)
         assert [list(s.tokens) for s in pair] == [list(one.tokens)] * 2
         grid = await client.generate(np.array([PROMPT, PROMPT]), SHORT)
-        assert len(grid) == 2
+        assert isinstance(grid, list) and len(grid) == 2  # an array: one or a batch, by its rank
         with pytest.raises(TypeError, match="integers"):
             make_sample([1.5, 2.0])  # type: ignore[list-item]
 
