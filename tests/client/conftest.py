@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from rollout_grpc.client import pb
-from tests.client.fakes import RefuseOnce
+from tests.client.common import RefuseOnce
 from tests.client.replica import METRICS_ENV, TARGET_ENV, Replica
 
 ROOT = Path(__file__).resolve().parents[2]

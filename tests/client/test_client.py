@@ -20,11 +20,7 @@ from rollout_grpc.client import (
     new_request_id,
     pb,
 )
-from tests.client.fakes import PUSHBACK_MS, RefuseOnce
-
-PROMPT = [1, 92, 510, 206]
-SHORT = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-LONG = {"temperature": 1.0, "max_new_tokens": 3000, "ignore_eos": True}
+from tests.client.common import LONG, PROMPT, PUSHBACK_MS, SHORT, RefuseOnce
 
 
 def test_the_installed_client_is_tested() -> None:

@@ -20,8 +20,7 @@ from rollout_grpc.client import (
     UnavailableError,
 )
 from rollout_grpc.client.errors import rollout_error
-from tests.client.fakes import PUSHBACK_MS, RefuseOnce
-from tests.client.test_client import LONG, PROMPT, SHORT
+from tests.client.common import LONG, PROMPT, PUSHBACK_MS, SHORT, RefuseOnce
 
 TOP_P = FieldViolation("sampling_params.top_p", "must be in (0, 1], got 2.0")
 

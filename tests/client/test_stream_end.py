@@ -13,9 +13,9 @@ import asyncio
 import time
 
 from rollout_grpc.client import AsyncRolloutClient, RolloutClient, pb
+from tests.client.common import PROMPT
 from tests.client.replica import Replica
 
-PROMPT = [1, 92, 510, 206]
 TINY = {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}
 CALLS = 200
 RECORD_WAIT_S = 30.0

@@ -1,4 +1,5 @@
-"""A fake RolloutService for what a live replica will not do on demand (refuse a call once)."""
+"""What the client tests share: a prompt and sampling params, and a fake RolloutService for what a
+live replica will not do on demand (refuse a call once)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from typing import Any
 import grpc
 
 from rollout_grpc.client import pb
+
+PROMPT = [1, 92, 510, 206]
+SHORT = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+LONG = {"temperature": 1.0, "max_new_tokens": 3000, "ignore_eos": True}
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 PUSHBACK_MS = 700  # well above the policy's 0.2 s initial backoff, so only the pushback explains it
