@@ -137,7 +137,7 @@ class AsyncRolloutClient:
 
     @property
     def stub(self) -> RolloutServiceAsyncStub:
-        """The generated stub, for calls this class does not wrap."""
+        """The generated stub, for calls this class does not wrap (they raise grpc's own errors)."""
         return self._stub
 
     async def generate_stream(
