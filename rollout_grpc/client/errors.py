@@ -29,25 +29,9 @@ from typing import Any, NamedTuple, TypeVar
 
 import grpc
 from google.protobuf import descriptor_pb2, message_factory
+from google.protobuf.message import DecodeError
 
 from rollout_grpc._proto import rollout_pb2 as pb
-
-__all__ = [
-    "AbortedError",
-    "CancelledError",
-    "DeadlineExceededError",
-    "EngineErrors",
-    "FailedPreconditionError",
-    "FieldViolation",
-    "InternalError",
-    "InvalidArgumentError",
-    "NotFoundError",
-    "PermissionDeniedError",
-    "ResourceExhaustedError",
-    "RolloutError",
-    "UnauthenticatedError",
-    "UnavailableError",
-]
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 PUSHBACK_KEY = "grpc-retry-pushback-ms"
@@ -116,7 +100,8 @@ class RolloutError(grpc.aio.AioRpcError):
     The base of one class per status code a trainer handles; a code without a class of its own
     (UNKNOWN, UNIMPLEMENTED, OUT_OF_RANGE, ...) is raised as `RolloutError` itself. `code()` and
     `details()` are grpc's; `message` is the details as a string ("" when none). The constructor
-    is `grpc.aio.AioRpcError`'s for every class, so an error pickles (e.g. across Ray workers).
+    is `grpc.aio.AioRpcError`'s for every class, so its `__reduce__` pickles any of them (Ray workers
+    pickle what they raise) and the details are decoded again from the trailers.
     """
 
     def __init__(
@@ -132,19 +117,6 @@ class RolloutError(grpc.aio.AioRpcError):
         #: The `google.rpc.Status` details of the error, as (type name, serialised message) pairs.
         self.status_details: list[tuple[str, bytes]] = _status_details(trailing_metadata)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Defined here too: grpc.aio.AioRpcError has no __reduce__ before grpcio 1.66 or so.
-        return (
-            type(self),
-            (
-                self.code(),
-                self.initial_metadata(),
-                self.trailing_metadata(),
-                self.details(),
-                self.debug_error_string(),
-            ),
-        )
-
     def __str__(self) -> str:
         return f"{self.code().name}: {self.message}"
 
@@ -152,7 +124,10 @@ class RolloutError(grpc.aio.AioRpcError):
         """The first status detail of this google.rpc type, parsed (None when absent)."""
         for name, data in self.status_details:
             if name == type_name:
-                return _RPC[type_name].FromString(data)
+                try:
+                    return _RPC[type_name].FromString(data)
+                except DecodeError:  # a malformed detail reads as an absent one
+                    return None
         return None
 
 
@@ -163,7 +138,7 @@ def _status_details(trailing_metadata: Iterable[tuple[str, Any]] | None) -> list
         return []
     try:
         status = _RPC["google.rpc.Status"].FromString(raw)
-    except Exception:  # a malformed trailer must not hide the status code itself
+    except DecodeError:  # a malformed trailer must not hide the status code itself
         return []
     return [(d.type_url.removeprefix(_TYPE_URL_PREFIX), bytes(d.value)) for d in status.details]
 

@@ -133,3 +133,10 @@ def test_a_bare_rpc_error_becomes_unknown() -> None:
     """grpc.RpcError itself has no `code()`: the conversion must not fail on one."""
     error: Any = rollout_error(grpc.RpcError())
     assert type(error) is RolloutError and error.code() == grpc.StatusCode.UNKNOWN
+
+
+def test_a_malformed_details_trailer_leaves_the_code_and_message() -> None:
+    trailers = grpc.aio.Metadata(("grpc-status-details-bin", b"\xff\xff\xff"))
+    error = rollout_error(grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, None, trailers, "bad"))
+    assert isinstance(error, InvalidArgumentError) and error.field_violations == []
+    assert str(error) == "INVALID_ARGUMENT: bad"
