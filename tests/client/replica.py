@@ -26,7 +26,8 @@ class Replica:
         """
         if self.metrics is None:
             pytest.skip(f"{TARGET_ENV} is set without {METRICS_ENV}: the replica's metrics are unknown")
-        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as response:
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via $http_proxy
+        with direct.open(f"http://{self.metrics}/metrics", timeout=10) as response:
             text = response.read().decode()
         counts: dict[str, float] = {}
         for line in text.splitlines():
