@@ -35,7 +35,7 @@ find_python() {
 }
 
 # A replica of its own for one combination (parallel combinations must not abort or pause each
-# other's generations); sets TARGET and SERVER_PID.
+# other's generations); sets TARGET, METRICS (its Prometheus host:port) and SERVER_PID.
 start_server() {
   local port_file="$1"
   rm -f "$port_file"
@@ -48,6 +48,7 @@ start_server() {
   done
   [[ -s "$port_file" ]] || { echo "the replica wrote no port file"; return 1; }
   TARGET="127.0.0.1:$(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["grpc"])' "$port_file")"
+  METRICS="127.0.0.1:$(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["metrics"])' "$port_file")"
 }
 
 # One combination: prints its report to its log; exit status 0 = passed.
@@ -77,7 +78,7 @@ print(f"python {sys.version.split()[0]} protobuf {p.__version__} grpcio {grpc.__
   fi
   start_server "$WORK/py$version-$set.server.json"
   trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
-  ROLLOUT_CLIENT_MATRIX=1 ROLLOUT_GRPC_TARGET="$TARGET" "$venv/bin/pytest" -q -p no:cacheprovider \
+  ROLLOUT_CLIENT_MATRIX=1 ROLLOUT_GRPC_TARGET="$TARGET" ROLLOUT_GRPC_METRICS="$METRICS" "$venv/bin/pytest" -q -p no:cacheprovider \
     -W ignore::DeprecationWarning --import-mode=importlib --confcutdir=tests/client tests/client
 }
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import grpc
 import numpy as np
@@ -22,8 +22,10 @@ from rollout_grpc.client.channel import (
     resolve_timeout,
 )
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
-from rollout_grpc.client.errors import check_engine_errors
+from rollout_grpc.client.errors import check_engine_errors, raising_rollout_errors
 from rollout_grpc.client.samples import (
+    BatchLike,
+    OneSample,
     OptionsLike,
     ParamsLike,
     SampleLike,
@@ -135,7 +137,7 @@ class AsyncRolloutClient:
 
     @property
     def stub(self) -> RolloutServiceAsyncStub:
-        """The generated stub, for calls this class does not wrap."""
+        """The generated stub, for calls this class does not wrap (they raise grpc's own errors)."""
         return self._stub
 
     async def generate_stream(
@@ -146,15 +148,19 @@ class AsyncRolloutClient:
         *,
         timeout: float | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream the Generate messages: deltas, then the final sample."""
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Stream the Generate messages: deltas, then the final sample.
+
+        Read it to its end; leaving it early (`break`, `aclose()`) cancels the call.
+        """
         request = build_request(sample, params, options, request_id)
         call = self._stub.Generate(
             request, timeout=resolve_timeout(timeout, self._default_timeout), metadata=self._metadata
         )
         try:
-            async for message in call:
-                yield message
+            with raising_rollout_errors():
+                async for message in call:
+                    yield message
         finally:
             call.cancel()
 
@@ -169,15 +175,33 @@ class AsyncRolloutClient:
         request = build_request(sample, params, options, request_id)
         request.options.final_only = True
         deadline = resolve_timeout(timeout, self._default_timeout)
-        async for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
-            if message.HasField("sample"):
-                return message.sample
-        raise RuntimeError("the Generate stream ended without a sample")
+        final: pb.Sample | None = None
+        # To the stream's end, as RolloutClient does: a call dropped before its trailing status
+        # arrived is cancelled when grpc collects it (`grpc.aio.Call.__del__`), a CANCELLED on the
+        # server for a call that succeeded.
+        with raising_rollout_errors():
+            async for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
+                if message.HasField("sample"):
+                    final = message.sample
+        if final is None:
+            raise RuntimeError("the Generate stream ended without a sample")
+        return final
 
     @overload
     async def generate(
         self,
-        sample: pb.Sample | Mapping[str, Any],
+        sample: BatchLike,
+        params: ParamsLike = ...,
+        options: OptionsLike = ...,
+        *,
+        timeout: float | None = ...,
+        request_ids: Sequence[str] | None = ...,
+    ) -> list[pb.Sample]: ...
+
+    @overload
+    async def generate(
+        self,
+        sample: OneSample,
         params: ParamsLike = ...,
         options: OptionsLike = ...,
         *,
@@ -188,18 +212,18 @@ class AsyncRolloutClient:
     @overload
     async def generate(
         self,
-        sample: Sequence[Any] | np.ndarray,
+        sample: np.ndarray,
         params: ParamsLike = ...,
         options: OptionsLike = ...,
         *,
         timeout: float | None = ...,
         request_id: str | None = ...,
         request_ids: Sequence[str] | None = ...,
-    ) -> Any: ...
+    ) -> pb.Sample | list[pb.Sample]: ...
 
     async def generate(
         self,
-        sample: Any,
+        sample: SampleLike | BatchLike,
         params: ParamsLike = None,
         options: OptionsLike = None,
         *,
@@ -216,16 +240,17 @@ class AsyncRolloutClient:
         call gets a fresh id.
         """
         if is_batch(sample):
-            ids = batch_request_ids(len(sample), request_ids)
+            batch = cast("BatchLike", sample)  # a 2-D array too: it iterates as its rows
+            ids = batch_request_ids(len(batch), request_ids)
             return list(
                 await asyncio.gather(
                     *(
                         self._generate_one(s, params, options, timeout, rid)
-                        for s, rid in zip(sample, ids, strict=True)
+                        for s, rid in zip(batch, ids, strict=True)
                     )
                 )
             )
-        return await self._generate_one(sample, params, options, timeout, request_id)
+        return await self._generate_one(cast("SampleLike", sample), params, options, timeout, request_id)
 
     async def abort(
         self,
@@ -244,14 +269,16 @@ class AsyncRolloutClient:
         request = abort_request(
             all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
         )
-        response = await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response = await self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Abort", response, raise_on_engine_errors)
 
     async def pause(
         self, mode: str = "keep", *, timeout: float | None = None, raise_on_engine_errors: bool = True
     ) -> pb.PauseResponse:
         """Pause every engine: "abort", "wait" or "keep" (`EngineErrors` when some failed)."""
-        response = await self._stub.Pause(pause_request(mode), timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response = await self._stub.Pause(pause_request(mode), timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Pause", response, raise_on_engine_errors)
 
     async def resume(
@@ -266,14 +293,16 @@ class AsyncRolloutClient:
         Raises `EngineErrors` when some engines failed (`raise_on_engine_errors=False`: return them).
         """
         request = resume_request(weight_version)
-        response = await self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response = await self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Resume", response, raise_on_engine_errors)
 
     async def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""
-        return await self._stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
-        )
+        with raising_rollout_errors():
+            return await self._stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
+            )
 
     async def render(
         self,
@@ -293,11 +322,13 @@ class AsyncRolloutClient:
             chat_template_kwargs=chat_template_kwargs,
             session_id=session_id,
         )
-        return await self._stub.Render(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            return await self._stub.Render(request, timeout=timeout, metadata=self._metadata)
 
     async def get_trajectory(
         self, session_id: str, *, remove: bool = False, timeout: float | None = 30.0
     ) -> pb.GetTrajectoryResponse:
         """A front-door session as training samples (ask the replica whose front door served it)."""
         request = pb.GetTrajectoryRequest(session_id=session_id, remove=remove)
-        return await self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            return await self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)

@@ -10,6 +10,7 @@ import numpy as np
 from google.protobuf import json_format, struct_pb2
 
 from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.client.params import sampling_params
 
 _DTYPES: dict[int, np.dtype[Any]] = {
     pb.D_TYPE_UINT8: np.dtype("uint8"),
@@ -22,12 +23,17 @@ _PB_DTYPES: dict[np.dtype[Any], Any] = {
     np.dtype("<i4"): pb.D_TYPE_INT32,
 }
 
-SampleLike = pb.Sample | Mapping[str, Any] | Sequence[int] | np.ndarray
+#: One sample as `generate` takes it (also a 1-D integer numpy array: see SampleLike).
+OneSample = pb.Sample | Mapping[str, Any] | Sequence[int | np.integer[Any]]
+#: A sample: a Sample, a dict of Sample fields, or prompt token ids (list, tuple, 1-D array).
+SampleLike = OneSample | np.ndarray
+#: Several samples for one `generate` call (a 2-D integer array is a batch too).
+BatchLike = Sequence[SampleLike]
 ParamsLike = pb.SamplingParams | Mapping[str, Any] | None
 OptionsLike = pb.GenerateOptions | Mapping[str, Any] | None
 
 
-def token_ids(tokens: Iterable[int] | np.ndarray) -> list[int]:
+def token_ids(tokens: Iterable[int | np.integer[Any]] | np.ndarray) -> list[int]:
     """Plain ints from a list, tuple, generator or 1-D integer numpy array (numpy ints included)."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
@@ -40,7 +46,7 @@ def token_ids(tokens: Iterable[int] | np.ndarray) -> list[int]:
 
 
 def make_sample(
-    tokens: Iterable[int] | np.ndarray = (),
+    tokens: Iterable[int | np.integer[Any]] | np.ndarray = (),
     *,
     prompt: str | None = None,
     index: int = 0,
@@ -83,16 +89,16 @@ def to_sample(value: SampleLike) -> pb.Sample:
 
 
 def to_params(value: ParamsLike) -> pb.SamplingParams:
-    """Accept SamplingParams or a dict such as {"temperature": 0, "max_new_tokens": 32}."""
+    """Accept SamplingParams or a dict such as {"temperature": 0, "max_new_tokens": 32}.
+
+    Dict keys are the SamplingParams field names; an unknown key or a value of the wrong type is a
+    ValueError naming it (`rollout_grpc.client.params.sampling_params`).
+    """
     if value is None:
         return pb.SamplingParams()
     if isinstance(value, pb.SamplingParams):
         return value
-    data = {k: v for k, v in value.items() if k != "logit_bias"}
-    params = json_format.ParseDict(data, pb.SamplingParams())
-    for token, bias in (value.get("logit_bias") or {}).items():
-        params.logit_bias[int(token)] = float(bias)
-    return params
+    return sampling_params(value)
 
 
 def to_options(value: OptionsLike) -> pb.GenerateOptions:

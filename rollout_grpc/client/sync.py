@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast, overload
 
 import grpc
+import numpy as np
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.client.channel import (
@@ -19,8 +20,10 @@ from rollout_grpc.client.channel import (
     resolve_timeout,
 )
 from rollout_grpc.client.credentials import ClientSecurity, PemLike
-from rollout_grpc.client.errors import check_engine_errors
+from rollout_grpc.client.errors import check_engine_errors, raising_rollout_errors
 from rollout_grpc.client.samples import (
+    BatchLike,
+    OneSample,
     OptionsLike,
     ParamsLike,
     SampleLike,
@@ -83,14 +86,18 @@ class RolloutClient:
         *,
         timeout: float | None = None,
         request_id: str | None = None,
-    ) -> Iterator[pb.GenerateResponse]:
-        """Stream the Generate messages: deltas, then the final sample."""
+    ) -> Generator[pb.GenerateResponse, None, None]:
+        """Stream the Generate messages: deltas, then the final sample.
+
+        Read it to its end; leaving it early (`break`, `close()`) cancels the call.
+        """
         request = build_request(sample, params, options, request_id)
         call = self._stub.Generate(
             request, timeout=resolve_timeout(timeout, self._default_timeout), metadata=self._metadata
         )
         try:
-            yield from call
+            with raising_rollout_errors():
+                yield from call
         finally:
             call.cancel()
 
@@ -105,37 +112,81 @@ class RolloutClient:
         request = build_request(sample, params, options, request_id)
         request.options.final_only = True
         deadline = resolve_timeout(timeout, self._default_timeout)
-        for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
-            if message.HasField("sample"):
-                return message.sample
-        raise RuntimeError("the Generate stream ended without a sample")
+        final: pb.Sample | None = None
+        # Read on past the sample to the stream's end (the trailing OK status): a call dropped
+        # before its status arrived is cancelled when grpc collects it (`_Rendezvous.__del__`), and
+        # the server would record this successful call as CANCELLED.
+        with raising_rollout_errors():
+            for message in self._stub.Generate(request, timeout=deadline, metadata=self._metadata):
+                if message.HasField("sample"):
+                    final = message.sample
+        if final is None:
+            raise RuntimeError("the Generate stream ended without a sample")
+        return final
+
+    @overload
+    def generate(
+        self,
+        sample: BatchLike,
+        params: ParamsLike = ...,
+        options: OptionsLike = ...,
+        *,
+        timeout: float | None = ...,
+        request_ids: Sequence[str] | None = ...,
+    ) -> list[pb.Sample]: ...
+
+    @overload
+    def generate(
+        self,
+        sample: OneSample,
+        params: ParamsLike = ...,
+        options: OptionsLike = ...,
+        *,
+        timeout: float | None = ...,
+        request_id: str | None = ...,
+    ) -> pb.Sample: ...
+
+    @overload
+    def generate(
+        self,
+        sample: np.ndarray,
+        params: ParamsLike = ...,
+        options: OptionsLike = ...,
+        *,
+        timeout: float | None = ...,
+        request_id: str | None = ...,
+        request_ids: Sequence[str] | None = ...,
+    ) -> pb.Sample | list[pb.Sample]: ...
 
     def generate(
         self,
-        sample: Any,
+        sample: SampleLike | BatchLike,
         params: ParamsLike = None,
         options: OptionsLike = None,
         *,
         timeout: float | None = None,
         request_id: str | None = None,
         request_ids: Sequence[str] | None = None,
-    ) -> Any:
+    ) -> pb.Sample | list[pb.Sample]:
         """Generate one sample (-> Sample), or a batch concurrently (-> list, in input order).
 
         The same inputs as AsyncRolloutClient.generate: tuples, numpy ids, `[]` -> `[]`, and
-        `request_ids` to name a batch's calls so one can be aborted from another thread.
+        `request_ids` to name a batch's calls so one can be aborted from another thread. Typed
+        per input: a batch gives `list[pb.Sample]`, one sample `pb.Sample`; a numpy array gives
+        either (1-D: one, 2-D: a batch; its rank is not in its static type).
         """
         if is_batch(sample):
-            if not len(sample):
+            batch = cast("BatchLike", sample)  # a 2-D array too: it iterates as its rows
+            if not len(batch):
                 return []
-            ids = batch_request_ids(len(sample), request_ids)
-            with ThreadPoolExecutor(max_workers=min(self._max_workers, len(sample))) as pool:
+            ids = batch_request_ids(len(batch), request_ids)
+            with ThreadPoolExecutor(max_workers=min(self._max_workers, len(batch))) as pool:
                 futures = [
                     pool.submit(self._generate_one, s, params, options, timeout, rid)
-                    for s, rid in zip(sample, ids, strict=True)
+                    for s, rid in zip(batch, ids, strict=True)
                 ]
                 return [f.result() for f in futures]
-        return self._generate_one(sample, params, options, timeout, request_id)
+        return self._generate_one(cast("SampleLike", sample), params, options, timeout, request_id)
 
     def abort(
         self,
@@ -154,16 +205,18 @@ class RolloutClient:
         request = abort_request(
             all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
         )
-        response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Abort", response, raise_on_engine_errors)
 
     def pause(
         self, mode: str = "keep", *, timeout: float | None = None, raise_on_engine_errors: bool = True
     ) -> pb.PauseResponse:
         """Pause every engine: "abort", "wait" or "keep" (`EngineErrors` when some failed)."""
-        response: pb.PauseResponse = self._stub.Pause(
-            pause_request(mode), timeout=timeout, metadata=self._metadata
-        )
+        with raising_rollout_errors():
+            response: pb.PauseResponse = self._stub.Pause(
+                pause_request(mode), timeout=timeout, metadata=self._metadata
+            )
         return check_engine_errors("Pause", response, raise_on_engine_errors)
 
     def resume(
@@ -176,14 +229,16 @@ class RolloutClient:
         """Resume every engine, optionally labelling its weights first (`EngineErrors` when some
         failed; `raise_on_engine_errors=False` returns them)."""
         request = resume_request(weight_version)
-        response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Resume", response, raise_on_engine_errors)
 
     def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""
-        response: pb.GetServerInfoResponse = self._stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
-        )
+        with raising_rollout_errors():
+            response: pb.GetServerInfoResponse = self._stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
+            )
         return response
 
     def render(
@@ -204,7 +259,8 @@ class RolloutClient:
             chat_template_kwargs=chat_template_kwargs,
             session_id=session_id,
         )
-        response: pb.RenderResponse = self._stub.Render(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            response: pb.RenderResponse = self._stub.Render(request, timeout=timeout, metadata=self._metadata)
         return response
 
     def get_trajectory(
@@ -212,4 +268,5 @@ class RolloutClient:
     ) -> pb.GetTrajectoryResponse:
         """A front-door session as training samples (ask the replica whose front door served it)."""
         request = pb.GetTrajectoryRequest(session_id=session_id, remove=remove)
-        return self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)
+        with raising_rollout_errors():
+            return self._stub.GetTrajectory(request, timeout=timeout, metadata=self._metadata)

@@ -33,12 +33,13 @@ import enum
 import io
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.client import params
 from rollout_grpc.client.aio import AsyncRolloutClient
 from rollout_grpc.client.samples import routed_experts_array
 
@@ -87,27 +88,16 @@ UNSUPPORTED: dict[str, str] = {
 def translate_sampling_params(sampling_params: Mapping[str, Any]) -> pb.SamplingParams:
     """rollout.v1 SamplingParams from slime's dict (SGLang names). `None` values mean "default".
 
-    Raises ValueError naming the slime key for a key without equivalent or a value of the wrong type.
+    Raises ValueError naming the slime key for a key without equivalent or a value of the wrong
+    type (the clients' own dict parsing, `rollout_grpc.client.params`, with slime's names).
     """
-    out = pb.SamplingParams()
-    seen: dict[str, str] = {}
-    for key, value in sampling_params.items():
-        if value is None:
-            continue
-        if key == "custom_params":
-            _check_custom_params(value)
-            continue
-        if key in UNSUPPORTED:
-            raise ValueError(f"slime sampling param {key!r} is not supported: {UNSUPPORTED[key]}")
-        field = PARAM_NAMES.get(key)
-        if field is None:
-            known = ", ".join(sorted(PARAM_NAMES))
-            raise ValueError(f"unknown slime sampling param {key!r}; supported: {known}")
-        if field in seen:
-            raise ValueError(f"slime sampling params {seen[field]!r} and {key!r} both set {field}")
-        seen[field] = key
-        _set_param(out, field, key, value)
-    return out
+    custom = sampling_params.get("custom_params")
+    if custom is not None:
+        _check_custom_params(custom)
+    rest = {key: value for key, value in sampling_params.items() if key != "custom_params"}
+    return params.sampling_params(
+        rest, names=PARAM_NAMES, unsupported=UNSUPPORTED, kind="slime sampling param"
+    )
 
 
 def _check_custom_params(value: Any) -> None:
@@ -119,70 +109,6 @@ def _check_custom_params(value: Any) -> None:
             continue  # asking for nothing is fine
         reason = UNSUPPORTED.get(name, "no rollout-grpc equivalent")
         raise ValueError(f"slime sampling param {name!r} is not supported: {reason}")
-
-
-def _set_int(out: pb.SamplingParams, field: str, value: Any) -> None:
-    setattr(out, field, _strict_int(value))
-
-
-def _set_float(out: pb.SamplingParams, field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
-        raise TypeError
-    setattr(out, field, float(value))
-
-
-def _set_bool(out: pb.SamplingParams, field: str, value: Any) -> None:
-    if not isinstance(value, bool | np.bool_):
-        raise TypeError
-    setattr(out, field, bool(value))
-
-
-def _set_stop(out: pb.SamplingParams, field: str, value: Any) -> None:
-    stops = [value] if isinstance(value, str) else list(value)
-    if not all(isinstance(s, str) for s in stops):
-        raise TypeError
-    out.stop.extend(stops)
-
-
-def _set_stop_token_ids(out: pb.SamplingParams, field: str, value: Any) -> None:
-    out.stop_token_ids.extend(_strict_int(t) for t in value)
-
-
-def _set_logit_bias(out: pb.SamplingParams, field: str, value: Any) -> None:
-    for token, bias in dict(value).items():
-        out.logit_bias[int(token)] = float(bias)
-
-
-#: rollout.v1 SamplingParams field -> how a slime value is checked and set on it (TypeError or
-#: ValueError for a value of the wrong type). Every value of PARAM_NAMES has an entry.
-_SETTERS: dict[str, Callable[[pb.SamplingParams, str, Any], None]] = {
-    **dict.fromkeys(("top_k", "max_new_tokens", "min_new_tokens", "seed"), _set_int),
-    **dict.fromkeys(
-        ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"),
-        _set_float,
-    ),
-    **dict.fromkeys(
-        ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"), _set_bool
-    ),
-    "stop": _set_stop,
-    "stop_token_ids": _set_stop_token_ids,
-    "logit_bias": _set_logit_bias,
-}
-
-
-def _set_param(out: pb.SamplingParams, field: str, key: str, value: Any) -> None:
-    try:
-        _SETTERS[field](out, field, value)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"slime sampling param {key!r} has an invalid value {value!r} for rollout.v1 {field}"
-        ) from None
-
-
-def _strict_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError
-    return int(value)
 
 
 # ---- slime Sample <-> wire -----------------------------------------------------------------------

@@ -5,10 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import numpy as np
@@ -23,10 +20,7 @@ from rollout_grpc.client import (
     new_request_id,
     pb,
 )
-
-PROMPT = [1, 92, 510, 206]
-SHORT = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-LONG = {"temperature": 1.0, "max_new_tokens": 3000, "ignore_eos": True}
+from tests.client.common import LONG, PROMPT, PUSHBACK_MS, SHORT, RefuseOnce
 
 
 def test_the_installed_client_is_tested() -> None:
@@ -75,7 +69,7 @@ async def test_batch_inputs_tuples_numpy_and_empty(target: str) -> None:
         pair = await client.generate((tuple(PROMPT), make_sample(ids)), SHORT)
         assert [list(s.tokens) for s in pair] == [list(one.tokens)] * 2
         grid = await client.generate(np.array([PROMPT, PROMPT]), SHORT)
-        assert len(grid) == 2
+        assert isinstance(grid, list) and len(grid) == 2  # an array: one or a batch, by its rank
         with pytest.raises(TypeError, match="integers"):
             make_sample([1.5, 2.0])  # type: ignore[list-item]
 
@@ -130,61 +124,6 @@ async def test_unspecified_status_means_pending(target: str) -> None:
 
 
 # ---- the default retry policy honours the server's pushback -------------------------------------
-
-Ctx = grpc.aio.ServicerContext[Any, Any]
-PUSHBACK_MS = 700  # well above the policy's 0.2 s initial backoff, so only the pushback explains it
-
-
-class RefuseOnce:
-    """A fake RolloutService that refuses the first call like a full replica, then serves."""
-
-    def __init__(self) -> None:
-        self.arrivals: list[float] = []
-        self.lock = threading.Lock()
-
-    async def _refuse_first(self, context: Ctx) -> None:
-        with self.lock:
-            self.arrivals.append(time.monotonic())
-            first = len(self.arrivals) == 1
-        if first:
-            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(PUSHBACK_MS)),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "admission queue full")
-
-    async def info(self, request: pb.GetServerInfoRequest, context: Ctx) -> object:
-        await self._refuse_first(context)
-        return pb.GetServerInfoResponse(in_flight=7)
-
-    async def generate(self, request: pb.GenerateRequest, context: Ctx) -> AsyncIterator[pb.GenerateResponse]:
-        await self._refuse_first(context)
-        yield pb.GenerateResponse(sample=pb.Sample(tokens=list(request.sample.tokens), response_length=0))
-
-
-@pytest.fixture
-async def refusing() -> AsyncIterator[tuple[str, RefuseOnce]]:
-    fake = RefuseOnce()
-    handler = grpc.method_handlers_generic_handler(
-        "rollout.v1.RolloutService",
-        {
-            "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-                fake.info,
-                request_deserializer=pb.GetServerInfoRequest.FromString,
-                response_serializer=pb.GetServerInfoResponse.SerializeToString,
-            ),
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                fake.generate,
-                request_deserializer=pb.GenerateRequest.FromString,
-                response_serializer=pb.GenerateResponse.SerializeToString,
-            ),
-        },
-    )
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}", fake
-    finally:
-        await server.stop(None)
 
 
 async def test_a_refused_call_is_retried_after_the_servers_pushback(refusing: tuple[str, RefuseOnce]) -> None:

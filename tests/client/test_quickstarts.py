@@ -28,12 +28,19 @@ def run_python(code: str, target: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_python_quickstart(target: str) -> None:
-    (code,) = code_blocks(ROOT / "docs" / "quickstart.md", "python")
+    code, _ = code_blocks(ROOT / "docs" / "quickstart.md", "python")
     result = run_python(code, target)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split("\n")[:-1]
     assert [line.split()[0] for line in lines] == ["0", "1", "2", "3"]
     assert all(line.split()[1] in ("SAMPLE_STATUS_COMPLETED", "SAMPLE_STATUS_TRUNCATED") for line in lines)
+
+
+def test_python_errors_quickstart(target: str) -> None:
+    _, code = code_blocks(ROOT / "docs" / "quickstart.md", "python")
+    result = run_python(code, target)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "sampling_params.top_p - must be in (0, 1], got 2.0\n"
 
 
 def test_readme_python_example(target: str) -> None:

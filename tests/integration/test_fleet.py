@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
+from rollout_grpc.client import AsyncRolloutClient, ResourceExhaustedError, make_sample, pb
 from rollout_grpc.server.app import SERVICE_NAME
 from tests.harness import harness, running_server, sim_engines
 from tests.support.fleet import session_on
@@ -94,11 +94,15 @@ async def test_admission_limit_and_queue_overflow() -> None:
         for waiter in firsts:
             waiter.cancel()
         assert info.in_flight == 2 and info.queued == 2
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        with pytest.raises(ResourceExhaustedError) as err:
             await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 2})
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         trailers = dict(err.value.trailing_metadata() or ())
         assert trailers.get("grpc-retry-pushback-ms") == "500"
+        assert err.value.retry_after == 0.5
+        # The same hint from the server's google.rpc.RetryInfo alone (without the pushback trailer).
+        rich = [(k, v) for k, v in err.value.trailing_metadata() or () if k != "grpc-retry-pushback-ms"]
+        assert ResourceExhaustedError(err.value.code(), None, grpc.aio.Metadata(*rich)).retry_after == 0.5
         assert h.sims[0].core.load <= 2
         await h.client.abort(all=True)
         samples = await asyncio.gather(*(s.task for s in streams))
