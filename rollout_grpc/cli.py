@@ -18,6 +18,7 @@ import structlog
 from rollout_grpc import info as info_command
 from rollout_grpc import logs, settings
 from rollout_grpc.server.app import RolloutServer
+from rollout_grpc.server.ports import PortUnavailable
 
 log = structlog.get_logger("rollout_grpc.cli")
 
@@ -103,7 +104,11 @@ async def _serve(args: argparse.Namespace) -> int:
         except settings.SettingsError as exc:
             raise SystemExit(f"rollout-grpc serve: {exc}") from None
         server = RolloutServer(config)
-        await server.start()
+        try:
+            await server.start()
+        except PortUnavailable as exc:
+            await server.stop()
+            raise SystemExit(f"rollout-grpc serve: {exc}") from None
         if args.port_file:
             tmp = args.port_file + ".tmp"
             Path(tmp).write_text(

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server import ports
 from rollout_grpc.server.domain import bounds
 from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain.identity import Role
@@ -47,6 +48,7 @@ from rollout_grpc.server.front.grpc.tls import peer_channel_credentials, server_
 from rollout_grpc.server.front.openai.server import FrontDoorConfig, OpenAIFrontDoor
 from rollout_grpc.server.observe.httplog import engine_call_logging
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
+from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
@@ -221,6 +223,8 @@ class ServerConfig:
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.server_max_unrequested_time_in_server", int(self.max_unrequested_time_s)),
+            # A busy port is an error, never a port silently shared with another process.
+            NO_REUSEPORT,
         ]
         if self.max_connection_age_s:
             options += [
@@ -228,6 +232,28 @@ class ServerConfig:
                 ("grpc.max_connection_age_grace_ms", int(self.max_connection_age_grace_s * 1000)),
             ]
         return options
+
+
+def _bind(
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None,
+    what: str,
+) -> int:
+    """Bind a gRPC server's port (0 = a free one); `ports.PortUnavailable` when it cannot be had."""
+    address = f"{host}:{port}"
+    try:
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # grpcio: "Failed to bind to address ..."
+        bound = 0
+    if bound == 0:
+        raise ports.unavailable(what, host, port)
+    return bound
 
 
 class RolloutServer:
@@ -443,13 +469,9 @@ class RolloutServer:
                 (SERVICE_NAME, REPLICA_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                 server,
             )
-        address = f"{cfg.host}:{cfg.port}"
-        if tls is not None:
-            self.port = server.add_secure_port(address, server_credentials(tls))
-        else:
-            self.port = server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+        self.port = _bind(
+            server, cfg.host, cfg.port, server_credentials(tls) if tls is not None else None, "gRPC, --port"
+        )
         if self.peers is not None:
             self.peers.set_own_port(self.port)
         return server
@@ -463,23 +485,29 @@ class RolloutServer:
             self.front_door = OpenAIFrontDoor(
                 self.facade, cfg.openai, auth=self.auth, tls=tls, limits=cfg.request_limits()
             )
-            self.openai_port = await self.front_door.start(cfg.host, cfg.openai_port)
+            try:
+                self.openai_port = await self.front_door.start(cfg.host, cfg.openai_port)
+            except OSError as exc:
+                raise ports.unavailable(
+                    "the OpenAI front door, --openai-port", cfg.host, cfg.openai_port, exc
+                ) from None
         if cfg.metrics_port is not None:
             self._metrics_endpoint = MetricsEndpoint(self.metrics)
-            self.metrics_port = await self._metrics_endpoint.start(cfg.host, cfg.metrics_port)
+            try:
+                self.metrics_port = await self._metrics_endpoint.start(cfg.host, cfg.metrics_port)
+            except OSError as exc:
+                raise ports.unavailable("metrics, --metrics-port", cfg.host, cfg.metrics_port, exc) from None
 
     async def _start_health_port(self, tls: TlsConfig | None) -> None:
         """A separate health-only server (plaintext when asked, so kubelet probes need no cert)."""
         cfg = self.config
-        self._health_server = grpc.aio.server()
+        self._health_server = grpc.aio.server(options=[NO_REUSEPORT])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-        health_address = f"{cfg.host}:{cfg.health_port}"
-        if tls is not None and not cfg.health_plaintext:
-            self.health_port = self._health_server.add_secure_port(
-                health_address, server_credentials(tls, require_client_cert=False)
-            )
-        else:
-            self.health_port = self._health_server.add_insecure_port(health_address)
+        secure = tls is not None and not cfg.health_plaintext
+        credentials = server_credentials(tls, require_client_cert=False) if secure and tls else None
+        self.health_port = _bind(
+            self._health_server, cfg.host, cfg.health_port or 0, credentials, "health, --health-port"
+        )
         await self._health_server.start()
 
     def _on_engines_changed(self, any_usable: bool) -> None:
