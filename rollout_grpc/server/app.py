@@ -458,6 +458,7 @@ class RolloutServer:
                 self.auth,
                 cfg.request_limits(),
                 ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst),
+                engine_urls=lambda: [e.url for e in self.pool.engines],
             ),
         ]
         server = grpc.aio.server(options=cfg.grpc_options(), interceptors=chain)

@@ -164,6 +164,19 @@ class EnginePool:
 
     # ----------------------------------------------------------------------------- routing
 
+    def unusable_reasons(self) -> list[tuple[str, str]]:
+        """(URL, why) for every engine that receives no generations now: the health probe's cause,
+        the capability problems, or draining. Named in UNAVAILABLE messages and GetServerInfo."""
+        reasons: list[tuple[str, str]] = []
+        for handle in self._engines.values():
+            if not handle.healthy:
+                reasons.append((handle.url, f"unhealthy: {handle.last_error or 'health probe failed'}"))
+            elif handle.problems:
+                reasons.append((handle.url, "not usable: " + "; ".join(handle.problems)))
+            elif handle.draining:
+                reasons.append((handle.url, "draining"))
+        return reasons
+
     def pick(
         self, session_id: str = "", exclude: frozenset[str] | set[str] = frozenset()
     ) -> EngineHandle | None:
@@ -231,7 +244,8 @@ class EnginePool:
         if /health answers: an engine that accepts connections but breaks streams would otherwise
         flap back into rotation at every probe.
         """
-        ok = await handle.client.health()
+        health = await handle.client.health()
+        ok = bool(health)
         cooling = handle.consecutive_failures > 0 and (
             time.monotonic() - handle._opened_at < self._breaker_cooldown_s
         )
@@ -247,11 +261,14 @@ class EnginePool:
             handle.consecutive_failures = 0
             log.info("engine_healthy", engine=handle.url)
             self._notify()
-        elif not ok and handle.healthy:
-            handle.healthy = False
-            handle.last_error = "health probe failed"
-            log.warning("engine_unhealthy", engine=handle.url, error="health probe failed")
-            self._notify()
+        elif not ok:
+            cause = getattr(health, "cause", "") or "health probe failed"
+            if handle.healthy or cause != handle.last_error:
+                log.warning("engine_unhealthy", engine=handle.url, error=cause)
+            handle.last_error = cause
+            if handle.healthy:
+                handle.healthy = False
+                self._notify()
         if handle.usable != usable_before:
             self._notify()
         return ok

@@ -252,7 +252,8 @@ class Rollout:
             if decision is None:
                 break  # the call ended normally
             if decision.action is Action.RAISE:
-                raise _domain_error(decision, run.error) from run.error
+                unusable = self.pool.unusable_reasons() if engine is None else []
+                raise _domain_error(decision, run.error, unusable) from run.error
             if decision.action is Action.FINISH:
                 sample_ops.finish(sample, decision.finish, decision.status, decision.reason)
                 break
@@ -640,11 +641,16 @@ def _rejection(exc: EngineRejected, default_field: str = "sample.tokens") -> Exc
     return InvalidArgument(field_name, f"rejected by the engine: {exc.message}")
 
 
-def _domain_error(decision: Decision, error: EngineError | None) -> Exception:
-    """The domain error of a RAISE decision."""
+def _domain_error(
+    decision: Decision, error: EngineError | None, unusable: list[tuple[str, str]] | None = None
+) -> Exception:
+    """The domain error of a RAISE decision; with no engine to pick, it names every engine and why
+    it receives no generations (`unusable`)."""
     if decision.raise_as is Raise.REJECTION and isinstance(error, EngineRejected):
         return _rejection(error)
     detail = f": {error.message}" if error is not None else ""
+    if unusable:
+        detail += " (" + "; ".join(f"{url}: {why}" for url, why in unusable) + ")"
     if decision.raise_as is Raise.FAILED_PRECONDITION:
         return FailedPrecondition(f"{decision.reason}{detail}")
     return Unavailable(f"{decision.reason}{detail}")

@@ -151,7 +151,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         statuses = await self._facade.engine_statuses()
         show_url = current_caller().is_admin
         versions = {s.weight_version for s in statuses if s.healthy and s.weight_version}
-        return pb.GetServerInfoResponse(
+        response = pb.GetServerInfoResponse(
             engines=[
                 pb.EngineInfo(
                     url=s.url if show_url else redact.engine_label(s.url),
@@ -172,6 +172,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             queued=self._facade.admission.queued,
             version=__version__,
         )
+        if not show_url:
+            urls = [s.url for s in statuses]
+            for info in response.engines:
+                info.health_error = redact.redact_text(info.health_error, urls)
+        return response
 
     async def Render(
         self, request: pb.RenderRequest, context: grpc.aio.ServicerContext[Any, Any]
