@@ -51,7 +51,7 @@ dist: $(STAMP)
 
 # The container image rollout-grpc:VERSION (Containerfile) with buildah, on a Debian base image built
 # here with mmdebstrap (cached); tools/image/build.sh says what it needs and how to change the base.
-image: $(STAMP)
+image: dist
 	bash tools/image/build.sh
 
 # Builds the image, starts `rollout-grpc serve --sim 2` in it and checks health and a Generate from
