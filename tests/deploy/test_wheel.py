@@ -116,3 +116,16 @@ def test_client_tests_pass_on_the_wheel_installed_alone(wheel: Path, tmp_path: P
     summary = output.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary), output
     assert "skipped" not in summary and "deselected" not in summary, output
+
+
+def test_the_install_docs_name_the_current_wheel() -> None:
+    """README, docs/ and deploy/ spell out the wheel's file name: it follows the version."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "deploy" / "README.md"]
+    named = {
+        (path.relative_to(REPO).as_posix(), version)
+        for path in docs
+        for version in re.findall(r"rollout_grpc-(\d[^-]*)-py3-none-any\.whl", path.read_text())
+    }
+    assert named, "no document names the wheel"
+    stale = sorted(item for item in named if item[1] != __version__)
+    assert not stale, f"wheel names of another version than {__version__}: {stale}"
