@@ -115,17 +115,24 @@ def wait_serving(target: str) -> None:
 
 
 def stop(running_proc: subprocess.Popen[bytes], server: psutil.Process | None) -> None:
-    """SIGTERM the server (buildah would SIGKILL it on its own SIGTERM), then the container."""
+    """SIGTERM the server and wait for the container; past the deadline, or without a server
+    process, SIGKILL what is left (buildah itself SIGKILLs its command on SIGTERM)."""
     if running_proc.poll() is not None:
         return
-    with contextlib.suppress(psutil.NoSuchProcess):
-        if server is not None:
+    if server is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
             server.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                running_proc.wait(timeout=WAIT_S)
-                return
-    running_proc.kill()
-    running_proc.wait(timeout=WAIT_S)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            running_proc.wait(timeout=WAIT_S)
+            return
+        with contextlib.suppress(psutil.NoSuchProcess):
+            server.kill()
+    running_proc.terminate()
+    try:
+        running_proc.wait(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        running_proc.kill()
+        running_proc.wait(timeout=WAIT_S)
 
 
 @pytest.fixture
