@@ -61,15 +61,11 @@ async def silent() -> AsyncIterator[str]:
         server.close()
 
 
-async def _info(target: str) -> pb.GetServerInfoResponse:
-    async with AsyncRolloutClient(target) as client:
-        return await client.server_info()
-
-
-async def _until_diagnosed(target: str, count: int) -> pb.GetServerInfoResponse:
+async def _until_diagnosed(client: AsyncRolloutClient, count: int) -> pb.GetServerInfoResponse:
+    """GetServerInfo once `count` engines carry a health error (polled: the probe runs every 0.2 s)."""
     async with asyncio.timeout(WAIT_S):
         while True:
-            info = await _info(target)
+            info = await client.server_info()
             if sum(1 for e in info.engines if e.health_error) == count:
                 return info
             await asyncio.sleep(0.1)
@@ -81,7 +77,8 @@ async def test_each_dead_or_wrong_engine_says_why_everywhere() -> None:
         with structlog.testing.capture_logs() as logs:
             async with running_server([dead, wrong, hung], health_interval_s=0.2) as server:
                 target = f"127.0.0.1:{server.port}"
-                info = await _until_diagnosed(target, 3)
+                async with AsyncRolloutClient(target) as client:
+                    info = await _until_diagnosed(client, 3)
                 by_url = {e.url: e for e in info.engines}
                 assert "connection refused" in by_url[dead].health_error
                 assert "not a vLLM server" in by_url[wrong].health_error
@@ -109,10 +106,7 @@ async def test_a_trainer_sees_labels_not_engine_addresses(tmp_path: Path) -> Non
     async with running_server([dead], auth_tokens_file=str(tokens)) as server:
         target = f"127.0.0.1:{server.port}"
         async with AsyncRolloutClient(target, token=TRAINER_A, retry=None) as client:
-            async with asyncio.timeout(WAIT_S):
-                while not (await client.server_info()).engines[0].health_error:
-                    await asyncio.sleep(0.1)
-            info = await client.server_info()
+            info = await _until_diagnosed(client, 1)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await client.generate(make_sample([1, 2, 3]), {"max_new_tokens": 2})
     address = dead.removeprefix("http://")
