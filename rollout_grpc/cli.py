@@ -129,14 +129,13 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `rollout-grpc` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sim"]:
-        from rollout_grpc.sim.__main__ import main as sim_main
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The whole command tree and its `serve` parser (which `settings.parse_serve_args` layers
+    environment and config file values into). `sim` carries the simulator's own flags so that
+    `rollout-grpc sim --help` and the help test see them, although `main` hands `sim` argv to the
+    simulator's parser directly."""
+    from rollout_grpc.sim.__main__ import build_parser as sim_parser
 
-        sim_main(argv[1:], prog="rollout-grpc sim")
-        return 0
     parser = argparse.ArgumentParser(prog="rollout-grpc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
@@ -148,14 +147,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     settings.add_serve_arguments(serve)
-    sub.add_parser("sim", help="run one simulated vLLM engine (see `rollout-grpc sim --help`)")
-    info = sub.add_parser("info", help="show a replica and its engines (GetServerInfo) as a table")
+    simulator = sim_parser("rollout-grpc sim")
+    sub.add_parser(
+        "sim",
+        help="run one simulated vLLM engine (see `rollout-grpc sim --help`)",
+        description=simulator.description,
+        parents=[simulator],
+        add_help=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    info = sub.add_parser(
+        "info",
+        help="show a replica and its engines (GetServerInfo) as a table",
+        description=info_command.DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     info_command.add_arguments(info)
-    demo = sub.add_parser("demo", help="start a replica on simulated engines and run a demo rollout")
-    demo.add_argument("--prompts", type=int, default=8)
-    demo.add_argument("--samples-per-prompt", type=int, default=4)
-    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo = sub.add_parser(
+        "demo",
+        help="start a replica on simulated engines and run a demo rollout",
+        description="Start two simulated engines and a replica in this process, generate with "
+        "over-sampling (abort-all once half the samples are done), continue the aborted samples, "
+        "print a table and exit (0 when the trainer contract holds). What `make run` runs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument("--prompts", type=int, default=8, help="prompt groups to generate")
+    demo.add_argument("--samples-per-prompt", type=int, default=4, help="samples per prompt group")
+    demo.add_argument("--max-new-tokens", type=int, default=128, help="token budget of each sample")
     demo.add_argument("--progress", action="store_true", help="show a progress bar (tqdm)")
+    return parser, serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `rollout-grpc` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        from rollout_grpc.sim.__main__ import main as sim_main
+
+        sim_main(argv[1:], prog="rollout-grpc sim")
+        return 0
+    parser, serve = build_parser()
     if argv[:1] == ["serve"]:
         args = settings.parse_serve_args(serve, argv[1:])
         args.command = "serve"

@@ -29,6 +29,13 @@ from rollout_grpc.client.credentials import ClientSecurity
 
 ENV_PREFIX = "ROLLOUT_GRPC_INFO_"
 
+#: `rollout-grpc info --help`'s description.
+DESCRIPTION = (
+    "Show one replica and its engines: GetServerInfo and the health status, as a table or (--json) "
+    "as JSON. Exit code 0 when the replica is SERVING, 1 when it answers but is not, 2 when it "
+    "cannot be reached or refuses the credentials. TLS and token flags as the clients' (docs/security.md)."
+)
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
 

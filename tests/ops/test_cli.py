@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 from collections.abc import Iterator
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_grpc import cli
 from rollout_grpc.info import run_info
 from tests.harness import harness
 from tests.support.processes import Processes, child_env, read_port_file, replica_command
@@ -83,3 +85,31 @@ async def test_info_prints_a_table_with_problems(capsys: pytest.CaptureFixture[s
 def test_info_on_an_unreachable_target_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_info("127.0.0.1:1", timeout=2.0) == 2
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """`parser` and every parser below it, each with its command path."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, f"{path} {name}")
+
+
+def test_every_subcommand_and_flag_has_help() -> None:
+    """`--help` is the reference an operator reads: no flag may be listed bare."""
+    parser, _ = cli.build_parser()
+    tree = dict(_parsers(parser, "rollout-grpc"))
+    assert set(tree) >= {f"rollout-grpc {c}" for c in ("serve", "sim", "info", "demo")}
+    bare: list[str] = []
+    for path, node in tree.items():
+        if not node.description:
+            bare.append(f"{path} (no description)")
+        for action in node._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                bare += [f"{path} {c.dest}" for c in action._choices_actions if not c.help]
+            elif not action.help or action.help == argparse.SUPPRESS:
+                bare.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+    assert not bare, f"without help: {bare}"
+    # The sim subcommand's tree node carries the simulator's real flags (not an empty stub).
+    assert "--logprobs-mode" in tree["rollout-grpc sim"].format_help()
