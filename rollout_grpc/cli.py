@@ -15,8 +15,8 @@ from pathlib import Path
 
 import structlog
 
+from rollout_grpc import __version__, logs, settings
 from rollout_grpc import info as info_command
-from rollout_grpc import logs, settings
 from rollout_grpc.server.app import RolloutServer
 
 log = structlog.get_logger("rollout_grpc.cli")
@@ -137,6 +137,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     from rollout_grpc.sim.__main__ import build_parser as sim_parser
 
     parser = argparse.ArgumentParser(prog="rollout-grpc", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",

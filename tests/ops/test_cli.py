@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_grpc import cli
+from rollout_grpc import __version__, cli
 from rollout_grpc.info import run_info
 from tests.harness import harness
 from tests.support.processes import Processes, child_env, read_port_file, replica_command
@@ -113,3 +113,10 @@ def test_every_subcommand_and_flag_has_help() -> None:
     assert not bare, f"without help: {bare}"
     # The sim subcommand's tree node carries the simulator's real flags (not an empty stub).
     assert "--logprobs-mode" in tree["rollout-grpc sim"].format_help()
+
+
+def test_version_flag_prints_the_package_version() -> None:
+    result = subprocess.run(
+        [*replica_command(), "--version"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == f"rollout-grpc {__version__}"
