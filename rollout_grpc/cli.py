@@ -165,7 +165,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         description=info_command.DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    info_command.add_arguments(info)
+    info_command.add_arguments(info, default_target=settings.local_target())
     demo = sub.add_parser(
         "demo",
         help="start a replica on simulated engines and run a demo rollout",

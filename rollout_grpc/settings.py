@@ -425,6 +425,11 @@ def parse_serve_args(
     return parser.parse_args(argv)
 
 
+def local_target() -> str:
+    """The address of a replica on this host started with the default `--port`."""
+    return f"127.0.0.1:{_field_default('port')}"
+
+
 def server_config(args: argparse.Namespace, engines: list[str], *, simulated: bool = False) -> ServerConfig:
     """The ServerConfig that the parsed flags describe (flags without a field are skipped)."""
     top: dict[str, Any] = {"engines": engines, "simulated_engines": simulated}
