@@ -197,6 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     if args.command == "serve":
         logs.configure(args.log_level, args.log_format)
+        for unknown in settings.unknown_variables(os.environ):
+            log.warning(
+                "environment_variable_ignored",
+                variable=unknown.name,
+                did_you_mean=unknown.meant,
+                flag=unknown.flag,
+                message=str(unknown),
+            )
         return asyncio.run(_serve(args))
     if args.command == "info":
         try:

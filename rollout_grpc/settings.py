@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,15 @@ NOT_FLAGS: Final[dict[str, str]] = {
     "simulated_engines": "set by --sim, never by hand",
     "openai": "the front door's policies (drift, tool parser, session cap) are set in code; docs/agentic.md",
 }
+
+#: ROLLOUT_GRPC_* variables that are read elsewhere, hence no misspelling of a setting.
+OTHER_VARIABLES: Final[dict[str, str]] = {
+    ENV_PREFIX + "CONFIG": "serve --config",
+    ENV_PREFIX + "TARGET": "the replica address of the clients' examples and of the slime hook",
+    ENV_PREFIX + "ALLOW_UNTESTED_PYTHON": "the server's Python version check (server/environment.py)",
+}
+#: Families of ROLLOUT_GRPC_* variables read elsewhere: `rollout-grpc info`'s connection flags.
+OTHER_PREFIXES: Final = (ENV_PREFIX + "INFO_",)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -391,7 +401,11 @@ def from_config_file(path: str) -> dict[str, Any]:
     for key, raw in data.items():
         flag = _BY_KEY.get(key.replace("-", "_"))
         if flag is None:
-            raise SettingsError(f"config file {path}: unknown key {key!r} (keys are `serve` flag names)")
+            close = difflib.get_close_matches(key.replace("-", "_"), sorted(_BY_KEY), n=1, cutoff=0.7)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise SettingsError(
+                f"config file {path}: unknown key {key!r} (keys are `serve` flag names){hint}"
+            )
         values[flag.dest] = _convert(flag, raw, f"config file {path}")
     return values
 
@@ -403,6 +417,47 @@ def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
         if flag.env in environ:
             values[flag.dest] = _convert(flag, environ[flag.env], f"environment {flag.env}")
     return values
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownVariable:
+    """A ROLLOUT_GRPC_* environment variable that no setting reads, and the one it probably meant."""
+
+    name: str
+    #: The closest setting's variable and flag, when one is close enough to be a likely typo.
+    meant: str | None = None
+    flag: str | None = None
+
+    def __str__(self) -> str:
+        hint = ""
+        if self.meant:
+            hint = f"; did you mean {self.meant}" + (f" ({self.flag})?" if self.flag else "?")
+        return f"environment variable {self.name} matches no setting and is ignored{hint}"
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[UnknownVariable]:
+    """The ROLLOUT_GRPC_* variables of `environ` that nothing reads: a misspelt setting would
+    otherwise be silently ignored and the default used in its place."""
+    by_env = {flag.env: flag for flag in FLAGS}
+    known = set(by_env) | set(OTHER_VARIABLES)
+    by_alias = {
+        ENV_PREFIX + a.removeprefix("--").replace("-", "_").upper(): flag
+        for flag in FLAGS
+        for a in flag.aliases
+    }
+    unknown: list[UnknownVariable] = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name.startswith(OTHER_PREFIXES):
+            continue
+        # Compared without the shared prefix, which would make every name look close.
+        suffixes = sorted(k.removeprefix(ENV_PREFIX) for k in known)
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), suffixes, n=1, cutoff=0.75)
+        meant = ENV_PREFIX + close[0] if close else None
+        if name in by_alias:  # flag aliases (--sim-engines) have no variables of their own
+            meant = by_alias[name].env
+        flag = by_env[meant].name if meant in by_env else None
+        unknown.append(UnknownVariable(name, meant, flag))
+    return unknown
 
 
 def parse_serve_args(

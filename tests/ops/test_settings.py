@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from rollout_grpc import settings
 from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import ServerConfig
 from tests.harness import harness
+from tests.support.processes import child_env, replica_command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,6 +96,7 @@ def test_units_switches_and_none_values_convert() -> None:
         ({"ROLLOUT_GRPC_RAW_LOGPROBS": "maybe"}, "", "--raw-logprobs"),
         ({}, "no_such_flag = 1\n", "unknown key 'no_such_flag'"),
         ({}, "grace = true\n", "--grace"),
+        ({}, "grase = 10\n", "unknown key 'grase' (keys are `serve` flag names); did you mean 'grace'?"),
     ],
 )
 def test_bad_values_are_named(
@@ -123,3 +126,51 @@ async def test_breaker_cooldown_setting_reaches_the_engine_pool() -> None:
         # No cooldown: the next successful probe closes the breaker (the default, 5 s, would not).
         await h.server.pool.probe(engine)
         assert engine.usable
+
+
+def test_misspelt_environment_variables_are_named_with_the_setting_they_probably_meant() -> None:
+    env = {
+        "ROLLOUT_GRPC_GRASE": "10",
+        "ROLLOUT_GRPC_SIM_ENGINES": "2",  # the alias --sim-engines has no variable of its own
+        "ROLLOUT_GRPC_ZZZ": "1",
+        "ROLLOUT_GRPC_GRACE": "10",
+        "ROLLOUT_GRPC_CONFIG": "x.toml",
+        "ROLLOUT_GRPC_INFO_TLS_CA": "ca.pem",
+        "HOME": "/root",
+    }
+    unknown = {u.name: u for u in settings.unknown_variables(env)}
+    assert set(unknown) == {"ROLLOUT_GRPC_GRASE", "ROLLOUT_GRPC_SIM_ENGINES", "ROLLOUT_GRPC_ZZZ"}
+    assert (unknown["ROLLOUT_GRPC_GRASE"].meant, unknown["ROLLOUT_GRPC_GRASE"].flag) == (
+        "ROLLOUT_GRPC_GRACE",
+        "--grace",
+    )
+    assert unknown["ROLLOUT_GRPC_SIM_ENGINES"].meant == "ROLLOUT_GRPC_SIM"
+    assert unknown["ROLLOUT_GRPC_ZZZ"].meant is None
+
+
+def test_every_rollout_grpc_variable_the_code_reads_is_known() -> None:
+    """A variable read outside the settings table (the slime hook's target, ...) is not a typo."""
+    package = Path(settings.__file__).parent
+    names = {
+        name
+        for path in package.rglob("*.py")
+        for name in re.findall(r"ROLLOUT_GRPC_[A-Z0-9_]+", path.read_text())
+        if name != settings.ENV_PREFIX
+    }
+    assert "ROLLOUT_GRPC_TARGET" in names
+    assert settings.unknown_variables(dict.fromkeys(names, "")) == []
+
+
+def test_serve_warns_about_a_misspelt_variable_at_start() -> None:
+    env = {k: v for k, v in child_env().items() if not k.startswith("ROLLOUT_GRPC_")}
+    result = subprocess.run(
+        [*replica_command(), "serve", "--port", "0"],  # no engine: exits once the settings are read
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "ROLLOUT_GRPC_GRASE": "10"},
+    )
+    assert result.returncode != 0
+    warning = next(line for line in result.stderr.splitlines() if "ROLLOUT_GRPC_GRASE" in line)
+    assert "environment_variable_ignored" in warning and "ROLLOUT_GRPC_GRACE (--grace)" in warning
