@@ -22,21 +22,13 @@ from rollout_grpc.server.app import RolloutServer
 log = structlog.get_logger("rollout_grpc.cli")
 
 
-def _read_engines_file(path: str) -> list[str]:
-    """One engine URL per line; blank lines and # comments are ignored."""
-    lines = Path(path).read_text().splitlines()
-    return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
-
-
 @contextlib.asynccontextmanager
-async def _engines(args: argparse.Namespace) -> AsyncIterator[list[str]]:
+async def _engines(args: argparse.Namespace, given: list[settings.EngineURL]) -> AsyncIterator[list[str]]:
     """The engine URLs: the given ones, or (only with --sim N) simulated engines in this process."""
-    urls = list(args.engine)
-    if args.engines_file:
-        urls += _read_engines_file(args.engines_file)
-        if not urls:
-            # Never fall back to toy engines in a deployment whose engine list came out empty.
-            raise SystemExit(f"rollout-grpc: {args.engines_file} lists no engine URL")
+    urls = [engine.url for engine in given]
+    if args.engines_file and not urls:
+        # Never fall back to toy engines in a deployment whose engine list came out empty.
+        raise SystemExit(f"rollout-grpc: {args.engines_file} lists no engine URL")
     if urls and args.sim:
         raise SystemExit("rollout-grpc: give engines (--engine/--engines-file) or --sim N, not both")
     if urls:
@@ -80,14 +72,27 @@ def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
         log.info("sighup_engines_unchanged", reason="no --engines-file to reload")
         return
     try:
-        urls = list(args.engine) + _read_engines_file(args.engines_file)
-    except OSError as exc:
-        log.error("engines_file_unreadable", path=args.engines_file, error=str(exc))
+        engines = settings.engine_list(args)
+        _supported(engines)
+    except settings.SettingsError as exc:
+        # An unreadable file or a bad line (named by its number): the replica serves on as it was.
+        log.error(
+            "engines_file_invalid", path=args.engines_file, error=str(exc), action="kept the current engines"
+        )
         return
-    if not urls:
+    if not engines:
         log.error("engines_file_empty", path=args.engines_file, action="kept the current engines")
         return
-    server.reload_engines(urls)
+    server.reload_engines([engine.url for engine in engines])
+
+
+def _supported(engines: list[settings.EngineURL]) -> None:
+    """Refuse engine kinds this build cannot drive yet (the URL grammar already names them)."""
+    for engine in engines:
+        if engine.kind is not settings.EngineKind.VLLM:
+            raise settings.SettingsError(
+                f"{engine.kind}+{engine.url}: {engine.kind} engines are not supported yet"
+            )
 
 
 def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
@@ -96,8 +101,8 @@ def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
     server.reload_credentials()
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    async with _engines(args) as engines:
+async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> int:
+    async with _engines(args, given) as engines:
         try:
             config = settings.server_config(args, engines, simulated=bool(args.sim))
         except settings.SettingsError as exc:
@@ -196,6 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
     if args.command == "serve":
+        try:
+            given = settings.engine_list(args)
+            _supported(given)
+        except settings.SettingsError as exc:
+            print(f"rollout-grpc serve: error: {exc}", file=sys.stderr)
+            return 2
         logs.configure(args.log_level, args.log_format)
         for unknown in settings.unknown_variables(os.environ):
             log.warning(
@@ -205,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flag=unknown.flag,
                 message=str(unknown),
             )
-        return asyncio.run(_serve(args))
+        return asyncio.run(_serve(args, given))
     if args.command == "info":
         try:
             security = info_command.security_from_args(args)

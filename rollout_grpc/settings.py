@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import enum
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
+from urllib.parse import urlsplit
 
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.domain import GenerateOptions
@@ -99,8 +101,89 @@ def _mtls_roles(items: list[str]) -> dict[str, str]:
     return roles
 
 
+class EngineKind(enum.StrEnum):
+    """The engine software behind a URL, given as an optional `KIND+` prefix of the scheme."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineURL:
+    """One engine: its base URL (a plain `http(s)://host[:port]` string, what `ServerConfig.engines`
+    holds) and its kind (`sglang+http://...`; vLLM when there is no prefix)."""
+
+    url: str
+    kind: EngineKind = EngineKind.VLLM
+
+
+_ENGINE_FORM = "expected http(s)://HOST[:PORT], optionally prefixed vllm+ or sglang+"
+
+
+def parse_engine_url(text: str) -> EngineURL:
+    """Check one engine URL and split off its kind; ValueError says what is wrong with it.
+
+    Checked when the settings are read rather than when the first HTTP call fails: `127.0.0.1:8100`
+    (no scheme) used to get as far as aiohttp and end `serve` in a long traceback."""
+    value = text.strip()
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        raise ValueError(f"{text!r}: no scheme ({_ENGINE_FORM})")
+    kind, scheme = _engine_kind(scheme, text)
+    parts = urlsplit(f"{scheme}://{rest}")
+    if "@" in parts.netloc:
+        raise ValueError(f"{text!r}: credentials in the URL are not supported")
+    if not parts.hostname:
+        raise ValueError(f"{text!r}: no host ({_ENGINE_FORM})")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or parts.netloc.endswith(":"):
+        raise ValueError(f"{text!r}: the port is not a number from 1 to 65535")
+    if parts.path not in ("", "/"):
+        raise ValueError(
+            f"{text!r}: path {parts.path!r}: give the engine's base URL (the service adds the API paths)"
+        )
+    if parts.query or parts.fragment or "?" in rest or "#" in rest:
+        raise ValueError(f"{text!r}: a query or fragment has no place in an engine's base URL")
+    return EngineURL(f"{parts.scheme}://{parts.netloc}", kind)
+
+
+def _engine_kind(scheme: str, text: str) -> tuple[EngineKind, str]:
+    """The kind named by a `KIND+` prefix of `scheme` (vLLM without one) and the bare scheme."""
+    kind_text, plus, bare = scheme.rpartition("+")
+    kind = EngineKind.VLLM
+    if plus:
+        try:
+            kind = EngineKind(kind_text.lower())
+        except ValueError:
+            known = ", ".join(sorted(k.value for k in EngineKind))
+            raise ValueError(f"{text!r}: unknown engine kind {kind_text!r} (known: {known})") from None
+    if bare.lower() not in ("http", "https"):
+        raise ValueError(f"{text!r}: scheme {bare!r} is not http or https ({_ENGINE_FORM})")
+    return kind, bare.lower()
+
+
+def _engine_argument(text: str) -> str:
+    """`parse_engine_url` as an argparse type (argparse shows only ArgumentTypeError messages)."""
+    try:
+        parse_engine_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
 FLAGS: Final[tuple[Flag, ...]] = (
-    Flag("--engine", "vLLM base URL (repeatable)", "engines", kind="list"),
+    Flag(
+        "--engine",
+        "engine base URL, http(s)://HOST[:PORT] (repeatable); a vllm+ or sglang+ prefix names the "
+        "engine kind (default vllm)",
+        "engines",
+        kind="list",
+        type=_engine_argument,
+        metavar="URL",
+    ),
     Flag("--engines-file", "file with one engine URL per line (# comments); re-read on SIGHUP", type=str),
     Flag(
         "--sim",
@@ -342,7 +425,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*names, dest=flag.dest, action="store_true", default=default, help=text)
         elif flag.kind == "list":
             parser.add_argument(
-                *names, dest=flag.dest, action=_ListAction, default=default, metavar=flag.metavar, help=text
+                *names,
+                dest=flag.dest,
+                action=_ListAction,
+                type=flag.type or str,
+                default=default,
+                metavar=flag.metavar,
+                help=text,
             )
         else:
             parser.add_argument(
@@ -367,16 +456,16 @@ def _convert(flag: Flag, raw: Any, source: str) -> Any:
                 raise ValueError(f"expected true or false, got {raw!r}")
             return text in _TRUE
         if flag.kind == "list":
-            if isinstance(raw, list):
-                return [str(v) for v in raw]
-            return [v.strip() for v in str(raw).split(",") if v.strip()]
+            items = [str(v) for v in raw] if isinstance(raw, list) else str(raw).split(",")
+            check = flag.type or str
+            return [check(v.strip()) for v in items if v.strip()]
         if isinstance(raw, bool):
             raise ValueError(f"expected a {_flag_type(flag).__name__}, got {raw!r}")
         value = _flag_type(flag)(raw if isinstance(raw, str) else str(raw))
         if flag.choices and value not in flag.choices:
             raise ValueError(f"must be one of {', '.join(flag.choices)}, got {value!r}")
         return value
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
         raise SettingsError(f"{source}: {flag.name}: {exc}") from exc
 
 
@@ -406,7 +495,7 @@ def from_config_file(path: str) -> dict[str, Any]:
             raise SettingsError(
                 f"config file {path}: unknown key {key!r} (keys are `serve` flag names){hint}"
             )
-        values[flag.dest] = _convert(flag, raw, f"config file {path}")
+        values[flag.dest] = _convert(flag, raw, f"config file {path} key {key!r}")
     return values
 
 
@@ -475,9 +564,51 @@ def parse_serve_args(
             layered.update(from_config_file(config_path))
         layered.update(from_environment(env))
     except SettingsError as exc:
-        parser.error(str(exc))
+        _fail(parser, str(exc))
     parser.set_defaults(**layered)
-    return parser.parse_args(argv)
+    # Errors as one line: argparse's own error() prints the whole usage first, 40 lines for `serve`,
+    # above the one that says what is wrong.
+    parser.exit_on_error = False
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        _fail(parser, str(exc))
+    if extra:
+        _fail(parser, f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Exit 2 (argparse's code for bad usage) with one line on stderr and no traceback."""
+    parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
+
+
+def read_engines_file(path: str) -> list[EngineURL]:
+    """One engine URL per line; blank lines and # comments are ignored. A bad line is a
+    SettingsError naming the file and the line number (the file is edited by hand, or by a
+    ConfigMap, and re-read on SIGHUP)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"engines file {path}: {exc}") from exc
+    engines: list[EngineURL] = []
+    for number, line in enumerate(lines, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            engines.append(parse_engine_url(text))
+        except ValueError as exc:
+            raise SettingsError(f"engines file {path} line {number}: {exc}") from None
+    return engines
+
+
+def engine_list(args: argparse.Namespace) -> list[EngineURL]:
+    """The engines of parsed `serve` settings: `--engine` values, then the engines file's lines."""
+    engines = [parse_engine_url(text) for text in args.engine]
+    if args.engines_file:
+        engines += read_engines_file(args.engines_file)
+    return engines
 
 
 def local_target() -> str:

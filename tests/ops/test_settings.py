@@ -174,3 +174,72 @@ def test_serve_warns_about_a_misspelt_variable_at_start() -> None:
     assert result.returncode != 0
     warning = next(line for line in result.stderr.splitlines() if "ROLLOUT_GRPC_GRASE" in line)
     assert "environment_variable_ignored" in warning and "ROLLOUT_GRPC_GRACE (--grace)" in warning
+
+
+@pytest.mark.parametrize(
+    ("text", "url", "kind"),
+    [
+        ("http://vllm-0:8000", "http://vllm-0:8000", settings.EngineKind.VLLM),
+        ("  https://vllm.example.com/ ", "https://vllm.example.com", settings.EngineKind.VLLM),
+        ("HTTP://[::1]:8000", "http://[::1]:8000", settings.EngineKind.VLLM),
+        ("vllm+http://10.0.0.1:8000", "http://10.0.0.1:8000", settings.EngineKind.VLLM),
+        ("sglang+https://sgl:30000", "https://sgl:30000", settings.EngineKind.SGLANG),
+    ],
+)
+def test_engine_urls_split_into_a_plain_url_and_a_kind(
+    text: str, url: str, kind: settings.EngineKind
+) -> None:
+    assert settings.parse_engine_url(text) == settings.EngineURL(url, kind)
+
+
+@pytest.mark.parametrize(
+    ("text", "wrong"),
+    [
+        ("127.0.0.1:8100", "no scheme"),
+        ("ftp://h:1", "scheme 'ftp' is not http or https"),
+        ("tgi+http://h:1", "unknown engine kind 'tgi'"),
+        ("http://:8000", "no host"),
+        ("http://h:0", "port"),
+        ("http://h:70000", "port"),
+        ("http://h:80a", "port"),
+        ("http://h:", "port"),
+        ("http://h:8000/v1", "path '/v1'"),
+        ("http://h:8000/?x=1", "query"),
+        ("http://h:8000#top", "fragment"),
+        ("http://user:pw@h:8000", "credentials"),
+    ],
+)
+def test_bad_engine_urls_say_what_is_wrong(text: str, wrong: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(wrong)):
+        settings.parse_engine_url(text)
+
+
+@pytest.mark.parametrize("source", ["flag", "environment", "config file", "engines file"])
+def test_serve_refuses_an_engine_without_a_scheme_in_one_line(tmp_path: Path, source: str) -> None:
+    """Refused when the settings are read, naming where the value came from; it used to reach
+    aiohttp and end `serve` with a 40-line traceback."""
+    bad = "127.0.0.1:8100"
+    env = {k: v for k, v in child_env().items() if not k.startswith("ROLLOUT_GRPC_")}
+    argv: list[str] = []
+    where = {
+        "flag": "argument --engine",
+        "environment": "environment ROLLOUT_GRPC_ENGINE",
+        "config file": "key 'engine'",
+        "engines file": "line 3",
+    }[source]
+    if source == "flag":
+        argv = ["--engine", bad]
+    elif source == "environment":
+        env["ROLLOUT_GRPC_ENGINE"] = f"http://ok:8000,{bad}"
+    elif source == "config file":
+        (tmp_path / "c.toml").write_text(f'engine = ["{bad}"]\n')
+        argv = ["--config", str(tmp_path / "c.toml")]
+    else:
+        (tmp_path / "engines.txt").write_text(f"# engines\nhttp://ok:8000\n{bad}  # typo\n")
+        argv = ["--engines-file", str(tmp_path / "engines.txt")]
+    result = subprocess.run(
+        [*replica_command(), "serve", *argv], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert where in result.stderr and repr(bad) in result.stderr and "no scheme" in result.stderr
