@@ -1,9 +1,10 @@
 """The `serve` command's settings: one source of defaults, three sources of values.
 
-Defaults live in ONE place, the dataclasses `ServerConfig` (`server/app.py`) and `GenerateOptions`
-(`server/domain.py`); the command-line flags are derived from their fields through the `FLAGS`
-table below, which adds only a flag name, a help text and a unit. `tests/unit/test_settings.py`
-checks that every `ServerConfig` field is a flag or is listed in `NOT_FLAGS`.
+Defaults live in ONE place, the dataclasses `ServerConfig` (`server/app.py`), `GenerateOptions`
+(`server/domain.py`) and `FrontDoorConfig` (`server/openai_front.py`); the command-line flags are
+derived from their fields through the `FLAGS` table below, which adds only a flag name, a help text
+and a unit. `tests/ops/test_settings.py` checks that every `ServerConfig` and `FrontDoorConfig`
+field is a flag or is listed in `NOT_FLAGS` / `NOT_OPENAI_FLAGS`.
 
 Every flag can be given three ways; the first one found wins:
 
@@ -32,6 +33,8 @@ from urllib.parse import urlsplit
 
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.domain import GenerateOptions
+from rollout_grpc.server.openai_front import FrontDoorConfig
+from rollout_grpc.server.tools import PARSERS
 
 ENV_PREFIX: Final = "ROLLOUT_GRPC_"
 
@@ -39,8 +42,19 @@ ENV_PREFIX: Final = "ROLLOUT_GRPC_"
 NOT_FLAGS: Final[dict[str, str]] = {
     "default_options": "its server-wide fields are flags of their own (--stream-batch-*)",
     "simulated_engines": "set by --sim, never by hand",
-    "openai": "the front door's policies (drift, tool parser, session cap) are set in code; docs/agentic.md",
+    "openai": "a FrontDoorConfig, whose fields are flags of their own (--openai-*) or in NOT_OPENAI_FLAGS",
 }
+
+#: FrontDoorConfig (`ServerConfig.openai`) fields that are not flags yet, and why.
+NOT_OPENAI_FLAGS: Final[dict[str, str]] = {
+    "max_sessions": "sessions kept in memory; the default (10 000) is sized in docs/agentic.md, set in code",
+    "return_routed_experts": "R3 per turn needs MoE engines started for it; set in code (docs/agentic.md)",
+    "stream_batch_tokens": "the front door's own stream batching, measured in docs/benchmarks.agentic.md",
+    "stream_batch_interval_s": "the front door's own stream batching, measured in docs/benchmarks.agentic.md",
+}
+
+#: The drift policies (`trajectory.DriftPolicy`), reached through the field's type.
+_DRIFT_POLICY: Final = type(FrontDoorConfig().drift_policy)
 
 #: ROLLOUT_GRPC_* variables that are read elsewhere, hence no misspelling of a setting.
 OTHER_VARIABLES: Final[dict[str, str]] = {
@@ -60,7 +74,8 @@ class Flag:
     """One command-line flag.
 
     `field` names the `ServerConfig` field it sets ("default_options.x" for a `GenerateOptions`
-    field; "" for a flag of the command itself, whose default is `default`). A flag's value is
+    field, "openai.x" for a `FrontDoorConfig` one; "" for a flag of the command itself, whose
+    default is `default`). A flag's value is
     the field's value times `scale` (milliseconds for a field in seconds). `zero_is_none` maps
     0 to None for fields where None means "off".
     """
@@ -296,6 +311,22 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "serve the OpenAI-compatible agent front door on this port (0 = any free port; unset = off)",
         "openai_port",
     ),
+    Flag(
+        "--openai-tool-parser",
+        "how the front door finds tool calls in generated text: hermes (<tool_call> JSON blocks, "
+        "as vLLM's --tool-call-parser hermes) or none (all text is content); docs/agentic.md",
+        "openai.tool_parser",
+        choices=tuple(sorted(PARSERS)),
+    ),
+    Flag(
+        "--openai-drift-policy",
+        "a turn whose re-rendered prompt does not extend the recorded tokens: keep_prefix (send the "
+        "recorded tokens, one sample per session) or split (send the template's rendering, start a "
+        "new sample); docs/agentic.md",
+        "openai.drift_policy",
+        choices=tuple(p.value for p in _DRIFT_POLICY),
+        to_field=_DRIFT_POLICY,
+    ),
     # --- security (docs/security.md) ---
     Flag("--tls-cert", "PEM server certificate chain: TLS on the gRPC and health ports", "tls_cert_file"),
     Flag("--tls-key", "PEM server private key (with --tls-cert)", "tls_key_file"),
@@ -363,10 +394,15 @@ _TYPES: Final[dict[str, Callable[[str], Any]]] = {
 }
 
 
+#: Nested dataclasses of ServerConfig whose fields are flags ("default_options.x", "openai.x").
+_NESTED: Final[dict[str, type[Any]]] = {"default_options": GenerateOptions, "openai": FrontDoorConfig}
+
+
 def _field(path: str) -> dataclasses.Field[Any]:
     owner: type[Any] = ServerConfig
-    if path.startswith("default_options."):
-        owner, path = GenerateOptions, path.removeprefix("default_options.")
+    outer, dot, inner = path.partition(".")
+    if dot:
+        owner, path = _NESTED[outer], inner
     by_name = {f.name: f for f in dataclasses.fields(owner)}
     return by_name[path]
 
@@ -382,7 +418,7 @@ def _flag_type(flag: Flag) -> Callable[[str], Any]:
     if flag.type is not None:
         return flag.type
     annotation = str(_field(flag.field).type).replace(" | None", "")
-    return _TYPES[annotation]
+    return _TYPES.get(annotation, str)  # an enum (DriftPolicy) is parsed as its value, then to_field
 
 
 def flag_default(flag: Flag) -> Any:
@@ -396,6 +432,8 @@ def flag_default(flag: Flag) -> Any:
         return list(value or []) if flag.to_field is None else []
     if value is None:
         return None
+    if isinstance(value, enum.Enum):
+        return value.value
     return value * flag.scale if flag.scale != 1.0 else value
 
 
@@ -619,7 +657,7 @@ def local_target() -> str:
 def server_config(args: argparse.Namespace, engines: list[str], *, simulated: bool = False) -> ServerConfig:
     """The ServerConfig that the parsed flags describe (flags without a field are skipped)."""
     top: dict[str, Any] = {"engines": engines, "simulated_engines": simulated}
-    options: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {name: {} for name in _NESTED}
     for flag in FLAGS:
         if not flag.field or flag.field == "engines":
             continue
@@ -634,8 +672,11 @@ def server_config(args: argparse.Namespace, engines: list[str], *, simulated: bo
             value = None
         elif value is not None and flag.scale != 1.0:
             value = value / flag.scale
-        if flag.field.startswith("default_options."):
-            options[flag.field.removeprefix("default_options.")] = value
+        elif value is not None and flag.to_field is not None:
+            value = flag.to_field(value)
+        outer, dot, inner = flag.field.partition(".")
+        if dot:
+            nested[outer][inner] = value
         else:
             top[flag.field] = value
-    return ServerConfig(default_options=GenerateOptions(**options), **top)
+    return ServerConfig(**{name: _NESTED[name](**values) for name, values in nested.items()}, **top)

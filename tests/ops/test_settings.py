@@ -15,6 +15,9 @@ import pytest
 from rollout_grpc import settings
 from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import ServerConfig
+from rollout_grpc.server.openai_front import FrontDoorConfig
+from rollout_grpc.server.tools import PARSERS
+from rollout_grpc.server.trajectory import DriftPolicy
 from tests.harness import harness
 from tests.support.processes import child_env, replica_command
 
@@ -35,6 +38,41 @@ def test_every_server_config_field_is_a_flag_or_excluded_with_a_reason() -> None
     missing = fields - covered - set(settings.NOT_FLAGS)
     assert not missing, f"ServerConfig fields without a flag: {sorted(missing)}"
     assert all(settings.NOT_FLAGS.values())
+
+
+def test_every_front_door_field_is_a_flag_or_excluded_with_a_reason() -> None:
+    covered = {f.field.removeprefix("openai.") for f in settings.FLAGS if f.field.startswith("openai.")}
+    fields = {f.name for f in dataclasses.fields(FrontDoorConfig)}
+    assert covered <= fields
+    assert not fields - covered - set(settings.NOT_OPENAI_FLAGS)
+    assert not covered & set(settings.NOT_OPENAI_FLAGS) and all(settings.NOT_OPENAI_FLAGS.values())
+
+
+def test_front_door_tool_parser_and_drift_policy_flags(tmp_path: Path) -> None:
+    """Every parser and policy the front door knows can be chosen, from any source."""
+    by_name = {f.name: f for f in settings.FLAGS}
+    assert by_name["--openai-tool-parser"].choices == tuple(sorted(PARSERS))
+    assert by_name["--openai-drift-policy"].choices == tuple(p.value for p in DriftPolicy)
+    cfg = settings.server_config(
+        _parse(["--openai-drift-policy", "split", "--openai-tool-parser", "none"]), []
+    )
+    assert cfg.openai == FrontDoorConfig(drift_policy=DriftPolicy.SPLIT, tool_parser="none")
+    assert isinstance(cfg.openai.drift_policy, DriftPolicy)
+    env = {"ROLLOUT_GRPC_OPENAI_DRIFT_POLICY": "split"}
+    assert settings.server_config(_parse([], env), []).openai.drift_policy is DriftPolicy.SPLIT
+    (tmp_path / "c.toml").write_text('openai-tool-parser = "none"\n')
+    assert (
+        settings.server_config(_parse(["--config", str(tmp_path / "c.toml")]), []).openai.tool_parser
+        == "none"
+    )
+
+
+@pytest.mark.parametrize("argv", [["--openai-drift-policy", "rewrite"], ["--openai-tool-parser", "mistral"]])
+def test_unknown_front_door_policies_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _parse(argv)
+    assert exited.value.code == 2
+    assert f"argument {argv[0]}: invalid choice: '{argv[1]}'" in capsys.readouterr().err
 
 
 def test_defaults_come_from_the_dataclasses() -> None:
