@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
+from rollout_grpc.info import render
 from rollout_grpc.server.security.redact import engine_label
 from tests.harness import running_server
 from tests.security.credentials import TRAINER_A
@@ -84,6 +85,8 @@ async def test_each_dead_or_wrong_engine_says_why_everywhere() -> None:
                 assert "not a vLLM server" in by_url[wrong].health_error
                 assert "no answer within" in by_url[hung].health_error
                 assert not any(e.healthy for e in info.engines)
+                table = render(info, "NOT_SERVING", target)
+                assert f"UNHEALTHY  {dead}: connection refused" in table
 
                 async with AsyncRolloutClient(target, retry=None) as client:
                     with pytest.raises(grpc.aio.AioRpcError) as refused:
