@@ -199,6 +199,12 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "max_unrequested_time_s",
     ),
     Flag(
+        "--max-pending-calls",
+        "calls gRPC core may hold before the event loop picks them up, before it refuses any unseen "
+        "(0 = in-flight limit + queue + 1000)",
+        "max_pending_calls",
+    ),
+    Flag(
         "--openai-port",
         "serve the OpenAI-compatible agent front door on this port (0 = any free port; unset = off)",
         "openai_port",
