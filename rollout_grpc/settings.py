@@ -151,6 +151,12 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "--max-engine-attempts", "engine calls per Generate (the first plus failovers)", "max_engine_attempts"
     ),
     Flag(
+        "--deadline-margin",
+        "at most this many seconds before a caller's deadline (10 %% of its time if less) a "
+        "generation ends with its sample, ABORTED with every token",
+        "deadline_margin_s",
+    ),
+    Flag(
         "--no-engine-stream-interval",
         "never ask engines for stream_interval batching (for engines that reject it)",
         "engine_stream_interval",

@@ -113,6 +113,9 @@ class ServerConfig:
     #: Seconds of silence on an engine stream before the engine is probed (failover if it is dead).
     engine_idle_timeout_s: float = 30.0
     max_engine_attempts: int = 4
+    #: Most seconds before a caller's deadline that a generation ends with its sample (ABORTED,
+    #: every token kept); 10 % of the caller's time when that is less (bounds.py).
+    deadline_margin_s: float = bounds.DEADLINE_MARGIN_S
     engine_stream_interval: bool = True
     max_receive_message_mb: int = 64
     max_send_message_mb: int = 256
@@ -437,7 +440,9 @@ class RolloutServer:
             admission,
             self.registry,
             RolloutConfig(
-                max_engine_attempts=cfg.max_engine_attempts, engine_stream_interval=cfg.engine_stream_interval
+                max_engine_attempts=cfg.max_engine_attempts,
+                engine_stream_interval=cfg.engine_stream_interval,
+                deadline_margin_s=cfg.deadline_margin_s,
             ),
         )
         if cfg.peers:
