@@ -259,6 +259,12 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "--max-engine-attempts", "engine calls per Generate (the first plus failovers)", "max_engine_attempts"
     ),
     Flag(
+        "--deadline-margin",
+        "at most this many seconds before a caller's deadline (10 %% of its time if less) a "
+        "generation ends with its sample, ABORTED with every token",
+        "deadline_margin_s",
+    ),
+    Flag(
         "--no-engine-stream-interval",
         "never ask engines for stream_interval batching (for engines that reject it)",
         "engine_stream_interval",
@@ -305,6 +311,12 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "--max-unrequested-time",
         "seconds gRPC core may hold a call the busy event loop has not picked up yet before cancelling it",
         "max_unrequested_time_s",
+    ),
+    Flag(
+        "--max-pending-calls",
+        "calls gRPC core may hold before the event loop picks them up, before it refuses any unseen "
+        "(0 = in-flight limit + queue + 1000)",
+        "max_pending_calls",
     ),
     Flag(
         "--openai-port",

@@ -8,6 +8,7 @@ closes; the wrapper also maps every exception to its status code.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -83,6 +84,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         sample = convert.sample_from_pb(request.sample)
         params = convert.sampling_params_from_pb(request.sampling_params)
         options = convert.options_from_pb(request.options, self._defaults)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # The deadline goes down as a domain value: the sample is sent before it expires.
+            options.deadline = time.monotonic() + remaining
         headers_sent = False
         async for event in self._facade.generate(record, sample, params, options, request_id):
             if not headers_sent:
