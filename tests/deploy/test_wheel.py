@@ -25,8 +25,10 @@ from rollout_grpc import __version__
 from tests.support.processes import REPO
 
 BUILD_TIMEOUT_S = 300
-# The client tests' own dependencies (tools/client_matrix.sh installs the same).
-TEST_DEPS = ["pytest", "pytest-asyncio", "pytest-timeout"]
+# The client tests' own dependencies (tools/client_matrix.sh installs the same), and what a user's
+# type checker needs to see the client's precise types (mypy with protobuf's and grpc's stubs): the
+# typing test then checks the installed wheel (py.typed) the way a user's code sees it.
+TEST_DEPS = ["pytest", "pytest-asyncio", "pytest-timeout", "mypy", "types-protobuf", "types-grpcio"]
 
 
 def run(command: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> str:
