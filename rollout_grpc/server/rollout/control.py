@@ -462,6 +462,39 @@ class Control:
             result.aborted += await self._peer_abort(scope)
         return result
 
+    async def abort_mine(self) -> AbortResult:
+        """Abort every generation of the caller on this replica (any role; its own only).
+
+        The caller's abort window (`owner_aborts`) stays open until the aborted generations have
+        ended, or the control deadline: a Generate of the same caller that arrives meanwhile (one
+        already on the wire) ends ABORTED at once, like under Abort(all). A running RolloutStep of
+        the caller sees the abort and stops starting groups.
+        """
+        owner = current_caller().identity
+        aborts = self._rollout.owner_aborts
+        deadline = asyncio.get_running_loop().time() + self._deadline_s
+        aborts.begin(owner)
+        try:
+            entries = [e for e in self._registry.all() if e.owner == owner]
+            result = await self._abort_entries(entries)
+            await self._ended(entries, deadline)
+        finally:
+            aborts.end(owner)
+        log.info("abort_mine", owner=owner, aborted=result.aborted, engine_errors=len(result.engine_errors))
+        return result
+
+    async def _ended(self, entries: list[InFlight], deadline: float) -> None:
+        """Wait until none of `entries` is in flight any more, or `deadline` (checked every 10 ms:
+        a generation ends within `abort_drain_s` of its abort, so this is short)."""
+        loop = asyncio.get_running_loop()
+        pending = [e.request_id for e in entries]
+        while loop.time() < deadline:
+            found, _ = self._registry.select(pending)
+            found = [e for e in found if e in entries]
+            if not found:
+                return
+            await asyncio.sleep(0.01)
+
     async def abort_local(self, scope: AbortScope) -> AbortResult:
         """Abort matching generations of this replica only (the target of a peer's forward)."""
         if scope.request_ids:
