@@ -49,10 +49,12 @@ from rollout_grpc.server.front.openai.server import FrontDoorConfig, OpenAIFront
 from rollout_grpc.server.observe.httplog import engine_call_logging
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.ports import NO_REUSEPORT
+from rollout_grpc.server.rewards import registry as rewards_registry
 from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
+from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
 from rollout_grpc.server.security.tls import TlsConfig
@@ -429,8 +431,15 @@ class RolloutServer:
         renderer = RenderService(
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
+        #: RolloutStep: reward models are built per step from the registry of reward kinds.
+        self.steps = StepRunner(self.rollout, self.control.abort_ids, rewards_registry.build)
         self.facade = RolloutFacade(
-            self.rollout, self.control, renderer, trajectories=self.trajectories, calls=self.calls
+            self.rollout,
+            self.control,
+            renderer,
+            trajectories=self.trajectories,
+            calls=self.calls,
+            steps=self.steps,
         )
         return RolloutServicer(self.facade, cfg.default_options, simulated_engines=cfg.simulated_engines)
 

@@ -53,6 +53,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     ROLLOUT + "Generate": frozenset({Role.TRAINER, Role.ADMIN}),
     ROLLOUT + "Render": frozenset({Role.TRAINER, Role.ADMIN}),
     ROLLOUT + "GetServerInfo": frozenset({Role.TRAINER, Role.ADMIN}),
+    # A rollout step is many Generates of the caller (same admission, same per-caller cap).
+    ROLLOUT + "RolloutStep": frozenset({Role.TRAINER, Role.ADMIN}),
     # Front-door sessions are collected by the trainer that drives the agent harness.
     ROLLOUT + "GetTrajectory": frozenset({Role.TRAINER, Role.ADMIN}),
     # Abort(all) and other callers' generations are admin-only; control.py scopes the rest.
