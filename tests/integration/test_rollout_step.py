@@ -3,6 +3,7 @@ real HTTP reward model (tests/support/reward_server.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rollout_grpc.client import make_sample, pb
+from rollout_grpc.client import RolloutClient, make_sample, pb
 from tests.harness import Harness, harness
 from tests.support.reward_server import RewardServer
 from tests.support.service import PROMPT, SLOW_SIM, field_violation
@@ -476,3 +477,27 @@ async def test_a_reward_that_is_not_a_number_follows_the_callers_policy(
     if outcome == pb.GROUP_OUTCOME_FAILED:
         assert "reward" in first.reason and run.summary.progress.dropped["reward_failed"] == 1
         assert [g.group_index for g in run.by_outcome(pb.GROUP_OUTCOME_ACCEPTED)] == [1]
+
+
+async def test_the_blocking_client_runs_a_step_with_a_progress_bar(
+    h: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def blocking() -> list[pb.RolloutStepResponse]:
+        with RolloutClient(h.target) as client:
+            return list(
+                client.rollout_step(
+                    [(prompt(0), 0, "42"), (prompt(2), 1, "42")],
+                    n_samples_per_prompt=2,
+                    params=SHORT,
+                    reward={"kind": "REWARD_KIND_EXACT_MATCH"},
+                    progress_bar=True,
+                    timeout=60,
+                )
+            )
+
+    events = await asyncio.to_thread(blocking)
+    groups = [e.group for e in events if e.WhichOneof("event") == "group"]
+    assert sorted(g.group_index for g in groups) == [0, 1]
+    assert all(s.HasField("reward") and s.reward == 0.0 for g in groups for s in g.samples)
+    assert events[-1].WhichOneof("event") == "summary" and events[-1].summary.accepted == 2
+    assert "rollout step" in capsys.readouterr().err
