@@ -8,14 +8,23 @@ import pytest
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.identity import Caller, Role, reset_caller, set_caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, Status
+from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.rewards.api import RewardFailed, RewardRequest, RewardResult
 from rollout_grpc.server.rewards.remote import read_reward
 from rollout_grpc.server.rewards.rules import ExactMatchReward, MathReward, exact_answer
+from rollout_grpc.server.rollout.admission import Admission
+from rollout_grpc.server.rollout.generation import Rollout
+from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.step import filters
 from rollout_grpc.server.rollout.step.spec import FilterKind, PromptGroup, StepSpec, check
 from rollout_grpc.server.rollout.step.versions import VersionOrder
 from tests.support.fake_engine import FakeEngine, final, tokens
-from tests.unit.test_rollout import make
+
+
+def make(engine: FakeEngine) -> Rollout:
+    """A Rollout over one scripted engine."""
+    pool = EnginePool([engine.url], {engine.url: engine}.__getitem__)
+    return Rollout(pool, Admission(4, 4), InFlightRegistry())
 
 
 def test_numeric_versions_order_by_value_others_by_resume_order() -> None:
