@@ -8,10 +8,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from rollout_grpc.client import RolloutClient, make_sample, pb
+from rollout_grpc.server.facade.calls import CallRecord
 from tests.harness import Harness, harness
 from tests.support.reward_server import RewardServer
 from tests.support.service import PROMPT, SLOW_SIM, field_violation
@@ -501,3 +505,43 @@ async def test_the_blocking_client_runs_a_step_with_a_progress_bar(
     assert all(s.HasField("reward") and s.reward == 0.0 for g in groups for s in g.samples)
     assert events[-1].WhichOneof("event") == "summary" and events[-1].summary.accepted == 2
     assert "rollout step" in capsys.readouterr().err
+
+
+async def test_a_step_is_counted_and_logged_once() -> None:
+    async with harness("sim", metrics_port=0) as h, RewardServer() as rm:
+        closed: asyncio.Queue[CallRecord] = asyncio.Queue()
+        h.server.calls.listeners.append(
+            lambda record: closed.put_nowait(record) if record.method == "RolloutStep" else None
+        )
+        await h.client.resume("7")
+        groups = [
+            pb.PromptGroup(prompt=prompt(2 * i), group_index=i, label=lb)
+            for i, lb in enumerate(["one", "alternate"])
+        ]
+        with capture_logs() as logs:
+            run = await run_step(
+                h,
+                groups,
+                n_samples_per_prompt=2,
+                params=SHORT,
+                reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url},
+                filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
+                step_id="counted",
+            )
+            record = await asyncio.wait_for(closed.get(), 10)
+        assert record.step_groups == {"accepted": 1, "filtered": 1} and record.step_tokens == 4 * 6
+        [line] = [e for e in logs if e.get("event") == "rollout_step_done"]
+        assert line["step_id"] == "counted" and line["groups"] == {"accepted": 1, "filtered": 1}
+        assert run.summary is not None and run.summary.accepted == 1
+        url = f"http://127.0.0.1:{h.server.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            text = await response.text()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        assert samples[("rollout_grpc_step_groups_total", (("outcome", "accepted"),))] == 1
+        assert samples[("rollout_grpc_step_groups_total", (("outcome", "filtered"),))] == 1
+        assert samples[("rollout_grpc_step_version_lag_count", ())] == 2
+        assert samples[("rollout_grpc_generation_tokens_total", ())] == 24

@@ -24,8 +24,8 @@ from rollout_grpc.server.rollout.admission import Admission
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control, EngineStatus, FleetResult
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
-from rollout_grpc.server.rollout.step.runner import StepEvent, StepRunner, Summary
-from rollout_grpc.server.rollout.step.spec import StepSpec
+from rollout_grpc.server.rollout.step.runner import GroupEnded, StepEvent, StepRunner, Summary
+from rollout_grpc.server.rollout.step.spec import Outcome, StepSpec
 
 log = structlog.get_logger(__name__)
 
@@ -120,7 +120,13 @@ class RolloutFacade:
             raise FailedPrecondition("rollout steps are not enabled on this replica")
         record.request_id = spec.step_id
         async for event in self.steps.run(spec):
-            if type(event) is Summary:
+            if type(event) is GroupEnded:
+                outcome = event.outcome.value
+                record.step_groups[outcome] = record.step_groups.get(outcome, 0) + 1
+                record.step_tokens += sum(item.new_tokens for item in event.samples)
+                if event.outcome is Outcome.ACCEPTED:
+                    record.version_lags.extend(event.version_lag)
+            elif type(event) is Summary:
                 record.result = event
             yield event
 

@@ -395,7 +395,8 @@ def step_event_to_pb(event: StepEvent) -> pb.RolloutStepResponse:
         group.group_index = event.group_index
         group.outcome = _OUTCOMES[event.outcome]
         group.reason = event.reason
-        group.samples.extend(step_sample_to_pb(i) for i in event.samples)
+        if event.outcome is not step.Outcome.BUFFERED:  # buffered samples stay on the replica
+            group.samples.extend(step_sample_to_pb(i) for i in event.samples)
         group.version_lag[:] = event.version_lag
     elif isinstance(event, StepProgress):
         _progress_to_pb(event, response.progress)

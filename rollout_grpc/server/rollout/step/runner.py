@@ -334,7 +334,10 @@ class _Step:
                 group.group_index, group.prompt, group.origin, group.prompt_index, group.label, run.items
             )
             if not self.runner.buffers.put(self.owner, [kept]):
-                return GroupEnded(group.group_index, Outcome.BUFFERED, reason, [], self._lags(run.items))
+                # The samples stay on the event for accounting; the wire omits them (they are here).
+                return GroupEnded(
+                    group.group_index, Outcome.BUFFERED, reason, run.items, self._lags(run.items)
+                )
             reason += "; the buffer is full, returned instead"
         return GroupEnded(group.group_index, Outcome.ABORTED, reason, run.items, self._lags(run.items))
 
@@ -510,6 +513,7 @@ class _Step:
                 sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
             return
         params = self._params(i)
+        before = sample.response_length
         try:
             async for event in self.rollout.generate(sample, params, self.spec.options, request_id):
                 if type(event) is Sample:
@@ -520,6 +524,7 @@ class _Step:
                         self.saw_abort_all = True
         except RolloutError as exc:
             sample_ops.finish(sample, Finish.ERROR, Status.FAILED, str(exc))
+        item.new_tokens += item.sample.response_length - before
 
     def _params(self, i: int) -> SamplingParams:
         """The sample's own copy of the parameters; seed = base seed + i (slime's sampling_seed)."""

@@ -83,6 +83,8 @@ class StepSample:
     reward_detail: dict[str, object] | None = None
     reward_failure: str = ""
     start_step_id: str = ""
+    #: Response tokens generated for this sample by the current step (metrics, log line).
+    new_tokens: int = 0
 
 
 @dataclass(slots=True)
