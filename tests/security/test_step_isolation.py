@@ -1,0 +1,74 @@
+"""Abort{mine} and the RolloutStep buffer are scoped to the caller, with authentication on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
+from tests.harness import running_server, sim_engines
+from tests.security.credentials import TRAINER_A, TRAINER_B
+from tests.support.service import LONG, PROMPT, SLOW_SIM, assert_lossless, start_stream, started
+
+SHORT = {**LONG, "max_new_tokens": 300}
+
+
+async def test_abort_mine_ends_only_the_callers_generations_and_buffers_are_per_caller(
+    tokens_file: Path,
+) -> None:
+    async with (
+        sim_engines(1, **SLOW_SIM) as sims,
+        running_server([s.url for s in sims], auth_tokens_file=str(tokens_file)) as server,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_A) as a,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_B) as b,
+    ):
+        a1, a2 = start_stream(a, "a-1"), start_stream(a, "a-2")
+        other = start_stream(b, "b-1", SHORT)
+        await started(a1, a2, other)
+        assert (await a.abort(mine=True)).aborted == 2
+        for stream in (a1, a2):
+            sample = await stream.task
+            assert sample.status == pb.SAMPLE_STATUS_ABORTED
+            assert_lossless(stream, sample)
+        finished = await other.task
+        assert finished.status == pb.SAMPLE_STATUS_TRUNCATED and finished.response_length == 300
+
+        # A's leftovers go to A's buffer: B's step cannot continue them.
+        done = 295
+        quick = pb.PromptGroup(
+            prompt=make_sample(PROMPT),
+            group_index=0,
+            partial=[
+                pb.Sample(
+                    tokens=[*PROMPT, *([5] * done)],
+                    response_length=done,
+                    loss_mask=[1] * done,
+                    rollout_log_probs=[-1.0] * done,
+                    status=pb.SAMPLE_STATUS_ABORTED,
+                )
+            ],
+        )
+        events = [
+            e
+            async for e in a.rollout_step(
+                [quick, (make_sample(PROMPT), 1)],
+                n_samples_per_prompt=1,
+                params=SHORT,
+                target_groups=1,
+                max_groups_in_flight=2,
+                leftovers="buffer",
+                timeout=60,
+            )
+        ]
+        assert events[-1].summary.buffered == 1
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in b.rollout_step([], n_samples_per_prompt=1, continue_buffered=True, timeout=60):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # B has nothing buffered
+        mine = [
+            e async for e in a.rollout_step([], n_samples_per_prompt=1, params=SHORT, continue_buffered=True)
+        ]
+        [group] = [e.group for e in mine if e.WhichOneof("event") == "group"]
+        assert group.group_index == 1 and group.samples[0].response_length == 300
