@@ -1330,10 +1330,11 @@ class AbortRequest(_message.Message):
     group is targeted only when set explicitly; 0 is a group like any other, never "every group".
     """
     mine: _builtins.bool
-    """Abort every generation of the caller (its own only, on this replica: Generate streams and
-    RolloutStep samples), any role. Like `all`, Generate calls of the same caller that arrive
-    while the abort runs end ABORTED at once without an engine call, so a call already on the
-    wire is caught too. Must be true when set.
+    """Abort every generation of the caller (its own only: Generate streams and RolloutStep
+    samples, on this replica and, with peers configured, on the others), any role. Like `all`,
+    Generate calls of the same caller that arrive at this replica while the abort runs end
+    ABORTED at once without an engine call, so a call already on the wire is caught too. Must be
+    true when set.
     """
     @_builtins.property
     def request_ids(self) -> Global___RequestIds:
@@ -1957,6 +1958,7 @@ class AbortLocalRequest(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
+    OWNER_ALL_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
     """Identity of the caller whose generations may be aborted; empty means any owner (an admin's
     abort).
@@ -1965,6 +1967,8 @@ class AbortLocalRequest(_message.Message):
     """A session id (non-empty)."""
     group_index: _builtins.int
     """A prompt group."""
+    owner_all: _builtins.bool
+    """Every generation of `owner` (a forwarded Abort{mine}); `owner` must be set. Must be true."""
     @_builtins.property
     def request_ids(self) -> Global___RequestIds:
         """Request ids (only ids in flight on the receiving replica are aborted)."""
@@ -1976,12 +1980,13 @@ class AbortLocalRequest(_message.Message):
         request_ids: Global___RequestIds | None = ...,
         session_id: _builtins.str = ...,
         group_index: _builtins.int = ...,
+        owner_all: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "owner_all", b"owner_all", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "owner", b"owner", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "owner", b"owner", "owner_all", b"owner_all", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["request_ids", "session_id", "group_index"]  # noqa: Y015
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["request_ids", "session_id", "group_index", "owner_all"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
 

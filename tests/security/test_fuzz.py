@@ -136,6 +136,7 @@ targeted_aborts = st.one_of(
     st.just(pb.AbortRequest(all=True)),
 )
 
+
 def _local_reward_only(request: Message) -> Message:
     """A random step without a REMOTE reward: the probe would reach out to a random URL."""
     assert isinstance(request, pb.RolloutStepRequest)

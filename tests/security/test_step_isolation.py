@@ -9,7 +9,7 @@ import pytest
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from tests.harness import running_server, sim_engines
-from tests.security.credentials import TRAINER_A, TRAINER_B
+from tests.security.credentials import PEER, TRAINER_A, TRAINER_B
 from tests.support.service import LONG, PROMPT, SLOW_SIM, assert_lossless, start_stream, started
 
 SHORT = {**LONG, "max_new_tokens": 300}
@@ -72,3 +72,29 @@ async def test_abort_mine_ends_only_the_callers_generations_and_buffers_are_per_
         ]
         [group] = [e.group for e in mine if e.WhichOneof("event") == "group"]
         assert group.group_index == 1 and group.samples[0].response_length == 300
+
+
+async def test_abort_mine_reaches_the_callers_generations_on_the_peers(
+    tokens_file: Path, tmp_path: Path
+) -> None:
+    peer_token = tmp_path / "peer-token"
+    peer_token.write_text(PEER + "\n")
+    secured: dict[str, object] = {"auth_tokens_file": str(tokens_file), "peer_token_file": str(peer_token)}
+    async with sim_engines(1, **SLOW_SIM) as sims:
+        urls = [s.url for s in sims]
+        async with (
+            running_server(urls, **secured) as r1,
+            running_server(urls, peers=[f"127.0.0.1:{r1.port}"], **secured) as r2,
+            AsyncRolloutClient(f"127.0.0.1:{r1.port}", token=TRAINER_A) as a_on_r1,
+            AsyncRolloutClient(f"127.0.0.1:{r2.port}", token=TRAINER_A) as a_on_r2,
+            AsyncRolloutClient(f"127.0.0.1:{r1.port}", token=TRAINER_B) as b_on_r1,
+        ):
+            far = start_stream(a_on_r1, "a-far")
+            other = start_stream(b_on_r1, "b-near", SHORT)
+            await started(far, other)
+            assert (await a_on_r2.abort(mine=True)).aborted == 1
+            sample = await far.task
+            assert sample.status == pb.SAMPLE_STATUS_ABORTED
+            assert_lossless(far, sample)
+            finished = await other.task
+            assert finished.status == pb.SAMPLE_STATUS_TRUNCATED and finished.response_length == 300
