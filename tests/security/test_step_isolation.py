@@ -10,7 +10,15 @@ import pytest
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from tests.harness import running_server, sim_engines
 from tests.security.credentials import PEER, TRAINER_A, TRAINER_B
-from tests.support.service import LONG, PROMPT, SLOW_SIM, assert_lossless, start_stream, started
+from tests.support.service import (
+    LONG,
+    PROMPT,
+    SLOW_SIM,
+    assert_lossless,
+    field_violation,
+    start_stream,
+    started,
+)
 
 SHORT = {**LONG, "max_new_tokens": 300}
 
@@ -98,3 +106,26 @@ async def test_abort_mine_reaches_the_callers_generations_on_the_peers(
             assert_lossless(far, sample)
             finished = await other.task
             assert finished.status == pb.SAMPLE_STATUS_TRUNCATED and finished.response_length == 300
+
+
+async def test_a_step_larger_than_the_callers_share_is_refused_up_front(tokens_file: Path) -> None:
+    async with (
+        sim_engines(1) as sims,
+        running_server(
+            [s.url for s in sims], auth_tokens_file=str(tokens_file), max_in_flight_per_caller=4
+        ) as server,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_A) as a,
+    ):
+        groups = [(make_sample(PROMPT), i) for i in range(3)]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in a.rollout_step(groups, n_samples_per_prompt=4, max_groups_in_flight=2, timeout=30):
+                pass
+        assert field_violation(err.value) == "max_groups_in_flight"
+        fits = [
+            e
+            async for e in a.rollout_step(
+                groups, n_samples_per_prompt=4, max_groups_in_flight=1, params={"max_new_tokens": 4}
+            )
+        ]
+        assert fits[-1].summary.accepted == 3
+        assert sims[0].stats.generate_requests == 12

@@ -28,7 +28,7 @@ import structlog
 
 from rollout_grpc.server.domain import sample_ops
 from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, RolloutError
-from rollout_grpc.server.domain.identity import current_caller
+from rollout_grpc.server.domain.identity import ANONYMOUS, current_caller
 from rollout_grpc.server.domain.model import Finish, Sample, SamplingParams, Status
 from rollout_grpc.server.rewards.api import (
     RewardConfig,
@@ -194,6 +194,7 @@ class StepRunner:
                 )
             if spec.n_samples_per_prompt < 2:
                 raise InvalidArgument("filter.kind", "REWARD_NONZERO_STD needs n_samples_per_prompt >= 2")
+        self._check_share(spec, owner)
         model = self._rewards(spec.reward)
         if model is not None:
             try:
@@ -204,6 +205,20 @@ class StepRunner:
         step = _Step(self, spec, owner, model)
         async for event in step.events():
             yield event
+
+    def _check_share(self, spec: StepSpec, owner: str) -> None:
+        """A step whose groups in flight need more generations than the caller may hold would fail
+        its groups one by one on the per-caller cap: refuse it up front instead."""
+        cap = self._rollout.registry.per_owner_limit
+        if cap is None or owner == ANONYMOUS.identity:
+            return
+        groups = spec.max_groups_in_flight or spec.target_groups or len(spec.groups)
+        if groups * spec.n_samples_per_prompt > cap:
+            raise InvalidArgument(
+                "max_groups_in_flight",
+                f"{groups} groups of {spec.n_samples_per_prompt} samples exceed this caller's share of "
+                f"{cap} generations in flight (max_in_flight_per_caller); lower max_groups_in_flight",
+            )
 
 
 class _Step:
@@ -223,6 +238,8 @@ class _Step:
         self.active: dict[int, _GroupRun] = {}
         self.events_q: asyncio.Queue[SampleEnded | _GroupDone] = asyncio.Queue()
         self.progress = Progress(pending=len(self.queue))
+        #: A step streams no deltas: only final samples, so engines batch tokens into fewer events.
+        self.options = dataclasses.replace(spec.options, final_only=True)
         self.stop_reason = ""
         self.saw_abort_all = False
         self.max_lag = 0
@@ -515,7 +532,7 @@ class _Step:
         params = self._params(i)
         before = sample.response_length
         try:
-            async for event in self.rollout.generate(sample, params, self.spec.options, request_id):
+            async for event in self.rollout.generate(sample, params, self.options, request_id):
                 if type(event) is Sample:
                     item.sample = event
                     # Checked before this task yields to the loop: the Abort(all) window is still
