@@ -545,3 +545,32 @@ async def test_a_step_is_counted_and_logged_once() -> None:
         assert samples[("rollout_grpc_step_groups_total", (("outcome", "filtered"),))] == 1
         assert samples[("rollout_grpc_step_version_lag_count", ())] == 2
         assert samples[("rollout_grpc_generation_tokens_total", ())] == 24
+
+
+async def test_abort_by_group_ends_that_group_of_the_step_with_its_tokens(slow: Harness) -> None:
+    run = StepRun()
+    aborted = False
+    async for event in slow.client.rollout_step(
+        [(prompt(0), 0), (prompt(2), 1)],
+        n_samples_per_prompt=2,
+        params={**LONG_STEP, "max_new_tokens": 200},
+        step_id="grp",
+        timeout=120,
+    ):
+        if not aborted:
+            aborted = True
+            await slow.sims[0].wait_for_tokens("generate-tokens-grp/g1/s1", 3)
+            assert (await slow.client.abort(group_index=1)).aborted == 2
+        kind = event.WhichOneof("event")
+        if kind == "group":
+            run.groups.append(event.group)
+        elif kind == "summary":
+            run.summary = event.summary
+    outcomes = {g.group_index: g for g in run.groups}
+    assert outcomes[1].outcome == pb.GROUP_OUTCOME_ABORTED and "aborted" in outcomes[1].reason
+    for sample in outcomes[1].samples:
+        assert sample.status == pb.SAMPLE_STATUS_ABORTED and 0 < sample.response_length < 200
+        assert_consistent(sample)
+    assert outcomes[0].outcome == pb.GROUP_OUTCOME_ACCEPTED, "the other group goes on"
+    assert all(s.response_length == 200 for s in outcomes[0].samples)
+    assert run.summary is not None and run.summary.accepted == 1 and not run.summary.target_reached
