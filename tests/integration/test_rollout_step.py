@@ -152,20 +152,26 @@ def nearly_done(index: int, n: int, done: int) -> list[pb.Sample]:
 LONG_STEP = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}
 
 
-async def test_leftovers_are_aborted_with_their_tokens_and_continue_with_the_exact_budget(
-    slow: Harness,
-) -> None:
+async def step_with_leftovers(h: Harness, leftovers: str) -> StepRun:
+    """Step "a": group 0 needs 5 more tokens and is accepted at once; groups 1 and 2 (300 tokens
+    each) are still generating when the target of one group is reached."""
     quick = pb.PromptGroup(prompt=prompt(0), group_index=0, partial=nearly_done(0, 2, 295))
-    groups = [quick, (prompt(2), 1), (prompt(4), 2)]
-    first = await run_step(
-        slow,
-        groups,
+    return await run_step(
+        h,
+        [quick, (prompt(2), 1), (prompt(4), 2)],
         n_samples_per_prompt=2,
         params=LONG_STEP,
         target_groups=1,
         max_groups_in_flight=3,
+        leftovers=leftovers,
         step_id="a",
     )
+
+
+async def test_leftovers_are_aborted_with_their_tokens_and_continue_with_the_exact_budget(
+    slow: Harness,
+) -> None:
+    first = await step_with_leftovers(slow, "return")
     [accepted] = first.by_outcome(pb.GROUP_OUTCOME_ACCEPTED)
     assert accepted.group_index == 0
     assert {s.start_step_id for s in accepted.samples} == {"earlier"}
@@ -198,27 +204,21 @@ async def test_leftovers_are_aborted_with_their_tokens_and_continue_with_the_exa
 
 
 async def test_buffered_leftovers_are_continued_first_by_the_next_step(slow: Harness) -> None:
-    quick = pb.PromptGroup(prompt=prompt(0), group_index=0, partial=nearly_done(0, 2, 295))
-    groups = [quick, (prompt(2), 1), (prompt(4), 2)]
-    first = await run_step(
-        slow,
-        groups,
-        n_samples_per_prompt=2,
-        params=LONG_STEP,
-        target_groups=1,
-        max_groups_in_flight=3,
-        leftovers="buffer",
-        step_id="a",
-    )
+    first = await step_with_leftovers(slow, "buffer")
     buffered = first.by_outcome(pb.GROUP_OUTCOME_BUFFERED)
     assert sorted(g.group_index for g in buffered) == [1, 2] and not any(g.samples for g in buffered)
     assert first.summary is not None and first.summary.buffered == 2
     second = await run_step(
-        slow, [(prompt(8), 9)], n_samples_per_prompt=2, params=LONG_STEP, continue_buffered=True, step_id="b"
+        slow,
+        [(prompt(8), 9)],
+        n_samples_per_prompt=2,
+        params=LONG_STEP,
+        continue_buffered=True,
+        max_groups_in_flight=1,  # one group at a time: the order they run in is the order they end in
+        step_id="b",
     )
     accepted = second.by_outcome(pb.GROUP_OUTCOME_ACCEPTED)
-    assert [g.group_index for g in accepted][-1] == 9 or sorted(g.group_index for g in accepted) == [1, 2, 9]
-    assert sorted(g.group_index for g in accepted) == [1, 2, 9]
+    assert [g.group_index for g in accepted] == [1, 2, 9], "the buffered groups first"
     for group in accepted:
         assert all(s.response_length == 300 for s in group.samples)
         assert {s.start_step_id for s in group.samples} == {"b" if group.group_index == 9 else "a"}
