@@ -282,6 +282,8 @@ class RolloutServer:
         self.rollout: Rollout
         self.control: Control
         self.facade: RolloutFacade
+        #: RolloutStep runs (None until the servicer is built).
+        self.steps: StepRunner | None = None
         self.peers: PeerAborter | None = None
         self.trajectories = TrajectoryStore()
         self.front_door: OpenAIFrontDoor | None = None
@@ -432,14 +434,14 @@ class RolloutServer:
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
         #: RolloutStep: reward models are built per step from the registry of reward kinds.
-        self.steps = StepRunner(self.rollout, self.control.abort_ids, rewards_registry.build)
+        steps = self.steps = StepRunner(self.rollout, self.control.abort_ids, rewards_registry.build)
         self.facade = RolloutFacade(
             self.rollout,
             self.control,
             renderer,
             trajectories=self.trajectories,
             calls=self.calls,
-            steps=self.steps,
+            steps=steps,
         )
         return RolloutServicer(self.facade, cfg.default_options, simulated_engines=cfg.simulated_engines)
 
@@ -580,6 +582,8 @@ class RolloutServer:
             await server_stopped
         try:
             async with asyncio.timeout(bounds.SHUTDOWN_CLOSE_S):
+                if self.steps is not None:  # RolloutStep aborts and buffer drains, before the session closes
+                    await self.steps.drained()
                 await self._close()
         except TimeoutError:
             log.warning("shutdown_close_timeout", seconds=bounds.SHUTDOWN_CLOSE_S)

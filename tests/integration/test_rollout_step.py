@@ -574,3 +574,35 @@ async def test_abort_by_group_ends_that_group_of_the_step_with_its_tokens(slow: 
     assert outcomes[0].outcome == pb.GROUP_OUTCOME_ACCEPTED, "the other group goes on"
     assert all(s.response_length == 200 for s in outcomes[0].samples)
     assert run.summary is not None and run.summary.accepted == 1 and not run.summary.target_reached
+
+
+async def test_a_replica_that_shuts_down_mid_step_returns_the_groups_with_their_tokens(slow: Harness) -> None:
+    run = StepRun()
+
+    async def follow() -> None:
+        async for event in slow.client.rollout_step(
+            [(prompt(0), 0), (prompt(2), 1), (prompt(4), 2)],
+            n_samples_per_prompt=2,
+            params={**LONG_STEP, "max_new_tokens": 3000},
+            max_groups_in_flight=2,
+            step_id="bye",
+            timeout=60,
+        ):
+            kind = event.WhichOneof("event")
+            if kind == "group":
+                run.groups.append(event.group)
+            elif kind == "summary":
+                run.summary = event.summary
+
+    task = asyncio.create_task(follow())
+    await slow.sims[0].wait_for_tokens("generate-tokens-bye/g1/s1", 3)
+    await slow.server.stop(grace_s=0)
+    await asyncio.wait_for(task, 30)
+    assert sorted(g.group_index for g in run.groups) == [0, 1]
+    for group in run.groups:
+        assert group.outcome == pb.GROUP_OUTCOME_ABORTED
+        for sample in group.samples:
+            assert sample.status == pb.SAMPLE_STATUS_ABORTED and sample.response_length >= 1
+            assert_consistent(sample)
+    assert run.summary is not None and "shutting down" in run.summary.reason
+    assert list(run.summary.unstarted_group_indexes) == [2]

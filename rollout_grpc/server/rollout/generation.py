@@ -178,6 +178,11 @@ class Rollout:
         """Refuse new generations (shutdown); in-flight ones continue."""
         self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran (a running RolloutStep then starts no more groups)."""
+        return self._closed
+
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation is in flight; False on timeout."""
         return await self.registry.wait_idle(timeout)

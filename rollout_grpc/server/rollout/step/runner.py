@@ -268,6 +268,8 @@ class _Step:
                     yield out
                 if not self.stop_reason and self._aborted_from_outside():
                     self._stop_all("the generations were aborted (Abort all)")
+                if not self.stop_reason and self.rollout.closed:
+                    self._stop_all("the replica is shutting down; continue the groups on another one")
                 if not self.stop_reason:
                     self._fill()
                 yield self._progress()
