@@ -91,6 +91,12 @@ def _mtls_roles(items: list[str]) -> dict[str, str]:
 
 FLAGS: Final[tuple[Flag, ...]] = (
     Flag("--engine", "vLLM base URL (repeatable)", "engines", kind="list"),
+    Flag(
+        "--reward-url",
+        "URL prefix a RolloutStep's remote reward may use (repeatable; none given: any URL)",
+        "reward_urls",
+        kind="list",
+    ),
     Flag("--engines-file", "file with one engine URL per line (# comments); re-read on SIGHUP", type=str),
     Flag(
         "--sim",

@@ -116,6 +116,9 @@ class ServerConfig:
     max_connection_age_grace_s: float = 3600.0
     keepalive_time_s: float = 60.0
     peers: list[str] = field(default_factory=list)
+    #: URL prefixes a RolloutStep's REMOTE reward may POST to (empty: any). A reward URL makes the
+    #: replica send requests where the caller says: pin it to the reward servers you run.
+    reward_urls: list[str] = field(default_factory=list)
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
     # --- security (docs/security.md) ---
@@ -434,7 +437,9 @@ class RolloutServer:
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
         #: RolloutStep: reward models are built per step from the registry of reward kinds.
-        steps = self.steps = StepRunner(self.rollout, self.control.abort_ids, rewards_registry.build)
+        steps = self.steps = StepRunner(
+            self.rollout, self.control.abort_ids, rewards_registry.build, reward_urls=cfg.reward_urls
+        )
         self.facade = RolloutFacade(
             self.rollout,
             self.control,

@@ -115,6 +115,7 @@ async def test_over_sampling_past_filtered_groups_with_a_remote_reward(h: Harnes
             reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url},
             filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
         )
+        assert rm.probes == 1, "the reward URL is probed once, at step start"
     accepted = run.by_outcome(pb.GROUP_OUTCOME_ACCEPTED)
     assert len(accepted) == 2
     for group in accepted:
@@ -606,3 +607,17 @@ async def test_a_replica_that_shuts_down_mid_step_returns_the_groups_with_their_
             assert_consistent(sample)
     assert run.summary is not None and "shutting down" in run.summary.reason
     assert list(run.summary.unstarted_group_indexes) == [2]
+
+
+async def test_a_replica_can_pin_remote_rewards_to_its_own_reward_servers() -> None:
+    async with harness("sim", reward_urls=["http://127.0.0.1:1/"]) as h, RewardServer() as rm:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await run_step(
+                h,
+                [(prompt(0), 0)],
+                n_samples_per_prompt=2,
+                params=SHORT,
+                reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url},
+            )
+        assert field_violation(err.value) == "reward.url"
+        assert rm.probes == 0 and not rm.requests, "the URL is refused before it is probed"

@@ -22,6 +22,8 @@ class RewardServer:
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
+        #: GETs (the service's reachability probe at step start).
+        self.probes = 0
         self.failing = False
         self._seen: Counter[str] = Counter()
         self._runner: web.AppRunner | None = None
@@ -48,6 +50,7 @@ class RewardServer:
         return web.json_response(self._reward(body["label"]))
 
     async def _probe(self, request: web.Request) -> web.Response:
+        self.probes += 1
         return web.Response(status=405, text="POST only")
 
     async def __aenter__(self) -> RewardServer:

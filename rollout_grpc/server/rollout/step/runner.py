@@ -20,7 +20,7 @@ import asyncio
 import copy
 import dataclasses
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,8 +145,11 @@ class StepRunner:
         *,
         buffers: StepBuffers | None = None,
         versions: VersionOrder | None = None,
+        reward_urls: Sequence[str] = (),
     ) -> None:
         self._rollout = rollout
+        #: URL prefixes a REMOTE reward may use (empty: any).
+        self._reward_urls = tuple(reward_urls)
         self._abort_ids = abort_ids
         self._rewards = rewards
         self.buffers = buffers or StepBuffers()
@@ -195,6 +198,15 @@ class StepRunner:
             if spec.n_samples_per_prompt < 2:
                 raise InvalidArgument("filter.kind", "REWARD_NONZERO_STD needs n_samples_per_prompt >= 2")
         self._check_share(spec, owner)
+        url = spec.reward.url
+        if (
+            spec.reward.kind is RewardKind.REMOTE
+            and self._reward_urls
+            and not url.startswith(self._reward_urls)
+        ):
+            raise InvalidArgument(
+                "reward.url", f"{url!r} is not a reward URL this replica allows (--reward-url)"
+            )
         model = self._rewards(spec.reward)
         if model is not None:
             try:
