@@ -209,6 +209,11 @@ async def test_buffered_leftovers_are_continued_first_by_the_next_step(slow: Har
     buffered = first.by_outcome(pb.GROUP_OUTCOME_BUFFERED)
     assert sorted(g.group_index for g in buffered) == [1, 2] and not any(g.samples for g in buffered)
     assert first.summary is not None and first.summary.buffered == 2
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # a group index the buffer already holds
+        await run_step(
+            slow, [(prompt(8), 1)], n_samples_per_prompt=2, params=LONG_STEP, continue_buffered=True
+        )
+    assert field_violation(err.value) == "groups[0].group_index"
     second = await run_step(
         slow,
         [(prompt(8), 9)],

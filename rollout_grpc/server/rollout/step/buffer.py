@@ -30,6 +30,10 @@ class StepBuffers:
         """Every buffered group of `owner` (the buffer empties)."""
         return self._groups.pop(owner, [])
 
+    def indexes(self, owner: str) -> set[int]:
+        """The group indexes `owner` has buffered."""
+        return {g.group_index for g in self._groups.get(owner, [])}
+
     def count(self, owner: str) -> int:
         """How many groups `owner` has buffered."""
         return len(self._groups.get(owner, []))

@@ -189,24 +189,7 @@ class StepRunner:
         owner = current_caller().identity
         if spec.continue_buffered and owner in self._drains:
             await asyncio.wait(list(self._drains[owner]))
-        check(spec, self.buffers.count(owner))
-        if spec.filter is FilterKind.REWARD_NONZERO_STD:
-            if spec.reward.kind is RewardKind.NONE:
-                raise InvalidArgument(
-                    "filter.kind", "REWARD_NONZERO_STD needs a reward (reward.kind is unset)"
-                )
-            if spec.n_samples_per_prompt < 2:
-                raise InvalidArgument("filter.kind", "REWARD_NONZERO_STD needs n_samples_per_prompt >= 2")
-        self._check_share(spec, owner)
-        url = spec.reward.url
-        if (
-            spec.reward.kind is RewardKind.REMOTE
-            and self._reward_urls
-            and not url.startswith(self._reward_urls)
-        ):
-            raise InvalidArgument(
-                "reward.url", f"{url!r} is not a reward URL this replica allows (--reward-url)"
-            )
+        self._check(spec, owner)
         model = self._rewards(spec.reward)
         if model is not None:
             try:
@@ -217,6 +200,35 @@ class StepRunner:
         step = _Step(self, spec, owner, model)
         async for event in step.events():
             yield event
+
+    def _check(self, spec: StepSpec, owner: str) -> None:
+        """Every check made before anything is generated (INVALID_ARGUMENT naming the field)."""
+        check(spec, self.buffers.count(owner))
+        if spec.filter is FilterKind.REWARD_NONZERO_STD:
+            if spec.reward.kind is RewardKind.NONE:
+                raise InvalidArgument(
+                    "filter.kind", "REWARD_NONZERO_STD needs a reward (reward.kind is unset)"
+                )
+            if spec.n_samples_per_prompt < 2:
+                raise InvalidArgument("filter.kind", "REWARD_NONZERO_STD needs n_samples_per_prompt >= 2")
+        self._check_share(spec, owner)
+        if spec.continue_buffered:
+            buffered = self.buffers.indexes(owner)
+            for i, group in enumerate(spec.groups):
+                if group.group_index in buffered:
+                    raise InvalidArgument(
+                        f"groups[{i}].group_index",
+                        f"group {group.group_index} is also in your buffer (continue_buffered)",
+                    )
+        url = spec.reward.url
+        if (
+            spec.reward.kind is RewardKind.REMOTE
+            and self._reward_urls
+            and not url.startswith(self._reward_urls)
+        ):
+            raise InvalidArgument(
+                "reward.url", f"{url!r} is not a reward URL this replica allows (--reward-url)"
+            )
 
     def _check_share(self, spec: StepSpec, owner: str) -> None:
         """A step whose groups in flight need more generations than the caller may hold would fail
@@ -285,8 +297,9 @@ class _Step:
                 if not self.stop_reason:
                     self._fill()
                 yield self._progress()
-            yield self._summary()
-            self.finished = True
+            summary = self._summary()
+            self.finished = True  # before the yield: a caller leaving now has nothing left to lose
+            yield summary
         finally:
             unwatch()
             if not self.finished:
@@ -304,6 +317,8 @@ class _Step:
         spec = self.spec
         if group.partial and not regenerated:
             items = group.partial
+            for item in items:
+                item.sample.group_index = group.group_index
         else:
             items = []
             for i in range(spec.n_samples_per_prompt):
