@@ -534,10 +534,8 @@ class _Step:
                 )
         if self.model is None:
             return _GroupDone(run, Outcome.ACCEPTED)
-        if spec.reward_scope is RewardScope.GROUP:
-            outcomes = await self.model.score_group([self._request(i, run.group.label) for i in items])
-            for item, outcome in zip(items, outcomes, strict=True):
-                self._apply(item, outcome)
+        if spec.reward_scope is RewardScope.GROUP and not await self._score_group(run):
+            return _GroupDone(run, None, self.stop_reason or "stopped by the step")
         failed = [i for i in items if i.reward_failure]
         if failed and spec.on_reward_failure is not OnRewardFailure.KEEP_UNSCORED:
             reason = f"reward of sample {failed[0].index} failed: {failed[0].reward_failure}"
@@ -549,6 +547,21 @@ class _Step:
         if drop is not None:
             return _GroupDone(run, Outcome.FILTERED, drop)
         return _GroupDone(run, Outcome.ACCEPTED)
+
+    async def _score_group(self, run: _GroupRun) -> bool:
+        """Score the whole group in one call; False when the step stopped meanwhile."""
+        assert self.model is not None
+        requests = [self._request(i, run.group.label) for i in run.items]
+        scoring = asyncio.ensure_future(self.model.score_group(requests))
+        stop = asyncio.ensure_future(run.stopped.wait())
+        await asyncio.wait([scoring, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not scoring.done():
+            scoring.cancel()
+            return False
+        for item, outcome in zip(run.items, scoring.result(), strict=True):
+            self._apply(item, outcome)
+        return True
 
     async def _generate(self, run: _GroupRun, item: StepSample, i: int, request_id: str) -> None:
         """One sample through `Rollout.generate` (Generate's path); errors end it FAILED with its
