@@ -524,9 +524,8 @@ class _Step:
         items = run.items
         for item in items:
             if item.sample.status is Status.ABORTED:
-                return _GroupDone(
-                    run, None, f"sample {item.index} was aborted (Abort by group, session or caller)"
-                )
+                why = item.sample.failure_reason or "by an Abort (group, session or caller)"
+                return _GroupDone(run, None, f"sample {item.index} was aborted: {why}")
         for item in items:
             if item.sample.status is Status.FAILED:
                 return _GroupDone(
