@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test test-unit test-vllm test-client-matrix lint proto check-proto bench clean
+.PHONY: venv run test test-unit test-vllm test-client-matrix dist image test-image lint proto check-proto bench clean
 
 # The virtualenv with the package (editable) and its dev tools; rebuilt when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -21,13 +21,14 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/rollout-grpc demo --progress
 
-# The whole suite except the live-vLLM tier (see test-vllm), with line and branch coverage of
-# rollout_grpc/server and rollout_grpc/client printed and written to coverage.xml ([tool.coverage]).
+# The whole suite except the live-vLLM tier (see test-vllm) and the container image (test-image),
+# with line and branch coverage of rollout_grpc/server and rollout_grpc/client printed and written
+# to coverage.xml ([tool.coverage]).
 # No coverage threshold yet. To gate a module, add a line after pytest's, e.g.:
 #	$(VENV)/bin/coverage report --fail-under=100 --include='rollout_grpc/server/MODULE.py'
 test: $(STAMP)
 	$(PY) tools/gen_proto.py --check
-	$(PY) -m pytest -q -m "not vllm" --cov --cov-report=term --cov-report=xml tests
+	$(PY) -m pytest -q -m "not vllm and not image" --cov --cov-report=term --cov-report=xml tests
 
 # The fast tier while editing: unit tests only (no engines, no network), a few seconds.
 test-unit: $(STAMP)
@@ -41,6 +42,22 @@ test-vllm: $(STAMP)
 # against a live replica on simulated engines (needs the interpreters, e.g. from pyenv).
 test-client-matrix: $(STAMP)
 	bash tools/client_matrix.sh
+
+# The sdist and the wheel in dist/ (PyPA build over hatchling: the wheel is built from the sdist).
+# Install them without the package index: pip install 'dist/rollout_grpc-VERSION-py3-none-any.whl[server]'.
+dist: $(STAMP)
+	rm -f dist/rollout_grpc-*
+	$(PY) -m build --outdir dist .
+
+# The container image rollout-grpc:VERSION (Containerfile) with buildah, on a Debian base image built
+# here with mmdebstrap (cached); tools/image/build.sh says what it needs and how to change the base.
+image: dist
+	bash tools/image/build.sh
+
+# Builds the image, starts `rollout-grpc serve --sim 2` in it and checks health and a Generate from
+# the host (tests/image/test_image.py); needs buildah and mmdebstrap (.ci/run installs them).
+test-image: image
+	$(PY) -m pytest -q -p no:cacheprovider -m image tests/image
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -15,29 +15,21 @@ from pathlib import Path
 
 import structlog
 
+from rollout_grpc import __version__, logs, settings
 from rollout_grpc import info as info_command
-from rollout_grpc import logs, settings
 from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.server.ports import PortUnavailable
 
 log = structlog.get_logger("rollout_grpc.cli")
 
 
-def _read_engines_file(path: str) -> list[str]:
-    """One engine URL per line; blank lines and # comments are ignored."""
-    lines = Path(path).read_text().splitlines()
-    return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
-
-
 @contextlib.asynccontextmanager
-async def _engines(args: argparse.Namespace) -> AsyncIterator[list[str]]:
+async def _engines(args: argparse.Namespace, given: list[settings.EngineURL]) -> AsyncIterator[list[str]]:
     """The engine URLs: the given ones, or (only with --sim N) simulated engines in this process."""
-    urls = list(args.engine)
-    if args.engines_file:
-        urls += _read_engines_file(args.engines_file)
-        if not urls:
-            # Never fall back to toy engines in a deployment whose engine list came out empty.
-            raise SystemExit(f"rollout-grpc: {args.engines_file} lists no engine URL")
+    urls = [engine.url for engine in given]
+    if args.engines_file and not urls:
+        # Never fall back to toy engines in a deployment whose engine list came out empty.
+        raise SystemExit(f"rollout-grpc: {args.engines_file} lists no engine URL")
     if urls and args.sim:
         raise SystemExit("rollout-grpc: give engines (--engine/--engines-file) or --sim N, not both")
     if urls:
@@ -81,14 +73,27 @@ def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
         log.info("sighup_engines_unchanged", reason="no --engines-file to reload")
         return
     try:
-        urls = list(args.engine) + _read_engines_file(args.engines_file)
-    except OSError as exc:
-        log.error("engines_file_unreadable", path=args.engines_file, error=str(exc))
+        engines = settings.engine_list(args)
+        _supported(engines)
+    except settings.SettingsError as exc:
+        # An unreadable file or a bad line (named by its number): the replica serves on as it was.
+        log.error(
+            "engines_file_invalid", path=args.engines_file, error=str(exc), action="kept the current engines"
+        )
         return
-    if not urls:
+    if not engines:
         log.error("engines_file_empty", path=args.engines_file, action="kept the current engines")
         return
-    server.reload_engines(urls)
+    server.reload_engines([engine.url for engine in engines])
+
+
+def _supported(engines: list[settings.EngineURL]) -> None:
+    """Refuse engine kinds this build cannot drive yet (the URL grammar already names them)."""
+    for engine in engines:
+        if engine.kind is not settings.EngineKind.VLLM:
+            raise settings.SettingsError(
+                f"{engine.kind}+{engine.url}: {engine.kind} engines are not supported yet"
+            )
 
 
 def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
@@ -97,8 +102,8 @@ def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
     server.reload_credentials()
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    async with _engines(args) as engines:
+async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> int:
+    async with _engines(args, given) as engines:
         try:
             config = settings.server_config(args, engines, simulated=bool(args.sim))
         except settings.SettingsError as exc:
@@ -134,15 +139,17 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `rollout-grpc` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sim"]:
-        from rollout_grpc.sim.__main__ import main as sim_main
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The whole command tree and its `serve` parser (which `settings.parse_serve_args` layers
+    environment and config file values into). `sim` carries the simulator's own flags so that
+    `rollout-grpc sim --help` and the help test see them, although `main` hands `sim` argv to the
+    simulator's parser directly."""
+    from rollout_grpc.sim.__main__ import build_parser as sim_parser
 
-        sim_main(argv[1:], prog="rollout-grpc sim")
-        return 0
     parser = argparse.ArgumentParser(prog="rollout-grpc", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
@@ -153,24 +160,68 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     settings.add_serve_arguments(serve)
+    simulator = sim_parser("rollout-grpc sim")
     sub.add_parser(
-        "sim", help="run one simulated engine, vLLM or (--kind sglang) SGLang (see `rollout-grpc sim --help`)"
+        "sim",
+        help="run one simulated engine, vLLM or (--kind sglang) SGLang (see `rollout-grpc sim --help`)",
+        description=simulator.description,
+        parents=[simulator],
+        add_help=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    info = sub.add_parser("info", help="show a replica and its engines (GetServerInfo) as a table")
-    info_command.add_arguments(info)
-    demo = sub.add_parser("demo", help="start a replica on simulated engines and run a demo rollout")
-    demo.add_argument("--prompts", type=int, default=8)
-    demo.add_argument("--samples-per-prompt", type=int, default=4)
-    demo.add_argument("--max-new-tokens", type=int, default=128)
+    info = sub.add_parser(
+        "info",
+        help="show a replica and its engines (GetServerInfo) as a table",
+        description=info_command.DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    info_command.add_arguments(info, default_target=settings.local_target())
+    demo = sub.add_parser(
+        "demo",
+        help="start a replica on simulated engines and run a demo rollout",
+        description="Start two simulated engines and a replica in this process, generate with "
+        "over-sampling (abort-all once half the samples are done), continue the aborted samples, "
+        "print a table and exit (0 when the trainer contract holds). What `make run` runs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument("--prompts", type=int, default=8, help="prompt groups to generate")
+    demo.add_argument("--samples-per-prompt", type=int, default=4, help="samples per prompt group")
+    demo.add_argument("--max-new-tokens", type=int, default=128, help="token budget of each sample")
     demo.add_argument("--progress", action="store_true", help="show a progress bar (tqdm)")
+    return parser, serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `rollout-grpc` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        from rollout_grpc.sim.__main__ import main as sim_main
+
+        sim_main(argv[1:], prog="rollout-grpc sim")
+        return 0
+    parser, serve = build_parser()
     if argv[:1] == ["serve"]:
         args = settings.parse_serve_args(serve, argv[1:])
         args.command = "serve"
     else:
         args = parser.parse_args(argv)
     if args.command == "serve":
+        try:
+            given = settings.engine_list(args)
+            _supported(given)
+        except settings.SettingsError as exc:
+            print(f"rollout-grpc serve: error: {exc}", file=sys.stderr)
+            return 2
         logs.configure(args.log_level, args.log_format)
-        return asyncio.run(_serve(args))
+        for unknown in settings.unknown_variables(os.environ):
+            log.warning(
+                "environment_variable_ignored",
+                variable=unknown.name,
+                did_you_mean=unknown.meant,
+                flag=unknown.flag,
+                message=str(unknown),
+            )
+        return asyncio.run(_serve(args, given))
     if args.command == "info":
         try:
             security = info_command.security_from_args(args)

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import time
 from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tqdm import tqdm
@@ -46,6 +47,47 @@ def _completed(tasks: Iterable[Awaitable[T]], bar: tqdm[Any] | None) -> Iterable
 def _check(sample: pb.Sample) -> bool:
     n = sample.response_length
     return len(sample.loss_mask) == n == len(sample.rollout_log_probs) and len(sample.tokens) > n
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One row of the demo's table."""
+
+    name: str
+    samples: list[pb.Sample]
+    #: Tokens generated in this phase (not those a continued sample brought from an earlier one).
+    tokens: int
+    seconds: float
+
+    def row(self) -> str:
+        counts = collections.Counter(_STATUS[s.status] for s in self.samples)
+        statuses = ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items()))
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"| {self.name:<22} | {len(self.samples):>7} | {statuses:<38} | {self.tokens:>7} | {rate:>9.0f} |"
+        )
+
+
+def phases(
+    round1: list[pb.Sample], continued: list[pb.Sample], round1_s: float, round2_s: float
+) -> list[Phase]:
+    """The table's rows. A continued sample arrives with the tokens it had when it was aborted;
+    phase 2 is credited only with the ones generated after that, so its tokens/s is a rate of
+    that phase's own work, and the phases' tokens add up to the final row's."""
+    before = {s.index: s.response_length for s in round1}
+    final = {s.index: s for s in round1} | {s.index: s for s in continued}
+    return [
+        Phase("1: generate, abort-all", round1, sum(s.response_length for s in round1), round1_s),
+        Phase(
+            "2: continue aborted",
+            continued,
+            sum(s.response_length - before.get(s.index, 0) for s in continued),
+            round2_s,
+        ),
+        Phase(
+            "final", list(final.values()), sum(s.response_length for s in final.values()), round1_s + round2_s
+        ),
+    ]
 
 
 async def run_demo(prompts: int, samples_per_prompt: int, max_new_tokens: int, progress: bool = False) -> int:
@@ -98,19 +140,11 @@ async def run_demo(prompts: int, samples_per_prompt: int, max_new_tokens: int, p
         final = {s.index: s for s in round1}
         final.update({s.index: s for s in continued})
 
-    def row(name: str, batch: list[pb.Sample], seconds: float) -> str:
-        counts = collections.Counter(_STATUS[s.status] for s in batch)
-        tokens = sum(s.response_length for s in batch)
-        statuses = ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items()))
-        rate = tokens / seconds if seconds > 0 else 0.0
-        return f"| {name:<22} | {len(batch):>7} | {statuses:<38} | {tokens:>7} | {rate:>9.0f} |"
-
     print("\nrollout-grpc demo: 2 simulated vLLM engines, 1 replica, Python client over gRPC\n")
     print(f"| {'phase':<22} | {'samples':>7} | {'statuses':<38} | {'tokens':>7} | {'tokens/s':>9} |")
     print(f"|{'-' * 24}|{'-' * 9}|{'-' * 40}|{'-' * 9}|{'-' * 11}|")
-    print(row("1: generate, abort-all", round1, round1_s))
-    print(row("2: continue aborted", list(continued), round2_s))
-    print(row("final", list(final.values()), round1_s + round2_s))
+    for phase in phases(round1, continued, round1_s, round2_s):
+        print(phase.row())
     ok = all(_check(s) for s in final.values())
     exact = all(
         s.response_length == max_new_tokens for s in final.values() if s.status == pb.SAMPLE_STATUS_TRUNCATED

@@ -1,8 +1,9 @@
-"""`rollout-grpc info --target host:port`: a replica and its engines at a glance.
+"""`rollout-grpc info [--target host:port]`: a replica and its engines at a glance.
 
 Calls GetServerInfo and the standard health service of one replica and prints a table (or, with
 `--json`, GetServerInfo as JSON with the health status added). Exit code 0 when the replica is
 SERVING, 1 when it answers but is not, 2 when it cannot be reached (or refuses the credentials).
+The target defaults to the local replica (`127.0.0.1` and `serve`'s default port).
 
 A replica with TLS or authentication (docs/security.md) is reached with the clients' options:
 `--tls-ca` (or `--tls` for the system roots), `--tls-cert/--tls-key` for mTLS, `--token-file` for a
@@ -13,6 +14,7 @@ bearer token; each has an environment variable (`ROLLOUT_GRPC_INFO_TLS_CA`, ...,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +30,13 @@ from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client.credentials import ClientSecurity
 
 ENV_PREFIX = "ROLLOUT_GRPC_INFO_"
+
+#: `rollout-grpc info --help`'s description.
+DESCRIPTION = (
+    "Show one replica and its engines: GetServerInfo and the health status, as a table or (--json) "
+    "as JSON. Exit code 0 when the replica is SERVING, 1 when it answers but is not, 2 when it "
+    "cannot be reached or refuses the credentials. TLS and token flags as the clients' (docs/security.md)."
+)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
@@ -81,6 +90,8 @@ def render(info: pb.GetServerInfoResponse, health: str, target: str) -> str:
                 f"dev_mode={_opt(caps, 'dev_mode')}",
             ]
             lines.append(f"\n{e.url}: {' '.join(facts)}")
+        if e.health_error:
+            lines.append(f"  UNHEALTHY  {e.url}: {e.health_error}")
         for problem in e.problems:
             lines.append(f"  PROBLEM  {problem}")
         for warning in e.warnings:
@@ -92,10 +103,17 @@ def _opt(caps: pb.EngineCapabilities, name: str) -> str:
     return _yes(bool(getattr(caps, name))) if caps.HasField(name) else "?"  # type: ignore[arg-type]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `info` flags; the connection flags default to their `ROLLOUT_GRPC_INFO_*` variables."""
+def add_arguments(parser: argparse.ArgumentParser, default_target: str) -> None:
+    """The `info` flags; the connection flags default to their `ROLLOUT_GRPC_INFO_*` variables.
+
+    `default_target` is the local replica (`serve`'s default port), so that `rollout-grpc info`
+    on a replica's host needs no flag."""
     env = os.environ.get
-    parser.add_argument("--target", required=True, help="replica address host:port")
+    parser.add_argument(
+        "--target",
+        default=env(ENV_PREFIX + "TARGET", default_target),
+        help=f"replica address host:port [{ENV_PREFIX}TARGET]",
+    )
     parser.add_argument("--json", action="store_true", help="print GetServerInfo as JSON instead")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
     parser.add_argument(
@@ -196,10 +214,18 @@ def run_info(
     except (OSError, ValueError) as exc:  # an unreadable certificate, key or token file
         print(f"rollout-grpc info: {exc}", file=sys.stderr)
         return 2
+    code = 0 if health == "SERVING" else 1
     if as_json:
         body: dict[str, Any] = json_format.MessageToDict(info, always_print_fields_with_no_presence=True)
-        body["health"] = health
-        print(json.dumps(body, indent=2), file=out)
+        text = json.dumps(body | {"health": health}, indent=2)
     else:
-        print(render(info, health, target), file=out)
-    return 0 if health == "SERVING" else 1
+        text = render(info, health, target)
+    try:
+        print(text, file=out)
+        out.flush()
+    except BrokenPipeError:
+        # The reader left early (`info --json | head -1`): that is its choice, not an error. Point
+        # stdout at /dev/null so that the interpreter's own flush at exit does not raise again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+    return code

@@ -1,9 +1,10 @@
 """The `serve` command's settings: one source of defaults, three sources of values.
 
-Defaults live in ONE place, the dataclasses `ServerConfig` (`server/app.py`) and `GenerateOptions`
-(`server/domain.py`); the command-line flags are derived from their fields through the `FLAGS`
-table below, which adds only a flag name, a help text and a unit. `tests/unit/test_settings.py`
-checks that every `ServerConfig` field is a flag or is listed in `NOT_FLAGS`.
+Defaults live in ONE place, the dataclasses `ServerConfig` (`server/app.py`), `GenerateOptions`
+(`server/domain/model.py`) and `FrontDoorConfig` (`server/front/openai/server.py`); the command-line flags are
+derived from their fields through the `FLAGS` table below, which adds only a flag name, a help text
+and a unit. `tests/ops/test_settings.py` checks that every `ServerConfig` and `FrontDoorConfig`
+field is a flag or is listed in `NOT_FLAGS` / `NOT_OPENAI_FLAGS`.
 
 Every flag can be given three ways; the first one found wins:
 
@@ -20,15 +21,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import enum
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
+from urllib.parse import urlsplit
 
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.domain.model import GenerateOptions
+from rollout_grpc.server.front.openai.server import FrontDoorConfig
+from rollout_grpc.server.front.openai.tools import PARSERS
 
 ENV_PREFIX: Final = "ROLLOUT_GRPC_"
 
@@ -36,8 +42,28 @@ ENV_PREFIX: Final = "ROLLOUT_GRPC_"
 NOT_FLAGS: Final[dict[str, str]] = {
     "default_options": "its server-wide fields are flags of their own (--stream-batch-*)",
     "simulated_engines": "set by --sim, never by hand",
-    "openai": "the front door's policies (drift, tool parser, session cap) are set in code; docs/agentic.md",
+    "openai": "a FrontDoorConfig, whose fields are flags of their own (--openai-*) or in NOT_OPENAI_FLAGS",
 }
+
+#: FrontDoorConfig (`ServerConfig.openai`) fields that are not flags yet, and why.
+NOT_OPENAI_FLAGS: Final[dict[str, str]] = {
+    "max_sessions": "sessions kept in memory; the default (10 000) is sized in docs/agentic.md, set in code",
+    "return_routed_experts": "R3 per turn needs MoE engines started for it; set in code (docs/agentic.md)",
+    "stream_batch_tokens": "the front door's own stream batching, measured in docs/benchmarks.agentic.md",
+    "stream_batch_interval_s": "the front door's own stream batching, measured in docs/benchmarks.agentic.md",
+}
+
+#: The drift policies (`trajectory.DriftPolicy`), reached through the field's type.
+_DRIFT_POLICY: Final = type(FrontDoorConfig().drift_policy)
+
+#: ROLLOUT_GRPC_* variables that are read elsewhere, hence no misspelling of a setting.
+OTHER_VARIABLES: Final[dict[str, str]] = {
+    ENV_PREFIX + "CONFIG": "serve --config",
+    ENV_PREFIX + "TARGET": "the replica address of the clients' examples and of the slime hook",
+    ENV_PREFIX + "ALLOW_UNTESTED_PYTHON": "the server's Python version check (server/environment.py)",
+}
+#: Families of ROLLOUT_GRPC_* variables read elsewhere: `rollout-grpc info`'s connection flags.
+OTHER_PREFIXES: Final = (ENV_PREFIX + "INFO_",)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -48,7 +74,8 @@ class Flag:
     """One command-line flag.
 
     `field` names the `ServerConfig` field it sets ("default_options.x" for a `GenerateOptions`
-    field; "" for a flag of the command itself, whose default is `default`). A flag's value is
+    field, "openai.x" for a `FrontDoorConfig` one; "" for a flag of the command itself, whose
+    default is `default`). A flag's value is
     the field's value times `scale` (milliseconds for a field in seconds). `zero_is_none` maps
     0 to None for fields where None means "off".
     """
@@ -89,8 +116,89 @@ def _mtls_roles(items: list[str]) -> dict[str, str]:
     return roles
 
 
+class EngineKind(enum.StrEnum):
+    """The engine software behind a URL, given as an optional `KIND+` prefix of the scheme."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineURL:
+    """One engine: its base URL (a plain `http(s)://host[:port]` string, what `ServerConfig.engines`
+    holds) and its kind (`sglang+http://...`; vLLM when there is no prefix)."""
+
+    url: str
+    kind: EngineKind = EngineKind.VLLM
+
+
+_ENGINE_FORM = "expected http(s)://HOST[:PORT], optionally prefixed vllm+ or sglang+"
+
+
+def parse_engine_url(text: str) -> EngineURL:
+    """Check one engine URL and split off its kind; ValueError says what is wrong with it.
+
+    Checked when the settings are read rather than when the first HTTP call fails: `127.0.0.1:8100`
+    (no scheme) used to get as far as aiohttp and end `serve` in a long traceback."""
+    value = text.strip()
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        raise ValueError(f"{text!r}: no scheme ({_ENGINE_FORM})")
+    kind, scheme = _engine_kind(scheme, text)
+    parts = urlsplit(f"{scheme}://{rest}")
+    if "@" in parts.netloc:
+        raise ValueError(f"{text!r}: credentials in the URL are not supported")
+    if not parts.hostname:
+        raise ValueError(f"{text!r}: no host ({_ENGINE_FORM})")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or parts.netloc.endswith(":"):
+        raise ValueError(f"{text!r}: the port is not a number from 1 to 65535")
+    if parts.path not in ("", "/"):
+        raise ValueError(
+            f"{text!r}: path {parts.path!r}: give the engine's base URL (the service adds the API paths)"
+        )
+    if parts.query or parts.fragment or "?" in rest or "#" in rest:
+        raise ValueError(f"{text!r}: a query or fragment has no place in an engine's base URL")
+    return EngineURL(f"{parts.scheme}://{parts.netloc}", kind)
+
+
+def _engine_kind(scheme: str, text: str) -> tuple[EngineKind, str]:
+    """The kind named by a `KIND+` prefix of `scheme` (vLLM without one) and the bare scheme."""
+    kind_text, plus, bare = scheme.rpartition("+")
+    kind = EngineKind.VLLM
+    if plus:
+        try:
+            kind = EngineKind(kind_text.lower())
+        except ValueError:
+            known = ", ".join(sorted(k.value for k in EngineKind))
+            raise ValueError(f"{text!r}: unknown engine kind {kind_text!r} (known: {known})") from None
+    if bare.lower() not in ("http", "https"):
+        raise ValueError(f"{text!r}: scheme {bare!r} is not http or https ({_ENGINE_FORM})")
+    return kind, bare.lower()
+
+
+def _engine_argument(text: str) -> str:
+    """`parse_engine_url` as an argparse type (argparse shows only ArgumentTypeError messages)."""
+    try:
+        parse_engine_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
 FLAGS: Final[tuple[Flag, ...]] = (
-    Flag("--engine", "vLLM base URL (repeatable)", "engines", kind="list"),
+    Flag(
+        "--engine",
+        "engine base URL, http(s)://HOST[:PORT] (repeatable); a vllm+ or sglang+ prefix names the "
+        "engine kind (default vllm)",
+        "engines",
+        kind="list",
+        type=_engine_argument,
+        metavar="URL",
+    ),
     Flag(
         "--reward-url",
         "URL prefix a RolloutStep's remote reward may use (repeatable; none given: any URL)",
@@ -157,6 +265,12 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "--max-engine-attempts", "engine calls per Generate (the first plus failovers)", "max_engine_attempts"
     ),
     Flag(
+        "--deadline-margin",
+        "at most this many seconds before a caller's deadline (10 %% of its time if less) a "
+        "generation ends with its sample, ABORTED with every token",
+        "deadline_margin_s",
+    ),
+    Flag(
         "--no-engine-stream-interval",
         "never ask engines for stream_interval batching (for engines that reject it)",
         "engine_stream_interval",
@@ -205,9 +319,31 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "max_unrequested_time_s",
     ),
     Flag(
+        "--max-pending-calls",
+        "calls gRPC core may hold before the event loop picks them up, before it refuses any unseen "
+        "(0 = in-flight limit + queue + 1000)",
+        "max_pending_calls",
+    ),
+    Flag(
         "--openai-port",
         "serve the OpenAI-compatible agent front door on this port (0 = any free port; unset = off)",
         "openai_port",
+    ),
+    Flag(
+        "--openai-tool-parser",
+        "how the front door finds tool calls in generated text: hermes (<tool_call> JSON blocks, "
+        "as vLLM's --tool-call-parser hermes) or none (all text is content); docs/agentic.md",
+        "openai.tool_parser",
+        choices=tuple(sorted(PARSERS)),
+    ),
+    Flag(
+        "--openai-drift-policy",
+        "a turn whose re-rendered prompt does not extend the recorded tokens: keep_prefix (send the "
+        "recorded tokens, one sample per session) or split (send the template's rendering, start a "
+        "new sample); docs/agentic.md",
+        "openai.drift_policy",
+        choices=tuple(p.value for p in _DRIFT_POLICY),
+        to_field=_DRIFT_POLICY,
     ),
     # --- security (docs/security.md) ---
     Flag("--tls-cert", "PEM server certificate chain: TLS on the gRPC and health ports", "tls_cert_file"),
@@ -276,10 +412,15 @@ _TYPES: Final[dict[str, Callable[[str], Any]]] = {
 }
 
 
+#: Nested dataclasses of ServerConfig whose fields are flags ("default_options.x", "openai.x").
+_NESTED: Final[dict[str, type[Any]]] = {"default_options": GenerateOptions, "openai": FrontDoorConfig}
+
+
 def _field(path: str) -> dataclasses.Field[Any]:
     owner: type[Any] = ServerConfig
-    if path.startswith("default_options."):
-        owner, path = GenerateOptions, path.removeprefix("default_options.")
+    outer, dot, inner = path.partition(".")
+    if dot:
+        owner, path = _NESTED[outer], inner
     by_name = {f.name: f for f in dataclasses.fields(owner)}
     return by_name[path]
 
@@ -295,7 +436,7 @@ def _flag_type(flag: Flag) -> Callable[[str], Any]:
     if flag.type is not None:
         return flag.type
     annotation = str(_field(flag.field).type).replace(" | None", "")
-    return _TYPES[annotation]
+    return _TYPES.get(annotation, str)  # an enum (DriftPolicy) is parsed as its value, then to_field
 
 
 def flag_default(flag: Flag) -> Any:
@@ -309,6 +450,8 @@ def flag_default(flag: Flag) -> Any:
         return list(value or []) if flag.to_field is None else []
     if value is None:
         return None
+    if isinstance(value, enum.Enum):
+        return value.value
     return value * flag.scale if flag.scale != 1.0 else value
 
 
@@ -338,7 +481,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*names, dest=flag.dest, action="store_true", default=default, help=text)
         elif flag.kind == "list":
             parser.add_argument(
-                *names, dest=flag.dest, action=_ListAction, default=default, metavar=flag.metavar, help=text
+                *names,
+                dest=flag.dest,
+                action=_ListAction,
+                type=flag.type or str,
+                default=default,
+                metavar=flag.metavar,
+                help=text,
             )
         else:
             parser.add_argument(
@@ -363,16 +512,16 @@ def _convert(flag: Flag, raw: Any, source: str) -> Any:
                 raise ValueError(f"expected true or false, got {raw!r}")
             return text in _TRUE
         if flag.kind == "list":
-            if isinstance(raw, list):
-                return [str(v) for v in raw]
-            return [v.strip() for v in str(raw).split(",") if v.strip()]
+            items = [str(v) for v in raw] if isinstance(raw, list) else str(raw).split(",")
+            check = flag.type or str
+            return [check(v.strip()) for v in items if v.strip()]
         if isinstance(raw, bool):
             raise ValueError(f"expected a {_flag_type(flag).__name__}, got {raw!r}")
         value = _flag_type(flag)(raw if isinstance(raw, str) else str(raw))
         if flag.choices and value not in flag.choices:
             raise ValueError(f"must be one of {', '.join(flag.choices)}, got {value!r}")
         return value
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
         raise SettingsError(f"{source}: {flag.name}: {exc}") from exc
 
 
@@ -397,8 +546,12 @@ def from_config_file(path: str) -> dict[str, Any]:
     for key, raw in data.items():
         flag = _BY_KEY.get(key.replace("-", "_"))
         if flag is None:
-            raise SettingsError(f"config file {path}: unknown key {key!r} (keys are `serve` flag names)")
-        values[flag.dest] = _convert(flag, raw, f"config file {path}")
+            close = difflib.get_close_matches(key.replace("-", "_"), sorted(_BY_KEY), n=1, cutoff=0.7)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise SettingsError(
+                f"config file {path}: unknown key {key!r} (keys are `serve` flag names){hint}"
+            )
+        values[flag.dest] = _convert(flag, raw, f"config file {path} key {key!r}")
     return values
 
 
@@ -409,6 +562,47 @@ def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
         if flag.env in environ:
             values[flag.dest] = _convert(flag, environ[flag.env], f"environment {flag.env}")
     return values
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownVariable:
+    """A ROLLOUT_GRPC_* environment variable that no setting reads, and the one it probably meant."""
+
+    name: str
+    #: The closest setting's variable and flag, when one is close enough to be a likely typo.
+    meant: str | None = None
+    flag: str | None = None
+
+    def __str__(self) -> str:
+        hint = ""
+        if self.meant:
+            hint = f"; did you mean {self.meant}" + (f" ({self.flag})?" if self.flag else "?")
+        return f"environment variable {self.name} matches no setting and is ignored{hint}"
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[UnknownVariable]:
+    """The ROLLOUT_GRPC_* variables of `environ` that nothing reads: a misspelt setting would
+    otherwise be silently ignored and the default used in its place."""
+    by_env = {flag.env: flag for flag in FLAGS}
+    known = set(by_env) | set(OTHER_VARIABLES)
+    by_alias = {
+        ENV_PREFIX + a.removeprefix("--").replace("-", "_").upper(): flag
+        for flag in FLAGS
+        for a in flag.aliases
+    }
+    unknown: list[UnknownVariable] = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name.startswith(OTHER_PREFIXES):
+            continue
+        # Compared without the shared prefix, which would make every name look close.
+        suffixes = sorted(k.removeprefix(ENV_PREFIX) for k in known)
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), suffixes, n=1, cutoff=0.75)
+        meant = ENV_PREFIX + close[0] if close else None
+        if name in by_alias:  # flag aliases (--sim-engines) have no variables of their own
+            meant = by_alias[name].env
+        flag = by_env[meant].name if meant in by_env else None
+        unknown.append(UnknownVariable(name, meant, flag))
+    return unknown
 
 
 def parse_serve_args(
@@ -426,15 +620,62 @@ def parse_serve_args(
             layered.update(from_config_file(config_path))
         layered.update(from_environment(env))
     except SettingsError as exc:
-        parser.error(str(exc))
+        _fail(parser, str(exc))
     parser.set_defaults(**layered)
-    return parser.parse_args(argv)
+    # Errors as one line: argparse's own error() prints the whole usage first, 40 lines for `serve`,
+    # above the one that says what is wrong.
+    parser.exit_on_error = False
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        _fail(parser, str(exc))
+    if extra:
+        _fail(parser, f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Exit 2 (argparse's code for bad usage) with one line on stderr and no traceback."""
+    parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
+
+
+def read_engines_file(path: str) -> list[EngineURL]:
+    """One engine URL per line; blank lines and # comments are ignored. A bad line is a
+    SettingsError naming the file and the line number (the file is edited by hand, or by a
+    ConfigMap, and re-read on SIGHUP)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"engines file {path}: {exc}") from exc
+    engines: list[EngineURL] = []
+    for number, line in enumerate(lines, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            engines.append(parse_engine_url(text))
+        except ValueError as exc:
+            raise SettingsError(f"engines file {path} line {number}: {exc}") from None
+    return engines
+
+
+def engine_list(args: argparse.Namespace) -> list[EngineURL]:
+    """The engines of parsed `serve` settings: `--engine` values, then the engines file's lines."""
+    engines = [parse_engine_url(text) for text in args.engine]
+    if args.engines_file:
+        engines += read_engines_file(args.engines_file)
+    return engines
+
+
+def local_target() -> str:
+    """The address of a replica on this host started with the default `--port`."""
+    return f"127.0.0.1:{_field_default('port')}"
 
 
 def server_config(args: argparse.Namespace, engines: list[str], *, simulated: bool = False) -> ServerConfig:
     """The ServerConfig that the parsed flags describe (flags without a field are skipped)."""
     top: dict[str, Any] = {"engines": engines, "simulated_engines": simulated}
-    options: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {name: {} for name in _NESTED}
     for flag in FLAGS:
         if not flag.field or flag.field == "engines":
             continue
@@ -449,8 +690,11 @@ def server_config(args: argparse.Namespace, engines: list[str], *, simulated: bo
             value = None
         elif value is not None and flag.scale != 1.0:
             value = value / flag.scale
-        if flag.field.startswith("default_options."):
-            options[flag.field.removeprefix("default_options.")] = value
+        elif value is not None and flag.to_field is not None:
+            value = flag.to_field(value)
+        outer, dot, inner = flag.field.partition(".")
+        if dot:
+            nested[outer][inner] = value
         else:
             top[flag.field] = value
-    return ServerConfig(default_options=GenerateOptions(**options), **top)
+    return ServerConfig(**{name: _NESTED[name](**values) for name, values in nested.items()}, **top)

@@ -78,7 +78,9 @@ print(f"python {sys.version.split()[0]} protobuf {p.__version__} grpcio {grpc.__
   fi
   start_server "$WORK/py$version-$set.server.json"
   trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
-  ROLLOUT_CLIENT_MATRIX=1 ROLLOUT_GRPC_TARGET="$TARGET" ROLLOUT_GRPC_METRICS="$METRICS" "$venv/bin/pytest" -q -p no:cacheprovider \
+  # ROLLOUT_CLIENT_SITE: tests/client/conftest.py fails the session unless the wheel is what they import.
+  ROLLOUT_CLIENT_SITE="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    ROLLOUT_CLIENT_MATRIX=1 ROLLOUT_GRPC_TARGET="$TARGET" ROLLOUT_GRPC_METRICS="$METRICS" "$venv/bin/pytest" -q -p no:cacheprovider \
     -W ignore::DeprecationWarning --import-mode=importlib --confcutdir=tests/client tests/client
 }
 

@@ -1573,6 +1573,7 @@ class EngineInfo(_message.Message):
     PROBLEMS_FIELD_NUMBER: _builtins.int
     WARNINGS_FIELD_NUMBER: _builtins.int
     USABLE_FIELD_NUMBER: _builtins.int
+    HEALTH_ERROR_FIELD_NUMBER: _builtins.int
     url: _builtins.str
     """Base URL (admins only; other callers see an opaque, stable `engine-<8 hex>` label)."""
     healthy: _builtins.bool
@@ -1589,6 +1590,12 @@ class EngineInfo(_message.Message):
     """Served model name."""
     usable: _builtins.bool
     """Healthy, not draining and without problems: the engine receives new generations."""
+    health_error: _builtins.str
+    """Why the last health probe failed, in an operator's words ("connection refused (nothing
+    listens on that port)", "no answer within 2 s", "GET /health answered HTTP 503", "answers
+    HTTP 404 on /health: not a vLLM server (wrong port?)"); empty while the engine is healthy.
+    Engine addresses in it are replaced by labels for non-admins.
+    """
     @_builtins.property
     def capabilities(self) -> Global___EngineCapabilities:
         """What the engine can do, from its capability check (at start, and whenever it joins or
@@ -1619,10 +1626,11 @@ class EngineInfo(_message.Message):
         problems: _abc.Iterable[_builtins.str] | None = ...,
         warnings: _abc.Iterable[_builtins.str] | None = ...,
         usable: _builtins.bool = ...,
+        health_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "draining", b"draining", "healthy", b"healthy", "in_flight", b"in_flight", "model", b"model", "paused", b"paused", "problems", b"problems", "url", b"url", "usable", b"usable", "warnings", b"warnings", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "draining", b"draining", "health_error", b"health_error", "healthy", b"healthy", "in_flight", b"in_flight", "model", b"model", "paused", b"paused", "problems", b"problems", "url", b"url", "usable", b"usable", "warnings", b"warnings", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -75,9 +75,11 @@ class RolloutServiceServicer:
         response with the remaining budget); COMPLETED and TRUNCATED samples come back unchanged with
         no engine call. Errors: INVALID_ARGUMENT (bad sample or parameters, naming the field),
         RESOURCE_EXHAUSTED (admission queue full; retry after the `grpc-retry-pushback-ms` hint),
-        UNAVAILABLE (no engine reachable before any token was produced), DEADLINE_EXCEEDED.
-        Once a token has been produced, failures end the stream with an ABORTED or FAILED sample that
-        keeps every token generated so far instead of an error status.
+        UNAVAILABLE (no engine reachable before any token was produced), DEADLINE_EXCEEDED (only when
+        not even the sample could be sent in time). Once a token has been produced, failures end the
+        stream with an ABORTED or FAILED sample that keeps every token generated so far instead of an
+        error status; so does the caller's deadline: a call that has one ends with its sample
+        (ABORTED, every token kept) min(1 s, 10 % of its time) before it (`--deadline-margin`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

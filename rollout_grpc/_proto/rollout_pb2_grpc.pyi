@@ -61,9 +61,11 @@ class RolloutServiceStub:
     response with the remaining budget); COMPLETED and TRUNCATED samples come back unchanged with
     no engine call. Errors: INVALID_ARGUMENT (bad sample or parameters, naming the field),
     RESOURCE_EXHAUSTED (admission queue full; retry after the `grpc-retry-pushback-ms` hint),
-    UNAVAILABLE (no engine reachable before any token was produced), DEADLINE_EXCEEDED.
-    Once a token has been produced, failures end the stream with an ABORTED or FAILED sample that
-    keeps every token generated so far instead of an error status.
+    UNAVAILABLE (no engine reachable before any token was produced), DEADLINE_EXCEEDED (only when
+    not even the sample could be sent in time). Once a token has been produced, failures end the
+    stream with an ABORTED or FAILED sample that keeps every token generated so far instead of an
+    error status; so does the caller's deadline: a call that has one ends with its sample
+    (ABORTED, every token kept) min(1 s, 10 % of its time) before it (`--deadline-margin`).
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortRequest, _rollout_pb2.AbortResponse]
     """Aborts in-flight generations. Every aborted stream still ends with its final sample (status
@@ -122,9 +124,11 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     response with the remaining budget); COMPLETED and TRUNCATED samples come back unchanged with
     no engine call. Errors: INVALID_ARGUMENT (bad sample or parameters, naming the field),
     RESOURCE_EXHAUSTED (admission queue full; retry after the `grpc-retry-pushback-ms` hint),
-    UNAVAILABLE (no engine reachable before any token was produced), DEADLINE_EXCEEDED.
-    Once a token has been produced, failures end the stream with an ABORTED or FAILED sample that
-    keeps every token generated so far instead of an error status.
+    UNAVAILABLE (no engine reachable before any token was produced), DEADLINE_EXCEEDED (only when
+    not even the sample could be sent in time). Once a token has been produced, failures end the
+    stream with an ABORTED or FAILED sample that keeps every token generated so far instead of an
+    error status; so does the caller's deadline: a call that has one ends with its sample
+    (ABORTED, every token kept) min(1 s, 10 % of its time) before it (`--deadline-margin`).
     """
     Abort: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortRequest, _rollout_pb2.AbortResponse]  # type: ignore[assignment]
     """Aborts in-flight generations. Every aborted stream still ends with its final sample (status
@@ -186,9 +190,11 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         response with the remaining budget); COMPLETED and TRUNCATED samples come back unchanged with
         no engine call. Errors: INVALID_ARGUMENT (bad sample or parameters, naming the field),
         RESOURCE_EXHAUSTED (admission queue full; retry after the `grpc-retry-pushback-ms` hint),
-        UNAVAILABLE (no engine reachable before any token was produced), DEADLINE_EXCEEDED.
-        Once a token has been produced, failures end the stream with an ABORTED or FAILED sample that
-        keeps every token generated so far instead of an error status.
+        UNAVAILABLE (no engine reachable before any token was produced), DEADLINE_EXCEEDED (only when
+        not even the sample could be sent in time). Once a token has been produced, failures end the
+        stream with an ABORTED or FAILED sample that keeps every token generated so far instead of an
+        error status; so does the caller's deadline: a call that has one ends with its sample
+        (ABORTED, every token kept) min(1 s, 10 % of its time) before it (`--deadline-margin`).
         """
 
     @_abc_1.abstractmethod

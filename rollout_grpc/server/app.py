@@ -11,6 +11,9 @@ core cancels calls left unpicked longer than `grpc.server_max_unrequested_time_i
 default) — CANCELLED, unseen, without a queue slot or a retry hint, which a busy loop under
 thousands of streams reaches. `maximum_concurrent_rpcs` would make it worse (calls beyond it stay
 unpicked), so it is not used, and the hold is raised (`ServerConfig.max_unrequested_time_s`).
+Core also refuses a random share of new calls once more than `grpc.server.max_pending_requests`
+(1000 by default) wait to be picked up — a trainer's burst of 2048 calls lost ~10 % that way — so
+that backlog is sized from admission (`ServerConfig.pending_calls_limit`).
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 REPLICA_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReplicaService"].full_name
 _LOOPBACK = ("127.", "::1", "[::1]", "localhost")
+#: Pending calls gRPC core holds beyond admission's running + queued generations: the unary and
+#: control calls of a burst (GetServerInfo, Abort, health). gRPC's own default soft limit.
+PENDING_HEADROOM = 1000
 
 
 def is_loopback(host: str) -> bool:
@@ -109,6 +115,9 @@ class ServerConfig:
     #: Seconds of silence on an engine stream before the engine is probed (failover if it is dead).
     engine_idle_timeout_s: float = 30.0
     max_engine_attempts: int = 4
+    #: Most seconds before a caller's deadline that a generation ends with its sample (ABORTED,
+    #: every token kept); 10 % of the caller's time when that is less (bounds.py).
+    deadline_margin_s: float = bounds.DEADLINE_MARGIN_S
     engine_stream_interval: bool = True
     max_receive_message_mb: int = 64
     max_send_message_mb: int = 256
@@ -178,6 +187,13 @@ class ServerConfig:
     #: RESOURCE_EXHAUSTED with a retry hint) instead, so the hold is as long as a day (the
     #: caller's own deadline still applies).
     max_unrequested_time_s: float = 86_400.0
+    #: Calls gRPC core may hold before the application picks them up (its pending-call backlog
+    #: protector, `grpc.server.max_pending_requests`, soft 1000 / hard 3000 by default: above the
+    #: soft limit a growing random share of new calls is refused unseen, CANCELLED). 0 = sized from
+    #: admission: the in-flight limit + the queue + `PENDING_HEADROOM` for the unary and control
+    #: calls, so that every call of a burst reaches admission (run, queue or RESOURCE_EXHAUSTED
+    #: with a retry hint); the hard limit is twice that.
+    max_pending_calls: int = 0
 
     def tls(self) -> TlsConfig | None:
         """The TLS settings, or None for plaintext; a key without a certificate is a config error."""
@@ -218,8 +234,17 @@ class ServerConfig:
         )
         return max(1, self.server_concurrency * engines)
 
+    def pending_calls_limit(self) -> int:
+        """Calls gRPC core holds before the replica picks them up, before it refuses any (soft)."""
+        if self.max_pending_calls > 0:
+            return self.max_pending_calls
+        return self.in_flight_limit() + self.max_queue + PENDING_HEADROOM
+
     def grpc_options(self) -> list[tuple[str, Any]]:
-        """Channel arguments: message limits, keepalive, connection age for L4 rebalancing."""
+        """Channel arguments: message limits, keepalive, connection age for L4 rebalancing, and the
+        holds of calls not picked up yet (long enough, and enough of them, for every call to reach
+        admission)."""
+        pending = self.pending_calls_limit()
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", self.max_receive_message_mb * 1024 * 1024),
             ("grpc.max_send_message_length", self.max_send_message_mb * 1024 * 1024),
@@ -228,6 +253,8 @@ class ServerConfig:
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.server_max_unrequested_time_in_server", int(self.max_unrequested_time_s)),
+            ("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * pending),
             # A busy port is an error, never a port silently shared with another process.
             NO_REUSEPORT,
         ]
@@ -420,7 +447,9 @@ class RolloutServer:
             admission,
             self.registry,
             RolloutConfig(
-                max_engine_attempts=cfg.max_engine_attempts, engine_stream_interval=cfg.engine_stream_interval
+                max_engine_attempts=cfg.max_engine_attempts,
+                engine_stream_interval=cfg.engine_stream_interval,
+                deadline_margin_s=cfg.deadline_margin_s,
             ),
         )
         if cfg.peers:
@@ -474,6 +503,7 @@ class RolloutServer:
                 self.auth,
                 cfg.request_limits(),
                 ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst),
+                engine_urls=lambda: [e.url for e in self.pool.engines],
             ),
         ]
         server = grpc.aio.server(options=cfg.grpc_options(), interceptors=chain)

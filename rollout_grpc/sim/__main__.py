@@ -25,23 +25,42 @@ def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentP
         description="A simulated vLLM 0.32 or SGLang engine (HTTP) for tests: toy tokens, real API.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind the HTTP port to")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (0 = any free port; see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here")
     p.add_argument("--model", default="sim-llama", help="served model name")
-    p.add_argument("--model-root", default=None)
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--token-delay-ms", type=float, default=0.0)
-    p.add_argument("--ttft-ms", type=float, default=0.0)
+    p.add_argument(
+        "--model-root", default=None, help="`root` reported by /v1/models (default: sim-models/<model>)"
+    )
+    p.add_argument("--vocab-size", type=int, default=2048, help="vocabulary size (token ids 0 .. N-1)")
+    p.add_argument(
+        "--max-model-len", type=int, default=4096, help="prompt + output tokens per request, as vLLM's flag"
+    )
+    p.add_argument(
+        "--token-delay-ms", type=float, default=0.0, help="delay between later tokens (0 = flat out)"
+    )
+    p.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token of a request")
     p.add_argument("--seed", type=int, default=0, help="sampling stream for unseeded requests")
     p.add_argument("--model-seed", type=int, default=0, help="the toy model's weights")
-    p.add_argument("--eos-probability", type=float, default=0.01)
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--eos-probability",
+        type=float,
+        default=0.01,
+        help="per-step chance that EOS becomes the likely next token (0 = never stop early)",
+    )
+    p.add_argument(
+        "--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for, as vLLM's flag"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, help="upper bound of a request's `n`, as vLLM's flag"
+    )
     p.add_argument("--no-dev-mode", action="store_true", help="as without VLLM_SERVER_DEV_MODE=1")
     p.add_argument("--no-scale-out", action="store_true", help="as without --enable-scale-out")
-    p.add_argument("--tokens-only", action="store_true")
+    p.add_argument(
+        "--tokens-only",
+        action="store_true",
+        help="as vLLM --tokens-only: no tokenizer endpoints, no text mode or stop strings",
+    )
     p.add_argument(
         "--logprobs-mode",
         default="raw_logprobs",
@@ -51,9 +70,9 @@ def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentP
     p.add_argument(
         "--moe", action="store_true", help="return routed experts (--enable-return-routed-experts)"
     )
-    p.add_argument("--moe-layers", type=int, default=2)
+    p.add_argument("--moe-layers", type=int, default=2, help="MoE layers of the toy model (with --moe)")
     p.add_argument("--moe-experts", type=int, default=0, help="0 = dense (8 when --moe)")
-    p.add_argument("--moe-topk", type=int, default=2)
+    p.add_argument("--moe-topk", type=int, default=2, help="experts per token and layer (with --moe)")
     p.add_argument("--multimodal", action="store_true", help="a Qwen2-VL-like model")
     p.add_argument("--dead", action="store_true", help="start with /health answering 503")
     sg = p.add_argument_group("SGLang personality (--kind sglang)")

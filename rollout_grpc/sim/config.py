@@ -63,6 +63,10 @@ class FaultConfig:
       HTTP 500 ``Internal server error`` before any token, on every engine with the same setting: a
       request-specific failure (the engine stays healthy and serves other requests), like vLLM's
       answer to ``kwargs_data`` that does not decode. Not a count: it stays until cleared.
+    * ``pause_delay_ms``: ``/pause`` takes effect, and answers, this many milliseconds late, while
+      generation goes on and ``/health`` answers: vLLM runs a pause in its engine-core loop between
+      engine steps, so it waits for the step in progress (a long prefill — an image on a loaded CPU
+      — takes seconds). Not a count: it stays until cleared.
     """
 
     http_500: int = 0
@@ -79,6 +83,7 @@ class FaultConfig:
     malformed_kind: str = "invalid_json"
     malformed_after: int = 1
     request_500_seed: int = -1
+    pause_delay_ms: int = 0
 
     def take(self, name: str) -> bool:
         """Consume one use of a count fault; True when it applies to this request."""

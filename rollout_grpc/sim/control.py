@@ -9,6 +9,7 @@ other route; the simulator has no engine failures there, but keeps the success b
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -121,6 +122,10 @@ async def pause(request: web.Request) -> web.StreamResponse:
     core = _core(request)
     core.stats.pause_calls += 1
     mode = query_mode(request)
+    delay_ms = core.config.faults.pause_delay_ms
+    if delay_ms > 0:
+        async with core.control_lock:  # the engine step in progress ends first
+            await asyncio.sleep(delay_ms / 1000)
     if _query_bool(request, "clear_cache", True):
         # AsyncLLM.pause_generation clears the renderer's multimodal cache first, in every mode:
         # a later generate with kwargs_data null for an earlier hash then fails with 500.
@@ -132,6 +137,8 @@ async def pause(request: web.Request) -> web.StreamResponse:
 async def resume(request: web.Request) -> web.StreamResponse:
     core = _core(request)
     core.stats.resume_calls += 1
+    async with core.control_lock:  # after a pause sent before it (vLLM's control calls are FIFO)
+        pass
     core.resume()
     return json_response({"status": "resumed"})
 

@@ -158,6 +158,9 @@ class EngineCore:
         self.success_by_reason: collections.Counter[str] = collections.Counter()
         self.load = 0  # generate HTTP calls in flight (for /load)
         self.mm_cache: dict[str, Any] = {}  # mm hash -> processed item (render fills it)
+        #: Held by a `/pause` delayed by the ``pause_delay_ms`` fault: vLLM runs control calls in
+        #: arrival order, so a `/resume` sent meanwhile waits for it (and answers after it).
+        self.control_lock = asyncio.Lock()
 
     def reset_stats(self) -> None:
         self.stats = SimStats(last_requests=collections.deque(maxlen=self.config.last_requests_kept))

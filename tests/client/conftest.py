@@ -2,9 +2,10 @@
 
 They run in two places: in the dev virtualenv (`make test`), and by `tools/client_matrix.sh` in
 client-only virtualenvs on Python 3.10-3.13 at the oldest and newest supported protobuf/grpcio.
-The replica they talk to is `ROLLOUT_GRPC_TARGET` when set (the matrix starts one per
-combination and also gives its Prometheus port as `ROLLOUT_GRPC_METRICS`), otherwise one started
-here with tools/serve_sim.sh (the one place that knows how).
+The replica they talk to is `ROLLOUT_GRPC_TARGET` when set (the matrix starts one for all
+interpreters), otherwise one started here with tools/serve_sim.sh (the one place that knows how).
+With `ROLLOUT_CLIENT_SITE` set to a site-packages directory (tests/deploy/test_wheel.py, the matrix),
+the session fails unless `rollout_grpc` was imported from there: the installed wheel, not the checkout.
 """
 
 from __future__ import annotations
@@ -27,7 +28,20 @@ from tests.client.common import RefuseOnce
 from tests.client.replica import METRICS_ENV, TARGET_ENV, Replica
 
 ROOT = Path(__file__).resolve().parents[2]
+SITE_ENV = "ROLLOUT_CLIENT_SITE"
 START_TIMEOUT_S = 60.0
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under `ROLLOUT_CLIENT_SITE`: stop before any test if the package under test is the checkout."""
+    site = os.environ.get(SITE_ENV)
+    if not site:
+        return
+    import rollout_grpc
+
+    imported = Path(rollout_grpc.__file__).resolve()
+    if not imported.is_relative_to(Path(site).resolve()):
+        raise pytest.UsageError(f"rollout_grpc was imported from {imported}, not from {site} ({SITE_ENV})")
 
 
 def _wait_for_port_file(path: Path, proc: subprocess.Popen[bytes]) -> dict[str, object]:

@@ -93,11 +93,24 @@ async def test_one_sample_of_a_batch_can_be_aborted_by_its_request_id(target: st
         assert all(len(s.rollout_log_probs) == s.response_length for s in done)
 
 
+def _ended_by_the_deadline(outcome: object) -> None:
+    """A call ended at its deadline: the replica sends the sample just before it (ABORTED with
+    fewer tokens than asked), or a loaded machine missed that margin (DEADLINE_EXCEEDED)."""
+    if isinstance(outcome, grpc.RpcError):
+        assert outcome.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    else:
+        assert isinstance(outcome, pb.Sample), outcome
+        assert outcome.status == pb.SAMPLE_STATUS_ABORTED and outcome.response_length < 3000
+
+
 async def test_client_default_deadline(target: str) -> None:
     async with AsyncRolloutClient(target, timeout=0.2) as client:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.generate(PROMPT, LONG)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        late: object
+        try:
+            late = await client.generate(PROMPT, LONG)
+        except grpc.aio.AioRpcError as exc:
+            late = exc
+        _ended_by_the_deadline(late)
         done = await client.generate(PROMPT, SHORT, timeout=math.inf)  # per call: no deadline
         assert done.response_length == 8
 
@@ -107,9 +120,13 @@ def test_sync_client_batches_and_default_deadline(target: str) -> None:
         assert client.generate([]) == []
         done = client.generate((PROMPT, np.array(PROMPT)), SHORT)
         assert [s.response_length for s in done] == [8, 8]
-    with RolloutClient(target, timeout=0.2) as client, pytest.raises(grpc.RpcError) as err:
-        client.generate(PROMPT, LONG)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with RolloutClient(target, timeout=0.2) as client:
+        late: object
+        try:
+            late = client.generate(PROMPT, LONG)
+        except grpc.RpcError as exc:
+            late = exc
+        _ended_by_the_deadline(late)
 
 
 async def test_unspecified_status_means_pending(target: str) -> None:

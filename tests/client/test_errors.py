@@ -24,6 +24,10 @@ from tests.client.common import LONG, PROMPT, PUSHBACK_MS, SHORT, RefuseOnce
 
 TOP_P = FieldViolation("sampling_params.top_p", "must be in (0, 1], got 2.0")
 
+#: A deadline that expires before any reply can come back. A longer one (0.2 s) is met by the
+#: replica with an ABORTED sample just before it (`--deadline-margin`), not DEADLINE_EXCEEDED.
+EXPIRED_S = 0.001
+
 
 def _check_invalid_top_p(err: InvalidArgumentError) -> None:
     assert err.field_violations == [TOP_P]
@@ -50,7 +54,7 @@ def test_sync_client_raises_typed_errors_on_every_call_kind(target: str) -> None
             client.abort()  # no target: a unary call
         assert [v.field for v in err.value.field_violations] == ["target"]
         with pytest.raises(DeadlineExceededError):
-            client.generate(PROMPT, LONG, timeout=0.2)
+            client.generate(PROMPT, LONG, timeout=EXPIRED_S)
 
 
 async def test_async_client_raises_typed_errors_on_every_call_kind(target: str) -> None:
@@ -68,7 +72,7 @@ async def test_async_client_raises_typed_errors_on_every_call_kind(target: str) 
             await client.abort()
         assert [v.field for v in err.value.field_violations] == ["target"]
         with pytest.raises(DeadlineExceededError):
-            await client.generate(PROMPT, LONG, timeout=0.2)
+            await client.generate(PROMPT, LONG, timeout=EXPIRED_S)
         assert (await client.generate(PROMPT, SHORT)).response_length == 8
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from tests.deploy.streams import PROMPT, params
-from tests.support.processes import Engine, Processes, Replica, start_engine, start_replica
+from tests.support.processes import Engine, Processes, Replica, start_engine, start_replica, wait_until
 
 #: Bound on waiting for the replica to apply a new list (a SIGHUP plus one health probe).
 APPLY_TIMEOUT_S = 30.0
@@ -96,3 +96,26 @@ async def test_sighup_with_more_engines_raises_the_admission_limit(
     serving = replica.log_events("serving")
     reloaded = replica.log_events("engines_reloaded")
     assert reloaded[-1]["in_flight_limit"] == 2 * int(str(serving[0]["in_flight_limit"]))
+
+
+async def test_sighup_with_a_bad_line_names_it_and_keeps_the_current_engines(
+    reloadable: tuple[list[Engine], Replica, Path],
+) -> None:
+    """A typo in the edited file must not empty the fleet: the line is named and nothing changes."""
+    engines, replica, path = reloadable
+    first, second = (e.url for e in engines)
+    bad = second.removeprefix("http://")  # line 4: after the comment, the blank line and `first`
+    write_engines_file(path, [first, bad])
+    replica.proc.popen.send_signal(signal.SIGHUP)
+    await asyncio.to_thread(
+        wait_until,
+        "the invalid-file log line",
+        lambda: bool(replica.log_events("engines_file_invalid")),
+        replica.proc,
+    )
+    [record] = replica.log_events("engines_file_invalid")
+    assert f"line 4: {bad!r}: no scheme" in str(record["error"])
+    assert record["action"] == "kept the current engines"
+    async with AsyncRolloutClient(replica.target) as client:
+        assert await usable_engines(client) == [first]
+    assert not replica.log_events("engines_reloaded")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 
+from rollout_grpc import __version__
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.domain import bounds
@@ -163,3 +164,16 @@ async def test_grafana_dashboard_queries_only_metrics_the_server_exports() -> No
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     exported = {f.name + s for f in families for s in suffixes.get(f.type, ("",))}
     assert not used - exported, used - exported
+
+
+def test_the_deployment_runs_the_containerfiles_image() -> None:
+    """The image the Deployment names is the Containerfile's (make image), with its user and ports."""
+    containerfile = (REPO / "Containerfile").read_text()
+    assert re.search(rf"^\s+image: rollout-grpc:{re.escape(__version__)}$", DEPLOYMENT, flags=re.MULTILINE)
+    (user,) = re.findall(r"^USER (\d+):(\d+)$", containerfile, flags=re.MULTILINE)
+    assert (number("runAsUser"), number("runAsGroup")) == (int(user[0]), int(user[1]))
+    assert 'ENTRYPOINT ["rollout-grpc"]' in containerfile
+    assert 'command: ["rollout-grpc"]' in DEPLOYMENT
+    (exposed,) = re.findall(r"^EXPOSE (.+)$", containerfile, flags=re.MULTILINE)
+    ports = {int(p) for p in re.findall(r"containerPort: (\d+)", DEPLOYMENT)}
+    assert ports == {int(p) for p in exposed.split()}

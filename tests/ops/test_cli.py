@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from rollout_grpc import __version__, cli
 from rollout_grpc.info import run_info
+from rollout_grpc.server.app import ServerConfig
 from tests.harness import harness
 from tests.support.processes import Processes, child_env, read_port_file, replica_command
 
@@ -70,8 +75,6 @@ def test_sim_subcommand_has_help() -> None:
 async def test_info_prints_a_table_with_problems(capsys: pytest.CaptureFixture[str]) -> None:
     async with harness("sim", sim_count=1, sim_config={"dev_mode": False}) as h:
         # run_info uses a blocking channel: run it off the event loop that serves the replica.
-        import asyncio
-
         code = await asyncio.to_thread(run_info, h.target)
     out = capsys.readouterr().out
     assert code == 1  # the only engine is unusable: the replica is NOT_SERVING
@@ -83,3 +86,72 @@ async def test_info_prints_a_table_with_problems(capsys: pytest.CaptureFixture[s
 def test_info_on_an_unreachable_target_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_info("127.0.0.1:1", timeout=2.0) == 2
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """`parser` and every parser below it, each with its command path."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, f"{path} {name}")
+
+
+def test_every_subcommand_and_flag_has_help() -> None:
+    """`--help` is the reference an operator reads: no flag may be listed bare."""
+    parser, _ = cli.build_parser()
+    tree = dict(_parsers(parser, "rollout-grpc"))
+    assert set(tree) >= {f"rollout-grpc {c}" for c in ("serve", "sim", "info", "demo")}
+    bare: list[str] = []
+    for path, node in tree.items():
+        if not node.description:
+            bare.append(f"{path} (no description)")
+        for action in node._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                bare += [f"{path} {c.dest}" for c in action._choices_actions if not c.help]
+            elif not action.help or action.help == argparse.SUPPRESS:
+                bare.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+    assert not bare, f"without help: {bare}"
+    # The sim subcommand's tree node carries the simulator's real flags (not an empty stub).
+    assert "--logprobs-mode" in tree["rollout-grpc sim"].format_help()
+
+
+def test_version_flag_prints_the_package_version() -> None:
+    result = subprocess.run(
+        [*replica_command(), "--version"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == f"rollout-grpc {__version__}"
+
+
+def test_info_targets_the_local_replica_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ROLLOUT_GRPC_INFO_TARGET", raising=False)
+    parser, _ = cli.build_parser()
+    assert parser.parse_args(["info"]).target == f"127.0.0.1:{ServerConfig(engines=[]).port}"
+    monkeypatch.setenv("ROLLOUT_GRPC_INFO_TARGET", "10.0.0.7:6000")
+    parser, _ = cli.build_parser()
+    assert parser.parse_args(["info"]).target == "10.0.0.7:6000"
+
+
+async def test_info_into_a_closed_pipe_exits_quietly() -> None:
+    """`rollout-grpc info --json | head -1`: the reader may leave before the output is written.
+
+    The pipe's read end is closed before the child starts, so its first write meets EPIPE every
+    time (a reader that leaves after one line would race the child's write into the pipe buffer).
+    """
+    async with harness("sim", sim_count=1) as h:
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            result = await asyncio.to_thread(
+                subprocess.run,
+                [*replica_command(), "info", "--target", h.target, "--json"],
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        finally:
+            os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 0  # what the command would have returned: the replica is SERVING

@@ -185,11 +185,16 @@ async def test_every_generate_that_ends_leaves_one_log_line(slow: Harness) -> No
         await first_delta(call)
         call.cancel()
         await ended.wait(2)
-        # Past its deadline (the engine needs 100 s for 5000 tokens).
-        with pytest.raises(grpc.aio.AioRpcError) as late:
+        # Near its deadline (the engine needs 100 s for 5000 tokens): the replica ends it with its
+        # sample just before (ABORTED, code OK), or DEADLINE_EXCEEDED when a loaded machine misses
+        # the margin; either way one line with that code.
+        late_code = "OK"
+        try:
             async for _ in stub(h).Generate(request(5000, "late-1"), timeout=0.5):
                 pass
-        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        except grpc.aio.AioRpcError as exc:
+            late_code = exc.code().name
+        assert late_code in ("OK", "DEADLINE_EXCEEDED"), late_code
         await ended.wait(3)
         # Refused: a long call holds the only slot.
         holder = stub(h).Generate(request(5000, "holder"))
@@ -211,7 +216,9 @@ async def test_every_generate_that_ends_leaves_one_log_line(slow: Harness) -> No
     assert isinstance(done["ttft_ms"], float) and isinstance(done["queue_wait_ms"], float)
     assert done["weight_versions"]
     assert _done(logs, "cancelled-1")["code"] == "CANCELLED"
-    assert _done(logs, "late-1")["code"] == "DEADLINE_EXCEEDED"
+    late = _done(logs, "late-1")
+    assert late["code"] == late_code
+    assert late_code != "OK" or late["status"] == "ABORTED"
     refused = _done(logs, "refused-1")
     assert refused["code"] == "RESOURCE_EXHAUSTED" and refused["status"] == "RESOURCE_EXHAUSTED"
     invalid = [e for e in logs if e.get("event") == "generate_done" and e.get("code") == "INVALID_ARGUMENT"]

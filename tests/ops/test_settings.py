@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,11 @@ import pytest
 from rollout_grpc import settings
 from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import ServerConfig
+from rollout_grpc.server.domain.trajectory import DriftPolicy
+from rollout_grpc.server.front.openai.server import FrontDoorConfig
+from rollout_grpc.server.front.openai.tools import PARSERS
 from tests.harness import harness
+from tests.support.processes import child_env, replica_command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +38,41 @@ def test_every_server_config_field_is_a_flag_or_excluded_with_a_reason() -> None
     missing = fields - covered - set(settings.NOT_FLAGS)
     assert not missing, f"ServerConfig fields without a flag: {sorted(missing)}"
     assert all(settings.NOT_FLAGS.values())
+
+
+def test_every_front_door_field_is_a_flag_or_excluded_with_a_reason() -> None:
+    covered = {f.field.removeprefix("openai.") for f in settings.FLAGS if f.field.startswith("openai.")}
+    fields = {f.name for f in dataclasses.fields(FrontDoorConfig)}
+    assert covered <= fields
+    assert not fields - covered - set(settings.NOT_OPENAI_FLAGS)
+    assert not covered & set(settings.NOT_OPENAI_FLAGS) and all(settings.NOT_OPENAI_FLAGS.values())
+
+
+def test_front_door_tool_parser_and_drift_policy_flags(tmp_path: Path) -> None:
+    """Every parser and policy the front door knows can be chosen, from any source."""
+    by_name = {f.name: f for f in settings.FLAGS}
+    assert by_name["--openai-tool-parser"].choices == tuple(sorted(PARSERS))
+    assert by_name["--openai-drift-policy"].choices == tuple(p.value for p in DriftPolicy)
+    cfg = settings.server_config(
+        _parse(["--openai-drift-policy", "split", "--openai-tool-parser", "none"]), []
+    )
+    assert cfg.openai == FrontDoorConfig(drift_policy=DriftPolicy.SPLIT, tool_parser="none")
+    assert isinstance(cfg.openai.drift_policy, DriftPolicy)
+    env = {"ROLLOUT_GRPC_OPENAI_DRIFT_POLICY": "split"}
+    assert settings.server_config(_parse([], env), []).openai.drift_policy is DriftPolicy.SPLIT
+    (tmp_path / "c.toml").write_text('openai-tool-parser = "none"\n')
+    assert (
+        settings.server_config(_parse(["--config", str(tmp_path / "c.toml")]), []).openai.tool_parser
+        == "none"
+    )
+
+
+@pytest.mark.parametrize("argv", [["--openai-drift-policy", "rewrite"], ["--openai-tool-parser", "mistral"]])
+def test_unknown_front_door_policies_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _parse(argv)
+    assert exited.value.code == 2
+    assert f"argument {argv[0]}: invalid choice: '{argv[1]}'" in capsys.readouterr().err
 
 
 def test_defaults_come_from_the_dataclasses() -> None:
@@ -94,6 +134,7 @@ def test_units_switches_and_none_values_convert() -> None:
         ({"ROLLOUT_GRPC_RAW_LOGPROBS": "maybe"}, "", "--raw-logprobs"),
         ({}, "no_such_flag = 1\n", "unknown key 'no_such_flag'"),
         ({}, "grace = true\n", "--grace"),
+        ({}, "grase = 10\n", "unknown key 'grase' (keys are `serve` flag names); did you mean 'grace'?"),
     ],
 )
 def test_bad_values_are_named(
@@ -123,3 +164,120 @@ async def test_breaker_cooldown_setting_reaches_the_engine_pool() -> None:
         # No cooldown: the next successful probe closes the breaker (the default, 5 s, would not).
         await h.server.pool.probe(engine)
         assert engine.usable
+
+
+def test_misspelt_environment_variables_are_named_with_the_setting_they_probably_meant() -> None:
+    env = {
+        "ROLLOUT_GRPC_GRASE": "10",
+        "ROLLOUT_GRPC_SIM_ENGINES": "2",  # the alias --sim-engines has no variable of its own
+        "ROLLOUT_GRPC_ZZZ": "1",
+        "ROLLOUT_GRPC_GRACE": "10",
+        "ROLLOUT_GRPC_CONFIG": "x.toml",
+        "ROLLOUT_GRPC_INFO_TLS_CA": "ca.pem",
+        "HOME": "/root",
+    }
+    unknown = {u.name: u for u in settings.unknown_variables(env)}
+    assert set(unknown) == {"ROLLOUT_GRPC_GRASE", "ROLLOUT_GRPC_SIM_ENGINES", "ROLLOUT_GRPC_ZZZ"}
+    assert (unknown["ROLLOUT_GRPC_GRASE"].meant, unknown["ROLLOUT_GRPC_GRASE"].flag) == (
+        "ROLLOUT_GRPC_GRACE",
+        "--grace",
+    )
+    assert unknown["ROLLOUT_GRPC_SIM_ENGINES"].meant == "ROLLOUT_GRPC_SIM"
+    assert unknown["ROLLOUT_GRPC_ZZZ"].meant is None
+
+
+def test_every_rollout_grpc_variable_the_code_reads_is_known() -> None:
+    """A variable read outside the settings table (the slime hook's target, ...) is not a typo."""
+    package = Path(settings.__file__).parent
+    names = {
+        name
+        for path in package.rglob("*.py")
+        for name in re.findall(r"ROLLOUT_GRPC_[A-Z0-9_]+", path.read_text())
+        if name != settings.ENV_PREFIX
+    }
+    assert "ROLLOUT_GRPC_TARGET" in names
+    assert settings.unknown_variables(dict.fromkeys(names, "")) == []
+
+
+def test_serve_warns_about_a_misspelt_variable_at_start() -> None:
+    env = {k: v for k, v in child_env().items() if not k.startswith("ROLLOUT_GRPC_")}
+    result = subprocess.run(
+        [*replica_command(), "serve", "--port", "0"],  # no engine: exits once the settings are read
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "ROLLOUT_GRPC_GRASE": "10"},
+    )
+    assert result.returncode != 0
+    warning = next(line for line in result.stderr.splitlines() if "ROLLOUT_GRPC_GRASE" in line)
+    assert "environment_variable_ignored" in warning and "ROLLOUT_GRPC_GRACE (--grace)" in warning
+
+
+@pytest.mark.parametrize(
+    ("text", "url", "kind"),
+    [
+        ("http://vllm-0:8000", "http://vllm-0:8000", settings.EngineKind.VLLM),
+        ("  https://vllm.example.com/ ", "https://vllm.example.com", settings.EngineKind.VLLM),
+        ("HTTP://[::1]:8000", "http://[::1]:8000", settings.EngineKind.VLLM),
+        ("vllm+http://10.0.0.1:8000", "http://10.0.0.1:8000", settings.EngineKind.VLLM),
+        ("sglang+https://sgl:30000", "https://sgl:30000", settings.EngineKind.SGLANG),
+    ],
+)
+def test_engine_urls_split_into_a_plain_url_and_a_kind(
+    text: str, url: str, kind: settings.EngineKind
+) -> None:
+    assert settings.parse_engine_url(text) == settings.EngineURL(url, kind)
+
+
+@pytest.mark.parametrize(
+    ("text", "wrong"),
+    [
+        ("127.0.0.1:8100", "no scheme"),
+        ("ftp://h:1", "scheme 'ftp' is not http or https"),
+        ("tgi+http://h:1", "unknown engine kind 'tgi'"),
+        ("http://:8000", "no host"),
+        ("http://h:0", "port"),
+        ("http://h:70000", "port"),
+        ("http://h:80a", "port"),
+        ("http://h:", "port"),
+        ("http://h:8000/v1", "path '/v1'"),
+        ("http://h:8000/?x=1", "query"),
+        ("http://h:8000#top", "fragment"),
+        ("http://user:pw@h:8000", "credentials"),
+    ],
+)
+def test_bad_engine_urls_say_what_is_wrong(text: str, wrong: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(wrong)):
+        settings.parse_engine_url(text)
+
+
+@pytest.mark.parametrize("source", ["flag", "environment", "config file", "engines file"])
+def test_serve_refuses_an_engine_without_a_scheme_in_one_line(tmp_path: Path, source: str) -> None:
+    """Refused when the settings are read, naming where the value came from; it used to reach
+    aiohttp and end `serve` with a 40-line traceback."""
+    bad = "127.0.0.1:8100"
+    env = {k: v for k, v in child_env().items() if not k.startswith("ROLLOUT_GRPC_")}
+    argv: list[str] = []
+    where = {
+        "flag": "argument --engine",
+        "environment": "environment ROLLOUT_GRPC_ENGINE",
+        "config file": "key 'engine'",
+        "engines file": "line 3",
+    }[source]
+    if source == "flag":
+        argv = ["--engine", bad]
+    elif source == "environment":
+        env["ROLLOUT_GRPC_ENGINE"] = f"http://ok:8000,{bad}"
+    elif source == "config file":
+        (tmp_path / "c.toml").write_text(f'engine = ["{bad}"]\n')
+        argv = ["--config", str(tmp_path / "c.toml")]
+    else:
+        (tmp_path / "engines.txt").write_text(f"# engines\nhttp://ok:8000\n{bad}  # typo\n")
+        argv = ["--engines-file", str(tmp_path / "engines.txt")]
+    result = subprocess.run(
+        [*replica_command(), "serve", *argv], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert where in result.stderr and repr(bad) in result.stderr and "no scheme" in result.stderr

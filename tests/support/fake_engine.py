@@ -22,6 +22,7 @@ from rollout_grpc.server.engines.api import (
     EngineDelta,
     EngineEvent,
     EngineFinal,
+    EngineHealth,
     FinishKind,
     Rendered,
     ServedModel,
@@ -73,8 +74,8 @@ class FakeEngine:
             self.started.set()
             yield step  # type: ignore[misc]
 
-    async def health(self, timeout: float = 2.0) -> bool:
-        return self.healthy
+    async def health(self, timeout: float = 2.0) -> EngineHealth:
+        return EngineHealth(self.healthy, "" if self.healthy else "the fake engine is marked unhealthy")
 
     async def abort_requests(self, engine_request_ids: list[str]) -> None:
         self.aborted.extend(engine_request_ids)

@@ -197,6 +197,24 @@ TABLE: list[tuple[str, Situation, Action, Any, bool, bool]] = [
         False,
         False,
     ),
+    # The caller's deadline is about to expire: the sample goes back with its tokens, and the
+    # engine is not blamed (it may be merely slow), also before any token and with attempts left.
+    (
+        "caller's deadline near, mid-stream",
+        situation(F.DEADLINE, tokens_this_call=7, tokens_this_generate=7),
+        FINISH,
+        (Finish.ABORT, Status.ABORTED),
+        False,
+        False,
+    ),
+    (
+        "caller's deadline near, before any token",
+        situation(F.DEADLINE),
+        FINISH,
+        (Finish.ABORT, Status.ABORTED),
+        False,
+        False,
+    ),
     (
         "abort before any token",
         situation(F.REJECTED, abort_requested=True),

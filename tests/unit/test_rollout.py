@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -47,12 +48,16 @@ def make(*engines: FakeEngine, **config: Any) -> Rollout:
 
 
 async def run(
-    rollout: Rollout, sample: Sample | None = None, params: SamplingParams | None = None, rid: str = "r"
+    rollout: Rollout,
+    sample: Sample | None = None,
+    params: SamplingParams | None = None,
+    rid: str = "r",
+    deadline: float | None = None,
 ) -> tuple[list[TokenBatch], Sample]:
     sample = sample or Sample(tokens=list(PROMPT))
     before = sample.response_length
     params = params or SamplingParams(max_new_tokens=6)
-    options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0)
+    options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0, deadline=deadline)
     batches: list[TokenBatch] = []
     result: Sample | None = None
     async for item in rollout.generate(sample, params, options, rid):
@@ -207,6 +212,90 @@ async def test_abort_with_a_hung_engine_does_not_fail_over() -> None:
     await aborter
     assert sample.status == Status.ABORTED and sample.tokens[len(PROMPT) :] == [10]
     assert not b.calls and rollout.pool.get("a").healthy  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------------------------ dead engines, deadlines
+
+
+async def test_a_probe_finding_the_engine_dead_fails_a_silent_stream_over_at_once() -> None:
+    a = FakeEngine("a", [[tokens(10, 11), HANG]])
+    b = FakeEngine("b", [[tokens(12), final(FinishKind.LENGTH, 1)]])
+    rollout = make(a, b)
+    task = asyncio.create_task(run(rollout, rid="r"))
+    await a.started.wait()
+    a.healthy = False
+    handle = rollout.pool.get("a")
+    assert handle is not None
+    assert not await rollout.pool.probe(handle)  # the probe, not the idle timeout, finds it
+    _, sample = await asyncio.wait_for(task, 5)
+    assert sample.tokens == [*PROMPT, 10, 11, 12]
+    assert [e.engine for e in sample.engine_attempts] == ["a", "b"]
+    assert "health probe" in sample.engine_attempts[0].error
+    assert sample.engine_attempts[1].start == 2  # continued from the tokens produced
+
+
+async def test_a_stream_that_got_tokens_since_the_probe_began_is_not_failed_over() -> None:
+    """A probe that timed out on a slow engine is no proof of death for a stream still fed."""
+    a = FakeEngine("a", [[tokens(10), HANG]])
+    b = FakeEngine("b", [[tokens(12), final(FinishKind.LENGTH, 1)]])
+    rollout = make(a, b, abort_drain_s=0.05)
+    task = asyncio.create_task(run(rollout, rid="r"))
+    await a.started.wait()
+    handle = rollout.pool.get("a")
+    assert handle is not None
+    handle.declare_dead(probe_started=time.monotonic() - 60)  # began before the stream's token
+    (entry,) = rollout.registry.select(["r"])[0]
+    entry.request_abort("test")  # ends the stream, which must still be on engine a
+    _, sample = await asyncio.wait_for(task, 5)
+    assert sample.status == Status.ABORTED and [e.engine for e in sample.engine_attempts] == ["a"]
+    assert not b.calls
+
+
+async def test_a_callers_deadline_ends_a_hung_stream_with_its_tokens_before_it_expires() -> None:
+    a = FakeEngine("a", [[tokens(10, 11), HANG]])
+    rollout = make(a, deadline_margin_s=1.0)
+    deadline = time.monotonic() + 0.5  # margin: min(1 s, 10 % of 0.5 s) = 50 ms
+    _, sample = await asyncio.wait_for(run(rollout, deadline=deadline), 5)
+    assert time.monotonic() < deadline
+    assert sample.status == Status.ABORTED and sample.tokens == [*PROMPT, 10, 11]
+    handle = rollout.pool.get("a")
+    assert handle is not None and handle.healthy  # a slow engine is not blamed for a deadline
+
+
+async def test_a_callers_deadline_ends_a_queued_generation_before_it_expires() -> None:
+    a = FakeEngine("a", [[tokens(10), HANG]])
+    by_url = {"a": a}
+    pool = EnginePool(["a"], by_url.__getitem__)
+    rollout = Rollout(pool, Admission(1, 4), InFlightRegistry(), RolloutConfig(abort_drain_s=0.05))
+    holder = asyncio.create_task(run(rollout, rid="holder"))  # holds the only slot
+    await a.started.wait()
+    deadline = time.monotonic() + 0.3
+    _, sample = await asyncio.wait_for(run(rollout, rid="queued", deadline=deadline), 5)
+    assert time.monotonic() < deadline
+    assert sample.status == Status.ABORTED and sample.response_length == 0
+    assert len(a.calls) == 1  # it never reached an engine
+    (entry,) = rollout.registry.select(["holder"])[0]
+    entry.request_abort("test")
+    await asyncio.wait_for(holder, 5)
+
+
+async def test_a_deadline_never_cancels_the_callers_own_wait_between_reads() -> None:
+    """The deadline interrupts reads of the engine stream only: a caller busy elsewhere (here a
+    slow consumer) is never cancelled; its next read ends the call with the sample."""
+    a = FakeEngine("a", [[tokens(10), tokens(11), HANG]])
+    rollout = make(a)
+    deadline = time.monotonic() + 0.3
+    options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0, deadline=deadline)
+    seen: list[TokenBatch | Sample] = []
+    async for item in rollout.generate(
+        Sample(tokens=list(PROMPT)), SamplingParams(max_new_tokens=6), options, "r"
+    ):
+        seen.append(item)
+        if len(seen) == 1:
+            await asyncio.sleep(0.4)  # the fault under test: a consumer slower than the deadline
+    final_sample = seen[-1]
+    assert isinstance(final_sample, Sample) and final_sample.status == Status.ABORTED
+    assert final_sample.tokens == [*PROMPT, 10]  # the next read never started
 
 
 async def test_empty_delta_marks_the_engine_started() -> None:

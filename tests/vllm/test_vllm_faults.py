@@ -99,7 +99,9 @@ async def test_abort_all_with_a_stopped_engine_returns_within_the_control_deadli
             ended_s = time.monotonic() - began
         # The only engine did not pause: the RPC fails loudly, naming it, by the deadline.
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
-        assert f"{vllm_dense_url}: /pause: no answer within" in (failed.value.details() or "")
+        details = failed.value.details() or ""
+        assert f"{vllm_dense_url}: /pause?mode=abort: no answer within" in details, details
+        assert "none to a health probe either" in details, details  # stopped, not merely busy
         assert call_s < CONTROL_DEADLINE_S + SLACK_S, f"Abort(all) took {call_s:.1f} s"
         assert ended_s < CONTROL_DEADLINE_S + SLACK_S, f"the streams took {ended_s:.1f} s to end"
         for out in outcomes:

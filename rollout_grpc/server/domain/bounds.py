@@ -6,6 +6,9 @@
 * `SHUTDOWN_ABORT_DRAIN_S`: after the grace, the time the generations still running get to end
   as ABORTED samples once their abort was sent.
 * `SHUTDOWN_CLOSE_S`: stopping the gRPC and health servers and closing the HTTP session.
+* `DEADLINE_MARGIN_S`, `DEADLINE_MARGIN_FRACTION`: a generation whose caller set a deadline ends
+  with its sample (ABORTED, every token kept) `deadline_margin_s(...)` before that deadline, so
+  the caller gets its tokens instead of DEADLINE_EXCEEDED, whatever the engines do.
 
 `shutdown_bound_s(grace)` is the longest a replica takes from SIGTERM to exit, hung engines
 included; a pod's `terminationGracePeriodSeconds` must be at least its preStop sleep plus this
@@ -19,6 +22,15 @@ from typing import Final
 CONTROL_DEADLINE_S: Final = 5.0
 SHUTDOWN_ABORT_DRAIN_S: Final = 10.0
 SHUTDOWN_CLOSE_S: Final = 3.0
+DEADLINE_MARGIN_S: Final = 1.0
+DEADLINE_MARGIN_FRACTION: Final = 0.1
+
+
+def deadline_margin_s(allowed_s: float, cap_s: float = DEADLINE_MARGIN_S) -> float:
+    """How long before the caller's deadline its sample is sent: min(cap, 10 % of the time the
+    caller allowed). The cap is enough to deliver a sample (convert, send) on a loaded replica;
+    the fraction keeps short deadlines useful (a 2 s deadline still generates for 1.8 s)."""
+    return max(0.0, min(cap_s, DEADLINE_MARGIN_FRACTION * allowed_s))
 
 
 def shutdown_bound_s(

@@ -3,8 +3,10 @@
 `decide` maps a `Situation` (what failed, how far the generation got, what is left) to a
 `Decision`; `Rollout._run` only executes it. The rules, in order:
 
-1. **Abort wins.** Once the caller asked to abort, any failure (or the end of the bounded drain)
-   finishes ABORTED with every token kept; the engine is not blamed.
+1. **Abort wins, and so does the caller's deadline.** Once the caller asked to abort, any failure
+   (or the end of the bounded drain) finishes ABORTED with every token kept; the engine is not
+   blamed. A generation whose caller's deadline is about to expire finishes the same way (the
+   caller gets its tokens instead of DEADLINE_EXCEEDED).
 2. **Rejected by the engine** (a caller error, HTTP 4xx or an in-stream 4xx event): before any
    token of this Generate it is raised (INVALID_ARGUMENT naming the field, or NOT_FOUND), exactly
    as the engine's own HTTP error would be; after tokens the sample ends FAILED with them kept.
@@ -22,7 +24,8 @@
    not open the breaker either (the engine serves other requests; its broken chunk is dropped
    whole and the continuation regenerates it). The budget running out ends TRUNCATED; the
    attempt limit ends ABORTED (engines lost) or FAILED (replies unusable), or UNAVAILABLE when
-   nothing was produced.
+   nothing was produced. An engine the health probe declared dead while the call was silent is
+   an engine fault like a hung stream (HUNG): failed over at once, not after the idle timeout.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class CallFailure(enum.Enum):
     ABORT_DRAIN_EXPIRED = "abort_drain_expired"
     #: No usable engine is left to try.
     NO_ENGINE = "no_engine"
+    #: The caller's deadline is about to expire: the sample goes back now, with its tokens.
+    DEADLINE = "deadline"
 
 
 class Action(enum.Enum):
@@ -154,6 +159,8 @@ def decide(s: Situation) -> Decision:
     nothing_yet = s.tokens_this_generate == 0
     if s.abort_requested or s.failure is CallFailure.ABORT_DRAIN_EXPIRED:
         return _finish(Finish.ABORT, Status.ABORTED)
+    if s.failure is CallFailure.DEADLINE:
+        return _finish(Finish.ABORT, Status.ABORTED, "the caller's deadline is about to expire")
     if s.failure is CallFailure.REJECTED:
         if nothing_yet:
             return _raise(Raise.REJECTION)

@@ -71,6 +71,10 @@ class GenerateOptions:
     skip_text: bool = False
     model: str = ""
     routed_experts_start: int = 0
+    #: When the caller stops waiting, on the `time.monotonic()` clock (None: no deadline). The
+    #: generation ends with its sample shortly before (`bounds.deadline_margin_s`). Set by the
+    #: door from its transport's deadline (gRPC's `time_remaining()`); never a transport object.
+    deadline: float | None = None
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ reported them (HTTP status or an error event inside a 200 stream are the same th
 from __future__ import annotations
 
 import enum
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import EllipsisType
@@ -253,6 +254,40 @@ class MediaCacheMiss(EngineError):
     """A call that sent media by hash only failed as a cache miss; the adapter forgot the hashes."""
 
 
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """A health probe's answer: truthy when the engine is healthy, else `cause` says why, in words
+    an operator acts on ("connection refused", "no answer within 2.0 s", "GET /health answered
+    HTTP 503", "answers HTTP but is not a vLLM server")."""
+
+    ok: bool
+    cause: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+HEALTHY = EngineHealth(True)
+
+
+def describe_transport_error(exc: BaseException, timeout: float | None = None) -> str:
+    """A connection-level failure in an operator's words (refused, timed out, unresolvable)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g} s" if timeout else "no answer (timed out)"
+    cause: BaseException | None = exc
+    for _ in range(4):  # the error, what it wraps (aiohttp's `os_error`), and their causes
+        if cause is None:
+            break
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused (nothing listens on that port)"
+        if isinstance(cause, ConnectionResetError):
+            return "connection reset by the engine"
+        if isinstance(cause, socket.gaierror):
+            return f"the host name does not resolve ({cause.strerror})"
+        cause = getattr(cause, "os_error", None) or cause.__cause__
+    return f"{type(exc).__name__}: {exc}"
+
+
 class ControlAction(enum.StrEnum):
     """A fleet-control operation, named so an adapter can say which of its routes does it."""
 
@@ -285,8 +320,9 @@ class EngineAdapter(Protocol):
         """
         ...
 
-    async def health(self, timeout: float = 2.0) -> bool:
-        """A short liveness check; False when the engine does not answer healthy in time."""
+    async def health(self, timeout: float = 2.0) -> EngineHealth:
+        """A short liveness check: falsy, with its cause, when the engine does not answer healthy
+        in time."""
         ...
 
     async def abort_requests(self, engine_request_ids: list[str]) -> None:

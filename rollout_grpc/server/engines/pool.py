@@ -5,7 +5,9 @@
   same engine list makes the same choice, and a hot session spills over instead of overloading
   one engine (Mirrokni et al., "Consistent Hashing with Bounded Loads").
 * Health: a periodic `/health` probe plus passive failure detection; a per-engine circuit breaker
-  keeps a failed engine out of rotation until a probe succeeds again.
+  keeps a failed engine out of rotation until a probe succeeds again. A failed probe is also told
+  to the engine calls in flight on that engine (`EngineHandle.watch`), so that streams silent
+  since the probe began fail over at once instead of waiting for the idle timeout.
 * Membership: engines can be added, drained (no new generations; in-flight ones finish) and removed
   at runtime, e.g. from a file re-read on SIGHUP.
 """
@@ -60,11 +62,30 @@ class EngineHandle:
     #: What the capability check found (`capabilities.py`), None before it (or after a failed
     #: check). The one source of the engine's capability facts.
     capabilities: EngineCapabilities | None = None
+    #: The engine calls in flight on this engine that want to hear when a health probe finds it
+    #: dead (`watch`): each is called with the time the failed probe started.
+    _watchers: set[Callable[[float], None]] = field(default_factory=set, repr=False)
 
     @property
     def usable(self) -> bool:
         """Healthy, not draining and able to serve the contract: may receive new generations."""
         return self.healthy and not self.draining and not self.problems
+
+    def watch(self, on_dead: Callable[[float], None]) -> Callable[[], None]:
+        """Call `on_dead(probe_started)` whenever a health probe of this engine fails (every
+        time, not only when it turns unhealthy: a call that started after one failed probe
+        hears the next). Returns the function that stops watching.
+
+        Why: a stopped engine (SIGSTOP, a wedged GPU) fails its probe within seconds, while its
+        streams would otherwise wait for the idle timeout (30 s) — longer than trainers' deadlines.
+        """
+        self._watchers.add(on_dead)
+        return lambda: self._watchers.discard(on_dead)
+
+    def declare_dead(self, probe_started: float) -> None:
+        """Tell the watching engine calls that a probe begun at `probe_started` got no answer."""
+        for on_dead in list(self._watchers):
+            on_dead(probe_started)
 
 
 def _rendezvous_weight(key: str, url: str) -> int:
@@ -164,6 +185,19 @@ class EnginePool:
 
     # ----------------------------------------------------------------------------- routing
 
+    def unusable_reasons(self) -> list[tuple[str, str]]:
+        """(URL, why) for every engine that receives no generations now: the health probe's cause,
+        the capability problems, or draining. Named in UNAVAILABLE messages and GetServerInfo."""
+        reasons: list[tuple[str, str]] = []
+        for handle in self._engines.values():
+            if not handle.healthy:
+                reasons.append((handle.url, f"unhealthy: {handle.last_error or 'health probe failed'}"))
+            elif handle.problems:
+                reasons.append((handle.url, "not usable: " + "; ".join(handle.problems)))
+            elif handle.draining:
+                reasons.append((handle.url, "draining"))
+        return reasons
+
     def pick(
         self, session_id: str = "", exclude: frozenset[str] | set[str] = frozenset()
     ) -> EngineHandle | None:
@@ -231,7 +265,9 @@ class EnginePool:
         if /health answers: an engine that accepts connections but breaks streams would otherwise
         flap back into rotation at every probe.
         """
-        ok = await handle.client.health()
+        started = time.monotonic()
+        health = await handle.client.health()
+        ok = bool(health)
         cooling = handle.consecutive_failures > 0 and (
             time.monotonic() - handle._opened_at < self._breaker_cooldown_s
         )
@@ -247,13 +283,18 @@ class EnginePool:
             handle.consecutive_failures = 0
             log.info("engine_healthy", engine=handle.url)
             self._notify()
-        elif not ok and handle.healthy:
-            handle.healthy = False
-            handle.last_error = "health probe failed"
-            log.warning("engine_unhealthy", engine=handle.url, error="health probe failed")
-            self._notify()
+        elif not ok:
+            cause = getattr(health, "cause", "") or "health probe failed"
+            if handle.healthy or cause != handle.last_error:
+                log.warning("engine_unhealthy", engine=handle.url, error=cause)
+            handle.last_error = cause
+            if handle.healthy:
+                handle.healthy = False
+                self._notify()
         if handle.usable != usable_before:
             self._notify()
+        if not ok:
+            handle.declare_dead(started)
         return ok
 
     async def probe_all(self) -> None:

@@ -36,7 +36,13 @@ from rollout_grpc.server.domain.errors import (
     Unavailable,
 )
 from rollout_grpc.server.domain.identity import current_caller
-from rollout_grpc.server.engines.api import ControlAction, EngineError, EngineRejected, EngineRequestFailed
+from rollout_grpc.server.engines.api import (
+    ControlAction,
+    EngineError,
+    EngineHealth,
+    EngineRejected,
+    EngineRequestFailed,
+)
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlight, InFlightRegistry
@@ -154,6 +160,29 @@ def _split(engines: Sequence[EngineHandle]) -> tuple[list[EngineHandle], FleetRe
     return asked, result
 
 
+#: Seconds before a fan-out's deadline that engines which have not answered yet are probed, so
+#: that a TIMEOUT says whether the engine is alive and busy or does not answer at all.
+LIVENESS_PROBE_S = 2.0
+
+
+def _no_answer(where: str, wait: str, probe: asyncio.Future[EngineHealth] | None) -> str:
+    """The TIMEOUT message of an engine call, from the health probe run before the deadline."""
+    alive = (
+        probe is not None
+        and probe.done()
+        and not probe.cancelled()
+        and probe.exception() is None
+        and bool(probe.result())
+    )
+    if alive:
+        return (
+            f"{where}: no answer within {wait}, yet the engine passes its health probe: busy, not "
+            "hung (an engine may run this only after its step in progress, and a long prefill on "
+            "a loaded CPU takes seconds); raise --control-deadline"
+        )
+    return f"{where}: no answer within {wait} and none to a health probe either (engine hung?)"
+
+
 #: How long after a late resume the engine is asked again whether a late pause paused it.
 LATE_PAUSE_SETTLE_S = 1.0
 #: Upper bound of the wait between late resumes of an engine that does not answer.
@@ -248,17 +277,23 @@ class Control:
         """Run `action` on every healthy engine concurrently, all of it within `timeout_s`.
 
         Unhealthy engines are not asked (reported as skipped); engines still busy at the deadline
-        are reported as hung and their calls cancelled.
+        have their calls cancelled and are reported as TIMEOUT, each with what a health probe run
+        in the last seconds before the deadline found: an engine that answers it is busy, not hung
+        (vLLM runs a pause only between engine steps, after the step in progress — a long prefill,
+        an image on a loaded CPU, takes seconds), and the fix is a longer `--control-deadline`.
         """
         asked, result = _split(engines)
         if not asked:
             return result
         tasks = [asyncio.ensure_future(action(engine)) for engine in asked]
+        probes: dict[asyncio.Future[Any], asyncio.Future[EngineHealth]] = {}
         try:
-            _, pending = await asyncio.wait(tasks, timeout=None if timeout_s is None else max(0.0, timeout_s))
+            pending = await self._wait_probing(asked, tasks, timeout_s, probes)
         finally:
             for task in tasks:
                 task.cancel()
+            for probe in probes.values():
+                probe.cancel()
         if pending:
             await asyncio.wait(pending)
         for engine, task in zip(asked, tasks, strict=True):
@@ -266,9 +301,7 @@ class Control:
             if task in pending or task.cancelled():
                 wait = f"{timeout_s:.1f} s" if timeout_s is not None else "the deadline"
                 where = client.control_route(route) + detail
-                result.fail(
-                    engine.url, ControlFailure.TIMEOUT, f"{where}: no answer within {wait} (engine hung?)"
-                )
+                result.fail(engine.url, ControlFailure.TIMEOUT, _no_answer(where, wait, probes.get(task)))
                 continue
             exc = task.exception()
             if exc is None:
@@ -283,6 +316,29 @@ class Control:
                 log.error("engine_control_failed", engine=engine.url, route=step, error=repr(cause))
             result.fail(engine.url, kind, message)
         return result
+
+    @staticmethod
+    async def _wait_probing(
+        asked: Sequence[EngineHandle],
+        tasks: Sequence[asyncio.Future[Any]],
+        timeout_s: float | None,
+        probes: dict[asyncio.Future[Any], asyncio.Future[EngineHealth]],
+    ) -> set[asyncio.Future[Any]]:
+        """Wait for `tasks` until `timeout_s`; the engines still busy `LIVENESS_PROBE_S` before
+        it get a health probe (into `probes`) that ends by the deadline too. The pending tasks."""
+        if timeout_s is None:
+            _, pending = await asyncio.wait(tasks)
+            return pending
+        timeout_s = max(0.0, timeout_s)
+        window = min(LIVENESS_PROBE_S, timeout_s / 2)
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s - window)
+        if not pending:
+            return pending
+        for engine, task in zip(asked, tasks, strict=True):
+            if task in pending:
+                probes[task] = asyncio.ensure_future(engine.client.health(window))
+        _, pending = await asyncio.wait(pending, timeout=window)
+        return pending
 
     def _timeout(self, deadline: float) -> float:
         return deadline - asyncio.get_running_loop().time()
@@ -371,6 +427,7 @@ class Control:
                     engines,
                     lambda engine: self._pause_then_resume(engine, pauses),
                     route=ControlAction.PAUSE,
+                    detail="?mode=abort",
                     timeout_s=self._timeout(deadline),
                 )
             )

@@ -13,12 +13,17 @@ happens after a failed engine call is decided by `failover.decide` (one table of
 * leaving early (client cancel, deadline) closes the upstream HTTP request, which makes vLLM
   abort the engine-side generation;
 * an abort ends the generation within `RolloutConfig.abort_drain_s` of the request, even if its
-  engine never answers again.
+  engine never answers again;
+* a stream on an engine that a health probe finds dead (while the stream was silent) fails over
+  at once, not after the adapter's idle timeout (`EngineHandle.watch`);
+* a caller's deadline (`GenerateOptions.deadline`) is met with the sample: shortly before it
+  (`bounds.deadline_margin_s`) the generation ends ABORTED with every token produced so far.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
@@ -26,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from rollout_grpc.server.domain import failover, multimodal, routed_experts, sample_ops
+from rollout_grpc.server.domain import bounds, failover, multimodal, routed_experts, sample_ops
 from rollout_grpc.server.domain import params as params_mod
 from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rollout_grpc.server.domain.failover import Action, CallFailure, Decision, Raise, Situation
@@ -86,6 +91,9 @@ class RolloutConfig:
     abort_drain_s: float = 1.0
     #: Seconds the health probe that tells an engine-wide from a request-specific failure may take.
     health_probe_s: float = 2.0
+    #: Most seconds before a caller's deadline that its sample is sent (10 % of the caller's time
+    #: when that is less): see `bounds.deadline_margin_s`.
+    deadline_margin_s: float = bounds.DEADLINE_MARGIN_S
 
 
 class _Batcher:
@@ -227,14 +235,16 @@ class Rollout:
             yield sample
             return
         entry = self.registry.register(request_id, sample.session_id, sample.group_index)
+        deadline = _CallerDeadline(options.deadline, self.config.deadline_margin_s, entry)
         try:
             try:
                 async with self.admission.slot(entry):
-                    async for batch in self._run(sample, params, options, entry):
+                    async for batch in self._run(sample, params, options, entry, deadline):
                         yield batch
             except AbortedWhileQueued:
-                sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
+                sample_ops.finish(sample, Finish.ABORT, Status.ABORTED, deadline.reason)
         finally:
+            deadline.cancel()
             self.registry.unregister(entry)
         problem = sample_ops.check_invariants(sample)
         if problem:
@@ -242,12 +252,17 @@ class Rollout:
         yield sample
 
     async def _run(
-        self, sample: Sample, params: SamplingParams, options: GenerateOptions, entry: InFlight
+        self,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        entry: InFlight,
+        deadline: _CallerDeadline,
     ) -> AsyncIterator[TokenBatch]:
         """The engine calls of one generation: call, and on failure do what `failover.decide` says."""
         batcher = _Batcher(options)
-        run = _RunState(call_offset=sample.response_length)
-        while not entry.abort_requested:
+        run = _RunState(call_offset=sample.response_length, deadline=deadline)
+        while not entry.abort_requested and not deadline.reached:
             engine = self._pick(sample, options, run)
             run.decision, run.error = None, None
             if engine is None:
@@ -261,13 +276,15 @@ class Rollout:
             if decision is None:
                 break  # the call ended normally
             if decision.action is Action.RAISE:
-                raise _domain_error(decision, run.error) from run.error
+                unusable = self.pool.unusable_reasons() if engine is None else []
+                raise _domain_error(decision, run.error, unusable) from run.error
             if decision.action is Action.FINISH:
                 sample_ops.finish(sample, decision.finish, decision.status, decision.reason)
                 break
             run.media_resent = run.media_resent or decision.action is Action.RETRY_WITH_MEDIA
         else:
-            sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
+            reason = "" if entry.abort_requested else deadline.reason
+            sample_ops.finish(sample, Finish.ABORT, Status.ABORTED, reason)
         last = batcher.flush()
         if last is not None:
             yield last
@@ -295,7 +312,7 @@ class Rollout:
                     yield batch
             self.pool.report_success(engine)
             return
-        except (EngineError, _DrainExpired) as exc:
+        except (EngineError, _DrainExpired, _Interrupted) as exc:
             run.error = exc if isinstance(exc, EngineError) else None
             failure = await self._classify(engine, exc)
             attempt.error = f"{failure.value}: {exc}"
@@ -339,6 +356,8 @@ class Rollout:
         """The policy's name for an engine call's failure; an internal error asks the engine's health."""
         if isinstance(exc, _DrainExpired):
             return CallFailure.ABORT_DRAIN_EXPIRED
+        if isinstance(exc, _Interrupted):  # only the caller's deadline gets here (see `_call`)
+            return CallFailure.DEADLINE
         if isinstance(exc, EngineHung):
             return CallFailure.HUNG
         if isinstance(exc, EngineRejected):
@@ -413,7 +432,9 @@ class Rollout:
         """One engine call: append tokens as they arrive, then apply the final result.
 
         Once an abort is requested the engine gets `abort_drain_s` to send its final chunk; then
-        the call ends here whatever the engine does (`_DrainExpired`).
+        the call ends here whatever the engine does (`_DrainExpired`). A health probe that finds
+        the engine dead while this call was silent ends it as hung (`EngineHung`: failed over from
+        the tokens produced), and the caller's deadline ends it at once (`_Interrupted`).
         """
         call = self._engine_call(engine, sample, params, options, entry, run)
         entry.engine = engine
@@ -428,19 +449,34 @@ class Rollout:
         speed = _Speed(sample.response_length)
         finals: list[EngineFinal] = []
         loop = asyncio.get_running_loop()
+        stopper = _Stopper()
+        unwatch = engine.watch(stopper.engine_dead)
+        run.deadline.stopper = stopper
+        if run.deadline.reached:
+            stopper.request(_Why.DEADLINE)
         try:
             async with asyncio.timeout(None) as drain:
                 entry.on_abort = lambda: drain.reschedule(loop.time() + self.config.abort_drain_s)
                 if entry.abort_requested:  # asked while the call was being prepared
                     entry.on_abort()
-                async for batch in self._consume(engine, call, sample, entry, batcher, speed, finals):
+                async for batch in self._consume(
+                    engine, call, sample, entry, batcher, speed, finals, stopper
+                ):
                     yield batch
         except TimeoutError as exc:
             if entry.abort_requested:
                 raise _DrainExpired from exc
             raise
+        except _Interrupted as exc:
+            if exc.why is _Why.ENGINE_DEAD:
+                raise EngineHung(
+                    engine.url, "a health probe found the engine dead while this stream was silent"
+                ) from None
+            raise
         finally:
             entry.on_abort = None
+            unwatch()
+            run.deadline.stopper = None
         if not finals:
             raise EngineUnavailable(engine.url, "the stream ended without a final result")
         speed.report(engine, sample.response_length)
@@ -455,19 +491,42 @@ class Rollout:
         batcher: _Batcher,
         speed: _Speed,
         finals: list[EngineFinal],
+        stopper: _Stopper,
     ) -> AsyncIterator[TokenBatch]:
-        """Apply the call's events to the sample; the final result goes to `finals`."""
-        async for event in engine.client.generate(call):
-            if isinstance(event, EngineDelta):
-                self._on_engine_started(engine, entry)
-                speed.first(sample.response_length + len(event.token_ids), bool(event.token_ids))
-                batch = self._apply_delta(sample, event, batcher)
-                if batch is not None:
-                    yield batch
-            elif isinstance(event, EngineUsage):
-                sample.usage.cached_tokens += event.cached_tokens
-            else:
-                finals.append(event)
+        """Apply the call's events to the sample; the final result goes to `finals`.
+
+        Each read of the engine stream is bracketed by `stopper`, which may interrupt that read,
+        and only that (never the caller's own awaits between reads); the stream is closed however
+        the loop ends (closing it makes the engine abort the request).
+        """
+        stream = engine.client.generate(call)
+        try:
+            while True:
+                stopper.begin_read()
+                try:
+                    event = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    stopper.check_interrupted()
+                    raise
+                finally:
+                    stopper.reading = False
+                stopper.last_event = time.monotonic()
+                if isinstance(event, EngineDelta):
+                    self._on_engine_started(engine, entry)
+                    speed.first(sample.response_length + len(event.token_ids), bool(event.token_ids))
+                    batch = self._apply_delta(sample, event, batcher)
+                    if batch is not None:
+                        yield batch
+                elif isinstance(event, EngineUsage):
+                    sample.usage.cached_tokens += event.cached_tokens
+                else:
+                    finals.append(event)
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     def _on_engine_started(self, engine: EngineHandle, entry: InFlight) -> None:
         if not entry.engine_started:
@@ -576,6 +635,8 @@ class _RunState:
     """The failover bookkeeping of one Generate."""
 
     call_offset: int
+    #: The caller's deadline (its engine call registers a `_Stopper` there while it runs).
+    deadline: _CallerDeadline
     attempts: int = 0
     request_failures: int = 0
     media_resent: bool = False
@@ -607,6 +668,121 @@ class _Speed:
 
 class _DrainExpired(Exception):
     """An abort was requested and the engine did not end its call within `abort_drain_s`."""
+
+
+class _Why(enum.Enum):
+    """Why an engine call is ended from outside (`_Stopper`)."""
+
+    #: A health probe of the call's engine failed, and the call got nothing since it began.
+    ENGINE_DEAD = "engine_dead"
+    #: The caller's deadline, less the margin, has come.
+    DEADLINE = "deadline"
+
+
+class _Interrupted(Exception):
+    """An engine call was ended by its `_Stopper`."""
+
+    def __init__(self, why: _Why) -> None:
+        super().__init__(why.value)
+        self.why = why
+
+
+class _Stopper:
+    """Ends one engine call from a callback — its engine found dead, the caller's deadline — by
+    interrupting the call's wait for the engine, and only that wait.
+
+    The interruption cancels the reading task (as the adapter's idle watch does) while a read is
+    in progress, so the cancellation lands inside the engine stream, which then closes itself
+    (the engine aborts the request). Asked between reads (the caller's own awaits, e.g. a gRPC
+    write under flow control, must never be cancelled), the next read does not start.
+    `check_interrupted` tells this cancellation apart from anyone else's.
+    """
+
+    __slots__ = ("_base", "_fired", "_task", "last_event", "reading", "why")
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("an engine call runs outside a task")
+        self._task = task
+        self._base = 0
+        self._fired = False
+        self.reading = False
+        self.why: _Why | None = None
+        #: When the call last got an event (or began): a probe started later proves nothing.
+        self.last_event = time.monotonic()
+
+    def request(self, why: _Why) -> None:
+        """End the call (the first reason wins)."""
+        if self.why is not None:
+            return
+        self.why = why
+        if self.reading:
+            self._fired = True
+            self._task.cancel()
+
+    def engine_dead(self, probe_started: float) -> None:
+        """`EngineHandle.watch` callback: a probe begun at `probe_started` got no answer. A call
+        that received an event since then is talking to a live engine (a slow probe is not a
+        dead engine) and goes on."""
+        if self.last_event < probe_started:
+            self.request(_Why.ENGINE_DEAD)
+
+    def begin_read(self) -> None:
+        """A read of the engine stream starts; raises `_Interrupted` if the call was ended."""
+        if self.why is not None:
+            raise _Interrupted(self.why)
+        self._base = self._task.cancelling()
+        self.reading = True
+
+    def check_interrupted(self) -> None:
+        """After a CancelledError in a read: raise `_Interrupted` when the cancellation was this
+        stopper's alone (it is then absorbed); return (the caller re-raises) otherwise."""
+        if not self._fired:
+            return
+        self._fired = False
+        if self._task.uncancel() <= self._base and self.why is not None:
+            raise _Interrupted(self.why)
+
+
+class _CallerDeadline:
+    """The caller's deadline less the margin; when it comes, the generation ends with its sample.
+
+    A timer (one per generation that has a deadline): a generation still queued for admission
+    leaves the queue (ABORTED, nothing generated); one in an engine call has the call ended
+    (`_Stopper`), and the failover policy finishes it ABORTED with its tokens; between calls, the
+    loop sees `reached` and finishes.
+    """
+
+    __slots__ = ("_entry", "_handle", "reached", "stopper")
+
+    reason = "the caller's deadline is about to expire"
+
+    def __init__(self, deadline: float | None, margin_cap_s: float, entry: InFlight) -> None:
+        self._entry = entry
+        self._handle: asyncio.TimerHandle | None = None
+        self.reached = False
+        #: The engine call in progress, if any.
+        self.stopper: _Stopper | None = None
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            loop = asyncio.get_running_loop()
+            at = loop.time() + left - bounds.deadline_margin_s(left, margin_cap_s)
+            self._handle = loop.call_at(at, self._reach)
+
+    def _reach(self) -> None:
+        self._handle = None
+        self.reached = True
+        waiter = self._entry.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(AbortedWhileQueued())
+        if self.stopper is not None:
+            self.stopper.request(_Why.DEADLINE)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 #: Neutral finish -> (finish reason, sample status).
@@ -649,11 +825,16 @@ def _rejection(exc: EngineRejected, default_field: str = "sample.tokens") -> Exc
     return InvalidArgument(field_name, f"rejected by the engine: {exc.message}")
 
 
-def _domain_error(decision: Decision, error: EngineError | None) -> Exception:
-    """The domain error of a RAISE decision."""
+def _domain_error(
+    decision: Decision, error: EngineError | None, unusable: list[tuple[str, str]] | None = None
+) -> Exception:
+    """The domain error of a RAISE decision; with no engine to pick, it names every engine and why
+    it receives no generations (`unusable`)."""
     if decision.raise_as is Raise.REJECTION and isinstance(error, EngineRejected):
         return _rejection(error)
     detail = f": {error.message}" if error is not None else ""
+    if unusable:
+        detail += " (" + "; ".join(f"{url}: {why}" for url, why in unusable) + ")"
     if decision.raise_as is Raise.FAILED_PRECONDITION:
         return FailedPrecondition(f"{decision.reason}{detail}")
     return Unavailable(f"{decision.reason}{detail}")

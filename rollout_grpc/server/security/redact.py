@@ -10,6 +10,8 @@ applies the label to its own messages (`front/grpc/redaction.py`, the front door
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 
 def engine_label(url: str) -> str:
@@ -19,9 +21,16 @@ def engine_label(url: str) -> str:
     return "engine-" + hashlib.sha256(url.encode()).hexdigest()[:8]
 
 
-def redact_text(text: str, urls: list[str]) -> str:
-    """`text` with every occurrence of the given engine URLs replaced by their labels."""
+def redact_text(text: str, urls: Iterable[str]) -> str:
+    """`text` with every occurrence of the given engine URLs, and of their bare `host:port`
+    (as connection errors name them), replaced by their labels."""
     for url in urls:
-        if url and url in text:
-            text = text.replace(url, engine_label(url))
+        if not url:
+            continue
+        label = engine_label(url)
+        if url in text:
+            text = text.replace(url, label)
+        netloc = urlsplit(url).netloc
+        if netloc and netloc in text:
+            text = text.replace(netloc, label)
     return text

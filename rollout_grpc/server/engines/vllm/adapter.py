@@ -39,6 +39,7 @@ import orjson
 from rollout_grpc.server.domain import params as params_mod
 from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem, WeightSpan
 from rollout_grpc.server.engines.api import (
+    HEALTHY,
     ChatRenderRequest,
     ControlAction,
     EngineCall,
@@ -47,6 +48,7 @@ from rollout_grpc.server.engines.api import (
     EngineError,
     EngineEvent,
     EngineFinal,
+    EngineHealth,
     EngineHung,
     EngineMalformed,
     EngineRejected,
@@ -58,6 +60,7 @@ from rollout_grpc.server.engines.api import (
     MediaCacheMiss,
     Rendered,
     ServedModel,
+    describe_transport_error,
 )
 from rollout_grpc.server.engines.vllm import experts, info
 
@@ -706,13 +709,19 @@ class VllmEngine:
         except orjson.JSONDecodeError as exc:
             raise EngineMalformed(self.url, f"{path} answered invalid JSON: {exc}") from None
 
-    async def health(self, timeout: float = 2.0) -> bool:
-        """GET /health: True on 200. A refused connection, a 503 (dead engine) or silence is False."""
+    async def health(self, timeout: float = 2.0) -> EngineHealth:
+        """GET /health: healthy on 200. A refused connection, silence, a 503 (dead engine) or a
+        server without vLLM's routes is unhealthy, with that cause."""
         try:
             status, _ = await self._request("GET", "/health", timeout=timeout)
-        except EngineUnavailable:
-            return False
-        return status == 200
+        except EngineUnavailable as exc:
+            cause = exc.__cause__
+            return EngineHealth(False, describe_transport_error(cause, timeout) if cause else exc.message)
+        if status == 200:
+            return HEALTHY
+        if status in (404, 405):
+            return EngineHealth(False, f"answers HTTP {status} on /health: not a vLLM server (wrong port?)")
+        return EngineHealth(False, f"GET /health answered HTTP {status}")
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         """POST /inference/v1/abort_requests with engine ids (`engine_request_id`)."""

@@ -13,6 +13,8 @@ def engine_info_extras(engine: EngineHandle | None) -> dict[str, Any]:
     if engine is None:
         return {}
     extras: dict[str, Any] = {"problems": list(engine.problems), "usable": engine.usable}
+    if not engine.healthy:
+        extras["health_error"] = engine.last_error or "health probe failed"
     caps = engine.capabilities
     if caps is not None:
         extras["warnings"] = list(caps.warnings)

@@ -32,10 +32,10 @@ import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.domain.errors import InvalidArgument, RolloutError
-from rollout_grpc.server.domain.identity import Caller, Role, set_caller
+from rollout_grpc.server.domain.identity import Caller, Role, current_caller, set_caller
 from rollout_grpc.server.facade.calls import CallRecord, Door
 from rollout_grpc.server.facade.door import CallBook
-from rollout_grpc.server.front.grpc import status
+from rollout_grpc.server.front.grpc import redaction, status
 from rollout_grpc.server.front.grpc.decoding import Undecodable
 from rollout_grpc.server.security.auth import AuthConfig, Presented, Refused, authenticate, authorize
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
@@ -167,7 +167,11 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         auth: AuthConfig,
         limits: RequestLimits,
         rate: ControlRateLimiter,
+        engine_urls: Callable[[], Iterable[str]] = tuple,
     ) -> None:
+        """`engine_urls`: the pool's engine addresses, replaced by labels in the error messages
+        non-admins get."""
+        self._engine_urls = engine_urls
         self._calls = calls
         self._auth = auth
         self._limits = limits
@@ -241,6 +245,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                 )
             await context.abort(grpc.StatusCode[exc.code], exc.message)
         if isinstance(exc, RolloutError):
+            if not current_caller().is_admin:
+                redaction.redact_error(exc, self._engine_urls())
             await context.abort_with_status(status.to_status(exc))
         log.exception("internal_error", exc_info=exc)
         await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the server)")

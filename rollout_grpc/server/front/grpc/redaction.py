@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server.domain.errors import InvalidArgument, RolloutError
 from rollout_grpc.server.security.redact import engine_label, redact_text
 
 
@@ -21,3 +24,12 @@ def redact_engine_errors(errors: list[pb.EngineError]) -> None:
     for error in errors:
         error.error = redact_text(error.error, urls)
         error.engine = engine_label(error.engine)
+
+
+def redact_error(exc: RolloutError, urls: Iterable[str]) -> None:
+    """Replace engine URLs in an error's message (and field description) in place."""
+    urls = list(urls)
+    exc.message = redact_text(exc.message, urls)
+    exc.args = (exc.message,)
+    if isinstance(exc, InvalidArgument):
+        exc.description = redact_text(exc.description, urls)

@@ -8,6 +8,7 @@ closes; the wrapper also maps every exception to its status code.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -86,6 +87,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         sample = convert.sample_from_pb(request.sample)
         params = convert.sampling_params_from_pb(request.sampling_params)
         options = convert.options_from_pb(request.options, self._defaults)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # The deadline goes down as a domain value: the sample is sent before it expires.
+            options.deadline = time.monotonic() + remaining
         headers_sent = False
         async for event in self._facade.generate(record, sample, params, options, request_id):
             if not headers_sent:
@@ -184,7 +189,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         statuses = await self._facade.engine_statuses()
         show_url = current_caller().is_admin
         versions = {s.weight_version for s in statuses if s.healthy and s.weight_version}
-        return pb.GetServerInfoResponse(
+        response = pb.GetServerInfoResponse(
             engines=[
                 pb.EngineInfo(
                     url=s.url if show_url else redact.engine_label(s.url),
@@ -205,6 +210,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             queued=self._facade.admission.queued,
             version=__version__,
         )
+        if not show_url:
+            urls = [s.url for s in statuses]
+            for info in response.engines:
+                info.health_error = redact.redact_text(info.health_error, urls)
+        return response
 
     async def Render(
         self, request: pb.RenderRequest, context: grpc.aio.ServicerContext[Any, Any]
