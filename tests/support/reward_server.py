@@ -4,7 +4,8 @@ slime's remote_rm shape (`POST {prompt, response, label}` -> a number or an obje
 
 The reward is a function of the label, so a test decides which groups the filter keeps:
 `"one"` -> 1.0 always (zero std: filtered), `"alternate"` -> 0.0, 1.0, 0.0, ... per label (nonzero
-std), `"object"` -> `{"reward": 0.5, "why": "..."}`, `"text"` -> a string (not a number).
+std), `"object"` -> `{"reward": 0.5, "why": "..."}`, `"text"` -> a string (not a number), `"parity"` ->
+the parity of the response's characters (a function of the response alone: bench/step.py).
 `failing` answers 503 (retried by the service, then the sample's reward fails); `stop()` takes the
 server down (connection refused).
 """
@@ -29,7 +30,9 @@ class RewardServer:
         self._runner: web.AppRunner | None = None
         self.url = ""
 
-    def _reward(self, label: str) -> object:
+    def _reward(self, label: str, response: str = "") -> object:
+        if label == "parity":
+            return float(sum(map(ord, response)) % 2)
         if label == "alternate":
             value = float(self._seen[label] % 2)
             self._seen[label] += 1
@@ -46,8 +49,9 @@ class RewardServer:
         body = await request.json()
         self.requests.append(body)
         if "responses" in body:
-            return web.json_response([self._reward(label) for label in body["labels"]])
-        return web.json_response(self._reward(body["label"]))
+            pairs = zip(body["labels"], body["responses"], strict=True)
+            return web.json_response([self._reward(label, response) for label, response in pairs])
+        return web.json_response(self._reward(body["label"], body["response"]))
 
     async def _probe(self, request: web.Request) -> web.Response:
         self.probes += 1
