@@ -247,11 +247,13 @@ class _RewardFailurePolicy:
 class _RewardFailurePolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardFailurePolicy.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     REWARD_FAILURE_POLICY_UNSPECIFIED: _RewardFailurePolicy.ValueType  # 0
-    """The group ends FAILED with the reason (default): reported, never trained on silently."""
+    """FAIL_GROUP (default)."""
     REWARD_FAILURE_POLICY_FAIL_GROUP: _RewardFailurePolicy.ValueType  # 1
-    """The group ends FAILED with the reason."""
+    """The group ends FAILED with the reason, and the step stops (groups in flight are handled as at
+    the target): a broken reward model is not hidden behind over-sampling.
+    """
     REWARD_FAILURE_POLICY_DROP_GROUP: _RewardFailurePolicy.ValueType  # 2
-    """The group is dropped (reported with the reason); the step samples another group instead."""
+    """The group ends FAILED with the reason and the step goes on: it samples another group instead."""
     REWARD_FAILURE_POLICY_KEEP_UNSCORED: _RewardFailurePolicy.ValueType  # 3
     """The group goes on with the failed samples unscored (`reward` unset, `reward_failure` set)."""
 
@@ -259,11 +261,13 @@ class RewardFailurePolicy(_RewardFailurePolicy, metaclass=_RewardFailurePolicyEn
     """What happens to a group when a reward of one of its samples failed."""
 
 REWARD_FAILURE_POLICY_UNSPECIFIED: RewardFailurePolicy.ValueType  # 0
-"""The group ends FAILED with the reason (default): reported, never trained on silently."""
+"""FAIL_GROUP (default)."""
 REWARD_FAILURE_POLICY_FAIL_GROUP: RewardFailurePolicy.ValueType  # 1
-"""The group ends FAILED with the reason."""
+"""The group ends FAILED with the reason, and the step stops (groups in flight are handled as at
+the target): a broken reward model is not hidden behind over-sampling.
+"""
 REWARD_FAILURE_POLICY_DROP_GROUP: RewardFailurePolicy.ValueType  # 2
-"""The group is dropped (reported with the reason); the step samples another group instead."""
+"""The group ends FAILED with the reason and the step goes on: it samples another group instead."""
 REWARD_FAILURE_POLICY_KEEP_UNSCORED: RewardFailurePolicy.ValueType  # 3
 """The group goes on with the failed samples unscored (`reward` unset, `reward_failure` set)."""
 Global___RewardFailurePolicy: _TypeAlias = RewardFailurePolicy  # noqa: Y015
