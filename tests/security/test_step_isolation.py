@@ -129,3 +129,24 @@ async def test_a_step_larger_than_the_callers_share_is_refused_up_front(tokens_f
         ]
         assert fits[-1].summary.accepted == 3
         assert sims[0].stats.generate_requests == 12
+
+
+async def test_a_step_is_held_to_the_request_bounds_of_generate() -> None:
+    async with (
+        sim_engines(1) as sims,
+        running_server([s.url for s in sims]) as server,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}") as client,
+    ):
+        too_many = {"max_new_tokens": 4, "stop": [f"s{i}" for i in range(65)]}
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in client.rollout_step(
+                [(make_sample(PROMPT), 0)], n_samples_per_prompt=1, params=too_many
+            ):
+                pass
+        assert field_violation(err.value) == "sampling_params.stop"
+        big = make_sample(PROMPT, metadata={"blob": "x" * (1100 << 10)})
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in client.rollout_step([(big, 0)], n_samples_per_prompt=1):
+                pass
+        assert field_violation(err.value) == "groups[0].prompt.metadata"
+        assert sims[0].stats.generate_requests == 0
