@@ -199,6 +199,12 @@ FLAGS: Final[tuple[Flag, ...]] = (
         type=_engine_argument,
         metavar="URL",
     ),
+    Flag(
+        "--reward-url",
+        "URL prefix a RolloutStep's remote reward may use (repeatable; none given: any URL)",
+        "reward_urls",
+        kind="list",
+    ),
     Flag("--engines-file", "file with one engine URL per line (# comments); re-read on SIGHUP", type=str),
     Flag(
         "--sim",

@@ -182,6 +182,216 @@ PAUSE_MODE_KEEP: PauseMode.ValueType  # 3
 """Freeze in-flight generations where they are; they continue after Resume without loss."""
 Global___PauseMode: _TypeAlias = PauseMode  # noqa: Y015
 
+class _RewardKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RewardKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REWARD_KIND_UNSPECIFIED: _RewardKind.ValueType  # 0
+    """No reward: samples are accepted unscored (only the keep-all filter makes sense)."""
+    REWARD_KIND_REMOTE: _RewardKind.ValueType  # 1
+    """An HTTP reward model in slime's remote_rm shape: POST `{prompt, response, label}` answered by
+    a number or a JSON object (`reward_key` names the reward); a group POSTs
+    `{prompts, responses, labels}` and gets a list back.
+    """
+    REWARD_KIND_MATH: _RewardKind.ValueType  # 2
+    """Math answer equivalence with the `math-verify` library (1.0 or 0.0 against `label`)."""
+    REWARD_KIND_EXACT_MATCH: _RewardKind.ValueType  # 3
+    """Exact match of the stripped response (or its last `\\boxed{}`) with `label` (1.0 or 0.0)."""
+
+class RewardKind(_RewardKind, metaclass=_RewardKindEnumTypeWrapper):
+    """Which reward to compute. Kind REWARD_KIND_UNSPECIFIED means no reward (samples are not scored)."""
+
+REWARD_KIND_UNSPECIFIED: RewardKind.ValueType  # 0
+"""No reward: samples are accepted unscored (only the keep-all filter makes sense)."""
+REWARD_KIND_REMOTE: RewardKind.ValueType  # 1
+"""An HTTP reward model in slime's remote_rm shape: POST `{prompt, response, label}` answered by
+a number or a JSON object (`reward_key` names the reward); a group POSTs
+`{prompts, responses, labels}` and gets a list back.
+"""
+REWARD_KIND_MATH: RewardKind.ValueType  # 2
+"""Math answer equivalence with the `math-verify` library (1.0 or 0.0 against `label`)."""
+REWARD_KIND_EXACT_MATCH: RewardKind.ValueType  # 3
+"""Exact match of the stripped response (or its last `\\boxed{}`) with `label` (1.0 or 0.0)."""
+Global___RewardKind: _TypeAlias = RewardKind  # noqa: Y015
+
+class _RewardScope:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RewardScopeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardScope.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REWARD_SCOPE_UNSPECIFIED: _RewardScope.ValueType  # 0
+    """Per sample (default): each sample is scored as soon as it ends, while others generate."""
+    REWARD_SCOPE_SAMPLE: _RewardScope.ValueType  # 1
+    """Per sample."""
+    REWARD_SCOPE_GROUP: _RewardScope.ValueType  # 2
+    """One call scores the whole group once every sample has ended (slime's `--group-rm`)."""
+
+class RewardScope(_RewardScope, metaclass=_RewardScopeEnumTypeWrapper):
+    """Whether a reward scores each sample alone or the whole group at once."""
+
+REWARD_SCOPE_UNSPECIFIED: RewardScope.ValueType  # 0
+"""Per sample (default): each sample is scored as soon as it ends, while others generate."""
+REWARD_SCOPE_SAMPLE: RewardScope.ValueType  # 1
+"""Per sample."""
+REWARD_SCOPE_GROUP: RewardScope.ValueType  # 2
+"""One call scores the whole group once every sample has ended (slime's `--group-rm`)."""
+Global___RewardScope: _TypeAlias = RewardScope  # noqa: Y015
+
+class _RewardFailurePolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RewardFailurePolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardFailurePolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REWARD_FAILURE_POLICY_UNSPECIFIED: _RewardFailurePolicy.ValueType  # 0
+    """FAIL_GROUP (default)."""
+    REWARD_FAILURE_POLICY_FAIL_GROUP: _RewardFailurePolicy.ValueType  # 1
+    """The group ends FAILED with the reason, and the step stops (groups in flight are handled as at
+    the target): a broken reward model is not hidden behind over-sampling.
+    """
+    REWARD_FAILURE_POLICY_DROP_GROUP: _RewardFailurePolicy.ValueType  # 2
+    """The group ends FAILED with the reason and the step goes on: it samples another group instead."""
+    REWARD_FAILURE_POLICY_KEEP_UNSCORED: _RewardFailurePolicy.ValueType  # 3
+    """The group goes on with the failed samples unscored (`reward` unset, `reward_failure` set)."""
+
+class RewardFailurePolicy(_RewardFailurePolicy, metaclass=_RewardFailurePolicyEnumTypeWrapper):
+    """What happens to a group when a reward of one of its samples failed."""
+
+REWARD_FAILURE_POLICY_UNSPECIFIED: RewardFailurePolicy.ValueType  # 0
+"""FAIL_GROUP (default)."""
+REWARD_FAILURE_POLICY_FAIL_GROUP: RewardFailurePolicy.ValueType  # 1
+"""The group ends FAILED with the reason, and the step stops (groups in flight are handled as at
+the target): a broken reward model is not hidden behind over-sampling.
+"""
+REWARD_FAILURE_POLICY_DROP_GROUP: RewardFailurePolicy.ValueType  # 2
+"""The group ends FAILED with the reason and the step goes on: it samples another group instead."""
+REWARD_FAILURE_POLICY_KEEP_UNSCORED: RewardFailurePolicy.ValueType  # 3
+"""The group goes on with the failed samples unscored (`reward` unset, `reward_failure` set)."""
+Global___RewardFailurePolicy: _TypeAlias = RewardFailurePolicy  # noqa: Y015
+
+class _FilterKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FilterKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FilterKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FILTER_KIND_UNSPECIFIED: _FilterKind.ValueType  # 0
+    """Keep every group (default)."""
+    FILTER_KIND_KEEP_ALL: _FilterKind.ValueType  # 1
+    """Keep every group."""
+    FILTER_KIND_REWARD_NONZERO_STD: _FilterKind.ValueType  # 2
+    """Keep a group only if the standard deviation of its rewards is above `epsilon` (DAPO's
+    `check_reward_nonzero_std`): a group whose samples all scored the same teaches nothing.
+    """
+
+class FilterKind(_FilterKind, metaclass=_FilterKindEnumTypeWrapper):
+    """The dynamic filter applied to a finished, scored group (slime's `--dynamic-sampling-filter-path`)."""
+
+FILTER_KIND_UNSPECIFIED: FilterKind.ValueType  # 0
+"""Keep every group (default)."""
+FILTER_KIND_KEEP_ALL: FilterKind.ValueType  # 1
+"""Keep every group."""
+FILTER_KIND_REWARD_NONZERO_STD: FilterKind.ValueType  # 2
+"""Keep a group only if the standard deviation of its rewards is above `epsilon` (DAPO's
+`check_reward_nonzero_std`): a group whose samples all scored the same teaches nothing.
+"""
+Global___FilterKind: _TypeAlias = FilterKind  # noqa: Y015
+
+class _LeftoverPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LeftoverPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LeftoverPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LEFTOVER_POLICY_UNSPECIFIED: _LeftoverPolicy.ValueType  # 0
+    """Abort them and return them as ABORTED groups (every token kept) in the stream (default)."""
+    LEFTOVER_POLICY_RETURN: _LeftoverPolicy.ValueType  # 1
+    """Abort and return them."""
+    LEFTOVER_POLICY_BUFFER: _LeftoverPolicy.ValueType  # 2
+    """Abort them and keep them in the caller's buffer on this replica; the caller's next step with
+    `continue_buffered` continues them first (slime's partial rollout).
+    """
+
+class LeftoverPolicy(_LeftoverPolicy, metaclass=_LeftoverPolicyEnumTypeWrapper):
+    """What the step does with groups still in flight when the target is reached."""
+
+LEFTOVER_POLICY_UNSPECIFIED: LeftoverPolicy.ValueType  # 0
+"""Abort them and return them as ABORTED groups (every token kept) in the stream (default)."""
+LEFTOVER_POLICY_RETURN: LeftoverPolicy.ValueType  # 1
+"""Abort and return them."""
+LEFTOVER_POLICY_BUFFER: LeftoverPolicy.ValueType  # 2
+"""Abort them and keep them in the caller's buffer on this replica; the caller's next step with
+`continue_buffered` continues them first (slime's partial rollout).
+"""
+Global___LeftoverPolicy: _TypeAlias = LeftoverPolicy  # noqa: Y015
+
+class _StalenessPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _StalenessPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StalenessPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    STALENESS_POLICY_UNSPECIFIED: _StalenessPolicy.ValueType  # 0
+    """The group is dropped with the reason (default)."""
+    STALENESS_POLICY_DROP: _StalenessPolicy.ValueType  # 1
+    """The group is dropped with the reason."""
+    STALENESS_POLICY_REGENERATE: _StalenessPolicy.ValueType  # 2
+    """The group's samples are generated again from the prompt (once; then dropped)."""
+
+class StalenessPolicy(_StalenessPolicy, metaclass=_StalenessPolicyEnumTypeWrapper):
+    """What happens to a sample whose weights are more than `max_staleness` versions old."""
+
+STALENESS_POLICY_UNSPECIFIED: StalenessPolicy.ValueType  # 0
+"""The group is dropped with the reason (default)."""
+STALENESS_POLICY_DROP: StalenessPolicy.ValueType  # 1
+"""The group is dropped with the reason."""
+STALENESS_POLICY_REGENERATE: StalenessPolicy.ValueType  # 2
+"""The group's samples are generated again from the prompt (once; then dropped)."""
+Global___StalenessPolicy: _TypeAlias = StalenessPolicy  # noqa: Y015
+
+class _GroupOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GroupOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GroupOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GROUP_OUTCOME_UNSPECIFIED: _GroupOutcome.ValueType  # 0
+    """Not used."""
+    GROUP_OUTCOME_ACCEPTED: _GroupOutcome.ValueType  # 1
+    """Generated, scored and kept by the filter: train on it."""
+    GROUP_OUTCOME_FILTERED: _GroupOutcome.ValueType  # 2
+    """Dropped by the dynamic filter (`reason` says which and why)."""
+    GROUP_OUTCOME_FAILED: _GroupOutcome.ValueType  # 3
+    """A sample failed or its reward failed (`reason`); not trained on."""
+    GROUP_OUTCOME_STALE: _GroupOutcome.ValueType  # 4
+    """Dropped: a sample's weights were over `max_staleness` versions behind."""
+    GROUP_OUTCOME_ABORTED: _GroupOutcome.ValueType  # 5
+    """Aborted (a leftover at the target, or by Abort): ABORTED partial samples with every token."""
+    GROUP_OUTCOME_BUFFERED: _GroupOutcome.ValueType  # 6
+    """Aborted and kept in the caller's buffer (samples omitted here); the next step continues it."""
+
+class GroupOutcome(_GroupOutcome, metaclass=_GroupOutcomeEnumTypeWrapper):
+    """How a group ended."""
+
+GROUP_OUTCOME_UNSPECIFIED: GroupOutcome.ValueType  # 0
+"""Not used."""
+GROUP_OUTCOME_ACCEPTED: GroupOutcome.ValueType  # 1
+"""Generated, scored and kept by the filter: train on it."""
+GROUP_OUTCOME_FILTERED: GroupOutcome.ValueType  # 2
+"""Dropped by the dynamic filter (`reason` says which and why)."""
+GROUP_OUTCOME_FAILED: GroupOutcome.ValueType  # 3
+"""A sample failed or its reward failed (`reason`); not trained on."""
+GROUP_OUTCOME_STALE: GroupOutcome.ValueType  # 4
+"""Dropped: a sample's weights were over `max_staleness` versions behind."""
+GROUP_OUTCOME_ABORTED: GroupOutcome.ValueType  # 5
+"""Aborted (a leftover at the target, or by Abort): ABORTED partial samples with every token."""
+GROUP_OUTCOME_BUFFERED: GroupOutcome.ValueType  # 6
+"""Aborted and kept in the caller's buffer (samples omitted here); the next step continues it."""
+Global___GroupOutcome: _TypeAlias = GroupOutcome  # noqa: Y015
+
 @_typing.final
 class StopReason(_message.Message):
     """What matched when the finish reason is STOP. Unset for EOS, length and abort."""
@@ -532,6 +742,9 @@ class Sample(_message.Message):
     MULTIMODAL_FEATURES_FIELD_NUMBER: _builtins.int
     ENGINE_ATTEMPTS_FIELD_NUMBER: _builtins.int
     ROLLOUT_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    REWARD_DETAIL_FIELD_NUMBER: _builtins.int
+    REWARD_FAILURE_FIELD_NUMBER: _builtins.int
+    START_STEP_ID_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Global sample number assigned by the trainer. Echoed unchanged."""
     group_index: _builtins.int
@@ -562,6 +775,14 @@ class Sample(_message.Message):
     """
     reward: _builtins.float
     """Reward, set by the trainer or a reward model; echoed unchanged."""
+    reward_failure: _builtins.str
+    """Why the sample has no reward (RolloutStep): the reward model failed, timed out or answered
+    something that is not a number. Never a silent 0: `reward` stays unset. Empty otherwise.
+    """
+    start_step_id: _builtins.str
+    """The `step_id` of the RolloutStep this sample started generating in (slime's
+    `start_rollout_id`); a continued sample keeps it. Empty outside RolloutStep.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt + response token ids. On input: the prompt ids (or prompt + partial response of an
@@ -618,6 +839,12 @@ class Sample(_message.Message):
         (positions generated without it have empty entries).
         """
 
+    @_builtins.property
+    def reward_detail(self) -> _struct_pb2.Struct:
+        """The reward's whole answer when the reward model returned a JSON object (RolloutStep; `reward`
+        holds its named key). Unset otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -642,10 +869,13 @@ class Sample(_message.Message):
         multimodal_features: Global___MultimodalFeatures | None = ...,
         engine_attempts: _abc.Iterable[Global___EngineAttempt] | None = ...,
         rollout_top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+        reward_detail: _struct_pb2.Struct | None = ...,
+        reward_failure: _builtins.str = ...,
+        start_step_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "_reward", b"_reward", "metadata", b"metadata", "multimodal_features", b"multimodal_features", "prompt", b"prompt", "reward", b"reward", "routed_experts", b"routed_experts", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "_reward", b"_reward", "metadata", b"metadata", "multimodal_features", b"multimodal_features", "prompt", b"prompt", "reward", b"reward", "reward_detail", b"reward_detail", "routed_experts", b"routed_experts", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "_reward", b"_reward", "engine_attempts", b"engine_attempts", "failure_reason", b"failure_reason", "finish_reason", b"finish_reason", "group_index", b"group_index", "index", b"index", "loss_mask", b"loss_mask", "metadata", b"metadata", "multimodal_features", b"multimodal_features", "prompt", b"prompt", "response", b"response", "response_length", b"response_length", "reward", b"reward", "rollout_log_probs", b"rollout_log_probs", "rollout_top_logprobs", b"rollout_top_logprobs", "routed_experts", b"routed_experts", "session_id", b"session_id", "status", b"status", "stop_reason", b"stop_reason", "tokens", b"tokens", "usage", b"usage", "weight_versions", b"weight_versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "_reward", b"_reward", "engine_attempts", b"engine_attempts", "failure_reason", b"failure_reason", "finish_reason", b"finish_reason", "group_index", b"group_index", "index", b"index", "loss_mask", b"loss_mask", "metadata", b"metadata", "multimodal_features", b"multimodal_features", "prompt", b"prompt", "response", b"response", "response_length", b"response_length", "reward", b"reward", "reward_detail", b"reward_detail", "reward_failure", b"reward_failure", "rollout_log_probs", b"rollout_log_probs", "rollout_top_logprobs", b"rollout_top_logprobs", "routed_experts", b"routed_experts", "session_id", b"session_id", "start_step_id", b"start_step_id", "status", b"status", "stop_reason", b"stop_reason", "tokens", b"tokens", "usage", b"usage", "weight_versions", b"weight_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt: _TypeAlias = _typing.Literal["prompt"]  # noqa: Y015
     _WhichOneofArgType__prompt: _TypeAlias = _typing.Literal["_prompt", b"_prompt"]  # noqa: Y015
@@ -1088,6 +1318,7 @@ class AbortRequest(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
+    MINE_FIELD_NUMBER: _builtins.int
     all: _builtins.bool
     """Abort every in-flight generation on every engine: each engine gets `/pause?mode=abort` then
     `/resume` (always resumed, with bounded retries). From the moment this replica receives the
@@ -1101,6 +1332,13 @@ class AbortRequest(_message.Message):
     group_index: _builtins.int
     """Abort the generations of this prompt group (like `session_id`). Being a oneof member, the
     group is targeted only when set explicitly; 0 is a group like any other, never "every group".
+    """
+    mine: _builtins.bool
+    """Abort every generation of the caller (its own only: Generate streams and RolloutStep
+    samples, on this replica and, with peers configured, on the others), any role. Like `all`,
+    Generate calls of the same caller that arrive at this replica while the abort runs end
+    ABORTED at once without an engine call, so a call already on the wire is caught too. Must be
+    true when set.
     """
     @_builtins.property
     def request_ids(self) -> Global___RequestIds:
@@ -1116,12 +1354,13 @@ class AbortRequest(_message.Message):
         request_ids: Global___RequestIds | None = ...,
         session_id: _builtins.str = ...,
         group_index: _builtins.int = ...,
+        mine: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "group_index", b"group_index", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "group_index", b"group_index", "mine", b"mine", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "group_index", b"group_index", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "group_index", b"group_index", "mine", b"mine", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["all", "request_ids", "session_id", "group_index"]  # noqa: Y015
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["all", "request_ids", "session_id", "group_index", "mine"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
 
@@ -1731,6 +1970,7 @@ class AbortLocalRequest(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
+    OWNER_ALL_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
     """Identity of the caller whose generations may be aborted; empty means any owner (an admin's
     abort).
@@ -1739,6 +1979,8 @@ class AbortLocalRequest(_message.Message):
     """A session id (non-empty)."""
     group_index: _builtins.int
     """A prompt group."""
+    owner_all: _builtins.bool
+    """Every generation of `owner` (a forwarded Abort{mine}); `owner` must be set. Must be true."""
     @_builtins.property
     def request_ids(self) -> Global___RequestIds:
         """Request ids (only ids in flight on the receiving replica are aborted)."""
@@ -1750,12 +1992,13 @@ class AbortLocalRequest(_message.Message):
         request_ids: Global___RequestIds | None = ...,
         session_id: _builtins.str = ...,
         group_index: _builtins.int = ...,
+        owner_all: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "owner_all", b"owner_all", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "owner", b"owner", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "owner", b"owner", "owner_all", b"owner_all", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["request_ids", "session_id", "group_index"]  # noqa: Y015
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["request_ids", "session_id", "group_index", "owner_all"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
 
@@ -1919,3 +2162,432 @@ class GetTrajectoryResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetTrajectoryResponse: _TypeAlias = GetTrajectoryResponse  # noqa: Y015
+
+@_typing.final
+class PromptGroup(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    Rollout step (groups, rewards, dynamic filter, over-sampling, partial rollout)
+    ---------------------------------------------------------------------------------------------
+
+    One prompt of a step; it becomes `n_samples_per_prompt` samples.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_FIELD_NUMBER: _builtins.int
+    GROUP_INDEX_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    PARTIAL_FIELD_NUMBER: _builtins.int
+    group_index: _builtins.int
+    """The group's number (GRPO group), set on every sample; Abort(group_index) ends the group."""
+    label: _builtins.str
+    """The reference answer handed to the reward (slime's `label`). Empty: none."""
+    @_builtins.property
+    def prompt(self) -> Global___Sample:
+        """The prompt: a Sample with prompt ids (or text) and multimodal features. Every sample of the
+        group is a copy of it with its own `index` (prompt.index + i) and seed (base seed + i).
+        """
+
+    @_builtins.property
+    def partial(self) -> _containers.RepeatedCompositeFieldContainer[Global___Sample]:
+        """Samples of this group to continue instead of fresh copies of `prompt` (e.g. the ABORTED
+        leftovers a previous step returned): exactly `n_samples_per_prompt` of them, continued with
+        the remaining budget (`max_new_tokens - response_length`). Empty: a fresh group.
+        """
+
+    def __init__(
+        self,
+        *,
+        prompt: Global___Sample | None = ...,
+        group_index: _builtins.int = ...,
+        label: _builtins.str = ...,
+        partial: _abc.Iterable[Global___Sample] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "label", b"label", "partial", b"partial", "prompt", b"prompt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptGroup: _TypeAlias = PromptGroup  # noqa: Y015
+
+@_typing.final
+class RewardSpec(_message.Message):
+    """The reward of a step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    REWARD_KEY_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    MAX_RETRIES_FIELD_NUMBER: _builtins.int
+    MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
+    ON_FAILURE_FIELD_NUMBER: _builtins.int
+    kind: Global___RewardKind.ValueType
+    """Which reward."""
+    scope: Global___RewardScope.ValueType
+    """Per sample or per group."""
+    url: _builtins.str
+    """REMOTE: the reward model's URL (http or https), probed once at step start."""
+    reward_key: _builtins.str
+    """REMOTE: the key of the reward in a JSON-object answer. Default "reward"."""
+    timeout_s: _builtins.float
+    """REMOTE: seconds per attempt. Default 30."""
+    max_retries: _builtins.int
+    """REMOTE: attempts after the first (exponential backoff from 0.1 s). Default 2."""
+    max_concurrency: _builtins.int
+    """REMOTE: concurrent requests to the reward model from this step. Default 32."""
+    on_failure: Global___RewardFailurePolicy.ValueType
+    """What a failed reward does to its group."""
+    def __init__(
+        self,
+        *,
+        kind: Global___RewardKind.ValueType = ...,
+        scope: Global___RewardScope.ValueType = ...,
+        url: _builtins.str = ...,
+        reward_key: _builtins.str = ...,
+        timeout_s: _builtins.float | None = ...,
+        max_retries: _builtins.int | None = ...,
+        max_concurrency: _builtins.int | None = ...,
+        on_failure: Global___RewardFailurePolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "on_failure", b"on_failure", "reward_key", b"reward_key", "scope", b"scope", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_concurrency: _TypeAlias = _typing.Literal["max_concurrency"]  # noqa: Y015
+    _WhichOneofArgType__max_concurrency: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency"]  # noqa: Y015
+    _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
+    _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_s: _TypeAlias = _typing.Literal["timeout_s"]  # noqa: Y015
+    _WhichOneofArgType__timeout_s: _TypeAlias = _typing.Literal["_timeout_s", b"_timeout_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_concurrency) -> _WhichOneofReturnType__max_concurrency | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_retries) -> _WhichOneofReturnType__max_retries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_s) -> _WhichOneofReturnType__timeout_s | None: ...
+
+Global___RewardSpec: _TypeAlias = RewardSpec  # noqa: Y015
+
+@_typing.final
+class FilterSpec(_message.Message):
+    """A dynamic filter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    EPSILON_FIELD_NUMBER: _builtins.int
+    kind: Global___FilterKind.ValueType
+    """Which filter."""
+    epsilon: _builtins.float
+    """REWARD_NONZERO_STD: the standard deviation a group must exceed. Default 0."""
+    def __init__(
+        self,
+        *,
+        kind: Global___FilterKind.ValueType = ...,
+        epsilon: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epsilon", b"epsilon", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FilterSpec: _TypeAlias = FilterSpec  # noqa: Y015
+
+@_typing.final
+class RolloutStepRequest(_message.Message):
+    """One rollout step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    N_SAMPLES_PER_PROMPT_FIELD_NUMBER: _builtins.int
+    TARGET_GROUPS_FIELD_NUMBER: _builtins.int
+    MAX_GROUPS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
+    LEFTOVERS_FIELD_NUMBER: _builtins.int
+    CONTINUE_BUFFERED_FIELD_NUMBER: _builtins.int
+    MAX_STALENESS_FIELD_NUMBER: _builtins.int
+    ON_STALE_FIELD_NUMBER: _builtins.int
+    STREAM_SAMPLES_FIELD_NUMBER: _builtins.int
+    step_id: _builtins.str
+    """The step's label (slime's rollout id), recorded as `start_step_id` on the samples it starts.
+    Required, in the request-id alphabet.
+    """
+    n_samples_per_prompt: _builtins.int
+    """Samples per prompt, 1 to the server's bound (64)."""
+    target_groups: _builtins.int
+    """Accepted groups after which the step ends. 0: every group given (and buffered)."""
+    max_groups_in_flight: _builtins.int
+    """Groups generating at once (the over-sampling bound). 0: `target_groups` (or every group)."""
+    leftovers: Global___LeftoverPolicy.ValueType
+    """Groups in flight when the target is reached."""
+    continue_buffered: _builtins.bool
+    """Continue the caller's buffered groups (from earlier steps) before `groups`."""
+    max_staleness: _builtins.int
+    """Most weight versions a sample's first token may be behind the newest version when its group
+    would be accepted (AReaL's `max_head_offpolicyness`). Unset: no bound.
+    """
+    on_stale: Global___StalenessPolicy.ValueType
+    """What a sample over `max_staleness` does to its group."""
+    stream_samples: _builtins.bool
+    """Send every sample as a `sample` event when it ends (before its reward), besides the group results."""
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptGroup]:
+        """The prompt groups, in the order they are started. More groups than `target_groups` is the
+        over-sampling supply for groups the filter drops.
+        """
+
+    @_builtins.property
+    def sampling_params(self) -> Global___SamplingParams:
+        """Sampling parameters of every sample (`seed`, when set, is the base seed: sample i gets seed + i)."""
+
+    @_builtins.property
+    def options(self) -> Global___GenerateOptions:
+        """Options of every sample."""
+
+    @_builtins.property
+    def reward(self) -> Global___RewardSpec:
+        """The reward. Unset: no reward."""
+
+    @_builtins.property
+    def filter(self) -> Global___FilterSpec:
+        """The dynamic filter. Unset: keep all."""
+
+    def __init__(
+        self,
+        *,
+        step_id: _builtins.str = ...,
+        groups: _abc.Iterable[Global___PromptGroup] | None = ...,
+        n_samples_per_prompt: _builtins.int = ...,
+        target_groups: _builtins.int = ...,
+        max_groups_in_flight: _builtins.int = ...,
+        sampling_params: Global___SamplingParams | None = ...,
+        options: Global___GenerateOptions | None = ...,
+        reward: Global___RewardSpec | None = ...,
+        filter: Global___FilterSpec | None = ...,
+        leftovers: Global___LeftoverPolicy.ValueType = ...,
+        continue_buffered: _builtins.bool = ...,
+        max_staleness: _builtins.int | None = ...,
+        on_stale: Global___StalenessPolicy.ValueType = ...,
+        stream_samples: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "filter", b"filter", "max_staleness", b"max_staleness", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "continue_buffered", b"continue_buffered", "filter", b"filter", "groups", b"groups", "leftovers", b"leftovers", "max_groups_in_flight", b"max_groups_in_flight", "max_staleness", b"max_staleness", "n_samples_per_prompt", b"n_samples_per_prompt", "on_stale", b"on_stale", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params", "step_id", b"step_id", "stream_samples", b"stream_samples", "target_groups", b"target_groups"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
+    _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
+
+Global___RolloutStepRequest: _TypeAlias = RolloutStepRequest  # noqa: Y015
+
+@_typing.final
+class GroupResult(_message.Message):
+    """One group's result."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_INDEX_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    VERSION_LAG_FIELD_NUMBER: _builtins.int
+    group_index: _builtins.int
+    """The group's number."""
+    outcome: Global___GroupOutcome.ValueType
+    """How it ended."""
+    reason: _builtins.str
+    """Why it was not accepted (filter, reward failure, staleness, abort). Empty when accepted."""
+    @_builtins.property
+    def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___Sample]:
+        """The samples, in index order, with `reward` (and `reward_detail`) filled when scored."""
+
+    @_builtins.property
+    def version_lag(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per sample (same order), how many weight versions its first generated token is behind the
+        newest version when the group ended (0: current; see docs/rollout-step.md for the order).
+        """
+
+    def __init__(
+        self,
+        *,
+        group_index: _builtins.int = ...,
+        outcome: Global___GroupOutcome.ValueType = ...,
+        reason: _builtins.str = ...,
+        samples: _abc.Iterable[Global___Sample] | None = ...,
+        version_lag: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "outcome", b"outcome", "reason", b"reason", "samples", b"samples", "version_lag", b"version_lag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupResult: _TypeAlias = GroupResult  # noqa: Y015
+
+@_typing.final
+class StepProgress(_message.Message):
+    """Counters of a running step, sent as they change."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class DroppedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    GENERATED_FIELD_NUMBER: _builtins.int
+    SCORED_FIELD_NUMBER: _builtins.int
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    generated: _builtins.int
+    """Samples whose generation ended."""
+    scored: _builtins.int
+    """Samples with a reward (or a reward failure)."""
+    accepted: _builtins.int
+    """Groups accepted so far."""
+    in_flight: _builtins.int
+    """Groups generating or being scored now."""
+    pending: _builtins.int
+    """Groups not started yet."""
+    @_builtins.property
+    def dropped(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Groups dropped so far, by reason kind (`filter`, `reward_failed`, `stale`, `failed`)."""
+
+    def __init__(
+        self,
+        *,
+        generated: _builtins.int = ...,
+        scored: _builtins.int = ...,
+        accepted: _builtins.int = ...,
+        dropped: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        in_flight: _builtins.int = ...,
+        pending: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "dropped", b"dropped", "generated", b"generated", "in_flight", b"in_flight", "pending", b"pending", "scored", b"scored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepProgress: _TypeAlias = StepProgress  # noqa: Y015
+
+@_typing.final
+class StepSummary(_message.Message):
+    """The end of a step (the last event)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    TARGET_REACHED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    BUFFERED_FIELD_NUMBER: _builtins.int
+    UNSTARTED_GROUP_INDEXES_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    MAX_VERSION_LAG_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.int
+    """Groups accepted."""
+    target_reached: _builtins.bool
+    """True when `target_groups` was reached; false when the supply ran out or the step was aborted."""
+    reason: _builtins.str
+    """Why the step ended."""
+    buffered: _builtins.int
+    """Groups the caller has in its buffer on this replica after this step."""
+    max_version_lag: _builtins.int
+    """The largest weight-version lag among accepted samples."""
+    @_builtins.property
+    def unstarted_group_indexes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Groups never started (returned untouched: start them in a later step)."""
+
+    @_builtins.property
+    def progress(self) -> Global___StepProgress:
+        """The final counters."""
+
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.int = ...,
+        target_reached: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        buffered: _builtins.int = ...,
+        unstarted_group_indexes: _abc.Iterable[_builtins.int] | None = ...,
+        progress: Global___StepProgress | None = ...,
+        max_version_lag: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "buffered", b"buffered", "max_version_lag", b"max_version_lag", "progress", b"progress", "reason", b"reason", "target_reached", b"target_reached", "unstarted_group_indexes", b"unstarted_group_indexes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepSummary: _TypeAlias = StepSummary  # noqa: Y015
+
+@_typing.final
+class RolloutStepResponse(_message.Message):
+    """One event of a RolloutStep stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAMPLE_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sample(self) -> Global___Sample:
+        """A sample that ended (with `stream_samples`), before its reward."""
+
+    @_builtins.property
+    def group(self) -> Global___GroupResult:
+        """A group that ended."""
+
+    @_builtins.property
+    def progress(self) -> Global___StepProgress:
+        """Counters."""
+
+    @_builtins.property
+    def summary(self) -> Global___StepSummary:
+        """The end of the step (last)."""
+
+    def __init__(
+        self,
+        *,
+        sample: Global___Sample | None = ...,
+        group: Global___GroupResult | None = ...,
+        progress: Global___StepProgress | None = ...,
+        summary: Global___StepSummary | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "group", b"group", "progress", b"progress", "sample", b"sample", "summary", b"summary"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "group", b"group", "progress", b"progress", "sample", b"sample", "summary", b"summary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["sample", "group", "progress", "summary"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___RolloutStepResponse: _TypeAlias = RolloutStepResponse  # noqa: Y015

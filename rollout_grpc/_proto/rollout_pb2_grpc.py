@@ -54,6 +54,11 @@ class RolloutServiceStub:
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryRequest.SerializeToString,
                 response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryResponse.FromString,
                 _registered_method=True)
+        self.RolloutStep = channel.unary_stream(
+                '/rollout.v1.RolloutService/RolloutStep',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.RolloutStepRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.RolloutStepResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -131,6 +136,25 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RolloutStep(self, request, context):
+        """Runs one rollout step (slime's `generate_rollout_async`) on this replica: `n_samples_per_prompt`
+        samples of each prompt group (a group pinned to one engine by a shared session key), rewards,
+        a dynamic filter and over-sampling until `target_groups` groups are accepted. Every sample goes
+        through the same path as Generate (admission, failover, abort, weight versions, R3,
+        multimodal). The stream carries `sample` events as samples end (with `stream_samples`), a
+        `group` result for every group that ends (accepted, filtered, failed, stale or aborted, with
+        its reason), `progress` counters, and last exactly one `summary`. Leftover groups (in flight
+        when the target is reached) are aborted and returned as ABORTED partial samples, or kept in
+        the caller's buffer that its next step continues first (`leftovers`). When the caller goes
+        away mid-step, its groups in flight are aborted into its buffer: no token is lost.
+        Errors before anything is generated: INVALID_ARGUMENT naming the field (bad counts, unknown
+        filter or reward kind), FAILED_PRECONDITION (the reward server does not answer its probe).
+        See docs/rollout-step.md.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +192,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetTrajectory,
                     request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryRequest.FromString,
                     response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryResponse.SerializeToString,
+            ),
+            'RolloutStep': grpc.unary_stream_rpc_method_handler(
+                    servicer.RolloutStep,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.RolloutStepRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.RolloutStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +390,33 @@ class RolloutService:
             '/rollout.v1.RolloutService/GetTrajectory',
             rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryRequest.SerializeToString,
             rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RolloutStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollout.v1.RolloutService/RolloutStep',
+            rollout__grpc_dot___proto_dot_rollout__pb2.RolloutStepRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.RolloutStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,6 +92,21 @@ class RolloutServiceStub:
     Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
     or the front door is off), INVALID_ARGUMENT (empty session_id).
     """
+    RolloutStep: _grpc.UnaryStreamMultiCallable[_rollout_pb2.RolloutStepRequest, _rollout_pb2.RolloutStepResponse]
+    """Runs one rollout step (slime's `generate_rollout_async`) on this replica: `n_samples_per_prompt`
+    samples of each prompt group (a group pinned to one engine by a shared session key), rewards,
+    a dynamic filter and over-sampling until `target_groups` groups are accepted. Every sample goes
+    through the same path as Generate (admission, failover, abort, weight versions, R3,
+    multimodal). The stream carries `sample` events as samples end (with `stream_samples`), a
+    `group` result for every group that ends (accepted, filtered, failed, stale or aborted, with
+    its reason), `progress` counters, and last exactly one `summary`. Leftover groups (in flight
+    when the target is reached) are aborted and returned as ABORTED partial samples, or kept in
+    the caller's buffer that its next step continues first (`leftovers`). When the caller goes
+    away mid-step, its groups in flight are aborted into its buffer: no token is lost.
+    Errors before anything is generated: INVALID_ARGUMENT naming the field (bad counts, unknown
+    filter or reward kind), FAILED_PRECONDITION (the reward server does not answer its probe).
+    See docs/rollout-step.md.
+    """
 
 @_typing.type_check_only
 class RolloutServiceAsyncStub(RolloutServiceStub):
@@ -139,6 +154,21 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     positions), weight-version spans over generated positions, routed experts when recorded.
     Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
     or the front door is off), INVALID_ARGUMENT (empty session_id).
+    """
+    RolloutStep: _aio.UnaryStreamMultiCallable[_rollout_pb2.RolloutStepRequest, _rollout_pb2.RolloutStepResponse]  # type: ignore[assignment]
+    """Runs one rollout step (slime's `generate_rollout_async`) on this replica: `n_samples_per_prompt`
+    samples of each prompt group (a group pinned to one engine by a shared session key), rewards,
+    a dynamic filter and over-sampling until `target_groups` groups are accepted. Every sample goes
+    through the same path as Generate (admission, failover, abort, weight versions, R3,
+    multimodal). The stream carries `sample` events as samples end (with `stream_samples`), a
+    `group` result for every group that ends (accepted, filtered, failed, stale or aborted, with
+    its reason), `progress` counters, and last exactly one `summary`. Leftover groups (in flight
+    when the target is reached) are aborted and returned as ABORTED partial samples, or kept in
+    the caller's buffer that its next step continues first (`leftovers`). When the caller goes
+    away mid-step, its groups in flight are aborted into its buffer: no token is lost.
+    Errors before anything is generated: INVALID_ARGUMENT naming the field (bad counts, unknown
+    filter or reward kind), FAILED_PRECONDITION (the reward server does not answer its probe).
+    See docs/rollout-step.md.
     """
 
 class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -226,6 +256,27 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         positions), weight-version spans over generated positions, routed experts when recorded.
         Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
         or the front door is off), INVALID_ARGUMENT (empty session_id).
+        """
+
+    @_abc_1.abstractmethod
+    def RolloutStep(
+        self,
+        request: _rollout_pb2.RolloutStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_rollout_pb2.RolloutStepResponse], _abc.AsyncIterator[_rollout_pb2.RolloutStepResponse]]:
+        """Runs one rollout step (slime's `generate_rollout_async`) on this replica: `n_samples_per_prompt`
+        samples of each prompt group (a group pinned to one engine by a shared session key), rewards,
+        a dynamic filter and over-sampling until `target_groups` groups are accepted. Every sample goes
+        through the same path as Generate (admission, failover, abort, weight versions, R3,
+        multimodal). The stream carries `sample` events as samples end (with `stream_samples`), a
+        `group` result for every group that ends (accepted, filtered, failed, stale or aborted, with
+        its reason), `progress` counters, and last exactly one `summary`. Leftover groups (in flight
+        when the target is reached) are aborted and returned as ABORTED partial samples, or kept in
+        the caller's buffer that its next step continues first (`leftovers`). When the caller goes
+        away mid-step, its groups in flight are aborted into its buffer: no token is lost.
+        Errors before anything is generated: INVALID_ARGUMENT naming the field (bad counts, unknown
+        filter or reward kind), FAILED_PRECONDITION (the reward server does not answer its probe).
+        See docs/rollout-step.md.
         """
 
 def add_RolloutServiceServicer_to_server(servicer: RolloutServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

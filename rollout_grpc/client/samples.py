@@ -178,11 +178,14 @@ def abort_request(
     request_ids: Sequence[str] = (),
     session_id: str | None = None,
     group_index: int | None = None,
+    mine: bool = False,
 ) -> pb.AbortRequest:
     """An AbortRequest with the first target given (none given: the server answers INVALID_ARGUMENT)."""
     request = pb.AbortRequest()
     if all:
         request.all = True
+    elif mine:
+        request.mine = True
     elif request_ids:
         request.request_ids.ids.extend(request_ids)
     elif session_id is not None:

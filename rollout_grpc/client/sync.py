@@ -32,6 +32,7 @@ from rollout_grpc.client.samples import (
     render_request,
     resume_request,
 )
+from rollout_grpc.client.step import GroupLike, StepProgressBar, step_request
 from rollout_grpc.client.stubs import sync_stub
 
 
@@ -188,6 +189,37 @@ class RolloutClient:
                 return [f.result() for f in futures]
         return self._generate_one(cast("SampleLike", sample), params, options, timeout, request_id)
 
+    def rollout_step(
+        self,
+        groups: Sequence[GroupLike],
+        *,
+        n_samples_per_prompt: int,
+        progress_bar: bool = False,
+        timeout: float | None = None,
+        **policies: Any,
+    ) -> Generator[pb.RolloutStepResponse, None, None]:
+        """Run one rollout step; yield its events (`group` results, `progress`, `sample` with
+        `stream_samples`, last the `summary`). `policies` are `step_request`'s keywords
+        (step_id, target_groups, max_groups_in_flight, params, options, reward, filter, leftovers,
+        continue_buffered, max_staleness, on_stale, stream_samples). Leaving early cancels the call;
+        the server then aborts the step's groups into this caller's buffer (nothing is lost).
+        """
+        request = step_request(groups, n_samples_per_prompt=n_samples_per_prompt, **policies)
+        bar = StepProgressBar(request.target_groups or len(request.groups)) if progress_bar else None
+        call = self._stub.RolloutStep(
+            request, timeout=resolve_timeout(timeout, self._default_timeout), metadata=self._metadata
+        )
+        try:
+            with raising_rollout_errors():
+                for message in call:
+                    if bar is not None:
+                        bar.update(message)
+                    yield message
+        finally:
+            call.cancel()
+            if bar is not None:
+                bar.close()
+
     def abort(
         self,
         *,
@@ -195,15 +227,17 @@ class RolloutClient:
         request_ids: Sequence[str] = (),
         session_id: str | None = None,
         group_index: int | None = None,
+        mine: bool = False,
         timeout: float | None = 30.0,
         raise_on_engine_errors: bool = True,
     ) -> pb.AbortResponse:
-        """Abort all in-flight generations, some request ids, a session or a prompt group.
+        """Abort all in-flight generations, some request ids, a session or a prompt group; `mine`:
+        every generation of this caller (any role), including one still on the wire.
 
         Raises `EngineErrors` when engines failed (`raise_on_engine_errors=False`: return them).
         """
         request = abort_request(
-            all=all, request_ids=request_ids, session_id=session_id, group_index=group_index
+            all=all, request_ids=request_ids, session_id=session_id, group_index=group_index, mine=mine
         )
         with raising_rollout_errors():
             response: pb.AbortResponse = self._stub.Abort(request, timeout=timeout, metadata=self._metadata)

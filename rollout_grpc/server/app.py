@@ -52,10 +52,12 @@ from rollout_grpc.server.front.openai.server import FrontDoorConfig, OpenAIFront
 from rollout_grpc.server.observe.httplog import engine_call_logging
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.ports import NO_REUSEPORT
+from rollout_grpc.server.rewards import registry as rewards_registry
 from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
+from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
 from rollout_grpc.server.security.tls import TlsConfig
@@ -123,6 +125,9 @@ class ServerConfig:
     max_connection_age_grace_s: float = 3600.0
     keepalive_time_s: float = 60.0
     peers: list[str] = field(default_factory=list)
+    #: URL prefixes a RolloutStep's REMOTE reward may POST to (empty: any). A reward URL makes the
+    #: replica send requests where the caller says: pin it to the reward servers you run.
+    reward_urls: list[str] = field(default_factory=list)
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
     # --- security (docs/security.md) ---
@@ -307,6 +312,8 @@ class RolloutServer:
         self.rollout: Rollout
         self.control: Control
         self.facade: RolloutFacade
+        #: RolloutStep runs (None until the servicer is built).
+        self.steps: StepRunner | None = None
         self.peers: PeerAborter | None = None
         self.trajectories = TrajectoryStore()
         self.front_door: OpenAIFrontDoor | None = None
@@ -458,8 +465,17 @@ class RolloutServer:
         renderer = RenderService(
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
+        #: RolloutStep: reward models are built per step from the registry of reward kinds.
+        steps = self.steps = StepRunner(
+            self.rollout, self.control.abort_ids, rewards_registry.build, reward_urls=cfg.reward_urls
+        )
         self.facade = RolloutFacade(
-            self.rollout, self.control, renderer, trajectories=self.trajectories, calls=self.calls
+            self.rollout,
+            self.control,
+            renderer,
+            trajectories=self.trajectories,
+            calls=self.calls,
+            steps=steps,
         )
         return RolloutServicer(self.facade, cfg.default_options, simulated_engines=cfg.simulated_engines)
 
@@ -601,6 +617,8 @@ class RolloutServer:
             await server_stopped
         try:
             async with asyncio.timeout(bounds.SHUTDOWN_CLOSE_S):
+                if self.steps is not None:  # RolloutStep aborts and buffer drains, before the session closes
+                    await self.steps.drained()
                 await self._close()
         except TimeoutError:
             log.warning("shutdown_close_timeout", seconds=bounds.SHUTDOWN_CLOSE_S)

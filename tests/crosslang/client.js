@@ -381,6 +381,34 @@ async function auth(cfg) {
   };
 }
 
+// (f) A rollout step: two prompt groups of two samples, keep-all. The stream carries group results
+// and progress counters, and ends with exactly one summary.
+function rolloutStep(cfg) {
+  return new Promise((resolve) => {
+    const request = {
+      step_id: 'node-step',
+      groups: [0, 1].map((g) => ({prompt: pendingSample(cfg.prompt, {index: 2 * g}), group_index: g})),
+      n_samples_per_prompt: 2,
+      sampling_params: {temperature: 1.0, max_new_tokens: 5, ignore_eos: true, seed: 11},
+    };
+    const call = client(cfg.target).RolloutStep(request, {deadline: deadline()});
+    const result = {groups: [], progress: 0, summary: null, after_summary: 0, code: null};
+    call.on('data', (message) => {
+      if (result.summary !== null) result.after_summary += 1;
+      if (message.event === 'group') {
+        const g = message.group;
+        result.groups.push({group_index: Number(g.group_index), outcome: g.outcome, samples: g.samples.map(summary)});
+      } else if (message.event === 'progress') {
+        result.progress += 1;
+      } else if (message.event === 'summary') {
+        result.summary = {accepted: message.summary.accepted, target_reached: message.summary.target_reached};
+      }
+    });
+    call.on('error', () => {});
+    call.on('status', (s) => { result.code = grpc.status[s.code]; resolve(result); });
+  });
+}
+
 async function main() {
   const out = {node: process.version, grpc_js: require('@grpc/grpc-js/package.json').version, proto_loader: require('@grpc/proto-loader/package.json').version};
   if (plan.server_info) out.server_info = await serverInfo(plan.server_info);
@@ -390,6 +418,7 @@ async function main() {
   if (plan.abort_all) out.abort_all = await abortAll(plan.abort_all);
   if (plan.render) out.render = await render(plan.render);
   if (plan.auth) out.auth = await auth(plan.auth);
+  if (plan.rollout_step) out.rollout_step = await rolloutStep(plan.rollout_step);
   if (plan.routed_experts) out.routed_experts = [];
   for (const cfg of plan.routed_experts || []) out.routed_experts.push(await routedExperts(cfg));
   return out;

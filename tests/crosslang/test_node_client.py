@@ -148,6 +148,7 @@ async def run(node_client: Path, tmp_path_factory: pytest.TempPathFactory) -> As
             "invalid": {"target": dense},
             "abort_by_id": {"target": dense, "continue_tokens": CONTINUE_TOKENS},
             "abort_all": {"target": dense},
+            "rollout_step": {"target": dense, "prompt": PROMPT},
             "render": {"target": replicas["multimodal"].target, "png_path": str(tmp / "image.png")},
             "auth": {
                 "target": replicas["authed"].target,
@@ -474,7 +475,7 @@ async def _drain(stream: asyncio.StreamReader, lines: list[str]) -> None:
 async def test_auth_roles_from_node(run: Run) -> None:
     report = run.out["auth"]
     assert "local_only" not in report["abort_request_fields"]
-    assert report["abort_request_fields"] == ["all", "request_ids", "session_id", "group_index"]
+    assert report["abort_request_fields"] == ["all", "request_ids", "session_id", "group_index", "mine"]
     assert report["replica_service"] is True
     assert report["anonymous_info"] == "UNAUTHENTICATED"
     urls = [e.url for e in run.replicas["authed"].server.pool.engines]
@@ -482,3 +483,16 @@ async def test_auth_roles_from_node(run: Run) -> None:
     assert report["trainer_pause"] == "PERMISSION_DENIED"
     assert report["trainer_abort_all"] == "PERMISSION_DENIED"
     assert report["admin_pause"] == "OK" and report["admin_resume"] == "OK"
+
+
+async def test_rollout_step_from_node(run: Run) -> None:
+    step = run.out["rollout_step"]
+    assert step["code"] == "OK" and step["after_summary"] == 0
+    assert step["summary"] == {"accepted": 2, "target_reached": True}
+    assert sorted(g["group_index"] for g in step["groups"]) == [0, 1]
+    for group in step["groups"]:
+        assert group["outcome"] == "GROUP_OUTCOME_ACCEPTED"
+        assert len(group["samples"]) == 2
+        for sample in group["samples"]:
+            assert sample["response_length"] == 5 and sample["tokens"][: len(PROMPT)] == PROMPT
+    assert step["progress"] >= 1

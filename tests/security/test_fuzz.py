@@ -136,6 +136,15 @@ targeted_aborts = st.one_of(
     st.just(pb.AbortRequest(all=True)),
 )
 
+
+def _local_reward_only(request: Message) -> Message:
+    """A random step without a REMOTE reward: the probe would reach out to a random URL."""
+    assert isinstance(request, pb.RolloutStepRequest)
+    if request.reward.kind == pb.REWARD_KIND_REMOTE:
+        request.reward.kind = pb.REWARD_KIND_EXACT_MATCH
+    return request
+
+
 #: (method name, request strategy): every RPC of the public service, and the internal AbortLocal.
 RPCS: list[tuple[str, st.SearchStrategy[Message]]] = [
     ("Generate", messages(pb.GenerateRequest.DESCRIPTOR)),
@@ -153,6 +162,7 @@ RPCS: list[tuple[str, st.SearchStrategy[Message]]] = [
     ("Resume", messages(pb.ResumeRequest.DESCRIPTOR)),
     ("GetServerInfo", messages(pb.GetServerInfoRequest.DESCRIPTOR)),
     ("AbortLocal", messages(pb.AbortLocalRequest.DESCRIPTOR)),
+    ("RolloutStep", messages(pb.RolloutStepRequest.DESCRIPTOR).map(_local_reward_only)),
 ]
 calls = st.lists(st.one_of(*(st.tuples(st.just(name), s) for name, s in RPCS)), min_size=1, max_size=4)
 
@@ -163,8 +173,8 @@ def _invoke(channel: grpc.Channel, method: str, request: Message) -> None:
         stub = pb_grpc.ReplicaServiceStub(channel)
     else:
         stub = pb_grpc.RolloutServiceStub(channel)
-    if method == "Generate":
-        for _ in stub.Generate(request, timeout=CALL_TIMEOUT_S):
+    if method in ("Generate", "RolloutStep"):
+        for _ in getattr(stub, method)(request, timeout=CALL_TIMEOUT_S):
             pass
     else:
         getattr(stub, method)(request, timeout=CALL_TIMEOUT_S)

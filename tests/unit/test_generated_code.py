@@ -42,7 +42,7 @@ def test_check_detects_a_stale_generated_module(tmp_path: Path) -> None:
             shutil.copy2(src, dst)
     assert run_check(tmp_path).returncode == 0, "the copy starts in sync"
     proto = tmp_path / "proto" / "rollout.proto"
-    proto.write_text(proto.read_text().replace("int32 response_length = 7;", "int32 response_length = 22;"))
+    proto.write_text(proto.read_text().replace("int32 response_length = 7;", "int32 response_length = 99;"))
     result = run_check(tmp_path)
     assert result.returncode == 1
     assert "stale" in result.stderr and "rollout_pb2.py" in result.stderr

@@ -119,6 +119,11 @@ class EngineCapabilities:
     routed_experts: bool | None = None
     model: str = ""
     max_model_len: int | None = None
+    #: True when one engine call with `n > 1` is known to keep abort-without-loss per choice
+    #: (per-choice abort, final chunk and weight versions): the hook for RolloutStep to generate a
+    #: group in one call with a shared prefill. No kind sets it yet: vLLM 0.32's per-choice abort is
+    #: unverified, so a group is n calls on one session key (docs/rollout-step.md "Decisions").
+    group_choices: bool = False
     #: The engine flag that turns routed experts on (named in `routed_experts_problem`).
     routed_experts_flag: str = "the routed-experts flag"
     #: Why the engine cannot serve the contract (each names the flag to add): not routed to.

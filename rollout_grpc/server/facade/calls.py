@@ -75,6 +75,11 @@ class CallRecord:
     result: object = None
     #: The target of an Abort (`all`, `request_ids`, `session_id`, `group_index`).
     abort_target: str | None = None
+    #: RolloutStep: groups that ended, by outcome; the weight-version lag of every accepted
+    #: sample; response tokens the step generated.
+    step_groups: dict[str, int] = field(default_factory=dict)
+    version_lags: list[int] = field(default_factory=list)
+    step_tokens: int = 0
 
     @property
     def duration_s(self) -> float:
@@ -170,6 +175,27 @@ def log_call(record: CallRecord) -> None:
         _log_front_door(record)
     elif record.method == "Generate":
         _log_generate(record)
+    elif record.method == "RolloutStep":
+        _log_step(record)
+
+
+def _log_step(record: CallRecord) -> None:
+    """`rollout_step_done`: the step id, its groups by outcome, tokens, the worst lag, the end."""
+    fields: dict[str, object] = {
+        "step_id": record.request_id,
+        "code": record.code,
+        "groups": record.step_groups,
+        "new_tokens": record.step_tokens,
+        "max_version_lag": max(record.version_lags, default=0),
+        "latency_ms": _ms(record.duration_s),
+    }
+    summary = record.result
+    reason = getattr(summary, "reason", None)
+    if reason:
+        fields["reason"] = reason
+    if record.details:
+        fields["error"] = record.details
+    log.info("rollout_step_done", **fields)
 
 
 def _log_generate(record: CallRecord) -> None:

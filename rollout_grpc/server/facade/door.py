@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import structlog
 
+from rollout_grpc.server.domain.errors import FailedPrecondition
 from rollout_grpc.server.domain.identity import Caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, TokenBatch
 from rollout_grpc.server.domain.trajectory import Session, TrajectoryStore
@@ -23,6 +24,8 @@ from rollout_grpc.server.rollout.admission import Admission
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control, EngineStatus, FleetResult
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
+from rollout_grpc.server.rollout.step.runner import GroupEnded, StepEvent, StepRunner, Summary
+from rollout_grpc.server.rollout.step.spec import Outcome, StepSpec
 
 log = structlog.get_logger(__name__)
 
@@ -64,8 +67,11 @@ class RolloutFacade:
         *,
         trajectories: TrajectoryStore | None = None,
         calls: CallBook | None = None,
+        steps: StepRunner | None = None,
     ) -> None:
         self._rollout = rollout
+        #: Rollout steps (RolloutStep); None: the RPC answers UNIMPLEMENTED-like FAILED_PRECONDITION.
+        self.steps = steps
         self._control = control
         self._renderer = renderer
         self.trajectories = trajectories
@@ -108,6 +114,22 @@ class RolloutFacade:
                     record.mark_token()
             yield event
 
+    async def rollout_step(self, record: CallRecord, spec: StepSpec) -> AsyncIterator[StepEvent]:
+        """One rollout step (`StepRunner.run`); the record gets the step id and the summary."""
+        if self.steps is None:
+            raise FailedPrecondition("rollout steps are not enabled on this replica")
+        record.request_id = spec.step_id
+        async for event in self.steps.run(spec):
+            if type(event) is GroupEnded:
+                outcome = event.outcome.value
+                record.step_groups[outcome] = record.step_groups.get(outcome, 0) + 1
+                record.step_tokens += sum(item.new_tokens for item in event.samples)
+                if event.outcome is Outcome.ACCEPTED:
+                    record.version_lags.extend(event.version_lag)
+            elif type(event) is Summary:
+                record.result = event
+            yield event
+
     # ----------------------------------------------------------------------------- control
 
     async def abort_all(self, record: CallRecord) -> AbortResult:
@@ -128,6 +150,12 @@ class RolloutFacade:
         record.result = result
         return result
 
+    async def abort_mine(self, record: CallRecord) -> AbortResult:
+        """Abort every generation of the caller on this replica (`Control.abort_mine`)."""
+        result = await self._control.abort_mine()
+        record.result = result
+        return result
+
     async def abort_local(self, scope: AbortScope) -> AbortResult:
         """Abort matching generations of this replica only (a peer's forwarded abort)."""
         return await self._control.abort_local(scope)
@@ -140,6 +168,8 @@ class RolloutFacade:
     async def resume(self, record: CallRecord, weight_version: str | None) -> FleetResult:
         result = await self._control.resume(weight_version)
         record.result = result
+        if weight_version is not None and self.steps is not None:
+            self.steps.versions.advance(weight_version)  # the order staleness is measured in
         return result
 
     async def engine_statuses(self) -> list[EngineStatus]:

@@ -153,6 +153,18 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.step_groups = Counter(
+            PREFIX + "step_groups",
+            "RolloutStep groups that ended, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.step_version_lag = Histogram(
+            PREFIX + "step_version_lag",
+            "RolloutStep: weight versions between an accepted sample's first token and the newest version.",
+            buckets=(0, 1, 2, 3, 4, 8, 16),
+            registry=r,
+        )
         self.openai_requests = Counter(
             PREFIX + "openai_requests",
             "OpenAI front-door requests by route and HTTP status (refusals by auth included).",
@@ -190,6 +202,8 @@ class Metrics:
         self.handling.labels(record.method).observe(record.duration_s)
         if record.method == "Generate":
             self._observe_generate(record)
+        elif record.method == "RolloutStep":
+            self._observe_step(record)
         elif record.code == "OK":
             if record.method == "Abort":
                 self._observe_abort(record)
@@ -206,6 +220,15 @@ class Metrics:
         self.openai_tokens.inc(record.new_tokens)
         if record.queue_wait_s is not None:
             self.queue.observe(record.queue_wait_s)
+
+    def _observe_step(self, record: CallRecord) -> None:
+        """A step's groups, tokens and lags (whatever its end: a step that failed half-way counts
+        what it did)."""
+        for outcome, count in record.step_groups.items():
+            self.step_groups.labels(outcome).inc(count)
+        self.tokens.inc(record.step_tokens)
+        for lag in record.version_lags:
+            self.step_version_lag.observe(lag)
 
     def _observe_generate(self, record: CallRecord) -> None:
         self.generations.labels(record.status).inc()

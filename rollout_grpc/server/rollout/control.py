@@ -74,12 +74,14 @@ class AbortResult:
 
 @dataclass(frozen=True, slots=True)
 class AbortScope:
-    """What a forwarded abort targets on a peer: one of ids, session or group, of `owner` only."""
+    """What a forwarded abort targets on a peer: one of ids, session, group or everything of
+    `owner` (`all_of_owner`, a forwarded Abort{mine}), of `owner` only."""
 
     owner: str | None
     request_ids: tuple[str, ...] = ()
     session_id: str | None = None
     group_index: int | None = None
+    all_of_owner: bool = False
 
 
 @dataclass(slots=True)
@@ -519,8 +521,52 @@ class Control:
             result.aborted += await self._peer_abort(scope)
         return result
 
+    async def abort_mine(self) -> AbortResult:
+        """Abort every generation of the caller (any role; its own only), here and on the peers.
+
+        The caller's abort window (`owner_aborts`) stays open until the aborted generations have
+        ended, or the control deadline: a Generate of the same caller that arrives meanwhile (one
+        already on the wire) ends ABORTED at once, like under Abort(all). A running RolloutStep of
+        the caller sees the abort and stops starting groups.
+        """
+        owner = current_caller().identity
+        result = await self._abort_owner(owner)
+        if self._peer_abort is not None:
+            result.aborted += await self._peer_abort(AbortScope(owner=owner, all_of_owner=True))
+        log.info("abort_mine", owner=owner, aborted=result.aborted, engine_errors=len(result.engine_errors))
+        return result
+
+    async def _abort_owner(self, owner: str) -> AbortResult:
+        """Abort `owner`'s generations on this replica, holding its abort window until they ended."""
+        aborts = self._rollout.owner_aborts
+        deadline = asyncio.get_running_loop().time() + self._deadline_s
+        aborts.begin(owner)
+        try:
+            entries = [e for e in self._registry.all() if e.owner == owner]
+            result = await self._abort_entries(entries)
+            await self._ended(entries, deadline)
+        finally:
+            aborts.end(owner)
+        return result
+
+    async def _ended(self, entries: list[InFlight], deadline: float) -> None:
+        """Wait until none of `entries` is in flight any more, or `deadline` (checked every 10 ms:
+        a generation ends within `abort_drain_s` of its abort, so this is short)."""
+        loop = asyncio.get_running_loop()
+        pending = [e.request_id for e in entries]
+        while loop.time() < deadline:
+            found, _ = self._registry.select(pending)
+            found = [e for e in found if e in entries]
+            if not found:
+                return
+            await asyncio.sleep(0.01)
+
     async def abort_local(self, scope: AbortScope) -> AbortResult:
         """Abort matching generations of this replica only (the target of a peer's forward)."""
+        if scope.all_of_owner:
+            if not scope.owner:
+                raise InvalidArgument("owner", "must be set with owner_all")
+            return await self._abort_owner(scope.owner)
         if scope.request_ids:
             if any(not rid for rid in scope.request_ids):
                 raise InvalidArgument("request_ids.ids", "must not contain an empty request id")

@@ -35,6 +35,7 @@ from rollout_grpc.server.domain import bounds, failover, multimodal, routed_expe
 from rollout_grpc.server.domain import params as params_mod
 from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rollout_grpc.server.domain.failover import Action, CallFailure, Decision, Raise, Situation
+from rollout_grpc.server.domain.identity import current_caller
 from rollout_grpc.server.domain.model import (
     EngineAttempt,
     Finish,
@@ -62,6 +63,7 @@ from rollout_grpc.server.engines.api import (
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
 from rollout_grpc.server.rollout.admission import Admission
 from rollout_grpc.server.rollout.inflight import AbortedWhileQueued, InFlight, InFlightRegistry
+from rollout_grpc.server.rollout.owner_abort import OwnerAborts
 
 log = structlog.get_logger(__name__)
 
@@ -177,10 +179,17 @@ class Rollout:
         self.config = config or RolloutConfig()
         self._abort_all_depth = 0
         self._closed = False
+        #: Abort{mine} windows: a caller's new generations end ABORTED while its abort runs.
+        self.owner_aborts = OwnerAborts()
 
     def close(self) -> None:
         """Refuse new generations (shutdown); in-flight ones continue."""
         self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran (a running RolloutStep then starts no more groups)."""
+        return self._closed
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation is in flight; False on timeout."""
@@ -221,7 +230,7 @@ class Rollout:
             sample_ops.finish(sample, Finish.LENGTH, Status.TRUNCATED)
             yield sample
             return
-        if self.aborting:
+        if self.aborting or self.owner_aborts.aborting(current_caller().identity):
             sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
             yield sample
             return

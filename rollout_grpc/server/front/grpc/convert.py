@@ -9,11 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from google.protobuf import json_format
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain import params
 from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.rewards.api import RewardConfig, RewardKind
+from rollout_grpc.server.rollout.step import spec as step
+from rollout_grpc.server.rollout.step.runner import GroupEnded, SampleEnded, StepEvent
+from rollout_grpc.server.rollout.step.runner import Progress as StepProgress
 
 _DTYPE_TO_PB: dict[np.dtype[Any], Any] = {
     np.dtype("uint8"): pb.D_TYPE_UINT8,
@@ -245,3 +250,163 @@ def content_part_from_pb(part: pb.ContentPart, field: str) -> tuple[str, str | b
             return ("image", part.image.data_url, "")
         raise InvalidArgument(field + ".image", "set data or data_url")
     raise InvalidArgument(field, "set text or image")
+
+
+# ------------------------------------------------------------------------------------- rollout step
+
+_REWARD_KINDS = {
+    pb.REWARD_KIND_UNSPECIFIED: RewardKind.NONE,
+    pb.REWARD_KIND_REMOTE: RewardKind.REMOTE,
+    pb.REWARD_KIND_MATH: RewardKind.MATH,
+    pb.REWARD_KIND_EXACT_MATCH: RewardKind.EXACT_MATCH,
+}
+_REWARD_SCOPES = {
+    pb.REWARD_SCOPE_UNSPECIFIED: step.RewardScope.SAMPLE,
+    pb.REWARD_SCOPE_SAMPLE: step.RewardScope.SAMPLE,
+    pb.REWARD_SCOPE_GROUP: step.RewardScope.GROUP,
+}
+_ON_REWARD_FAILURE = {
+    pb.REWARD_FAILURE_POLICY_UNSPECIFIED: step.OnRewardFailure.FAIL_GROUP,
+    pb.REWARD_FAILURE_POLICY_FAIL_GROUP: step.OnRewardFailure.FAIL_GROUP,
+    pb.REWARD_FAILURE_POLICY_DROP_GROUP: step.OnRewardFailure.DROP_GROUP,
+    pb.REWARD_FAILURE_POLICY_KEEP_UNSCORED: step.OnRewardFailure.KEEP_UNSCORED,
+}
+_FILTERS = {
+    pb.FILTER_KIND_UNSPECIFIED: step.FilterKind.KEEP_ALL,
+    pb.FILTER_KIND_KEEP_ALL: step.FilterKind.KEEP_ALL,
+    pb.FILTER_KIND_REWARD_NONZERO_STD: step.FilterKind.REWARD_NONZERO_STD,
+}
+_LEFTOVERS = {
+    pb.LEFTOVER_POLICY_UNSPECIFIED: step.Leftovers.RETURN,
+    pb.LEFTOVER_POLICY_RETURN: step.Leftovers.RETURN,
+    pb.LEFTOVER_POLICY_BUFFER: step.Leftovers.BUFFER,
+}
+_ON_STALE = {
+    pb.STALENESS_POLICY_UNSPECIFIED: step.OnStale.DROP,
+    pb.STALENESS_POLICY_DROP: step.OnStale.DROP,
+    pb.STALENESS_POLICY_REGENERATE: step.OnStale.REGENERATE,
+}
+_OUTCOMES = {
+    step.Outcome.ACCEPTED: pb.GROUP_OUTCOME_ACCEPTED,
+    step.Outcome.FILTERED: pb.GROUP_OUTCOME_FILTERED,
+    step.Outcome.FAILED: pb.GROUP_OUTCOME_FAILED,
+    step.Outcome.STALE: pb.GROUP_OUTCOME_STALE,
+    step.Outcome.ABORTED: pb.GROUP_OUTCOME_ABORTED,
+    step.Outcome.BUFFERED: pb.GROUP_OUTCOME_BUFFERED,
+}
+
+
+def _enum(table: dict[Any, Any], value: int, field: str) -> Any:
+    """A known enum value, or INVALID_ARGUMENT naming the field (a newer client's value)."""
+    try:
+        return table[value]
+    except KeyError:
+        raise InvalidArgument(field, f"unknown value {value}") from None
+
+
+def _step_sample_from_pb(msg: pb.Sample) -> step.StepSample:
+    return step.StepSample(
+        sample_from_pb(msg),
+        msg.index,
+        origin=msg,
+        reward=msg.reward if msg.HasField("reward") else None,
+        start_step_id=msg.start_step_id,
+    )
+
+
+def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptions) -> step.StepSpec:
+    """The domain view of a RolloutStep request (enum values checked, naming the field)."""
+    reward = msg.reward
+    config = RewardConfig(
+        kind=_enum(_REWARD_KINDS, reward.kind, "reward.kind"),
+        url=reward.url,
+        reward_key=reward.reward_key or "reward",
+        timeout_s=reward.timeout_s if reward.HasField("timeout_s") else 30.0,
+        max_retries=reward.max_retries if reward.HasField("max_retries") else 2,
+        max_concurrency=reward.max_concurrency if reward.HasField("max_concurrency") else 32,
+    )
+    groups = [
+        step.PromptGroup(
+            group_index=g.group_index,
+            prompt=sample_from_pb(g.prompt),
+            origin=g.prompt,
+            prompt_index=g.prompt.index,
+            label=g.label,
+            partial=[_step_sample_from_pb(p) for p in g.partial],
+        )
+        for g in msg.groups
+    ]
+    return step.StepSpec(
+        step_id=msg.step_id,
+        groups=groups,
+        n_samples_per_prompt=msg.n_samples_per_prompt,
+        params=sampling_params_from_pb(msg.sampling_params),
+        options=options_from_pb(msg.options, defaults),
+        target_groups=msg.target_groups,
+        max_groups_in_flight=msg.max_groups_in_flight,
+        reward=config,
+        reward_scope=_enum(_REWARD_SCOPES, reward.scope, "reward.scope"),
+        on_reward_failure=_enum(_ON_REWARD_FAILURE, reward.on_failure, "reward.on_failure"),
+        filter=_enum(_FILTERS, msg.filter.kind, "filter.kind"),
+        epsilon=msg.filter.epsilon,
+        leftovers=_enum(_LEFTOVERS, msg.leftovers, "leftovers"),
+        continue_buffered=msg.continue_buffered,
+        max_staleness=msg.max_staleness if msg.HasField("max_staleness") else None,
+        on_stale=_enum(_ON_STALE, msg.on_stale, "on_stale"),
+        stream_samples=msg.stream_samples,
+    )
+
+
+def step_sample_to_pb(item: step.StepSample) -> pb.Sample:
+    """A step's sample: the generated fields, its index and group, reward and step id."""
+    origin = item.origin if isinstance(item.origin, pb.Sample) else pb.Sample()
+    out = sample_to_pb(item.sample, origin)
+    out.index = item.index
+    out.group_index = item.sample.group_index
+    out.session_id = item.sample.session_id
+    out.ClearField("reward")
+    if item.reward is not None:
+        out.reward = item.reward
+    out.ClearField("reward_detail")
+    if item.reward_detail is not None:
+        json_format.ParseDict(item.reward_detail, out.reward_detail)
+    out.reward_failure = item.reward_failure
+    out.start_step_id = item.start_step_id
+    return out
+
+
+def _progress_to_pb(value: StepProgress, out: pb.StepProgress) -> None:
+    out.generated = value.generated
+    out.scored = value.scored
+    out.accepted = value.accepted
+    out.in_flight = value.in_flight
+    out.pending = value.pending
+    out.dropped.clear()
+    out.dropped.update(value.dropped)
+
+
+def step_event_to_pb(event: StepEvent) -> pb.RolloutStepResponse:
+    """One RolloutStep stream message."""
+    response = pb.RolloutStepResponse()
+    if isinstance(event, SampleEnded):
+        response.sample.CopyFrom(step_sample_to_pb(event.item))
+    elif isinstance(event, GroupEnded):
+        group = response.group
+        group.group_index = event.group_index
+        group.outcome = _OUTCOMES[event.outcome]
+        group.reason = event.reason
+        if event.outcome is not step.Outcome.BUFFERED:  # buffered samples stay on the replica
+            group.samples.extend(step_sample_to_pb(i) for i in event.samples)
+        group.version_lag[:] = event.version_lag
+    elif isinstance(event, StepProgress):
+        _progress_to_pb(event, response.progress)
+    else:
+        summary = response.summary
+        summary.accepted = event.accepted
+        summary.target_reached = event.target_reached
+        summary.reason = event.reason
+        summary.buffered = event.buffered
+        summary.unstarted_group_indexes[:] = event.unstarted
+        summary.max_version_lag = event.max_version_lag
+        _progress_to_pb(event.progress, summary.progress)
+    return response

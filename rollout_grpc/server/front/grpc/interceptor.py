@@ -53,6 +53,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     ROLLOUT + "Generate": frozenset({Role.TRAINER, Role.ADMIN}),
     ROLLOUT + "Render": frozenset({Role.TRAINER, Role.ADMIN}),
     ROLLOUT + "GetServerInfo": frozenset({Role.TRAINER, Role.ADMIN}),
+    # A rollout step is many Generates of the caller (same admission, same per-caller cap).
+    ROLLOUT + "RolloutStep": frozenset({Role.TRAINER, Role.ADMIN}),
     # Front-door sessions are collected by the trainer that drives the agent harness.
     ROLLOUT + "GetTrajectory": frozenset({Role.TRAINER, Role.ADMIN}),
     # Abort(all) and other callers' generations are admin-only; control.py scopes the rest.
@@ -81,6 +83,8 @@ def check_request(limits: RequestLimits, request: object) -> None:
         if request.sample.HasField("metadata"):
             limits.check_size("sample.metadata", request.sample.metadata.ByteSize(), "max_metadata_bytes")
         limits.check_stop(request.sampling_params.stop, "sampling_params.stop")
+    elif isinstance(request, pb.RolloutStepRequest):
+        _check_step(limits, request)
     elif isinstance(request, pb.AbortRequest | pb.AbortLocalRequest):
         if request.WhichOneof("target") == "request_ids":
             limits.check_ids(len(request.request_ids.ids))
@@ -88,6 +92,16 @@ def check_request(limits: RequestLimits, request: object) -> None:
         limits.check_size(
             "chat_template_kwargs", request.chat_template_kwargs.ByteSize(), "max_chat_template_kwargs_bytes"
         )
+
+
+def _check_step(limits: RequestLimits, request: pb.RolloutStepRequest) -> None:
+    """A rollout step is held to the caps of each of its Generates."""
+    limits.check_stop(request.sampling_params.stop, "sampling_params.stop")
+    for i, group in enumerate(request.groups):
+        for j, sample in enumerate([group.prompt, *group.partial]):
+            if sample.HasField("metadata"):
+                where = f"groups[{i}].prompt" if j == 0 else f"groups[{i}].partial[{j - 1}]"
+                limits.check_size(where + ".metadata", sample.metadata.ByteSize(), "max_metadata_bytes")
 
 
 def _auth_values(auth_context: Mapping[str, Iterable[bytes]], key: str) -> list[str]:

@@ -118,7 +118,9 @@ class PeerAborter:
     async def abort(self, scope: AbortScope) -> int:
         """Ask every peer to abort its local generations in `scope`; returns how many they ended."""
         request = pb.AbortLocalRequest(owner=scope.owner or "")
-        if scope.request_ids:
+        if scope.all_of_owner:
+            request.owner_all = True
+        elif scope.request_ids:
             request.request_ids.ids.extend(scope.request_ids)
         elif scope.session_id is not None:
             request.session_id = scope.session_id

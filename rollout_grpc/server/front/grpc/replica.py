@@ -38,8 +38,12 @@ class ReplicaServicer(pb_grpc.ReplicaServiceServicer):
             scope = AbortScope(owner=owner, session_id=request.session_id)
         elif target == "group_index":
             scope = AbortScope(owner=owner, group_index=request.group_index)
+        elif target == "owner_all":
+            if not request.owner_all:
+                raise InvalidArgument("owner_all", "must be true when it is the target")
+            scope = AbortScope(owner=owner, all_of_owner=True)
         else:
-            raise InvalidArgument("target", "set one of request_ids, session_id, group_index")
+            raise InvalidArgument("target", "set one of request_ids, session_id, group_index, owner_all")
         result = await self._facade.abort_local(scope)
         errors = engine_errors_to_pb(result.engine_errors)
         return pb.AbortLocalResponse(aborted=result.aborted, engine_errors=errors)

@@ -29,6 +29,7 @@ from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord, Door
 from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.grpc import convert, redaction
 from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
+from rollout_grpc.server.rollout.control import AbortResult
 from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
@@ -38,6 +39,8 @@ log = structlog.get_logger(__name__)
 #: another caller's attempt id (an abort of an unknown `X` then never touches someone else's call).
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/@+=-]{1,256}")
 REQUEST_ID_RULE = "must be 1-256 characters of A-Z a-z 0-9 . _ : / @ + = -"
+#: A step id's length bound: its samples' request ids are `<step id>/g<group>/s<i>[/r]`.
+MAX_STEP_ID = 200
 
 
 def check_request_id(request_id: str, field: str) -> None:
@@ -111,8 +114,24 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         target = request.WhichOneof("target")
         record.abort_target = target or "none"
         if target is None:
-            raise InvalidArgument("target", "set one of all, request_ids, session_id, group_index")
-        if target == "all":
+            raise InvalidArgument("target", "set one of all, mine, request_ids, session_id, group_index")
+        result = await self._abort_target(request, record, target)
+        response = pb.AbortResponse(
+            aborted=result.aborted,
+            unknown_request_ids=result.unknown_request_ids,
+            engine_errors=engine_errors_to_pb(result.engine_errors),
+        )
+        if not current_caller().is_admin:
+            redaction.redact_engine_errors(list(response.engine_errors))
+        return response
+
+    async def _abort_target(self, request: pb.AbortRequest, record: CallRecord, target: str) -> AbortResult:
+        """Run the abort the request's target names."""
+        if target == "mine":
+            if not request.mine:
+                raise InvalidArgument("mine", "must be true when it is the target")
+            result = await self._facade.abort_mine(record)
+        elif target == "all":
             if not request.all:
                 raise InvalidArgument("all", "must be true when it is the target")
             result = await self._facade.abort_all(record)
@@ -125,14 +144,28 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             result = await self._facade.abort_matching(record, session_id=request.session_id)
         else:
             result = await self._facade.abort_matching(record, group_index=request.group_index)
-        response = pb.AbortResponse(
-            aborted=result.aborted,
-            unknown_request_ids=result.unknown_request_ids,
-            engine_errors=engine_errors_to_pb(result.engine_errors),
-        )
-        if not current_caller().is_admin:
-            redaction.redact_engine_errors(list(response.engine_errors))
-        return response
+        return result
+
+    async def RolloutStep(
+        self, request: pb.RolloutStepRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.RolloutStepResponse]:
+        record = current_record("RolloutStep")
+        check_request_id(request.step_id, "step_id")
+        if len(request.step_id) > MAX_STEP_ID:
+            raise InvalidArgument(
+                "step_id", f"at most {MAX_STEP_ID} characters (sample request ids extend it)"
+            )
+        spec = convert.step_spec_from_pb(request, self._defaults)
+        redact_samples = not current_caller().is_admin
+        async for event in self._facade.rollout_step(record, spec):
+            message = convert.step_event_to_pb(event)
+            kind = message.WhichOneof("event")
+            if redact_samples and kind == "sample":
+                redaction.redact_sample(message.sample)
+            elif redact_samples and kind == "group":
+                for sample in message.group.samples:
+                    redaction.redact_sample(sample)
+            yield message
 
     async def Pause(
         self, request: pb.PauseRequest, context: grpc.aio.ServicerContext[Any, Any]

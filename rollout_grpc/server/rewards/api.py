@@ -1,0 +1,90 @@
+"""The typed boundary between the rollout step and a reward model.
+
+A reward model answers a `RewardRequest` with a `RewardResult` or an explicit `RewardFailed`
+(reason, never a silent 0). It may score one sample (`score`) or a whole group in one call
+(`score_group`, slime's `--group-rm`). The step calls nothing else, so a new kind is a new module
+plus one entry in `registry.py`; nothing here knows HTTP.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class RewardKind(enum.Enum):
+    """The reward kinds a step may ask for (the proto's `RewardKind`)."""
+
+    NONE = "none"
+    REMOTE = "remote"
+    MATH = "math"
+    EXACT_MATCH = "exact_match"
+
+
+@dataclass(frozen=True, slots=True)
+class RewardConfig:
+    """How to build a reward model for one step (validated by `registry.build`)."""
+
+    kind: RewardKind = RewardKind.NONE
+    #: REMOTE: the reward model's URL.
+    url: str = ""
+    #: REMOTE: the key of the reward in a JSON-object answer.
+    reward_key: str = "reward"
+    #: REMOTE: seconds per attempt.
+    timeout_s: float = 30.0
+    #: REMOTE: attempts after the first, with exponential backoff.
+    max_retries: int = 2
+    #: REMOTE: concurrent requests from one step.
+    max_concurrency: int = 32
+    #: REMOTE: first backoff (doubles per retry).
+    backoff_s: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class RewardRequest:
+    """What a reward model sees of one sample (slime's remote_rm payload)."""
+
+    prompt: str
+    response: str
+    label: str = ""
+    metadata: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RewardResult:
+    """A reward; `detail` is the whole answer when the model returned a JSON object."""
+
+    value: float
+    detail: Mapping[str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RewardFailed:
+    """No reward for this sample, and why (timeout, HTTP error, not a number, ...)."""
+
+    reason: str
+
+
+RewardOutcome = RewardResult | RewardFailed
+
+
+class RewardUnavailable(Exception):
+    """The reward model cannot be used at all (its probe failed): the step refuses to start."""
+
+
+class RewardModel(Protocol):
+    """A reward model of any kind."""
+
+    async def probe(self) -> None:
+        """Raise `RewardUnavailable` when the model cannot be reached (checked at step start)."""
+
+    async def score(self, request: RewardRequest) -> RewardOutcome:
+        """The reward of one sample. Never raises for a per-sample failure: returns RewardFailed."""
+
+    async def score_group(self, requests: Sequence[RewardRequest]) -> list[RewardOutcome]:
+        """The rewards of a whole group (one entry per request, same order), in one call."""
+
+    async def close(self) -> None:
+        """Release connections (end of the step)."""

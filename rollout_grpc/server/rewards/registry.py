@@ -1,0 +1,32 @@
+"""The one module that names the reward kinds: a `RewardConfig` -> a `RewardModel`."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.rewards.api import RewardConfig, RewardKind, RewardModel
+from rollout_grpc.server.rewards.remote import RemoteReward
+from rollout_grpc.server.rewards.rules import ExactMatchReward, MathReward
+
+
+def build(config: RewardConfig) -> RewardModel | None:
+    """The reward model of `config` (None for no reward); INVALID_ARGUMENT naming a bad field."""
+    if config.kind is RewardKind.NONE:
+        return None
+    if config.kind is RewardKind.MATH:
+        return MathReward()
+    if config.kind is RewardKind.EXACT_MATCH:
+        return ExactMatchReward()
+    parts = urlsplit(config.url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise InvalidArgument("reward.url", f"must be an http(s) URL for a REMOTE reward; got {config.url!r}")
+    if config.timeout_s <= 0:
+        raise InvalidArgument("reward.timeout_s", f"must be positive, got {config.timeout_s}")
+    if config.max_retries < 0:
+        raise InvalidArgument("reward.max_retries", f"must be non-negative, got {config.max_retries}")
+    if config.max_concurrency < 1:
+        raise InvalidArgument("reward.max_concurrency", f"must be at least 1, got {config.max_concurrency}")
+    if not config.reward_key:
+        raise InvalidArgument("reward.reward_key", "must not be empty")
+    return RemoteReward(config)

@@ -1,0 +1,73 @@
+"""Rule-based rewards that need no server: math answer equivalence and exact match.
+
+`MathReward` uses the `math-verify` library (HuggingFace): the label and the response are parsed
+into sympy expressions (the response's last `\\boxed{}` or last expression wins) and compared for
+equivalence, so `\\frac{1}{2}` and `0.5` agree where a string comparison would not. Parsing runs
+in a worker thread (sympy can take long on adversarial input) with math-verify's own signal
+timeouts off, since signals only work on the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Sequence
+
+from rollout_grpc.server.rewards.api import RewardFailed, RewardOutcome, RewardRequest, RewardResult
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
+
+
+def math_equal(label: str, response: str) -> bool:
+    """True when the response's answer is mathematically equal to `label` (math-verify)."""
+    from math_verify import parse, verify
+
+    gold = parse(label if "$" in label or "\\" in label else f"${label}$", parsing_timeout=None)
+    answer = parse(response, parsing_timeout=None)
+    if not gold or not answer:
+        return False
+    return bool(verify(gold, answer, timeout_seconds=None))
+
+
+def exact_answer(response: str) -> str:
+    """The answer of a response for exact match: its last `\\boxed{...}`, else the stripped text."""
+    boxed = _BOXED.findall(response)
+    return (boxed[-1] if boxed else response).strip()
+
+
+class _RuleReward:
+    """Common shape: a pure function of (label, response) run per sample."""
+
+    async def probe(self) -> None:
+        return None
+
+    def _value(self, request: RewardRequest) -> float:
+        raise NotImplementedError
+
+    async def score(self, request: RewardRequest) -> RewardOutcome:
+        if not request.label:
+            return RewardFailed("no label to compare the answer with (PromptGroup.label is empty)")
+        try:
+            return RewardResult(await asyncio.to_thread(self._value, request))
+        except Exception as exc:  # a parser bug on odd input is one sample's failure
+            return RewardFailed(f"could not check the answer: {exc!r}"[:300])
+
+    async def score_group(self, requests: Sequence[RewardRequest]) -> list[RewardOutcome]:
+        return list(await asyncio.gather(*(self.score(r) for r in requests)))
+
+    async def close(self) -> None:
+        return None
+
+
+class MathReward(_RuleReward):
+    """1.0 when the answer is equivalent to the label, else 0.0 (math-verify)."""
+
+    def _value(self, request: RewardRequest) -> float:
+        return 1.0 if math_equal(request.label, request.response) else 0.0
+
+
+class ExactMatchReward(_RuleReward):
+    """1.0 when the answer (last `\\boxed{}` or the stripped response) equals the stripped label."""
+
+    def _value(self, request: RewardRequest) -> float:
+        return 1.0 if exact_answer(request.response) == request.label.strip() else 0.0

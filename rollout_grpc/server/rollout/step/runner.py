@@ -1,0 +1,607 @@
+"""One rollout step: slime's `generate_rollout_async` loop as a use case over `Rollout.generate`.
+
+The loop (docs/rollout-step.md has the diagram): keep up to `max_groups_in_flight` groups
+generating; each group runs its `n` samples concurrently on one engine (a shared session key, so
+the prompt's prefix cache is reused), scores each sample as it ends (or the whole group once all
+ended), then applies the staleness bound and the dynamic filter. An accepted group is streamed at
+once; a dropped one is reported with its reason and replaced by the next prompt group. At the
+target, the groups still in flight are aborted (every token kept) and returned or buffered.
+
+Why samples and group coordinators are separate tasks: a sample's generation must never be
+cancelled (cancelling closes the engine stream, and tokens in flight would be lost); it is ended
+by an abort, which hands back everything produced. Only reward work is ever cancelled. When the
+caller goes away mid-step, every group still in flight is aborted the same way and lands in the
+caller's buffer from a background task, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from rollout_grpc.server.domain import sample_ops
+from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, RolloutError
+from rollout_grpc.server.domain.identity import ANONYMOUS, current_caller
+from rollout_grpc.server.domain.model import Finish, Sample, SamplingParams, Status
+from rollout_grpc.server.rewards.api import (
+    RewardConfig,
+    RewardFailed,
+    RewardKind,
+    RewardModel,
+    RewardOutcome,
+    RewardRequest,
+    RewardUnavailable,
+)
+from rollout_grpc.server.rollout.generation import Rollout
+from rollout_grpc.server.rollout.step import filters
+from rollout_grpc.server.rollout.step.buffer import StepBuffers
+from rollout_grpc.server.rollout.step.spec import (
+    FilterKind,
+    Leftovers,
+    OnRewardFailure,
+    OnStale,
+    Outcome,
+    PromptGroup,
+    RewardScope,
+    StepSample,
+    StepSpec,
+    check,
+)
+from rollout_grpc.server.rollout.step.versions import VersionOrder
+
+log = structlog.get_logger(__name__)
+
+#: Builds the reward model of a step (the wiring passes `rewards.registry.build`).
+RewardFactory = Callable[[RewardConfig], RewardModel | None]
+#: Aborts request ids of the current caller (the wiring passes `Control.abort_ids`).
+AbortIds = Callable[[list[str]], Awaitable[object]]
+
+
+@dataclass(slots=True)
+class SampleEnded:
+    """A sample's generation ended (before its reward)."""
+
+    group_index: int
+    item: StepSample
+
+
+@dataclass(slots=True)
+class GroupEnded:
+    """A group ended: accepted, dropped (with the reason), aborted or buffered."""
+
+    group_index: int
+    outcome: Outcome
+    reason: str
+    samples: list[StepSample]
+    version_lag: list[int]
+
+
+@dataclass(slots=True)
+class Progress:
+    """The step's counters."""
+
+    generated: int = 0
+    scored: int = 0
+    accepted: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    in_flight: int = 0
+    pending: int = 0
+
+
+@dataclass(slots=True)
+class Summary:
+    """The end of the step."""
+
+    accepted: int
+    target_reached: bool
+    reason: str
+    buffered: int
+    unstarted: list[int]
+    progress: Progress
+    max_version_lag: int
+
+
+StepEvent = SampleEnded | GroupEnded | Progress | Summary
+
+
+@dataclass(slots=True, eq=False)
+class _GroupRun:
+    """A group in flight: its samples' tasks and request ids, and whether the step stopped it."""
+
+    group: PromptGroup
+    items: list[StepSample]
+    request_ids: list[str]
+    regenerated: bool = False
+    stopping: bool = False
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[_GroupDone] | None = None
+
+
+@dataclass(slots=True)
+class _GroupDone:
+    """What a group coordinator hands the loop."""
+
+    run: _GroupRun
+    outcome: Outcome | None  # None: leftover (stopped, or aborted from outside)
+    reason: str = ""
+    fatal: bool = False  # the step must stop (FAIL_GROUP on a reward failure)
+
+
+class StepRunner:
+    """Runs rollout steps on this replica (one per RolloutStep call)."""
+
+    def __init__(
+        self,
+        rollout: Rollout,
+        abort_ids: AbortIds,
+        rewards: RewardFactory,
+        *,
+        buffers: StepBuffers | None = None,
+        versions: VersionOrder | None = None,
+        reward_urls: Sequence[str] = (),
+    ) -> None:
+        self._rollout = rollout
+        #: URL prefixes a REMOTE reward may use (empty: any).
+        self._reward_urls = tuple(reward_urls)
+        self._abort_ids = abort_ids
+        self._rewards = rewards
+        self.buffers = buffers or StepBuffers()
+        self.versions = versions or VersionOrder()
+        self._background: set[asyncio.Task[Any]] = set()
+        #: Per caller, the drains of its abandoned steps still moving groups into its buffer.
+        self._drains: dict[str, set[asyncio.Task[Any]]] = {}
+
+    def drain_for(self, owner: str, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run an abandoned step's drain; the owner's next step waits for it before it reads the
+        buffer, so a trainer that reconnects at once still continues every group."""
+        task = self.spawn(coro)
+        drains = self._drains.setdefault(owner, set())
+        drains.add(task)
+
+        def forget(done: asyncio.Task[Any]) -> None:
+            drains.discard(done)
+            if not drains:
+                self._drains.pop(owner, None)
+
+        task.add_done_callback(forget)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A task kept referenced until it ends (aborts, drains to the buffer)."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def drained(self) -> None:
+        """Wait for the background work (tests; graceful stop)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    async def run(self, spec: StepSpec) -> AsyncIterator[StepEvent]:
+        """Check the request, probe the reward model, then run the loop (events as they happen)."""
+        owner = current_caller().identity
+        if spec.continue_buffered and owner in self._drains:
+            await asyncio.wait(list(self._drains[owner]))
+        self._check(spec, owner)
+        model = self._rewards(spec.reward)
+        if model is not None:
+            try:
+                await model.probe()
+            except RewardUnavailable as exc:
+                await model.close()
+                raise FailedPrecondition(f"reward.url: {exc}") from exc
+        step = _Step(self, spec, owner, model)
+        async for event in step.events():
+            yield event
+
+    def _check(self, spec: StepSpec, owner: str) -> None:
+        """Every check made before anything is generated (INVALID_ARGUMENT naming the field)."""
+        check(spec, self.buffers.count(owner))
+        if spec.filter is FilterKind.REWARD_NONZERO_STD:
+            if spec.reward.kind is RewardKind.NONE:
+                raise InvalidArgument(
+                    "filter.kind", "REWARD_NONZERO_STD needs a reward (reward.kind is unset)"
+                )
+            if spec.n_samples_per_prompt < 2:
+                raise InvalidArgument("filter.kind", "REWARD_NONZERO_STD needs n_samples_per_prompt >= 2")
+        self._check_share(spec, owner)
+        if spec.continue_buffered:
+            buffered = self.buffers.indexes(owner)
+            for i, group in enumerate(spec.groups):
+                if group.group_index in buffered:
+                    raise InvalidArgument(
+                        f"groups[{i}].group_index",
+                        f"group {group.group_index} is also in your buffer (continue_buffered)",
+                    )
+        url = spec.reward.url
+        if (
+            spec.reward.kind is RewardKind.REMOTE
+            and self._reward_urls
+            and not url.startswith(self._reward_urls)
+        ):
+            raise InvalidArgument(
+                "reward.url", f"{url!r} is not a reward URL this replica allows (--reward-url)"
+            )
+
+    def _check_share(self, spec: StepSpec, owner: str) -> None:
+        """A step whose groups in flight need more generations than the caller may hold would fail
+        its groups one by one on the per-caller cap: refuse it up front instead."""
+        cap = self._rollout.registry.per_owner_limit
+        if cap is None or owner == ANONYMOUS.identity:
+            return
+        groups = spec.max_groups_in_flight or spec.target_groups or len(spec.groups)
+        if groups * spec.n_samples_per_prompt > cap:
+            raise InvalidArgument(
+                "max_groups_in_flight",
+                f"{groups} groups of {spec.n_samples_per_prompt} samples exceed this caller's share of "
+                f"{cap} generations in flight (max_in_flight_per_caller); lower max_groups_in_flight",
+            )
+
+
+class _Step:
+    """The state of one running step."""
+
+    def __init__(self, runner: StepRunner, spec: StepSpec, owner: str, model: RewardModel | None) -> None:
+        self.runner = runner
+        self.rollout = runner._rollout
+        self.spec = spec
+        self.owner = owner
+        self.model = model
+        buffered = runner.buffers.take(owner) if spec.continue_buffered else []
+        self.from_buffer = {id(g) for g in buffered}
+        self.queue: deque[tuple[PromptGroup, bool]] = deque((g, False) for g in [*buffered, *spec.groups])
+        self.target = spec.target_groups or len(self.queue)
+        self.limit = spec.max_groups_in_flight or self.target
+        self.active: dict[int, _GroupRun] = {}
+        self.events_q: asyncio.Queue[SampleEnded | _GroupDone] = asyncio.Queue()
+        self.progress = Progress(pending=len(self.queue))
+        #: A step streams no deltas: only final samples, so engines batch tokens into fewer events.
+        self.options = dataclasses.replace(spec.options, final_only=True)
+        self.stop_reason = ""
+        self.saw_abort_all = False
+        self.max_lag = 0
+        self.finished = False
+
+    # ----------------------------------------------------------------------------- the loop
+
+    def _on_owner_abort(self) -> None:
+        if not self.stop_reason:
+            self._stop_all("the caller's generations were aborted (Abort mine)")
+
+    async def events(self) -> AsyncIterator[StepEvent]:
+        unwatch = self.rollout.owner_aborts.watch(self.owner, self._on_owner_abort)
+        try:
+            self._fill()
+            yield self._progress()
+            while self.active:
+                event = await self.events_q.get()
+                if isinstance(event, SampleEnded):
+                    self.progress.generated += 1
+                    if self.spec.stream_samples:
+                        yield event
+                    yield self._progress()
+                    continue
+                for out in self._group_done(event):
+                    yield out
+                if not self.stop_reason and self._aborted_from_outside():
+                    self._stop_all("the generations were aborted (Abort all)")
+                if not self.stop_reason and self.rollout.closed:
+                    self._stop_all("the replica is shutting down; continue the groups on another one")
+                if not self.stop_reason:
+                    self._fill()
+                yield self._progress()
+            summary = self._summary()
+            self.finished = True  # before the yield: a caller leaving now has nothing left to lose
+            yield summary
+        finally:
+            unwatch()
+            if not self.finished:
+                self._abandon()
+            elif self.model is not None:
+                await self.model.close()
+
+    def _fill(self) -> None:
+        """Start prompt groups until `limit` are in flight (the over-sampling bound)."""
+        while self.queue and len(self.active) < self.limit and self.progress.accepted < self.target:
+            group, regenerated = self.queue.popleft()
+            self._start(group, regenerated)
+
+    def _start(self, group: PromptGroup, regenerated: bool) -> None:
+        spec = self.spec
+        if group.partial and not regenerated:
+            items = group.partial
+            for item in items:
+                item.sample.group_index = group.group_index
+        else:
+            items = []
+            for i in range(spec.n_samples_per_prompt):
+                sample = copy.deepcopy(group.prompt)
+                sample.group_index = group.group_index
+                sample.session_id = sample.session_id or f"{spec.step_id}/g{group.group_index}"
+                items.append(
+                    StepSample(
+                        sample, group.prompt_index + i, origin=group.origin, start_step_id=spec.step_id
+                    )
+                )
+        suffix = "/r" if regenerated else ""
+        ids = [f"{spec.step_id}/g{group.group_index}/s{i}{suffix}" for i in range(len(items))]
+        run = _GroupRun(group, items, ids, regenerated=regenerated)
+        run.task = asyncio.create_task(self._coordinate(run))
+        self.active[group.group_index] = run
+
+    def _group_done(self, done: _GroupDone) -> list[StepEvent]:
+        """Account a finished group; its events."""
+        run = done.run
+        self.active.pop(run.group.group_index, None)
+        if done.outcome is None:
+            return [self._leftover(run, done.reason)]
+        lags = self._lags(run.items)
+        outcome, reason = done.outcome, done.reason
+        if outcome is Outcome.ACCEPTED and self.spec.max_staleness is not None:
+            worst = max(lags, default=0)
+            if worst > self.spec.max_staleness:
+                outcome = Outcome.STALE
+                reason = (
+                    f"a sample is {worst} weight versions behind (max_staleness {self.spec.max_staleness})"
+                )
+                if self.spec.on_stale is OnStale.REGENERATE and not run.regenerated:
+                    reason += "; regenerating the group once"
+                    self.queue.appendleft((run.group, True))
+        if outcome is Outcome.ACCEPTED and self.progress.accepted >= self.target:
+            return [self._leftover(run, "the target was reached")]
+        if outcome is Outcome.ACCEPTED:
+            self.progress.accepted += 1
+            self.max_lag = max(self.max_lag, *lags, 0)
+            if self.progress.accepted >= self.target:
+                self._stop_all("the target was reached")
+        else:
+            kind = {
+                Outcome.FILTERED: "filter",
+                Outcome.STALE: "stale",
+                Outcome.FAILED: "reward_failed" if done.reason.startswith("reward") else "failed",
+            }.get(outcome, outcome.value)
+            self.progress.dropped[kind] = self.progress.dropped.get(kind, 0) + 1
+        if done.fatal and not self.stop_reason:
+            self._stop_all(f"a reward failed (on_failure FAIL_GROUP): {done.reason}")
+        return [GroupEnded(run.group.group_index, outcome, reason, run.items, lags)]
+
+    def _leftover(self, run: _GroupRun, reason: str) -> GroupEnded:
+        """A group the step stopped (or that was aborted from outside): returned or buffered."""
+        group = run.group
+        if self.spec.leftovers is Leftovers.BUFFER:
+            kept = PromptGroup(
+                group.group_index, group.prompt, group.origin, group.prompt_index, group.label, run.items
+            )
+            if not self.runner.buffers.put(self.owner, [kept]):
+                # The samples stay on the event for accounting; the wire omits them (they are here).
+                return GroupEnded(
+                    group.group_index, Outcome.BUFFERED, reason, run.items, self._lags(run.items)
+                )
+            reason += "; the buffer is full, returned instead"
+        return GroupEnded(group.group_index, Outcome.ABORTED, reason, run.items, self._lags(run.items))
+
+    def _aborted_from_outside(self) -> bool:
+        """An Abort(all) ended samples of this step (Abort mine stops the step at once)."""
+        return self.saw_abort_all
+
+    def _stop_all(self, reason: str) -> None:
+        """Stop starting groups and abort every group in flight (their tokens come back)."""
+        self.stop_reason = reason
+        for run in self.active.values():
+            self._stop(run)
+
+    def _stop(self, run: _GroupRun) -> None:
+        if run.stopping:
+            return
+        run.stopping = True
+        run.stopped.set()
+        self.runner.spawn(self._abort(run.request_ids))
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        try:
+            await self.runner._abort_ids(request_ids)
+        except Exception:  # the drain bound of Rollout.generate still ends the samples
+            log.exception("step_abort_failed", step_id=self.spec.step_id)
+
+    def _abandon(self) -> None:
+        """The caller left mid-step: abort what is in flight and buffer it (and what the step took
+        from the buffer but never started) from the background: nothing is lost."""
+        runs = list(self.active.values())
+        for run in runs:
+            self._stop(run)
+        unstarted = [g for g, _ in self.queue if id(g) in self.from_buffer]
+        log.warning("step_abandoned", step_id=self.spec.step_id, in_flight=len(runs), owner=self.owner)
+        self.runner.drain_for(self.owner, self._drain_to_buffer(runs, unstarted))
+
+    async def _drain_to_buffer(self, runs: list[_GroupRun], unstarted: list[PromptGroup]) -> None:
+        groups = list(unstarted)
+        for run in runs:
+            assert run.task is not None
+            await asyncio.wait([run.task])
+            group = run.group
+            groups.append(
+                PromptGroup(
+                    group.group_index, group.prompt, group.origin, group.prompt_index, group.label, run.items
+                )
+            )
+        rejected = self.runner.buffers.put(self.owner, groups)
+        if rejected:
+            log.error("step_buffer_full", owner=self.owner, lost_groups=[g.group_index for g in rejected])
+        if self.model is not None:
+            await self.model.close()
+
+    def _summary(self) -> Summary:
+        # Groups taken from the buffer and never started go back to it; fresh ones are listed.
+        back = [g for g, _ in self.queue if id(g) in self.from_buffer]
+        if back:
+            self.runner.buffers.put(self.owner, back)
+        unstarted = [g.group_index for g, _ in self.queue if id(g) not in self.from_buffer]
+        reached = self.progress.accepted >= self.target
+        reason = self.stop_reason or ("the target was reached" if reached else "no prompt groups left")
+        return Summary(
+            accepted=self.progress.accepted,
+            target_reached=reached,
+            reason=reason,
+            buffered=self.runner.buffers.count(self.owner),
+            unstarted=unstarted,
+            progress=self._progress(),
+            max_version_lag=self.max_lag,
+        )
+
+    def _progress(self) -> Progress:
+        self.progress.in_flight = len(self.active)
+        self.progress.pending = len(self.queue)
+        return dataclasses.replace(self.progress, dropped=dict(self.progress.dropped))
+
+    def _lags(self, items: list[StepSample]) -> list[int]:
+        """Per sample, the weight-version lag of its first generated token (0 without tokens)."""
+        versions = self.runner.versions
+        return [
+            versions.lag(i.sample.weight_versions[0].version) if i.sample.weight_versions else 0
+            for i in items
+        ]
+
+    # ----------------------------------------------------------------------------- one group
+
+    async def _coordinate(self, run: _GroupRun) -> _GroupDone:
+        """Generate the group's samples, score them, decide the outcome; never raises."""
+        try:
+            done = await self._group(run)
+        except Exception as exc:
+            log.exception("step_group_failed", step_id=self.spec.step_id, group_index=run.group.group_index)
+            done = _GroupDone(run, Outcome.FAILED, f"internal error: {exc!r}"[:300])
+        self.events_q.put_nowait(done)
+        return done
+
+    async def _group(self, run: _GroupRun) -> _GroupDone:
+        spec = self.spec
+        per_sample = self.model is not None and spec.reward_scope is RewardScope.SAMPLE
+        generations: dict[asyncio.Task[Any], StepSample] = {
+            asyncio.create_task(self._generate(run, item, i, rid)): item
+            for i, (item, rid) in enumerate(zip(run.items, run.request_ids, strict=True))
+        }
+        scores: set[asyncio.Task[None]] = set()
+        waiting: set[asyncio.Task[Any]] = set(generations)
+        stop = asyncio.create_task(run.stopped.wait())
+        try:
+            while waiting:
+                wake = waiting if stop.done() else waiting | {stop}
+                done, waiting = await asyncio.wait(wake, return_when=asyncio.FIRST_COMPLETED)
+                waiting.discard(stop)
+                for task in done:
+                    item = generations.get(task)
+                    if item is None:
+                        continue
+                    self.events_q.put_nowait(SampleEnded(run.group.group_index, item))
+                    if per_sample and not run.stopping and item.sample.status in sample_ops.FINISHED:
+                        score = asyncio.create_task(self._score(item, run.group.label))
+                        scores.add(score)
+                        waiting.add(score)
+                if run.stopping:
+                    for score in scores:
+                        score.cancel()
+                    waiting -= scores
+                    if not any(t in generations for t in waiting):
+                        break
+        finally:
+            stop.cancel()
+        # Every generation has ended (it is never cancelled): the samples hold every token.
+        await asyncio.wait(list(generations))
+        if run.stopping:
+            return _GroupDone(run, None, self.stop_reason or "stopped by the step")
+        return await self._judge(run)
+
+    async def _judge(self, run: _GroupRun) -> _GroupDone:
+        """The outcome of a group whose samples all ended: failures, rewards, filter."""
+        spec = self.spec
+        items = run.items
+        for item in items:
+            if item.sample.status is Status.ABORTED:
+                why = item.sample.failure_reason or "by an Abort (group, session or caller)"
+                return _GroupDone(run, None, f"sample {item.index} was aborted: {why}")
+        for item in items:
+            if item.sample.status is Status.FAILED:
+                return _GroupDone(
+                    run, Outcome.FAILED, f"sample {item.index} failed: {item.sample.failure_reason}"
+                )
+        if self.model is None:
+            return _GroupDone(run, Outcome.ACCEPTED)
+        if spec.reward_scope is RewardScope.GROUP and not await self._score_group(run):
+            return _GroupDone(run, None, self.stop_reason or "stopped by the step")
+        failed = [i for i in items if i.reward_failure]
+        if failed and spec.on_reward_failure is not OnRewardFailure.KEEP_UNSCORED:
+            reason = f"reward of sample {failed[0].index} failed: {failed[0].reward_failure}"
+            return _GroupDone(
+                run, Outcome.FAILED, reason, fatal=spec.on_reward_failure is OnRewardFailure.FAIL_GROUP
+            )
+        rewards = [i.reward for i in items if i.reward is not None]
+        drop = filters.drop_reason(spec.filter, rewards, spec.epsilon)
+        if drop is not None:
+            return _GroupDone(run, Outcome.FILTERED, drop)
+        return _GroupDone(run, Outcome.ACCEPTED)
+
+    async def _score_group(self, run: _GroupRun) -> bool:
+        """Score the whole group in one call; False when the step stopped meanwhile."""
+        assert self.model is not None
+        requests = [self._request(i, run.group.label) for i in run.items]
+        scoring = asyncio.ensure_future(self.model.score_group(requests))
+        stop = asyncio.ensure_future(run.stopped.wait())
+        await asyncio.wait([scoring, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not scoring.done():
+            scoring.cancel()
+            return False
+        for item, outcome in zip(run.items, scoring.result(), strict=True):
+            self._apply(item, outcome)
+        return True
+
+    async def _generate(self, run: _GroupRun, item: StepSample, i: int, request_id: str) -> None:
+        """One sample through `Rollout.generate` (Generate's path); errors end it FAILED with its
+        tokens. Never cancelled by the step: an abort ends it."""
+        sample = item.sample
+        if run.stopping:
+            if sample.status not in sample_ops.FINISHED:
+                sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
+            return
+        params = self._params(i)
+        before = sample.response_length
+        try:
+            async for event in self.rollout.generate(sample, params, self.options, request_id):
+                if type(event) is Sample:
+                    item.sample = event
+                    # Checked before this task yields to the loop: the Abort(all) window is still
+                    # open when its aborted generations hand back their samples.
+                    if event.status is Status.ABORTED and self.rollout.aborting:
+                        self.saw_abort_all = True
+        except RolloutError as exc:
+            sample_ops.finish(sample, Finish.ERROR, Status.FAILED, str(exc))
+        item.new_tokens += item.sample.response_length - before
+
+    def _params(self, i: int) -> SamplingParams:
+        """The sample's own copy of the parameters; seed = base seed + i (slime's sampling_seed)."""
+        params = copy.deepcopy(self.spec.params)
+        if params.seed is not None:
+            params.seed += i
+        return params
+
+    def _request(self, item: StepSample, label: str) -> RewardRequest:
+        return RewardRequest(prompt=item.sample.prompt or "", response=item.sample.response, label=label)
+
+    async def _score(self, item: StepSample, label: str) -> None:
+        assert self.model is not None
+        self._apply(item, await self.model.score(self._request(item, label)))
+
+    def _apply(self, item: StepSample, outcome: RewardOutcome) -> None:
+        self.progress.scored += 1
+        if isinstance(outcome, RewardFailed):
+            item.reward, item.reward_detail, item.reward_failure = None, None, outcome.reason
+        else:
+            item.reward, item.reward_failure = outcome.value, ""
+            item.reward_detail = dict(outcome.detail) if outcome.detail is not None else None

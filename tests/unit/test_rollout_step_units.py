@@ -1,0 +1,168 @@
+"""The rollout step's parts without a server: version order, filters, reward parsing, math-verify
+on real answer strings, the owner abort window, and the up-front checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.domain.identity import Caller, Role, reset_caller, set_caller
+from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, Status
+from rollout_grpc.server.engines.pool import EnginePool
+from rollout_grpc.server.rewards.api import RewardFailed, RewardRequest, RewardResult
+from rollout_grpc.server.rewards.remote import read_reward
+from rollout_grpc.server.rewards.rules import ExactMatchReward, MathReward, exact_answer
+from rollout_grpc.server.rollout.admission import Admission
+from rollout_grpc.server.rollout.generation import Rollout
+from rollout_grpc.server.rollout.inflight import InFlightRegistry
+from rollout_grpc.server.rollout.step import filters
+from rollout_grpc.server.rollout.step.spec import FilterKind, PromptGroup, StepSpec, check
+from rollout_grpc.server.rollout.step.versions import VersionOrder
+from tests.support.fake_engine import FakeEngine, final, tokens
+
+
+def make(engine: FakeEngine) -> Rollout:
+    """A Rollout over one scripted engine."""
+    pool = EnginePool([engine.url], {engine.url: engine}.__getitem__)
+    return Rollout(pool, Admission(4, 4), InFlightRegistry())
+
+
+def test_numeric_versions_order_by_value_others_by_resume_order() -> None:
+    order = VersionOrder()
+    assert order.lag("anything") == 0, "nothing known: no lag"
+    for label in ("3", "4", "7"):
+        order.advance(label)
+    assert order.lag("7") == 0 and order.lag("4") == 3 and order.lag("3") == 4
+    named = VersionOrder()
+    for label in ("step-a", "step-b", "step-c"):
+        named.advance(label)
+    assert named.lag("step-c") == 0 and named.lag("step-a") == 2
+    assert named.lag("default") == 3, "a label never set here is older than every set one"
+
+
+def test_the_nonzero_std_filter_keeps_only_groups_whose_rewards_vary() -> None:
+    assert filters.drop_reason(FilterKind.REWARD_NONZERO_STD, [0.0, 1.0], 0.0) is None
+    reason = filters.drop_reason(FilterKind.REWARD_NONZERO_STD, [1.0, 1.0, 1.0], 0.0)
+    assert reason is not None and "reward std 0" in reason
+    assert filters.drop_reason(FilterKind.REWARD_NONZERO_STD, [0.0, 0.1], 0.1) is not None
+    assert filters.drop_reason(FilterKind.KEEP_ALL, [1.0, 1.0], 0.0) is None
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        (0.75, RewardResult(0.75)),
+        (2, RewardResult(2.0)),
+        ({"reward": 1, "acc": True}, RewardResult(1.0, {"reward": 1, "acc": True})),
+    ],
+)
+def test_a_remote_answer_is_a_number_or_an_object_with_the_key(
+    answer: object, expected: RewardResult
+) -> None:
+    assert read_reward(answer, "reward") == expected
+
+
+@pytest.mark.parametrize(
+    "answer", [True, "1.0", None, [1.0], {"score": 1.0}, {"reward": "high"}, float("nan")]
+)
+def test_anything_else_is_an_explicit_failure_never_zero(answer: object) -> None:
+    outcome = read_reward(answer, "reward")
+    assert isinstance(outcome, RewardFailed) and outcome.reason
+
+
+@pytest.mark.parametrize(
+    ("label", "response", "reward"),
+    [
+        ("\\frac{1}{2}", "Halving it gives the answer $\\boxed{0.5}$.", 1.0),
+        ("0.5", "So the result is \\boxed{\\frac{1}{2}}", 1.0),
+        ("42", "Adding the two gives \\boxed{42}.", 1.0),
+        ("42", "Adding the two gives \\boxed{41}.", 0.0),
+        ("x^2+2x+1", "Expanding, we get $\\boxed{(x+1)^2}$", 1.0),
+        ("3", "I do not know.", 0.0),
+    ],
+)
+async def test_math_verify_checks_answer_equivalence(label: str, response: str, reward: float) -> None:
+    outcome = await MathReward().score(RewardRequest(prompt="", response=response, label=label))
+    assert outcome == RewardResult(reward)
+
+
+async def test_a_rule_reward_without_a_label_fails_explicitly() -> None:
+    outcome = await MathReward().score(RewardRequest(prompt="", response="\\boxed{1}", label=""))
+    assert isinstance(outcome, RewardFailed) and "label" in outcome.reason
+
+
+async def test_exact_match_compares_the_last_boxed_answer() -> None:
+    assert exact_answer("first \\boxed{1} then \\boxed{2} ") == "2"
+    reward = ExactMatchReward()
+    assert await reward.score(RewardRequest("", " Paris ", "Paris")) == RewardResult(1.0)
+    assert await reward.score(RewardRequest("", "so \\boxed{Rome}", "Paris")) == RewardResult(0.0)
+
+
+async def test_a_generate_of_the_caller_during_its_abort_window_ends_aborted_without_an_engine_call() -> None:
+    engine = FakeEngine("a", [[tokens(10), final()]])
+    rollout = make(engine)
+    token = set_caller(Caller(identity="trainer-1", role=Role.TRAINER))
+    try:
+        rollout.owner_aborts.begin("trainer-1")
+        results = [
+            e async for e in rollout.generate(Sample(tokens=[1, 2]), SamplingParams(), GenerateOptions(), "x")
+        ]
+        assert isinstance(results[-1], Sample) and results[-1].status is Status.ABORTED
+        assert not engine.calls
+        rollout.owner_aborts.begin("someone-else")
+        rollout.owner_aborts.end("trainer-1")
+        results = [
+            e async for e in rollout.generate(Sample(tokens=[1, 2]), SamplingParams(), GenerateOptions(), "y")
+        ]
+        assert isinstance(results[-1], Sample) and results[-1].status is not Status.ABORTED
+        assert len(engine.calls) == 1, "another caller's abort does not touch this caller"
+    finally:
+        reset_caller(token)
+
+
+def test_watchers_hear_an_abort_of_their_owner_only() -> None:
+    rollout = make(FakeEngine("a", []))
+    heard: list[str] = []
+    unwatch = rollout.owner_aborts.watch("t", lambda: heard.append("t"))
+    rollout.owner_aborts.begin("other")
+    rollout.owner_aborts.begin("t")
+    unwatch()
+    rollout.owner_aborts.begin("t")
+    assert heard == ["t"]
+
+
+def spec(**kw: object) -> StepSpec:
+    base: dict[str, object] = {
+        "step_id": "s",
+        "groups": [PromptGroup(0, Sample(tokens=[1, 2]))],
+        "n_samples_per_prompt": 2,
+        "params": SamplingParams(),
+        "options": GenerateOptions(),
+    }
+    return StepSpec(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"groups": []}, "groups"),
+        (
+            {"groups": [PromptGroup(0, Sample(tokens=[1])), PromptGroup(0, Sample(tokens=[2]))]},
+            "groups[1].group_index",
+        ),
+        ({"groups": [PromptGroup(0, Sample())]}, "groups[0].prompt"),
+        ({"max_groups_in_flight": -1}, "max_groups_in_flight"),
+        ({"epsilon": -0.1}, "filter.epsilon"),
+        ({"params": SamplingParams(seed=2**63 - 1)}, "sampling_params.seed"),
+    ],
+)
+def test_bad_steps_name_the_field(kw: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        check(spec(**kw), buffered=0)
+    assert err.value.field == field
+
+
+def test_buffered_groups_count_toward_the_supply() -> None:
+    check(spec(groups=[], target_groups=2, continue_buffered=True), buffered=2)
+    with pytest.raises(InvalidArgument):
+        check(spec(groups=[], target_groups=2, continue_buffered=False), buffered=2)
