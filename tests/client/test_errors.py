@@ -24,9 +24,11 @@ from tests.client.common import LONG, PROMPT, PUSHBACK_MS, SHORT, RefuseOnce
 
 TOP_P = FieldViolation("sampling_params.top_p", "must be in (0, 1], got 2.0")
 
-#: A deadline that expires before any reply can come back. A longer one (0.2 s) is met by the
-#: replica with an ABORTED sample just before it (`--deadline-margin`), not DEADLINE_EXCEEDED.
-EXPIRED_S = 0.001
+#: A deadline that has expired when the call starts (gRPC fails it at once, on any machine). A
+#: short positive one is not deterministic: 1 ms was sometimes met by the replica's ABORTED sample
+#: (`--deadline-margin` ends a generation with its sample before the caller's deadline), and a
+#: longer one (0.2 s) always is.
+EXPIRED_S = 0.0
 
 
 def _check_invalid_top_p(err: InvalidArgumentError) -> None:
