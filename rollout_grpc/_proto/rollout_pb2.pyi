@@ -1173,9 +1173,10 @@ class GenerateRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Caller-chosen id of this generation, unique among in-flight generations; Abort targets it.
-    The engine tracks it as `generate-tokens-<request_id>`. Empty: the service assigns one and
-    returns it in the `x-request-id` response header.
+    """Caller-chosen id of this generation, unique among the caller's own in-flight generations
+    (another caller's ids are independent: neither refused nor disclosed); Abort targets it. The
+    engines never see it alone: each engine call gets an id unique per replica, caller and
+    attempt. Empty: the service assigns one and returns it in the `x-request-id` response header.
     """
     @_builtins.property
     def sample(self) -> Global___Sample:
