@@ -1343,9 +1343,10 @@ class AbortRequest(_message.Message):
     """
     @_builtins.property
     def request_ids(self) -> Global___RequestIds:
-        """Abort these generations (on every engine, so a generation served by another replica is
-        aborted too). Ids that are not in flight on this replica are listed in `unknown_request_ids`,
-        not treated as errors.
+        """Abort these generations: this replica's, and (with peers configured) the other replicas',
+        to which ids that are not in flight here are forwarded; engine ids are unique per replica
+        and caller, so a bare id is never sent to the engines. Ids that are not in flight on this
+        replica are listed in `unknown_request_ids`, not treated as errors.
         """
 
     def __init__(
@@ -1381,7 +1382,7 @@ class AbortResponse(_message.Message):
     @_builtins.property
     def unknown_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requested ids that were not in flight on this replica (possibly served by another replica, to
-        which the abort was also sent through the engines, or already finished).
+        which the abort was forwarded when peers are configured, or already finished).
         """
 
     @_builtins.property
