@@ -315,10 +315,11 @@ class EngineAdapter(Protocol):
         """The id the engine knows the call `call_id` (`EngineCall.call_id`) by: what
         `abort_requests` takes, and the only id an abort of that call may send.
 
-        `call_id` is already unique in the fleet (replica instance, owner, request id, attempt);
-        it holds no whitespace and ends with `~`, so no call id is a prefix of another. An adapter
-        only maps it to what its engine tracks (vLLM prefixes `generate-tokens-`; an engine that
-        tracks ids verbatim returns `call_id` unchanged) and must keep it injective.
+        `call_id` is already unique in the fleet (replica instance, owner, request id, attempt)
+        and ends with `~`, which occurs nowhere else but between its parts, so no call id is a
+        prefix of another. An adapter only maps it to what its engine tracks (vLLM prefixes
+        `generate-tokens-`; an engine that tracks ids verbatim returns `call_id` unchanged) and
+        must keep the mapping injective and prefix-free.
         """
         ...
 

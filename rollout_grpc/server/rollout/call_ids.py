@@ -10,10 +10,11 @@ each engine call here, and an adapter only maps it to its engine's form
     <instance>.<owner tag>~<request id, escaped>~<attempt>~
 
 * `instance`: random hex drawn when the replica starts (`CallIds.new`), so no two replicas (nor
-  two runs of one) build the same id; 48 bits make a collision in a fleet of thousands of replica
-  starts about one in 10^8.
+  two runs of one) build the same id: 48 bits, so among 10 000 replica starts the chance that two
+  share a token is below 2 x 10^-7 (and their owner tags, under different keys, would still differ).
 * `owner tag`: an HMAC of the caller's identity under a key that never leaves the replica, so the
-  engines (and their logs) never see identities, and a guessed identity cannot be confirmed.
+  engines (and their logs) never see identities, and a guessed identity cannot be confirmed; two
+  identities of one replica share a tag with chance 2^-48 per pair.
 * `request id`: the caller's, with `%` and `~` percent-escaped, so that it holds no `~`.
 * the trailing `~` terminates the id: every id has exactly three `~` and ends with one, so no id is
   a prefix of another (an engine that aborts by prefix, like SGLang, cannot reach a second call).
