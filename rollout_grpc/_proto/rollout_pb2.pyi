@@ -1173,9 +1173,10 @@ class GenerateRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Caller-chosen id of this generation, unique among in-flight generations; Abort targets it.
-    The engine tracks it as `generate-tokens-<request_id>`. Empty: the service assigns one and
-    returns it in the `x-request-id` response header.
+    """Caller-chosen id of this generation, unique among the caller's own in-flight generations
+    (another caller's ids are independent: neither refused nor disclosed); Abort targets it. The
+    engines never see it alone: each engine call gets an id unique per replica, caller and
+    attempt. Empty: the service assigns one and returns it in the `x-request-id` response header.
     """
     @_builtins.property
     def sample(self) -> Global___Sample:
@@ -1342,9 +1343,10 @@ class AbortRequest(_message.Message):
     """
     @_builtins.property
     def request_ids(self) -> Global___RequestIds:
-        """Abort these generations (on every engine, so a generation served by another replica is
-        aborted too). Ids that are not in flight on this replica are listed in `unknown_request_ids`,
-        not treated as errors.
+        """Abort these generations: this replica's, and (with peers configured) the other replicas',
+        to which ids that are not in flight here are forwarded; engine ids are unique per replica
+        and caller, so a bare id is never sent to the engines. Ids that are not in flight on this
+        replica are listed in `unknown_request_ids`, not treated as errors.
         """
 
     def __init__(
@@ -1380,7 +1382,7 @@ class AbortResponse(_message.Message):
     @_builtins.property
     def unknown_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requested ids that were not in flight on this replica (possibly served by another replica, to
-        which the abort was also sent through the engines, or already finished).
+        which the abort was forwarded when peers are configured, or already finished).
         """
 
     @_builtins.property

@@ -391,6 +391,8 @@ class RolloutServer:
             in_flight_limit=limit,
             tls="mutual" if tls is not None and tls.mutual else ("on" if tls is not None else "off"),
             auth="on" if self.auth.enabled else "off",
+            # In every engine request id of this replica (rollout/call_ids.py): grep engine logs.
+            engine_id_instance=self.rollout.call_ids.instance,
         )
         self._warn_if_exposed(tls)
 
@@ -604,13 +606,14 @@ class RolloutServer:
         await self._health.enter_graceful_shutdown()
         if server_stopped is not None:
             if not await self.rollout.wait_idle(grace):
-                remaining = [e.request_id for e in self.registry.all()]
+                remaining = self.registry.all()
                 log.warning("shutdown_aborting", generations=len(remaining))
-                for entry in self.registry.all():
+                for entry in remaining:
                     entry.request_abort("server shutting down")
                 if remaining:
                     try:
-                        await self.control.abort_ids(remaining)
+                        # This replica's own calls only: never forwarded, never another owner's.
+                        await self.control.abort_entries(remaining)
                     except Exception:  # the local aborts are set; engines are best effort
                         log.exception("shutdown_abort_failed")
                 await self.rollout.wait_idle(self.config.abort_grace_s)

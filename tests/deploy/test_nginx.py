@@ -3,9 +3,9 @@
 Simulated engines, `rollout-grpc serve` replicas and nginx each run as their own process; the
 test talks to nginx only, except where it asks a replica directly who is serving what. It checks
 what the config is for: calls are balanced per call over both replicas on one client channel,
-streams are passed through incrementally, the fleet-wide controls (Abort all, Abort by id) reach
-streams on whichever replica serves them, health answers through the proxy, and a request larger
-than nginx's default body limit reaches a replica.
+streams are passed through incrementally, the fleet-wide controls (Abort all through the engines,
+Abort by id through the replicas' peers) reach streams on whichever replica serves them, health
+answers through the proxy, and a request larger than nginx's default body limit reaches a replica.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ from tests.deploy.streams import (
     started,
 )
 from tests.support.processes import (
+    LOOPBACK,
     POLL_S,
     Engine,
     Nginx,
     Processes,
     Replica,
+    free_ports,
     nginx_binary,
     start_engine,
     start_nginx,
@@ -93,12 +95,27 @@ class Fleet:
 
 
 def start_fleet(procs: Processes, engines: int, replica_args: list[str]) -> Fleet:
-    """`engines` simulated engines, two replicas using all of them, nginx in front."""
+    """`engines` simulated engines, two replicas using all of them and each the other's `--peer`
+    (an Abort by id reaches the other replica's generations through it), nginx in front."""
     assert NGINX is not None
     sims = [start_engine(procs, f"engine-{i}", token_delay_ms=TOKEN_DELAY_MS, seed=i) for i in range(engines)]
+    ports = free_ports(2)
     replicas = [
-        start_replica(procs, f"replica-{i}", sims, ["--health-interval", "0.5", *replica_args])
-        for i in range(2)
+        start_replica(
+            procs,
+            f"replica-{i}",
+            sims,
+            [
+                "--health-interval",
+                "0.5",
+                "--port",
+                str(port),
+                "--peer",
+                f"{LOOPBACK}:{ports[1 - i]}",
+                *replica_args,
+            ],
+        )
+        for i, port in enumerate(ports)
     ]
     nginx = start_nginx(procs, NGINX, [r.port for r in replicas], random.Random())
     return Fleet(sims, replicas, nginx)
@@ -220,7 +237,7 @@ async def test_abort_by_id_through_nginx_reaches_either_replica(
     await started(bystander)
 
     response = await client.abort(request_ids=["victim-a", "victim-b"])
-    assert response.aborted == 1, response
+    assert response.aborted == 2, response  # one on the receiving replica, one through its peer
     assert len(response.unknown_request_ids) == 1 and response.unknown_request_ids[0] in {
         "victim-a",
         "victim-b",

@@ -30,6 +30,7 @@ from tests.faults.support import (
     start,
 )
 from tests.harness import running_server, sim_engines
+from tests.support.service import SLOW_SIM, start_stream, started
 
 DEADLINE_S = 2.0
 #: Scheduling slack on a loaded 2-core machine; far below what a hung engine used to cost (>2 min).
@@ -104,7 +105,7 @@ async def test_unhealthy_engines_are_skipped_and_reported() -> None:
 
 async def test_pause_resume_abort_and_info_with_a_silent_engine_end_by_the_deadline() -> None:
     async with (
-        sim_engines(1) as sims,
+        sim_engines(1, **SLOW_SIM) as sims,
         silent_server() as silent,
         running_server(
             [sims[0].url, silent], control_deadline_s=DEADLINE_S, health_interval_s=60.0
@@ -123,10 +124,17 @@ async def test_pause_resume_abort_and_info_with_a_silent_engine_end_by_the_deadl
             assert time.monotonic() - began < DEADLINE_S + SLACK_S
             assert list(getattr(response, done)) == [sims[0].url]
             assert [e.engine for e in response.engine_errors] == [silent]
+        # An abort by id goes to the engines only for generations found here (engine ids of other
+        # replicas cannot be built): run one on the healthy engine, then abort it.
+        server.pool.engines[1].healthy = False
+        running = start_stream(client, "victim")
+        await started(running)
+        server.pool.engines[1].healthy = True
         began = time.monotonic()
-        aborted = await client.abort(request_ids=["nobody"], raise_on_engine_errors=False)
+        aborted = await client.abort(request_ids=["victim"], raise_on_engine_errors=False)
         assert time.monotonic() - began < DEADLINE_S + SLACK_S
-        assert [e.engine for e in aborted.engine_errors] == [silent]
+        assert aborted.aborted == 1 and [e.engine for e in aborted.engine_errors] == [silent]
+        assert (await running.task).status == pb.SAMPLE_STATUS_ABORTED
         began = time.monotonic()
         info = await client.server_info()
         assert time.monotonic() - began < DEADLINE_S + SLACK_S

@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
+from rollout_grpc.server.app import RolloutServer
 from tests.faults.support import PROMPT, Outcome, consume, greedy
 from tests.harness import running_server, sim_engines
 from tests.support.reward_server import RewardServer
+from tests.support.service import engine_id
 
 Record = Callable[[str, list[Outcome], list[int]], None]
 TOKENS = 80
@@ -22,7 +24,9 @@ SIM = {"token_delay_s": 0.01, "eos_probability": 0.0}
 
 
 @contextlib.asynccontextmanager
-async def replica(engines: int = 1) -> AsyncIterator[tuple[Any, AsyncRolloutClient, list[int]]]:
+async def replica(
+    engines: int = 1,
+) -> AsyncIterator[tuple[Any, AsyncRolloutClient, list[int], RolloutServer]]:
     async with (
         sim_engines(engines, **SIM) as sims,
         running_server([s.url for s in sims], health_interval_s=60.0) as server,
@@ -30,7 +34,7 @@ async def replica(engines: int = 1) -> AsyncIterator[tuple[Any, AsyncRolloutClie
     ):
         out = await consume(client, "reference", TOKENS)
         assert out.final is not None and out.final.response_length == TOKENS
-        yield sims, client, out.response
+        yield sims, client, out.response, server
 
 
 def nearly_done(reference: list[int], index: int, done: int) -> list[pb.Sample]:
@@ -90,7 +94,7 @@ async def test_the_reward_server_dies_mid_step(record: Record) -> None:
     # reward server goes down and group 4 starts in its slot; groups 0-2 end at ~0.8 s, their
     # rewards fail (FAIL_GROUP stops the step) while group 4 is half-way: it must come back
     # ABORTED with its tokens, and its continuation must match the reference.
-    async with replica() as (_, client, ref), RewardServer() as rm:
+    async with replica() as (_, client, ref, _server), RewardServer() as rm:
         quick = pb.PromptGroup(
             prompt=make_sample(PROMPT),
             group_index=9,
@@ -121,7 +125,7 @@ async def test_the_reward_server_dies_mid_step(record: Record) -> None:
 
 
 async def test_abort_all_lands_mid_step(record: Record) -> None:
-    async with replica() as (sims, client, ref):
+    async with replica() as (sims, client, ref, server):
         events: list[pb.RolloutStepResponse] = []
         async for event in client.rollout_step(
             [(make_sample(PROMPT), i) for i in range(3)],
@@ -131,7 +135,7 @@ async def test_abort_all_lands_mid_step(record: Record) -> None:
             timeout=60,
         ):
             if not events:
-                await sims[0].wait_for_tokens("generate-tokens-faults/g2/s1", 3)
+                await sims[0].wait_for_tokens(engine_id(server, "faults/g2/s1"), 3)
                 await client.abort(all=True)
             events.append(event)
         outcomes = await finish(client, events, "abort-all")
@@ -140,7 +144,7 @@ async def test_abort_all_lands_mid_step(record: Record) -> None:
 
 
 async def test_engines_drop_connections_mid_step(record: Record) -> None:
-    async with replica(engines=2) as (sims, client, ref):
+    async with replica(engines=2) as (sims, client, ref, _server):
         sims[0].faults.drop_connection = 4  # every call engine 0 serves breaks after a few tokens
         sims[0].faults.drop_after_tokens = 5
         events = await step(client, [(make_sample(PROMPT), i) for i in range(2)])

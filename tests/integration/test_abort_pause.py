@@ -128,7 +128,10 @@ async def test_abort_sent_to_one_replica_ends_streams_of_another(
 ) -> None:
     async with slow_harness(backend, engine_url) as a:
         urls = [s.url for s in a.sims] or [str(engine_url)]
-        async with running_server(urls) as b_server, AsyncRolloutClient(f"127.0.0.1:{b_server.port}") as b:
+        async with (
+            running_server(urls, peers=[a.target]) as b_server,
+            AsyncRolloutClient(f"127.0.0.1:{b_server.port}") as b,
+        ):
             streams = [start_stream(b, f"b-{i}") for i in range(4)]
             await started(*streams)
             response = await a.client.abort(all=True)
@@ -137,10 +140,12 @@ async def test_abort_sent_to_one_replica_ends_streams_of_another(
                 sample = await stream.task
                 assert sample.status == pb.SAMPLE_STATUS_ABORTED
                 assert_lossless(stream, sample)
-            one = start_stream(b, "b-by-id")
+            # By id, another replica's generation is reached through its peer (engine ids are
+            # unique per replica: B cannot name A's engine calls).
+            one = start_stream(a.client, "a-by-id")
             await started(one)
-            response = await a.client.abort(request_ids=["b-by-id"])
-            assert list(response.unknown_request_ids) == ["b-by-id"]
+            response = await b.abort(request_ids=["a-by-id"])
+            assert list(response.unknown_request_ids) == ["a-by-id"] and response.aborted == 1
             sample = await one.task
             assert sample.status == pb.SAMPLE_STATUS_ABORTED
             assert_lossless(one, sample)

@@ -18,7 +18,7 @@ from rollout_grpc.client import RolloutClient, make_sample, pb
 from rollout_grpc.server.facade.calls import CallRecord
 from tests.harness import Harness, harness
 from tests.support.reward_server import RewardServer
-from tests.support.service import PROMPT, SLOW_SIM, field_violation
+from tests.support.service import PROMPT, SLOW_SIM, engine_id, field_violation
 
 
 @dataclass
@@ -289,7 +289,7 @@ async def test_abort_mine_mid_step_ends_it_with_every_token(slow: Harness) -> No
         kind = event.WhichOneof("event")
         if not seen_tokens:
             seen_tokens = True
-            await slow.sims[0].wait_for_tokens("generate-tokens-m/g1/s1", 5)
+            await slow.sims[0].wait_for_tokens(engine_id(slow.server, "m/g1/s1"), 5)
             response = await slow.client.abort(mine=True)
             assert response.aborted == 4
         if kind == "group":
@@ -314,7 +314,7 @@ async def test_a_trainer_that_leaves_mid_step_finds_its_groups_in_its_buffer(slo
         timeout=120,
     )
     await stream.__anext__()
-    await slow.sims[0].wait_for_tokens("generate-tokens-gone/g1/s1", 5)
+    await slow.sims[0].wait_for_tokens(engine_id(slow.server, "gone/g1/s1"), 5)
     await stream.aclose()  # the trainer goes away
     core = slow.sims[0].core
     await core.wait_until(lambda: not core.running)  # the replica aborted the step's samples
@@ -418,7 +418,7 @@ async def test_abort_all_mid_step_stops_it_and_loses_no_token(slow: Harness) -> 
     ):
         if not aborted:
             aborted = True
-            await slow.sims[0].wait_for_tokens("generate-tokens-all/g1/s1", 5)
+            await slow.sims[0].wait_for_tokens(engine_id(slow.server, "all/g1/s1"), 5)
             assert (await slow.client.abort(all=True)).aborted == 4
         kind = event.WhichOneof("event")
         if kind == "group":
@@ -565,7 +565,7 @@ async def test_abort_by_group_ends_that_group_of_the_step_with_its_tokens(slow: 
     ):
         if not aborted:
             aborted = True
-            await slow.sims[0].wait_for_tokens("generate-tokens-grp/g1/s1", 3)
+            await slow.sims[0].wait_for_tokens(engine_id(slow.server, "grp/g1/s1"), 3)
             assert (await slow.client.abort(group_index=1)).aborted == 2
         kind = event.WhichOneof("event")
         if kind == "group":
@@ -601,7 +601,7 @@ async def test_a_replica_that_shuts_down_mid_step_returns_the_groups_with_their_
                 run.summary = event.summary
 
     task = asyncio.create_task(follow())
-    await slow.sims[0].wait_for_tokens("generate-tokens-bye/g1/s1", 3)
+    await slow.sims[0].wait_for_tokens(engine_id(slow.server, "bye/g1/s1"), 3)
     await slow.server.stop(grace_s=0)
     await asyncio.wait_for(task, 30)
     assert sorted(g.group_index for g in run.groups) == [0, 1]

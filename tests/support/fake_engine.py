@@ -60,8 +60,8 @@ class FakeEngine:
     def control_route(self, action: ControlAction) -> str:
         return f"/fake/{action}"
 
-    def engine_request_id(self, request_id: str, attempt: int = 0) -> str:
-        return f"fake-{request_id}~{attempt}"
+    def engine_request_id(self, call_id: str) -> str:
+        return f"fake-{call_id}"
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineEvent]:
         self.calls.append(call)

@@ -334,6 +334,17 @@ class Replica:
         return records
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports free a moment ago, for processes that must know each other's
+    port before they start (replicas that name each other as `--peer`)."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOOPBACK, 0))
+            ports.add(int(sock.getsockname()[1]))
+    return sorted(ports)
+
+
 def start_replica(
     procs: Processes,
     name: str,

@@ -10,6 +10,9 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
+from rollout_grpc.server.app import RolloutServer
+from rollout_grpc.server.domain.identity import ANONYMOUS
+from rollout_grpc.server.engines.vllm.adapter import engine_request_id
 from tests.harness import Harness
 
 #: A ChatML prompt of ordinary ids from real tiny-model recordings (valid in a 2048-token vocabulary).
@@ -36,6 +39,14 @@ async def collect(
             final = message.sample
     assert final is not None
     return deltas, final
+
+
+def engine_id(
+    server: RolloutServer, request_id: str, owner: str = ANONYMOUS.identity, attempt: int = 0
+) -> str:
+    """The id a (simulated) vLLM engine tracks call `attempt` of `owner`'s `request_id` on `server`
+    by: engine ids are unique per replica and owner (rollout/call_ids.py), never the request id."""
+    return engine_request_id(server.rollout.call_ids.call_id(owner, request_id, attempt))
 
 
 def field_violation(err: grpc.aio.AioRpcError) -> str:

@@ -6,7 +6,7 @@ import pytest
 
 from rollout_grpc.server.domain.errors import FailedPrecondition, Unavailable
 from rollout_grpc.server.engines.api import EngineRejected, EngineRequestFailed, EngineUnavailable
-from rollout_grpc.server.engines.vllm.adapter import DEV_MODE_HINT, engine_request_id
+from rollout_grpc.server.engines.vllm.adapter import DEV_MODE_HINT
 from rollout_grpc.server.rollout.control import ControlFailure, FleetResult, describe_failure
 
 URL = "http://engine:8000"
@@ -56,9 +56,3 @@ def test_partial_failures_and_empty_fan_outs_do_not_fail_the_rpc(
     ok: list[str], kinds: list[ControlFailure]
 ) -> None:
     _result(ok, kinds).raise_if_none_ok("pause")
-
-
-def test_attempt_ids_are_exact_and_use_the_reserved_separator() -> None:
-    ids = [engine_request_id("job", n) for n in range(3)]
-    assert ids[0].endswith("job") and ids[1].endswith("job~1") and ids[2].endswith("job~2")
-    assert not any(i.endswith("job.1") for i in ids)

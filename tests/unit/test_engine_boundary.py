@@ -85,9 +85,8 @@ def test_only_the_registry_imports_an_engine_kind() -> None:
     assert importers == {"rollout_grpc.server.engines.registry"}
 
 
-def test_engine_request_ids() -> None:
-    assert vllm.engine_request_id("abc") == "generate-tokens-abc"
-    assert vllm.engine_request_id("abc", 2) == "generate-tokens-abc~2"
+def test_engine_request_ids_are_the_call_id_with_vllms_prefix() -> None:
+    assert vllm.engine_request_id("0a1b.c2d3~abc~2~") == "generate-tokens-0a1b.c2d3~abc~2~"
 
 
 CALL = EngineCall("r", 0, [1, 2], SamplingParams(), None, 0)

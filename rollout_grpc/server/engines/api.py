@@ -43,9 +43,12 @@ class FinishKind(enum.Enum):
 class EngineCall:
     """One generate call: everything an adapter needs, already resolved by the domain."""
 
-    #: The caller's request id; the adapter derives the engine-side id from it and `attempt`.
-    request_id: str
-    #: 0 for the first engine call of a Generate, then 1, 2, ... for failover calls.
+    #: This engine call's unique id, built by the domain (`rollout/call_ids.py`): unique per
+    #: replica, owner, request id and attempt; the adapter sends it in its engine's form
+    #: (`EngineAdapter.engine_request_id`) and never derives ids of its own.
+    call_id: str
+    #: 0 for the first engine call of a Generate, then 1, 2, ... for failover calls (already part
+    #: of `call_id`; for logs and engine-specific behaviour only).
     attempt: int
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -308,8 +311,16 @@ class EngineAdapter(Protocol):
         """The engine route behind `action`, for messages that tell an operator which call failed."""
         ...
 
-    def engine_request_id(self, request_id: str, attempt: int = 0) -> str:
-        """The id the engine knows call `attempt` of `request_id` by (what abort_requests takes)."""
+    def engine_request_id(self, call_id: str) -> str:
+        """The id the engine knows the call `call_id` (`EngineCall.call_id`) by: what
+        `abort_requests` takes, and the only id an abort of that call may send.
+
+        `call_id` is already unique in the fleet (replica instance, owner, request id, attempt)
+        and ends with `~`, which occurs nowhere else but between its parts, so no call id is a
+        prefix of another. An adapter only maps it to what its engine tracks (vLLM prefixes
+        `generate-tokens-`; an engine that tracks ids verbatim returns `call_id` unchanged) and
+        must keep the mapping injective and prefix-free.
+        """
         ...
 
     def generate(self, call: EngineCall) -> AsyncIterator[EngineEvent]:

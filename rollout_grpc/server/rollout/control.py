@@ -13,9 +13,10 @@ otherwise; partial failures are reported per engine with an actionable message.
 
 Aborts are scoped to the caller (`identity.current_caller()`): a trainer reaches only the
 generations it owns, here and (through `ReplicaService.AbortLocal` on the peers) on the other
-replicas; only an admin may abort everything or reach other callers' generations. A trainer's ids
-that are not in flight here are forwarded to the peers with its identity, never sent blindly to the
-shared engines, where they could end another caller's generation of the same id.
+replicas; only an admin may abort everything or reach other callers' generations. Engine-side ids
+are unique per replica and owner (`call_ids.py`), so only the engine ids of generations found here
+are ever sent to the engines; ids that are not in flight here are forwarded to the peers with the
+caller's identity (an admin's with none), never sent blindly to the shared engines.
 """
 
 from __future__ import annotations
@@ -471,10 +472,12 @@ class Control:
             log.warning("abort_all_window_deadline", deadline_s=self._deadline_s)
 
     async def abort_ids(self, request_ids: Sequence[str]) -> AbortResult:
-        """Abort the caller's generations by request id, here and elsewhere.
+        """Abort the caller's generations by request id, here and on the peers.
 
-        An admin's unknown ids go to every engine (ids of other replicas' generations, first call
-        and failover calls); a trainer's go to the peers with its identity instead.
+        Only the engine ids of the generations found here are sent to the engines: the engine ids
+        of another replica's calls (its instance token, the owner's tag) cannot be built here, and
+        a request id alone is never sent. Ids not in flight here go to the peers with the caller's
+        identity (an admin's with none: any owner's there).
         """
         if not request_ids or any(not rid for rid in request_ids):
             raise InvalidArgument("request_ids.ids", "must list at least one non-empty request id")
@@ -482,28 +485,18 @@ class Control:
         found, unknown = self._registry.select(request_ids, owner)
         for entry in found:
             entry.request_abort("abort by id")
-        # Engine ids of local generations, plus (for an admin, whose abort may reach any owner) the
-        # exact ids another replica would use for the unknown ones (first call and failover
-        # attempts) — never another caller's request id.
+        # Every engine call of each generation found (first call and failover attempts).
         local_ids = [eid for entry in found for eid in entry.engine_request_ids]
-        guessed = unknown if owner is None else []
-        attempts = range(self._rollout.config.max_engine_attempts)
-
-        def engine_ids(engine: EngineHandle) -> list[str]:
-            """The ids to abort on `engine`, in its own kind's id scheme for the guessed ones."""
-            client = engine.client
-            return local_ids + [client.engine_request_id(rid, n) for rid in guessed for n in attempts]
-
         result = AbortResult(aborted=len(found), unknown_request_ids=list(unknown))
-        if local_ids or guessed:
+        if local_ids:
             outcome = await self._fan_out(
                 self._pool.engines,
-                lambda e: e.client.abort_requests(engine_ids(e)),
+                lambda e: e.client.abort_requests(local_ids),
                 route=ControlAction.ABORT,
                 timeout_s=self._deadline_s,
             )
             result.engine_errors.extend(outcome.errors)
-        if owner is not None and unknown and self._peer_abort is not None:
+        if unknown and self._peer_abort is not None:
             result.aborted += await self._peer_abort(AbortScope(owner=owner, request_ids=tuple(unknown)))
         return result
 
@@ -515,7 +508,7 @@ class Control:
             raise InvalidArgument("session_id", "must not be empty")
         owner = self._scope()
         entries = self._registry.matching(session_id=session_id, group_index=group_index, owner=owner)
-        result = await self._abort_entries(entries)
+        result = await self.abort_entries(entries)
         if self._peer_abort is not None:
             scope = AbortScope(owner=owner, session_id=session_id, group_index=group_index)
             result.aborted += await self._peer_abort(scope)
@@ -543,7 +536,7 @@ class Control:
         aborts.begin(owner)
         try:
             entries = [e for e in self._registry.all() if e.owner == owner]
-            result = await self._abort_entries(entries)
+            result = await self.abort_entries(entries)
             await self._ended(entries, deadline)
         finally:
             aborts.end(owner)
@@ -553,11 +546,8 @@ class Control:
         """Wait until none of `entries` is in flight any more, or `deadline` (checked every 10 ms:
         a generation ends within `abort_drain_s` of its abort, so this is short)."""
         loop = asyncio.get_running_loop()
-        pending = [e.request_id for e in entries]
         while loop.time() < deadline:
-            found, _ = self._registry.select(pending)
-            found = [e for e in found if e in entries]
-            if not found:
+            if not any(self._registry.holds(e) for e in entries):
                 return
             await asyncio.sleep(0.01)
 
@@ -577,9 +567,10 @@ class Control:
             entries = self._registry.matching(
                 session_id=scope.session_id, group_index=scope.group_index, owner=scope.owner
             )
-        return await self._abort_entries(entries)
+        return await self.abort_entries(entries)
 
-    async def _abort_entries(self, entries: list[InFlight]) -> AbortResult:
+    async def abort_entries(self, entries: list[InFlight]) -> AbortResult:
+        """Abort these local generations, and their current engine calls (nothing is forwarded)."""
         result = AbortResult(aborted=len(entries))
         by_engine: dict[str, tuple[EngineHandle, list[str]]] = {}
         for entry in entries:

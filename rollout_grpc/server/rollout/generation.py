@@ -62,6 +62,7 @@ from rollout_grpc.server.engines.api import (
 )
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
 from rollout_grpc.server.rollout.admission import Admission
+from rollout_grpc.server.rollout.call_ids import CallIds
 from rollout_grpc.server.rollout.inflight import AbortedWhileQueued, InFlight, InFlightRegistry
 from rollout_grpc.server.rollout.owner_abort import OwnerAborts
 
@@ -172,11 +173,14 @@ class Rollout:
         admission: Admission,
         registry: InFlightRegistry,
         config: RolloutConfig | None = None,
+        call_ids: CallIds | None = None,
     ) -> None:
         self.pool = pool
         self.admission = admission
         self.registry = registry
         self.config = config or RolloutConfig()
+        #: Engine call ids of this replica (a fresh instance token unless given).
+        self.call_ids = call_ids or CallIds.new()
         self._abort_all_depth = 0
         self._closed = False
         #: Abort{mine} windows: a caller's new generations end ABORTED while its abort runs.
@@ -402,9 +406,10 @@ class Rollout:
         """The next engine call of this sample: its tokens so far, the remaining budget."""
         if sample.features:
             multimodal.align(sample.features, sample.tokens)
+        attempt = run.attempts - 1
         return EngineCall(
-            request_id=entry.request_id,
-            attempt=run.attempts - 1,
+            call_id=self.call_ids.call_id(entry.owner, entry.request_id, attempt),
+            attempt=attempt,
             prompt_token_ids=sample.tokens,
             sampling=params,
             max_tokens=sample_ops.remaining_budget(sample, params),
@@ -439,7 +444,7 @@ class Rollout:
         call = self._engine_call(engine, sample, params, options, entry, run)
         entry.engine = engine
         entry.engine_started = False
-        entry.engine_request_ids.append(engine.client.engine_request_id(call.request_id, call.attempt))
+        entry.engine_request_ids.append(engine.client.engine_request_id(call.call_id))
         if call.top_logprobs and len(sample.top_logprobs) < sample.response_length:
             # Positions generated without top logprobs get empty entries, so index = position.
             missing = sample.response_length - len(sample.top_logprobs)

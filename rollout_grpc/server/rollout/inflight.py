@@ -1,9 +1,11 @@
 """The generations this replica has in flight, so that Abort can find and end them.
 
-Every generation is owned by the identity of the caller that started it (`identity.py`): lookups
-for Abort take an `owner` and return only that caller's generations (None = any owner, for
-admins), and a caller may hold at most `per_owner_limit` generations (running or queued), so that
-one trainer cannot fill the whole admission queue.
+Every generation is owned by the identity of the caller that started it (`identity.py`) and is
+known by (owner, request id): two callers may use the same request id, and neither learns of the
+other's (a Generate with another caller's id in flight runs like any other; only the caller's own
+id in flight is refused). Lookups for Abort take an `owner` and return only that caller's
+generations (None = any owner, for admins), and a caller may hold at most `per_owner_limit`
+generations (running or queued), so that one trainer cannot fill the whole admission queue.
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ class InFlight:
 
 
 class InFlightRegistry:
-    """Request id -> in-flight generation, for this replica."""
+    """(owner, request id) -> in-flight generation, for this replica."""
 
     def __init__(self, per_owner_limit: int | None = None, retry_after_s: float = 1.0) -> None:
-        self._by_id: dict[str, InFlight] = {}
+        self._by_id: dict[tuple[str, str], InFlight] = {}
         self._per_owner: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -72,13 +74,19 @@ class InFlightRegistry:
     ) -> InFlight:
         """Track a new generation of `owner` (default: the current caller).
 
-        A request id already in flight is a caller error; a caller over its fair share is refused
-        with RESOURCE_EXHAUSTED naming the limit.
+        A request id of the same owner already in flight is a caller error (another owner's is
+        none of its business); a caller over its fair share is refused with RESOURCE_EXHAUSTED
+        naming the limit.
         """
         if owner is None:
             owner = current_caller().identity
-        if request_id in self._by_id:
-            raise InvalidArgument("request_id", f"a generation with id {request_id!r} is already in flight")
+        key = (owner, request_id)
+        if key in self._by_id:
+            raise InvalidArgument(
+                "request_id",
+                f"you already have a generation with request_id {request_id!r} in flight on this "
+                "replica; use a new id for each Generate",
+            )
         held = self._per_owner.get(owner, 0)
         limit = self.per_owner_limit
         if limit is not None and owner != ANONYMOUS.identity and held >= limit:
@@ -88,15 +96,16 @@ class InFlightRegistry:
                 self.retry_after_s,
             )
         entry = InFlight(request_id=request_id, session_id=session_id, group_index=group_index, owner=owner)
-        self._by_id[request_id] = entry
+        self._by_id[key] = entry
         self._per_owner[owner] = held + 1
         self._idle.clear()
         return entry
 
     def unregister(self, entry: InFlight) -> None:
         """Forget a finished generation."""
-        if self._by_id.get(entry.request_id) is entry:
-            del self._by_id[entry.request_id]
+        key = (entry.owner, entry.request_id)
+        if self._by_id.get(key) is entry:
+            del self._by_id[key]
             left = self._per_owner.get(entry.owner, 1) - 1
             if left > 0:
                 self._per_owner[entry.owner] = left
@@ -104,6 +113,10 @@ class InFlightRegistry:
                 self._per_owner.pop(entry.owner, None)
             if not self._by_id:
                 self._idle.set()
+
+    def holds(self, entry: InFlight) -> bool:
+        """Whether `entry` is still in flight here."""
+        return self._by_id.get((entry.owner, entry.request_id)) is entry
 
     def owned_by(self, owner: str) -> int:
         """How many generations `owner` has here (running or queued)."""
@@ -140,14 +153,21 @@ class InFlightRegistry:
     ) -> tuple[list[InFlight], list[str]]:
         """Split ids into in-flight generations of `owner` (None: any) and unknown ids.
 
-        Another caller's generation counts as unknown: its existence is not disclosed.
+        Another caller's generation counts as unknown: its existence is not disclosed. For an admin
+        (`owner` None) an id names every owner's generation of that id.
         """
-        found: list[InFlight] = []
-        unknown: list[str] = []
-        for rid in dict.fromkeys(request_ids):
-            entry = self._by_id.get(rid)
-            if entry is None or (owner is not None and entry.owner != owner):
-                unknown.append(rid)
-            else:
-                found.append(entry)
+        wanted = list(dict.fromkeys(request_ids))
+        by_id: dict[str, list[InFlight]] = {}
+        if owner is None:
+            targets = set(wanted)
+            for (_, rid), entry in self._by_id.items():
+                if rid in targets:
+                    by_id.setdefault(rid, []).append(entry)
+        else:
+            for rid in wanted:
+                own = self._by_id.get((owner, rid))
+                if own is not None:
+                    by_id[rid] = [own]
+        found = [entry for rid in wanted for entry in by_id.get(rid, [])]
+        unknown = [rid for rid in wanted if rid not in by_id]
         return found, unknown

@@ -74,8 +74,6 @@ __all__ = [
 
 #: vLLM tracks a generate call as this prefix + the request id; abort matches only the prefixed id.
 ENGINE_ID_PREFIX: Final = "generate-tokens-"
-#: Separates a failover attempt number from the caller's request id (never in a valid request id).
-ATTEMPT_SEPARATOR: Final = "~"
 
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 _DATA: Final = b"data: "
@@ -110,18 +108,14 @@ CONTROL_ROUTES: Final[dict[ControlAction, str]] = {
 DEV_MODE_HINT: Final = "start vLLM with VLLM_SERVER_DEV_MODE=1 (the route is in its development router)"
 
 
-def engine_request_id(request_id: str, attempt: int = 0) -> str:
-    """The id vLLM knows call `attempt` of `request_id` by (what `/abort_requests` matches).
+def engine_request_id(call_id: str) -> str:
+    """The id vLLM knows the call `call_id` by (what `/inference/v1/abort_requests` matches).
 
-    Attempt 0 is `generate-tokens-<id>`; failover attempts are `generate-tokens-<id>~<attempt>`.
-    Request ids never contain `~`, so aborting `X` can never hit another caller's `X~1`.
+    The call id (`EngineCall.call_id`, unique per replica, owner, request id and attempt) is sent
+    as the body's `request_id`, and vLLM tracks it as `generate-tokens-<call id>`
+    (docs/vllm-http-api.md §1 item 2): an unprefixed id would abort nothing, silently.
     """
-    return ENGINE_ID_PREFIX + _wire_request_id(request_id, attempt)
-
-
-def _wire_request_id(request_id: str, attempt: int) -> str:
-    """The `request_id` sent in the generate body (vLLM prefixes it with `ENGINE_ID_PREFIX`)."""
-    return f"{request_id}{ATTEMPT_SEPARATOR}{attempt}" if attempt else request_id
+    return ENGINE_ID_PREFIX + call_id
 
 
 def _error_parts(body: bytes) -> tuple[str, str | None]:
@@ -502,9 +496,9 @@ class VllmEngine:
     def control_route(self, action: ControlAction) -> str:
         return CONTROL_ROUTES[action]
 
-    def engine_request_id(self, request_id: str, attempt: int = 0) -> str:
+    def engine_request_id(self, call_id: str) -> str:
         """See the module function `engine_request_id`."""
-        return engine_request_id(request_id, attempt)
+        return engine_request_id(call_id)
 
     # ----------------------------------------------------------------------------- media cache
 
@@ -532,7 +526,7 @@ class VllmEngine:
     def generate_body(self, call: EngineCall) -> tuple[dict[str, Any], bool]:
         """The `/inference/v1/generate` body, and whether media went by hash only."""
         body: dict[str, Any] = {
-            "request_id": _wire_request_id(call.request_id, call.attempt),
+            "request_id": call.call_id,
             "token_ids": call.prompt_token_ids,
             "sampling_params": sampling_params(call),
             "stream": True,

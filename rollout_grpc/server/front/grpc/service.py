@@ -34,9 +34,8 @@ from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
 
-#: Request ids: 1-256 characters safe in gRPC metadata, HTTP bodies and logs. `~` is excluded: the
-#: engine request ids of failover attempts are `<request id>~<n>`, so no caller's id can equal
-#: another caller's attempt id (an abort of an unknown `X` then never touches someone else's call).
+#: Request ids: 1-256 characters safe in gRPC metadata, HTTP bodies and logs. `~` is excluded (it
+#: separates the parts of engine call ids, rollout/call_ids.py, which escapes it anyway).
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/@+=-]{1,256}")
 REQUEST_ID_RULE = "must be 1-256 characters of A-Z a-z 0-9 . _ : / @ + = -"
 #: A step id's length bound: its samples' request ids are `<step id>/g<group>/s<i>[/r]`.

@@ -82,6 +82,7 @@ class FrontDoorConfig:
 
     drift_policy: DriftPolicy = DriftPolicy.KEEP_PREFIX
     tool_parser: str = "hermes"
+    #: Sessions kept per caller identity (its own least recently used evicted beyond it).
     max_sessions: int = 10_000
     #: Record routed experts (R3) per turn; the engines must run with --enable-return-routed-experts.
     return_routed_experts: bool = False
@@ -238,9 +239,10 @@ class OpenAIFrontDoor:
             call.session_id, call.stream = session_id, bool(body.get("stream"))
             params = sampling_params(body)
             self._check_bounds(body, params)
-            session = self.store.open(session_id, current_caller().identity)
-            async with session.lock:
-                return await self._turn(request, body, messages, session, params)
+            # A session is recorded only once a turn generates in it (`TrajectoryStore.record`).
+            with self.store.opened(session_id, current_caller().identity) as session:
+                async with session.lock:
+                    return await self._turn(request, body, messages, session, params)
         except OpenAIError as err:
             return self._error(request, err)
         except RolloutError as exc:
@@ -392,8 +394,7 @@ class OpenAIFrontDoor:
             usage=final.usage,
             engine_attempts=list(final.engine_attempts),
         )
-        session.turns.append(turn)
-        session.roles = [str(m.get("role", "")) for m in messages] + ["assistant"]
+        self.store.record(session, turn, [str(m.get("role", "")) for m in messages] + ["assistant"])
         return turn
 
     # ----------------------------------------------------------------------------- responses
