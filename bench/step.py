@@ -12,7 +12,8 @@ groups still generating are aborted. The two paths:
 
 Engines are simulated vLLM engines in their own processes (`python -m rollout_grpc.sim`), the
 service one `rollout-grpc serve` process. The paths alternate (ABBA); the better repetition of each
-is kept. Reported: wall time of the step, accepted groups per second, and RPCs the trainer made.
+is kept. Reported: wall time of the step, accepted groups per second, RPCs the trainer made, and CPU
+time per generated sample of the service process and of this (trainer) process.
 `python -m bench.step [--quick]` writes `docs/benchmarks.step.md`.
 """
 
@@ -55,6 +56,20 @@ class Workload:
         )
 
 
+def write_section(path: Path, name: str, text: str) -> None:
+    """Replace the part of `path` between `<!-- begin NAME -->` and `<!-- end NAME -->` with `text`
+    (appended when absent): bench.step and bench.step_n write one file, each its own section."""
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    old = path.read_text() if path.exists() else ""
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + block + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        new = old + ("\n" if old and not old.endswith("\n\n") else "") + block
+    path.write_text(new)
+
+
 def plan(quick: bool) -> list[Workload]:
     if quick:
         return [Workload(0, 16, 4, 8, 12, 64)]
@@ -70,10 +85,11 @@ def params(w: Workload) -> dict[str, Any]:
     return {"temperature": 1.0, "max_new_tokens": w.tokens, "ignore_eos": True, "seed": 7}
 
 
-async def hand_loop(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: str) -> tuple[int, int]:
-    """The step over Generate; (accepted groups, RPCs made)."""
+async def hand_loop(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: str) -> tuple[int, int, int]:
+    """The step over Generate; (accepted groups, RPCs made, samples generated)."""
     rpcs = 0
     accepted = 0
+    samples_done = 0
     done = asyncio.Event()
     slots = asyncio.Semaphore(w.in_flight)
     running: set[str] = set()
@@ -81,7 +97,7 @@ async def hand_loop(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: s
     async with aiohttp.ClientSession() as http:
 
         async def group(g: int, label: str) -> None:
-            nonlocal rpcs, accepted
+            nonlocal rpcs, accepted, samples_done
             async with slots:
                 if done.is_set():
                     return
@@ -99,6 +115,7 @@ async def hand_loop(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: s
                     )
                 )
                 running.discard(session)
+                samples_done += len(finals)
                 if done.is_set() or any(f.status == pb.SAMPLE_STATUS_ABORTED for f in finals):
                     return
 
@@ -117,16 +134,16 @@ async def hand_loop(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: s
                         await asyncio.gather(*aborts)
 
         await asyncio.gather(*(group(g, label) for g, label in enumerate(labels(w.groups))))
-    return accepted, rpcs
+    return accepted, rpcs, samples_done
 
 
-async def step(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: str) -> tuple[int, int]:
-    """The step as one RolloutStep; (accepted groups, RPCs made)."""
+async def step(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: str) -> tuple[int, int, int]:
+    """The step as one RolloutStep; (accepted groups, RPCs made, samples generated)."""
     groups = [
         pb.PromptGroup(prompt=make_sample(PROMPT, index=g * w.n), group_index=g, label=label)
         for g, label in enumerate(labels(w.groups))
     ]
-    accepted = 0
+    accepted = generated = 0
     async for event in client.rollout_step(
         groups,
         n_samples_per_prompt=w.n,
@@ -140,28 +157,43 @@ async def step(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: str) -
     ):
         if event.WhichOneof("event") == "summary":
             accepted = event.summary.accepted
-    return accepted, 1
+            generated = event.summary.progress.generated
+    return accepted, 1, generated
 
 
-async def measure(target: str, rm_url: str, w: Workload, reps: int) -> dict[str, dict[str, float]]:
-    """ABBA repetitions of both paths; the best wall time of each."""
+async def measure(
+    target: str, service_pid: int, rm_url: str, w: Workload, reps: int
+) -> dict[str, dict[str, float]]:
+    """ABBA repetitions of both paths; the best wall time of each, with the CPU time of the service
+    process (psutil) and of this process (the trainer side, and the reward server) during that run."""
     best: dict[str, dict[str, float]] = {}
     order = [PATHS[i % 2] if (i // 2) % 2 == 0 else PATHS[1 - i % 2] for i in range(2 * reps)]
     async with AsyncRolloutClient(target) as client:
         for i, path in enumerate(order):
-            started = time.perf_counter()
             run = hand_loop if path == PATHS[0] else step
-            accepted, rpcs = await run(client, rm_url, w, f"b{i}")
-            wall = time.perf_counter() - started
+            trainer0 = time.process_time()
+            with procs.Meter({"service": service_pid}) as meter:
+                started = time.perf_counter()
+                accepted, rpcs, samples = await run(client, rm_url, w, f"b{i}")
+                wall = time.perf_counter() - started
+            trainer_s = time.process_time() - trainer0
             if path not in best or wall < best[path]["wall_s"]:
-                best[path] = {"wall_s": wall, "accepted": accepted, "rpcs": rpcs}
+                best[path] = {
+                    "wall_s": wall,
+                    "accepted": accepted,
+                    "rpcs": rpcs,
+                    "samples": samples,
+                    "service_cpu_s": meter.cpu_s["service"],
+                    "trainer_cpu_s": trainer_s,
+                }
     return best
 
 
 async def main_async(quick: bool) -> str:
     rows = [
-        "| workload | path | wall s | accepted groups/s | accepted | trainer RPCs |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| workload | path | wall s | accepted groups/s | accepted | trainer RPCs | samples "
+        "| service CPU ms/sample | trainer process CPU ms/sample |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp, procs.Processes(Path(tmp)) as group:
         for w in plan(quick):
@@ -171,12 +203,14 @@ async def main_async(quick: bool) -> str:
             ]
             service = procs.start_service(group, f"service{w.token_delay_ms:g}", engines)
             async with RewardServer() as rm:
-                best = await measure(service.target, rm.url, w, reps=1 if quick else 2)
+                best = await measure(service.target, service.proc.pid, rm.url, w, reps=1 if quick else 2)
             for path in PATHS:
                 r = best[path]
                 rows.append(
                     f"| {w.key} | {path} | {r['wall_s']:.2f} | {r['accepted'] / r['wall_s']:.1f} | "
-                    f"{int(r['accepted'])} | {int(r['rpcs'])} |"
+                    f"{int(r['accepted'])} | {int(r['rpcs'])} | {int(r['samples'])} | "
+                    f"{1000 * r['service_cpu_s'] / r['samples']:.2f} | "
+                    f"{1000 * r['trainer_cpu_s'] / r['samples']:.2f} |"
                 )
     return "\n".join(rows)
 
@@ -192,10 +226,13 @@ def main() -> None:
         "over-sampling, abort at the target) through one `rollout-grpc serve` process on two simulated\n"
         "engines: by hand over `Generate` + reward POSTs from the trainer, and as one `RolloutStep`\n"
         "(`python -m bench.step`; best of the alternating repetitions; a shared 2-core machine, so the\n"
-        "numbers are indicative). Reading: docs/rollout-step.md.\n\n" + table + "\n"
+        "numbers are indicative). Reading: docs/rollout-step.md. CPU per sample: the service process's\n"
+        "user + system CPU time during the kept run (psutil) divided by the samples generated in it; the\n"
+        "trainer process's is this benchmark's own process, which also runs the reward server (the same\n"
+        "reward POSTs on both paths).\n\n" + table + "\n"
     )
     if not args.quick:
-        (DOCS / "benchmarks.step.md").write_text(text)
+        write_section(DOCS / "benchmarks.step.md", "step", text)
     print(text)
 
 

@@ -79,6 +79,17 @@ def test_anything_else_is_an_explicit_failure_never_zero(answer: object) -> None
         ("42", "Adding the two gives \\boxed{41}.", 0.0),
         ("x^2+2x+1", "Expanding, we get $\\boxed{(x+1)^2}$", 1.0),
         ("3", "I do not know.", 0.0),
+        # Answer strings as models write them (GSM8K's "####", a think block, LaTeX labels).
+        ("18", "She sells 16 - 3 - 4 = 9 eggs.\nShe makes 9 * 2 = $18 a day.\n#### 18", 1.0),
+        ("5", "<think>2 + 3 is 5</think> The final answer is \\boxed{5}", 1.0),
+        ("5", "The final answer is \\boxed{6}, not 5", 0.0),
+        ("\\frac{14}{3}", "So $x = \\dfrac{14}{3}$, i.e. \\boxed{\\dfrac{14}{3}}", 1.0),
+        ("2\\sqrt{2}", "Simplifying gives $\\boxed{\\sqrt{8}}$.", 1.0),
+        ("2\\sqrt{2}", "so \\boxed{2\\sqrt{2}}", 1.0),
+        ("2\\sqrt{2}", "so \\boxed{2}", 0.0),
+        ("3\\pi", "The area is \\boxed{3\\pi}.", 1.0),
+        ("10\\%", "The rate is \\boxed{10\\%}.", 1.0),
+        ("(3, -1)", "The intersection point is \\boxed{(3,-1)}.", 1.0),
     ],
 )
 async def test_math_verify_checks_answer_equivalence(label: str, response: str, reward: float) -> None:

@@ -102,6 +102,8 @@ class VllmServer:
     port: int
     log_path: Path
     pidfile_dir: Path | None = None
+    #: More `vllm serve` flags after the tier's (e.g. ``--no-enable-prefix-caching``; bench/step_n.py).
+    extra_args: tuple[str, ...] = ()
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     started_s: float = 0.0  # seconds from spawn until /health answered 200
 
@@ -122,7 +124,7 @@ class VllmServer:
             log.flush()
             begin = time.monotonic()
             self.process = subprocess.Popen(
-                ["bash", str(SERVE_SCRIPT), self.kind, str(self.port)],
+                ["bash", str(SERVE_SCRIPT), self.kind, str(self.port), *self.extra_args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -511,6 +511,100 @@ async def test_update_weight_version_splits_spans(dense: aiohttp.ClientSession) 
 
 
 # ---------------------------------------------------------------------------------------------------
+# n > 1 (docs/vllm-http-api.md §3.11; why a RolloutStep group is n calls: docs/rollout-step.md)
+
+
+async def prompt_token_sources(session: aiohttp.ClientSession) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source_total`` per source, and ``vllm:prompt_tokens_total``."""
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    values = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)$', text, re.M
+        )
+    }
+    total = re.search(r"^vllm:prompt_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+    assert total and values, "no prompt-token counters in /metrics"
+    values["total"] = float(total.group(1))
+    return values
+
+
+async def test_n_choices_are_prefilled_like_separate_requests_sharing_the_prefix_cache(
+    dense: aiohttp.ClientSession,
+) -> None:
+    # One full 128-token cache block and a bit, new to the server.
+    prompt = [*(uuid.uuid4().int % 2000 + 10 for _ in range(128)), *PROMPT]
+    before = await prompt_token_sources(dense)
+    body = await generate(
+        dense,
+        {
+            "request_id": unique("n3"),
+            "token_ids": prompt,
+            "sampling_params": {"n": 3, "max_tokens": 4, "ignore_eos": True, "temperature": 1.0},
+        },
+    )
+    after = await prompt_token_sources(dense)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(len(c["token_ids"]) == 4 for c in body["choices"])
+    assert body["usage"]["prompt_tokens"] == len(prompt)  # the response counts the prompt once ...
+    assert after["total"] - before["total"] == 3 * len(prompt)  # ... the engine three times:
+    # the first child computes it, the two others read its full block from the prefix cache.
+    assert after["local_cache_hit"] - before["local_cache_hit"] == 2 * 128
+    assert after["local_compute"] - before["local_compute"] == len(prompt) + 2 * (len(prompt) - 128)
+
+
+async def every_choice_started(stream: Stream, n: int) -> None:
+    """Wait until each of the `n` choices of a streaming call has streamed a token."""
+
+    async def all_started() -> bool:
+        seen = {c["index"] for chunk in stream.chunks for c in chunk["choices"] if c["token_ids"]}
+        assert not stream.task.done(), "the stream ended before every choice started"
+        return len(seen) == n
+
+    await stream.started()
+    await wait_for(all_started, f"all {n} choices to stream a token")
+
+
+async def test_an_abort_ends_every_choice_of_an_n_call_and_a_child_id_ends_none(
+    dense: aiohttp.ClientSession,
+) -> None:
+    rid = unique("n-child")
+    body = long_request(rid, max_tokens=1500, stream=True)
+    body["sampling_params"]["n"] = 2
+    stream = Stream(dense, body)
+    await every_choice_started(stream, 2)
+    guesses = [f"0_generate-tokens-{rid}", f"generate-tokens-{rid}-0", f"generate-tokens-{rid}_0"]
+    assert await post_json(dense, "/inference/v1/abort_requests", {"request_ids": guesses}) == (200, None)
+    assert not stream.task.done(), "the abort must reach a running request"
+    await stream.finish()
+    finals = [c for chunk in stream.chunks for c in chunk["choices"] if c["finish_reason"] is not None]
+    assert sorted((c["index"], c["finish_reason"]) for c in finals) == [(0, "length"), (1, "length")]
+
+    rid = unique("n-parent")
+    body = long_request(rid, max_tokens=4000, stream=True)
+    body["sampling_params"]["n"] = 3
+    stream = Stream(dense, body)
+    await every_choice_started(stream, 3)
+    ids = {"request_ids": [f"generate-tokens-{rid}"]}
+    assert await post_json(dense, "/inference/v1/abort_requests", ids) == (200, None)
+    await stream.finish()
+    version = await current_weight_version(dense)
+    finals = [c for chunk in stream.chunks for c in chunk["choices"] if c["finish_reason"] is not None]
+    assert sorted(c["index"] for c in finals) == [0, 1, 2]
+    for final in finals:
+        tokens = [
+            t
+            for chunk in stream.chunks
+            for c in chunk["choices"]
+            if c["index"] == final["index"]
+            for t in c["token_ids"]
+        ]
+        assert final["finish_reason"] == "abort" and len(tokens) < 4000
+        assert final["weight_versions"] == [{"version": version, "start": 0, "end": len(tokens)}]
+
+
+# ---------------------------------------------------------------------------------------------------
 # MoE
 
 

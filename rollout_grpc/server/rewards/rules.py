@@ -22,7 +22,9 @@ def math_equal(label: str, response: str) -> bool:
     """True when the response's answer is mathematically equal to `label` (math-verify)."""
     from math_verify import parse, verify
 
-    gold = parse(label if "$" in label or "\\" in label else f"${label}$", parsing_timeout=None)
+    # A label is a bare answer: delimit it as math, or math-verify's extraction reads the first number
+    # of a LaTeX expression alone (`2\\sqrt{2}` parsed as 2, `3\\pi` as 3).
+    gold = parse(label if "$" in label else f"${label}$", parsing_timeout=None)
     answer = parse(response, parsing_timeout=None)
     if not gold or not answer:
         return False
