@@ -392,6 +392,31 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "max_chat_template_kwargs_bytes",
     ),
     Flag(
+        "--max-control-request-bytes",
+        "serialized request bytes of any RPC but Generate, RolloutStep, Render (checked before decoding)",
+        "max_control_request_bytes",
+    ),
+    Flag(
+        "--auth-failure-rate",
+        "failed authentications per second per peer address after the burst (then RESOURCE_EXHAUSTED)",
+        "auth_failure_rate_per_s",
+    ),
+    Flag(
+        "--auth-failure-burst",
+        "failed authentications per peer address at once (0 = unlimited)",
+        "auth_failure_burst",
+    ),
+    Flag(
+        "--refusal-audit-rate",
+        "audit lines of refused control RPCs per second after the burst (the rest are counted)",
+        "refusal_audit_rate_per_s",
+    ),
+    Flag(
+        "--refusal-audit-burst",
+        "audit lines of refused control RPCs at once (0 = every one)",
+        "refusal_audit_burst",
+    ),
+    Flag(
         "--max-in-flight-per-caller",
         "generations (running + queued) per authenticated caller; 0 = half of in-flight limit + queue",
         "max_in_flight_per_caller",

@@ -60,6 +60,7 @@ from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
+from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
 from rollout_grpc.server.security.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
@@ -157,6 +158,15 @@ class ServerConfig:
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
     max_chat_template_kwargs_bytes: int = 64 << 10
+    #: Serialized request of every RPC but Generate, RolloutStep and Render, checked before decoding.
+    max_control_request_bytes: int = 1 << 20
+    #: Failed authentications per peer address: burst (0 = unlimited), then this rate; past it
+    #: RESOURCE_EXHAUSTED (a valid credential still gets in). security/refusals.py.
+    auth_failure_rate_per_s: float = 1.0
+    auth_failure_burst: int = 20
+    #: Audit lines of refused control RPCs: burst (0 = every one), then this rate; the rest counted.
+    refusal_audit_rate_per_s: float = 1.0
+    refusal_audit_burst: int = 20
     #: Generations (running + queued) one authenticated caller may hold; 0 = half of the in-flight
     #: limit plus the queue, so that one trainer cannot starve the others.
     max_in_flight_per_caller: int = 0
@@ -213,6 +223,7 @@ class ServerConfig:
             max_stop_strings=self.max_stop_strings,
             max_stop_string_chars=self.max_stop_string_chars,
             max_chat_template_kwargs_bytes=self.max_chat_template_kwargs_bytes,
+            max_control_request_bytes=self.max_control_request_bytes,
         )
 
     def per_caller_limit(self) -> int:
@@ -494,17 +505,21 @@ class RolloutServer:
     ) -> grpc.aio.Server:
         """The main gRPC server with its interceptor chain and services, bound to its port."""
         cfg = self.config
-        # Tracing (when on) wraps everything; then the one per-call wrapper: record, auth, bounds,
-        # status mapping (refusals at the door are recorded and counted too).
+        # The one per-call wrapper: record, auth, bounds, status mapping (refusals at the door are
+        # recorded and counted too); tracing (when on) inside it.
+        # The per-call wrapper goes first: it reads a request off the wire only once the caller
+        # is authenticated (front/grpc/wire.py), so tracing (inside it) spans admitted calls only.
         chain = [
-            *interceptors,
             RpcInterceptor(
                 self.calls,
                 self.auth,
                 cfg.request_limits(),
                 ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst),
                 engine_urls=lambda: [e.url for e in self.pool.engines],
+                auth_failures=AuthFailureLimiter(cfg.auth_failure_rate_per_s, cfg.auth_failure_burst),
+                refusal_audit=RefusalSampler(cfg.refusal_audit_rate_per_s, cfg.refusal_audit_burst),
             ),
+            *interceptors,
         ]
         server = grpc.aio.server(options=cfg.grpc_options(), interceptors=chain)
         decoding.add_rollout_service(servicer, server)
@@ -547,7 +562,13 @@ class RolloutServer:
     async def _start_health_port(self, tls: TlsConfig | None) -> None:
         """A separate health-only server (plaintext when asked, so kubelet probes need no cert)."""
         cfg = self.config
-        self._health_server = grpc.aio.server(options=[NO_REUSEPORT])
+        # Health requests are one service name: anything larger is refused by gRPC core unread.
+        self._health_server = grpc.aio.server(
+            options=[
+                NO_REUSEPORT,
+                ("grpc.max_receive_message_length", cfg.request_limits().max_open_request_bytes),
+            ]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
         secure = tls is not None and not cfg.health_plaintext
         credentials = server_credentials(tls, require_client_cert=False) if secure and tls else None
