@@ -220,6 +220,13 @@ FLAGS: Final[tuple[Flag, ...]] = (
     Flag("--health-port", "separate grpc.health.v1 port (0 = any free port)", "health_port"),
     Flag("--metrics-port", "Prometheus /metrics HTTP port (0 = any free port; unset = off)", "metrics_port"),
     Flag(
+        "--metrics-engine-urls",
+        "label engine metrics with the engine URLs instead of engine-<hex> labels (the metrics port "
+        "has no authentication: only where admins alone reach it)",
+        "metrics_engine_urls",
+        kind="switch",
+    ),
+    Flag(
         "--otlp-endpoint",
         "OpenTelemetry OTLP/gRPC collector (host:port) for traces; needs the [tracing] extra; unset = off",
         "otlp_endpoint",
@@ -371,6 +378,13 @@ FLAGS: Final[tuple[Flag, ...]] = (
         kind="list",
         metavar="NAME=ROLE",
         to_field=_mtls_roles,
+    ),
+    Flag(
+        "--insecure-trusted-network",
+        "every host that can reach --host is trusted: allow a non-loopback address without "
+        "authentication, or bearer tokens without TLS (refused otherwise; docs/security.md)",
+        "insecure_trusted_network",
+        kind="switch",
     ),
     Flag("--peer-token-file", "token this replica sends to its --peer replicas", "peer_token_file"),
     Flag("--peer-ca", "PEM CA verifying peer replicas (default: the client CA)", "peer_ca_file"),

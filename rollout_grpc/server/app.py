@@ -40,6 +40,7 @@ from rollout_grpc.server.engines.api import EngineTimeouts
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.engines.registry import adapter_factory
+from rollout_grpc.server.exposure import check_exposure
 from rollout_grpc.server.facade.calls import TimedAdmission, log_call
 from rollout_grpc.server.facade.door import CallBook, RolloutFacade
 from rollout_grpc.server.front.grpc import decoding
@@ -67,15 +68,9 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 REPLICA_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReplicaService"].full_name
-_LOOPBACK = ("127.", "::1", "[::1]", "localhost")
 #: Pending calls gRPC core holds beyond admission's running + queued generations: the unary and
 #: control calls of a burst (GetServerInfo, Abort, health). gRPC's own default soft limit.
 PENDING_HEADROOM = 1000
-
-
-def is_loopback(host: str) -> bool:
-    """A host only this machine can reach."""
-    return host.startswith(_LOOPBACK)
 
 
 def rollout_num_engines(num_gpus: int | None, gpus_per_engine: int, engine_urls: int) -> int:
@@ -146,6 +141,9 @@ class ServerConfig:
     #: Serve gRPC server reflection; with authentication on it needs a credential unless open.
     reflection: bool = True
     reflection_open: bool = False
+    #: Every host that can reach `host` is trusted: serve a network address without authentication
+    #: or send tokens without TLS (refused otherwise; exposure.py). `--insecure-trusted-network`.
+    insecure_trusted_network: bool = False
     #: Token this replica presents to its peers (a `peer` or `admin` line of their tokens file).
     peer_token_file: str | None = None
     #: CA that verifies the peers' certificates (default: the client CA, else the system roots).
@@ -179,6 +177,9 @@ class ServerConfig:
     openai: FrontDoorConfig = field(default_factory=FrontDoorConfig)
     #: Port of the Prometheus /metrics endpoint (0 = any free port, None = no endpoint).
     metrics_port: int | None = None
+    #: Label engine series with their URLs (default: the `engine-<8 hex>` labels non-admins see;
+    #: the endpoint has no authentication).
+    metrics_engine_urls: bool = False
     #: OTLP/gRPC collector for OpenTelemetry traces ("" = tracing off; needs the `tracing` extra).
     otlp_endpoint: str = ""
     #: Engines whose logprobs mode is vLLM's default `raw_logprobs`: "refuse" (not routed to) or
@@ -345,25 +346,17 @@ class RolloutServer:
         if self.auth.tokens is not None:
             self.auth.tokens.reload()
 
-    def _warn_if_exposed(self, tls: TlsConfig | None) -> None:
+    def _check_exposure(self, tls: TlsConfig | None) -> None:
+        """Refuse to serve a network address without authentication, or tokens without TLS,
+        unless the network is declared trusted (exposure.py); warn then."""
         cfg = self.config
-        if is_loopback(cfg.host):
-            return
-        if not self.auth.enabled:
-            log.warning(
-                "UNAUTHENTICATED_SERVICE_ON_NETWORK",
-                host=cfg.host,
-                risk="any caller that reaches this address may Pause, Resume and Abort every trainer's "
-                "work and see the engine URLs",
-                fix="--auth-tokens-file and/or --tls-client-ca with --mtls-role (docs/security.md)",
-            )
-        if tls is None:
-            log.warning(
-                "PLAINTEXT_SERVICE_ON_NETWORK",
-                host=cfg.host,
-                risk="requests, samples and bearer tokens cross the network unencrypted",
-                fix="--tls-cert/--tls-key (docs/security.md)",
-            )
+        check_exposure(
+            cfg.host,
+            auth=self.auth.enabled,
+            tokens=self.auth.tokens is not None,
+            tls=tls is not None,
+            trusted=cfg.insecure_trusted_network,
+        )
 
     def _peer_aborter(self, tls: TlsConfig | None) -> PeerAborter:
         cfg = self.config
@@ -385,6 +378,7 @@ class RolloutServer:
         cfg = self.config
         limit = cfg.in_flight_limit()
         tls = cfg.tls()
+        self._check_exposure(tls)  # before anything listens
         session, interceptors = self._open_engine_session()
         servicer = self._build_domain(session, limit, tls)
         await self._start_engine_pool()
@@ -403,7 +397,6 @@ class RolloutServer:
             tls="mutual" if tls is not None and tls.mutual else ("on" if tls is not None else "off"),
             auth="on" if self.auth.enabled else "off",
         )
-        self._warn_if_exposed(tls)
 
     def _open_engine_session(self) -> tuple[aiohttp.ClientSession, list[grpc.aio.ServerInterceptor]]:
         """Create the process's one HTTP session to the engines (traced if tracing is on).
@@ -450,7 +443,7 @@ class RolloutServer:
             breaker_cooldown_s=cfg.breaker_cooldown_s,
         )
         admission = TimedAdmission(limit, cfg.max_queue, cfg.retry_after_s)
-        self.metrics = Metrics(self.pool, admission)
+        self.metrics = Metrics(self.pool, admission, engine_urls=cfg.metrics_engine_urls)
         #: Every call's record, of either door, goes to these (log line, metrics; tests add theirs).
         self.calls = CallBook([log_call, self.metrics.observe])
         self.rollout = Rollout(
