@@ -344,6 +344,11 @@ FLAGS: Final[tuple[Flag, ...]] = (
         choices=tuple(sorted(PARSERS)),
     ),
     Flag(
+        "--openai-body-timeout",
+        "seconds a front-door request body may take to arrive (then 408)",
+        "openai.body_timeout_s",
+    ),
+    Flag(
         "--openai-drift-policy",
         "a turn whose re-rendered prompt does not extend the recorded tokens: keep_prefix (send the "
         "recorded tokens, one sample per session) or split (send the template's rendering, start a "
@@ -404,6 +409,11 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "--max-chat-template-kwargs-bytes",
         "serialized RenderRequest.chat_template_kwargs bytes",
         "max_chat_template_kwargs_bytes",
+    ),
+    Flag(
+        "--max-prompt-chars",
+        "characters of prompt text of one chat render (front-door turn, Render RPC), checked first",
+        "max_prompt_chars",
     ),
     Flag(
         "--max-control-request-bytes",

@@ -156,6 +156,8 @@ class ServerConfig:
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
     max_chat_template_kwargs_bytes: int = 64 << 10
+    #: Characters of prompt text of one chat render (front-door turn, Render RPC), before the engine.
+    max_prompt_chars: int = 4 << 20
     #: Serialized request of every RPC but Generate, RolloutStep and Render, checked before decoding.
     max_control_request_bytes: int = 1 << 20
     #: Failed authentications per peer address: burst (0 = unlimited), then this rate; past it
@@ -225,6 +227,7 @@ class ServerConfig:
             max_stop_string_chars=self.max_stop_string_chars,
             max_chat_template_kwargs_bytes=self.max_chat_template_kwargs_bytes,
             max_control_request_bytes=self.max_control_request_bytes,
+            max_prompt_chars=self.max_prompt_chars,
         )
 
     def per_caller_limit(self) -> int:

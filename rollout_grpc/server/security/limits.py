@@ -41,6 +41,19 @@ class RequestLimits:
     max_control_request_bytes: int = 1 << 20
     #: Serialized size of a request to the open health service (no credentials, nothing to carry).
     max_open_request_bytes: int = 4 << 10
+    #: Characters of prompt text one chat render may carry (message text, tool-call arguments, tool
+    #: definitions; images have their own byte and pixel caps), checked before anything is sent to
+    #: an engine: a 60 MiB chat turn kept an engine's renderer busy until its health probe failed
+    #: and every caller got 503. 4 Mi characters are ~1M tokens, above any served context.
+    max_prompt_chars: int = 4 << 20
+
+    def check_prompt(self, field: str, chars: int) -> None:
+        """Raise InvalidArgument naming `field` when a prompt's `chars` exceed `max_prompt_chars`."""
+        if chars > self.max_prompt_chars:
+            cap = self.max_prompt_chars
+            raise InvalidArgument(
+                field, f"{chars} characters of prompt text, over the limit max_prompt_chars={cap}"
+            )
 
     def check_request_bytes(self, size: int, limit: str) -> None:
         """Raise InvalidArgument naming the request when `size` serialized bytes exceed the cap

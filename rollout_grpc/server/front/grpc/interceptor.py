@@ -100,10 +100,21 @@ def check_request(limits: RequestLimits, request: object) -> None:
     elif isinstance(request, pb.AbortRequest | pb.AbortLocalRequest):
         if request.WhichOneof("target") == "request_ids":
             limits.check_ids(len(request.request_ids.ids))
-    elif isinstance(request, pb.RenderRequest) and request.HasField("chat_template_kwargs"):
+    elif isinstance(request, pb.RenderRequest):
+        _check_render(limits, request)
+
+
+def _check_render(limits: RequestLimits, request: pb.RenderRequest) -> None:
+    """A render's prompt text and template arguments, before anything goes to an engine."""
+    if request.HasField("chat_template_kwargs"):
         limits.check_size(
             "chat_template_kwargs", request.chat_template_kwargs.ByteSize(), "max_chat_template_kwargs_bytes"
         )
+    if request.WhichOneof("prompt") == "text":
+        limits.check_prompt("text", len(request.text))
+    elif request.WhichOneof("prompt") == "chat":
+        chars = sum(len(part.text) for m in request.chat.messages for part in m.content)
+        limits.check_prompt("chat.messages", chars)
 
 
 def _check_step(limits: RequestLimits, request: pb.RolloutStepRequest) -> None:
