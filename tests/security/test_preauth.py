@@ -191,3 +191,14 @@ async def test_refusals_are_audited_within_a_bound(tokens_file: Path) -> None:
     audit = [e for e in logs if e["event"] == "audit"]
     assert 10 <= len(audit) <= 12, len(audit)
     assert all(a["outcome"] == "UNAUTHENTICATED" for a in audit)
+
+
+async def test_a_flood_of_failed_authentications_is_counted_not_logged_line_by_line(
+    tokens_file: Path,
+) -> None:
+    async with authed(tokens_file, auth_failure_rate_per_s=0.01, auth_failure_burst=3) as server:
+        target = f"127.0.0.1:{server.port}"
+        with structlog.testing.capture_logs() as logs:
+            codes = [await _raw_call(target, GENERATE, b"", None) for _ in range(6)]
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+    assert [e["code"] for e in logs if e["event"] == "generate_done"] == ["UNAUTHENTICATED"] * 3

@@ -38,7 +38,7 @@ import grpc
 import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc.server.domain.errors import InvalidArgument, RolloutError
+from rollout_grpc.server.domain.errors import InvalidArgument, ResourceExhausted, RolloutError
 from rollout_grpc.server.domain.identity import Caller, Role, current_caller, set_caller
 from rollout_grpc.server.facade.calls import CallRecord, Door
 from rollout_grpc.server.facade.door import CallBook
@@ -305,13 +305,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         first so that a PERMISSION_DENIED audit line names its target). Raises `Refused` or a
         `RolloutError` (mapped by `_refuse`); `_Unread` carries the exception when the request
         was not read."""
-        try:
-            caller = authenticate(self._auth, presented(context))
-        except Refused as refused:
-            self._auth_failures.failed(context.peer())  # ResourceExhausted past the peer's budget
-            raise _Unread(refused) from None
-        except RolloutError as exc:
-            raise _Unread(exc) from None
+        caller = self._authenticate(context, record)
         control = method in CONTROL_METHODS
         try:
             if not control:
@@ -331,6 +325,23 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         except (Refused, RolloutError) as exc:
             raise _Refusal(exc, request) from None
         return caller, request
+
+    def _authenticate(self, context: Context, record: CallRecord | None) -> Caller:
+        """The caller from the call's metadata or certificate, or `_Unread` with the refusal:
+        UNAUTHENTICATED, or RESOURCE_EXHAUSTED past the peer's budget of failed authentications
+        (then the call is counted in the metrics but writes no log line)."""
+        try:
+            return authenticate(self._auth, presented(context))
+        except Refused as refused:
+            try:
+                self._auth_failures.failed(context.peer())
+            except ResourceExhausted as flood:
+                if record is not None:
+                    record.log_line = False
+                raise _Unread(flood) from None
+            raise _Unread(refused) from None
+        except RolloutError as exc:
+            raise _Unread(exc) from None
 
     def _authorize(self, method: str, caller: Caller) -> None:
         if self._auth.enabled:
