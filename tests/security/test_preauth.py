@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 import structlog
+from grpc_health.v1 import health_pb2
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample
 from rollout_grpc.server.app import RolloutServer
@@ -202,3 +203,20 @@ async def test_a_flood_of_failed_authentications_is_counted_not_logged_line_by_l
             codes = [await _raw_call(target, GENERATE, b"", None) for _ in range(6)]
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
     assert [e["code"] for e in logs if e["event"] == "generate_done"] == ["UNAUTHENTICATED"] * 3
+
+
+async def test_health_requests_are_capped_on_both_ports(tokens_file: Path) -> None:
+    """Health is open to everyone, so its requests (one service name) are capped before decoding:
+    on the main port by the wrapper, on the health port by its gRPC message limit."""
+    async with authed(tokens_file) as server:
+        big = health_pb2.HealthCheckRequest(service="s" * (64 << 10)).SerializeToString()
+        small = health_pb2.HealthCheckRequest(service="").SerializeToString()
+        check = "/grpc.health.v1.Health/Check"
+        assert (
+            await _raw_call(f"127.0.0.1:{server.port}", check, big, None) == grpc.StatusCode.INVALID_ARGUMENT
+        )
+        assert await _raw_call(f"127.0.0.1:{server.health_port}", check, big, None) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        for port in (server.port, server.health_port):
+            assert await _raw_call(f"127.0.0.1:{port}", check, small, None) == grpc.StatusCode.OK
