@@ -302,10 +302,12 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
 
         Nothing of the request is read before the caller is authenticated; a non-control method's
         request is read only once the role may call it (a control method's, capped small, is read
-        first so that a PERMISSION_DENIED audit line names its target). Raises `Refused` or a
-        `RolloutError` (mapped by `_refuse`); `_Unread` carries the exception when the request
-        was not read."""
+        first so that a PERMISSION_DENIED audit line names its target). A refusal (`Refused` or
+        a `RolloutError`, mapped by `_refuse`) is raised inside `_Unread` when the request was not
+        read, inside `_Refusal` with the request when it was."""
         caller = self._authenticate(context, record)
+        if record is not None:
+            record.caller = caller.identity  # authenticated: its refusals name it in the log line
         control = method in CONTROL_METHODS
         try:
             if not control:
@@ -317,8 +319,6 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             if control:
                 self._authorize(method, caller)
             set_caller(caller)
-            if record is not None:
-                record.caller = caller.identity
             check_request(self._limits, request)
             if method in RATE_LIMITED_METHODS:
                 self._rate.acquire(caller.identity)

@@ -68,6 +68,10 @@ from rollout_grpc.server.security.tls import TlsConfig, server_ssl_context
 
 log = structlog.get_logger(__name__)
 
+#: The front door's body cap (aiohttp's `client_max_size`; 413 over it).
+MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Answers after which the connection is closed: the rest of the body was never read.
+_CLOSE_AFTER = frozenset({408, 413})
 SESSION_HEADER = "X-Session-Id"
 REQUEST_ID_HEADER = "X-Request-Id"
 #: Where the middleware keeps the request's `FrontDoorCall`.
@@ -167,6 +171,8 @@ class OpenAIFrontDoor:
                 finally:
                     reset_caller(token)
             call.http_status = response.status
+            if response.status in _CLOSE_AFTER:
+                response.force_close()
             return response
         except web.HTTPException as exc:  # the router's 404 and 405, the body cap's 413
             if exc.status < 400:
@@ -174,6 +180,8 @@ class OpenAIFrontDoor:
                 raise
             http_error = self._error(request, _http_error(exc))
             call.http_status = http_error.status
+            if http_error.status in _CLOSE_AFTER:
+                http_error.force_close()
             return http_error
         except ConnectionError as exc:  # the client left while its body was read: no one to answer
             call.http_status, call.details = 499, f"the client closed the connection ({exc})"
@@ -569,16 +577,13 @@ class _ChunkWriter:
                 await self._response.write_eof()
 
 
-#: The front door's body cap (aiohttp's `client_max_size`).
-MAX_BODY_BYTES = 64 * 1024 * 1024
-
-
 def _http_error(exc: web.HTTPException) -> OpenAIError:
     """An HTTP error of aiohttp (no route, wrong method, body over the cap) in OpenAI's shape."""
     if exc.status == 404:
         return OpenAIError(404, "no such route on the OpenAI front door", etype="not_found_error")
-    if exc.status == 405:
-        return OpenAIError(405, f"method {exc.reason.lower()}: this route does not take it")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return OpenAIError(405, f"method {exc.method} is not allowed on this route (it takes {allowed})")
     if exc.status == 413:
         return OpenAIError(413, f"the request body is over the limit of {MAX_BODY_BYTES >> 20} MiB")
     return OpenAIError(exc.status, exc.reason or exc.text or "HTTP error")
