@@ -19,6 +19,7 @@ import grpc
 import pytest
 import structlog
 from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample
 from rollout_grpc.server.app import RolloutServer
@@ -220,3 +221,20 @@ async def test_health_requests_are_capped_on_both_ports(tokens_file: Path) -> No
         )
         for port in (server.port, server.health_port):
             assert await _raw_call(f"127.0.0.1:{port}", check, small, None) == grpc.StatusCode.OK
+
+
+async def test_reflection_messages_are_capped_before_decoding(tokens_file: Path) -> None:
+    """Open reflection (`--reflection-open`) reads what anyone sends: each message is capped."""
+    async with (
+        authed(tokens_file, reflection_open=True, max_control_request_bytes=4096) as server,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        small = reflection_pb2.ServerReflectionRequest(list_services="")
+        [answer] = [r async for r in stub.ServerReflectionInfo(iter([small]), timeout=10)]
+        assert answer.HasField("list_services_response")
+        big = reflection_pb2.ServerReflectionRequest(file_by_filename="f" * 8192)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            _ = [r async for r in stub.ServerReflectionInfo(iter([big]), timeout=10)]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_control_request_bytes=4096" in (err.value.details() or "")

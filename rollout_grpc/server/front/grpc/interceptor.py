@@ -261,9 +261,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         if method.startswith(HEALTH_PREFIX):
             return self._open_service(handler)
         if method.startswith(REFLECTION_PREFIXES):
-            if self._config_open_reflection():
-                return handler
-            return self._guard_reflection(handler, method)
+            return self._reflection(handler, guarded=not self._config_open_reflection())
         deserialize = handler.request_deserializer or _identity
         if handler.unary_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
@@ -501,20 +499,30 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         audit_log.info("audit", outcome="OK", **fields, **_describe_result(response))
         return response
 
-    def _guard_reflection(
-        self, handler: grpc.RpcMethodHandler[Any, Any], method: str
+    def _reflection(
+        self, handler: grpc.RpcMethodHandler[Any, Any], guarded: bool
     ) -> grpc.RpcMethodHandler[Any, Any]:
-        """Reflection (a bidirectional stream) for authenticated callers only."""
+        """Reflection (a bidirectional stream): for authenticated callers only when `guarded`;
+        each message read as bytes and capped at `max_control_request_bytes` before decoding."""
         inner: Any = handler.stream_stream
+        deserialize = handler.request_deserializer or _identity
 
-        async def stream_stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            try:
-                set_caller(authenticate(self._auth, presented(context)))
-            except Refused as refused:
-                await context.abort(grpc.StatusCode[refused.code], refused.message)
-            async for message in inner(requests, context):
-                yield message
+        async def stream_stream(raw: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
+            if guarded:
+                try:
+                    set_caller(authenticate(self._auth, presented(context)))
+                except Refused as refused:
+                    await context.abort(grpc.StatusCode[refused.code], refused.message)
 
-        return grpc.stream_stream_rpc_method_handler(
-            stream_stream, handler.request_deserializer, handler.response_serializer
-        )
+            async def requests() -> AsyncIterator[Any]:
+                async for message in raw:
+                    try:
+                        self._limits.check_request_bytes(len(message), "max_control_request_bytes")
+                    except InvalidArgument as exc:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                    yield deserialize(message)
+
+            async for response in inner(requests(), context):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, None, handler.response_serializer)
