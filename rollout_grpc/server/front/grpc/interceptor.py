@@ -30,7 +30,6 @@ reflection is open, or needs any valid credential (`AuthConfig.reflection_open`)
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -43,7 +42,7 @@ from rollout_grpc.server.domain.identity import Caller, Role, current_caller, se
 from rollout_grpc.server.facade.calls import CallRecord, Door
 from rollout_grpc.server.facade.door import CallBook
 from rollout_grpc.server.front.grpc import redaction, status, wire
-from rollout_grpc.server.front.grpc.decoding import Undecodable, tolerant
+from rollout_grpc.server.front.grpc.decoding import Undecodable
 from rollout_grpc.server.security.auth import AuthConfig, Presented, Refused, authenticate, authorize
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
@@ -188,10 +187,6 @@ def _code_name(context: Context, exc: BaseException | None, sample_sent: bool) -
     return "UNKNOWN" if exc is not None else "OK"
 
 
-def _identity(raw: bytes) -> bytes:
-    return raw
-
-
 def _request_cap(method: str) -> str | None:
     """The `RequestLimits` cap of a method's serialized request (None: the gRPC message limit)."""
     return None if method in PAYLOAD_METHODS else "max_control_request_bytes"
@@ -259,10 +254,11 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         if method.startswith(HEALTH_PREFIX):
-            return self._open_service(handler)
+            return wire.open_service(handler, self._limits)
         if method.startswith(REFLECTION_PREFIXES):
-            return self._reflection(handler, guarded=not self._config_open_reflection())
-        deserialize = handler.request_deserializer or _identity
+            admit = None if self._config_open_reflection() else self._admit_reflection
+            return wire.reflection(handler, self._limits, admit)
+        deserialize = handler.request_deserializer or wire.undecoded
         if handler.unary_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
                 self._wrap_stream(method, handler.unary_stream, deserialize),
@@ -442,39 +438,6 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
 
         return stream
 
-    def _open_service(self, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
-        """Health (open to everyone): its request read under `max_open_request_bytes`, no auth."""
-        deserialize = tolerant(handler.request_deserializer or _identity)
-
-        async def read(requests: AsyncIterator[bytes], context: Context) -> Any:
-            try:
-                request = await wire.read_one(requests, deserialize, self._limits, "max_open_request_bytes")
-                check_request(self._limits, request)
-            except RolloutError as exc:
-                await context.abort_with_status(status.to_status(exc))
-            return request
-
-        if handler.unary_unary is not None:
-            check: Any = handler.unary_unary
-
-            async def unary(requests: AsyncIterator[bytes], context: Context) -> Any:
-                return await check(await read(requests, context), context)
-
-            return grpc.stream_unary_rpc_method_handler(unary, None, handler.response_serializer)
-        if handler.unary_stream is not None:
-            watch: Any = handler.unary_stream
-
-            async def stream(requests: AsyncIterator[bytes], context: Context) -> None:
-                out = watch(await read(requests, context), context)
-                if inspect.isasyncgen(out):
-                    async for message in out:
-                        await context.write(message)
-                else:
-                    await out
-
-            return grpc.stream_stream_rpc_method_handler(stream, None, handler.response_serializer)
-        return handler
-
     async def _audited(
         self, method: str, request: object, context: Context, inner: Any, caller: Caller
     ) -> Any:
@@ -499,30 +462,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         audit_log.info("audit", outcome="OK", **fields, **_describe_result(response))
         return response
 
-    def _reflection(
-        self, handler: grpc.RpcMethodHandler[Any, Any], guarded: bool
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        """Reflection (a bidirectional stream): for authenticated callers only when `guarded`;
-        each message read as bytes and capped at `max_control_request_bytes` before decoding."""
-        inner: Any = handler.stream_stream
-        deserialize = handler.request_deserializer or _identity
-
-        async def stream_stream(raw: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
-            if guarded:
-                try:
-                    set_caller(authenticate(self._auth, presented(context)))
-                except Refused as refused:
-                    await context.abort(grpc.StatusCode[refused.code], refused.message)
-
-            async def requests() -> AsyncIterator[Any]:
-                async for message in raw:
-                    try:
-                        self._limits.check_request_bytes(len(message), "max_control_request_bytes")
-                    except InvalidArgument as exc:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
-                    yield deserialize(message)
-
-            async for response in inner(requests(), context):
-                yield response
-
-        return grpc.stream_stream_rpc_method_handler(stream_stream, None, handler.response_serializer)
+    async def _admit_reflection(self, context: Context) -> None:
+        """Guarded reflection: any valid credential, bound to the call; else the refusal."""
+        try:
+            set_caller(authenticate(self._auth, presented(context)))
+        except Refused as refused:
+            await context.abort(grpc.StatusCode[refused.code], refused.message)

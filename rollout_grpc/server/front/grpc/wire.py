@@ -13,15 +13,27 @@ request is one message either way.
 
 An unread request is never pulled from the transport: gRPC core reads a stream's data only as
 far as its flow-control window while no message is asked for, and the refusal resets the stream.
+
+The services open to everyone get the same treatment without authentication: health requests
+(one service name) are capped at `max_open_request_bytes` (`open_service`), and each message of
+server reflection, open with `--reflection-open`, at `max_control_request_bytes` (`reflection`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias
+
+import grpc
 
 from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.front.grpc import status
+from rollout_grpc.server.front.grpc.decoding import Undecodable, tolerant
 from rollout_grpc.server.security.limits import RequestLimits
+
+Context = grpc.aio.ServicerContext[Any, Any]
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # not subscriptable at run time
 
 #: A method's request deserializer (`FromString`, made tolerant by `decoding.py`).
 Deserialize = Callable[[bytes], Any]
@@ -38,3 +50,73 @@ async def read_one(
     if cap is not None:
         limits.check_request_bytes(len(raw), cap)
     return deserialize(raw)
+
+
+def undecoded(raw: bytes) -> bytes:
+    """The deserializer of a method registered without one: the bytes as they are."""
+    return raw
+
+
+def open_service(handler: Handler, limits: RequestLimits) -> Handler:
+    """A unary-request handler of an open service (health) in wire form: its request read under
+    `max_open_request_bytes` and decoded tolerantly, no authentication."""
+    deserialize = tolerant(handler.request_deserializer or undecoded)
+
+    async def read(requests: AsyncIterator[bytes], context: Context) -> Any:
+        try:
+            request = await read_one(requests, deserialize, limits, "max_open_request_bytes")
+            if isinstance(request, Undecodable):
+                raise InvalidArgument(
+                    "request", f"the bytes are not a valid {request.message_type}: {request.error}"
+                )
+        except InvalidArgument as exc:
+            await context.abort_with_status(status.to_status(exc))
+        return request
+
+    if handler.unary_unary is not None:
+        check: Any = handler.unary_unary
+
+        async def unary(requests: AsyncIterator[bytes], context: Context) -> Any:
+            return await check(await read(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(unary, None, handler.response_serializer)
+    if handler.unary_stream is not None:
+        watch: Any = handler.unary_stream
+
+        async def stream(requests: AsyncIterator[bytes], context: Context) -> None:
+            out = watch(await read(requests, context), context)
+            if inspect.isasyncgen(out):  # a generator servicer; health's Watch writes itself
+                async for message in out:
+                    await context.write(message)
+            else:
+                await out
+
+        return grpc.stream_stream_rpc_method_handler(stream, None, handler.response_serializer)
+    return handler
+
+
+def reflection(
+    handler: Handler, limits: RequestLimits, admit: Callable[[Context], Awaitable[None]] | None
+) -> Handler:
+    """Server reflection (a bidirectional stream) in wire form: `admit` (authentication, when
+    reflection is not open) runs before any message is read; each message is capped at
+    `max_control_request_bytes` before it is decoded."""
+    inner: Any = handler.stream_stream
+    deserialize = handler.request_deserializer or undecoded
+
+    async def stream_stream(raw: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
+        if admit is not None:
+            await admit(context)
+
+        async def requests() -> AsyncIterator[Any]:
+            async for message in raw:
+                try:
+                    limits.check_request_bytes(len(message), "max_control_request_bytes")
+                except InvalidArgument as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                yield deserialize(message)
+
+        async for response in inner(requests(), context):
+            yield response
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, None, handler.response_serializer)
