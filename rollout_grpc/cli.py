@@ -18,6 +18,7 @@ import structlog
 from rollout_grpc import __version__, logs, settings
 from rollout_grpc import info as info_command
 from rollout_grpc.server.app import RolloutServer
+from rollout_grpc.server.exposure import ExposureRefused
 from rollout_grpc.server.ports import PortUnavailable
 
 log = structlog.get_logger("rollout_grpc.cli")
@@ -111,6 +112,8 @@ async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> i
         server = RolloutServer(config)
         try:
             await server.start()
+        except ExposureRefused as exc:  # refused before anything was opened or bound
+            raise SystemExit(f"rollout-grpc serve: {exc}") from None
         except PortUnavailable as exc:
             await server.stop()
             raise SystemExit(f"rollout-grpc serve: {exc}") from None

@@ -220,6 +220,13 @@ FLAGS: Final[tuple[Flag, ...]] = (
     Flag("--health-port", "separate grpc.health.v1 port (0 = any free port)", "health_port"),
     Flag("--metrics-port", "Prometheus /metrics HTTP port (0 = any free port; unset = off)", "metrics_port"),
     Flag(
+        "--metrics-engine-urls",
+        "label engine metrics with the engine URLs instead of engine-<hex> labels (the metrics port "
+        "has no authentication: only where admins alone reach it)",
+        "metrics_engine_urls",
+        kind="switch",
+    ),
+    Flag(
         "--otlp-endpoint",
         "OpenTelemetry OTLP/gRPC collector (host:port) for traces; needs the [tracing] extra; unset = off",
         "otlp_endpoint",
@@ -337,6 +344,11 @@ FLAGS: Final[tuple[Flag, ...]] = (
         choices=tuple(sorted(PARSERS)),
     ),
     Flag(
+        "--openai-body-timeout",
+        "seconds a front-door request body may take to arrive (then 408)",
+        "openai.body_timeout_s",
+    ),
+    Flag(
         "--openai-drift-policy",
         "a turn whose re-rendered prompt does not extend the recorded tokens: keep_prefix (send the "
         "recorded tokens, one sample per session) or split (send the template's rendering, start a "
@@ -372,6 +384,13 @@ FLAGS: Final[tuple[Flag, ...]] = (
         metavar="NAME=ROLE",
         to_field=_mtls_roles,
     ),
+    Flag(
+        "--insecure-trusted-network",
+        "every host that can reach --host is trusted: allow a non-loopback address without "
+        "authentication, or bearer tokens without TLS (refused otherwise; docs/security.md)",
+        "insecure_trusted_network",
+        kind="switch",
+    ),
     Flag("--peer-token-file", "token this replica sends to its --peer replicas", "peer_token_file"),
     Flag("--peer-ca", "PEM CA verifying peer replicas (default: the client CA)", "peer_ca_file"),
     Flag("--peer-tls-name", "name in the peers' certificates (peers are dialed by IP)", "peer_tls_name"),
@@ -390,6 +409,36 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "--max-chat-template-kwargs-bytes",
         "serialized RenderRequest.chat_template_kwargs bytes",
         "max_chat_template_kwargs_bytes",
+    ),
+    Flag(
+        "--max-prompt-chars",
+        "characters of prompt text of one chat render (front-door turn, Render RPC), checked first",
+        "max_prompt_chars",
+    ),
+    Flag(
+        "--max-control-request-bytes",
+        "serialized request bytes of any RPC but Generate, RolloutStep, Render (checked before decoding)",
+        "max_control_request_bytes",
+    ),
+    Flag(
+        "--auth-failure-rate",
+        "failed authentications per second per peer address after the burst (then RESOURCE_EXHAUSTED)",
+        "auth_failure_rate_per_s",
+    ),
+    Flag(
+        "--auth-failure-burst",
+        "failed authentications per peer address at once (0 = unlimited)",
+        "auth_failure_burst",
+    ),
+    Flag(
+        "--refusal-audit-rate",
+        "audit lines of refused control RPCs per second after the burst (the rest are counted)",
+        "refusal_audit_rate_per_s",
+    ),
+    Flag(
+        "--refusal-audit-burst",
+        "audit lines of refused control RPCs at once (0 = every one)",
+        "refusal_audit_burst",
     ),
     Flag(
         "--max-in-flight-per-caller",

@@ -40,6 +40,7 @@ from rollout_grpc.server.engines.api import EngineTimeouts
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.engines.registry import adapter_factory
+from rollout_grpc.server.exposure import check_exposure
 from rollout_grpc.server.facade.calls import TimedAdmission, log_call
 from rollout_grpc.server.facade.door import CallBook, RolloutFacade
 from rollout_grpc.server.front.grpc import decoding
@@ -60,21 +61,16 @@ from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
+from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
 from rollout_grpc.server.security.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 REPLICA_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReplicaService"].full_name
-_LOOPBACK = ("127.", "::1", "[::1]", "localhost")
 #: Pending calls gRPC core holds beyond admission's running + queued generations: the unary and
 #: control calls of a burst (GetServerInfo, Abort, health). gRPC's own default soft limit.
 PENDING_HEADROOM = 1000
-
-
-def is_loopback(host: str) -> bool:
-    """A host only this machine can reach."""
-    return host.startswith(_LOOPBACK)
 
 
 def rollout_num_engines(num_gpus: int | None, gpus_per_engine: int, engine_urls: int) -> int:
@@ -145,6 +141,9 @@ class ServerConfig:
     #: Serve gRPC server reflection; with authentication on it needs a credential unless open.
     reflection: bool = True
     reflection_open: bool = False
+    #: Every host that can reach `host` is trusted: serve a network address without authentication
+    #: or send tokens without TLS (refused otherwise; exposure.py). `--insecure-trusted-network`.
+    insecure_trusted_network: bool = False
     #: Token this replica presents to its peers (a `peer` or `admin` line of their tokens file).
     peer_token_file: str | None = None
     #: CA that verifies the peers' certificates (default: the client CA, else the system roots).
@@ -157,6 +156,17 @@ class ServerConfig:
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
     max_chat_template_kwargs_bytes: int = 64 << 10
+    #: Characters of prompt text of one chat render (front-door turn, Render RPC), before the engine.
+    max_prompt_chars: int = 4 << 20
+    #: Serialized request of every RPC but Generate, RolloutStep and Render, checked before decoding.
+    max_control_request_bytes: int = 1 << 20
+    #: Failed authentications per peer address: burst (0 = unlimited), then this rate; past it
+    #: RESOURCE_EXHAUSTED (a valid credential still gets in). security/refusals.py.
+    auth_failure_rate_per_s: float = 1.0
+    auth_failure_burst: int = 20
+    #: Audit lines of refused control RPCs: burst (0 = every one), then this rate; the rest counted.
+    refusal_audit_rate_per_s: float = 1.0
+    refusal_audit_burst: int = 20
     #: Generations (running + queued) one authenticated caller may hold; 0 = half of the in-flight
     #: limit plus the queue, so that one trainer cannot starve the others.
     max_in_flight_per_caller: int = 0
@@ -169,6 +179,9 @@ class ServerConfig:
     openai: FrontDoorConfig = field(default_factory=FrontDoorConfig)
     #: Port of the Prometheus /metrics endpoint (0 = any free port, None = no endpoint).
     metrics_port: int | None = None
+    #: Label engine series with their URLs (default: the `engine-<8 hex>` labels non-admins see;
+    #: the endpoint has no authentication).
+    metrics_engine_urls: bool = False
     #: OTLP/gRPC collector for OpenTelemetry traces ("" = tracing off; needs the `tracing` extra).
     otlp_endpoint: str = ""
     #: Engines whose logprobs mode is vLLM's default `raw_logprobs`: "refuse" (not routed to) or
@@ -213,6 +226,8 @@ class ServerConfig:
             max_stop_strings=self.max_stop_strings,
             max_stop_string_chars=self.max_stop_string_chars,
             max_chat_template_kwargs_bytes=self.max_chat_template_kwargs_bytes,
+            max_control_request_bytes=self.max_control_request_bytes,
+            max_prompt_chars=self.max_prompt_chars,
         )
 
     def per_caller_limit(self) -> int:
@@ -334,25 +349,17 @@ class RolloutServer:
         if self.auth.tokens is not None:
             self.auth.tokens.reload()
 
-    def _warn_if_exposed(self, tls: TlsConfig | None) -> None:
+    def _check_exposure(self, tls: TlsConfig | None) -> None:
+        """Refuse to serve a network address without authentication, or tokens without TLS,
+        unless the network is declared trusted (exposure.py); warn then."""
         cfg = self.config
-        if is_loopback(cfg.host):
-            return
-        if not self.auth.enabled:
-            log.warning(
-                "UNAUTHENTICATED_SERVICE_ON_NETWORK",
-                host=cfg.host,
-                risk="any caller that reaches this address may Pause, Resume and Abort every trainer's "
-                "work and see the engine URLs",
-                fix="--auth-tokens-file and/or --tls-client-ca with --mtls-role (docs/security.md)",
-            )
-        if tls is None:
-            log.warning(
-                "PLAINTEXT_SERVICE_ON_NETWORK",
-                host=cfg.host,
-                risk="requests, samples and bearer tokens cross the network unencrypted",
-                fix="--tls-cert/--tls-key (docs/security.md)",
-            )
+        check_exposure(
+            cfg.host,
+            auth=self.auth.enabled,
+            tokens=self.auth.tokens is not None,
+            tls=tls is not None,
+            trusted=cfg.insecure_trusted_network,
+        )
 
     def _peer_aborter(self, tls: TlsConfig | None) -> PeerAborter:
         cfg = self.config
@@ -374,6 +381,7 @@ class RolloutServer:
         cfg = self.config
         limit = cfg.in_flight_limit()
         tls = cfg.tls()
+        self._check_exposure(tls)  # before anything listens
         session, interceptors = self._open_engine_session()
         servicer = self._build_domain(session, limit, tls)
         await self._start_engine_pool()
@@ -394,7 +402,6 @@ class RolloutServer:
             # In every engine request id of this replica (rollout/call_ids.py): grep engine logs.
             engine_id_instance=self.rollout.call_ids.instance,
         )
-        self._warn_if_exposed(tls)
 
     def _open_engine_session(self) -> tuple[aiohttp.ClientSession, list[grpc.aio.ServerInterceptor]]:
         """Create the process's one HTTP session to the engines (traced if tracing is on).
@@ -441,7 +448,7 @@ class RolloutServer:
             breaker_cooldown_s=cfg.breaker_cooldown_s,
         )
         admission = TimedAdmission(limit, cfg.max_queue, cfg.retry_after_s)
-        self.metrics = Metrics(self.pool, admission)
+        self.metrics = Metrics(self.pool, admission, engine_urls=cfg.metrics_engine_urls)
         #: Every call's record, of either door, goes to these (log line, metrics; tests add theirs).
         self.calls = CallBook([log_call, self.metrics.observe])
         self.rollout = Rollout(
@@ -496,17 +503,21 @@ class RolloutServer:
     ) -> grpc.aio.Server:
         """The main gRPC server with its interceptor chain and services, bound to its port."""
         cfg = self.config
-        # Tracing (when on) wraps everything; then the one per-call wrapper: record, auth, bounds,
-        # status mapping (refusals at the door are recorded and counted too).
+        # The one per-call wrapper: record, auth, bounds, status mapping (refusals at the door are
+        # recorded and counted too); tracing (when on) inside it.
+        # The per-call wrapper goes first: it reads a request off the wire only once the caller
+        # is authenticated (front/grpc/wire.py), so tracing (inside it) spans admitted calls only.
         chain = [
-            *interceptors,
             RpcInterceptor(
                 self.calls,
                 self.auth,
                 cfg.request_limits(),
                 ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst),
                 engine_urls=lambda: [e.url for e in self.pool.engines],
+                auth_failures=AuthFailureLimiter(cfg.auth_failure_rate_per_s, cfg.auth_failure_burst),
+                refusal_audit=RefusalSampler(cfg.refusal_audit_rate_per_s, cfg.refusal_audit_burst),
             ),
+            *interceptors,
         ]
         server = grpc.aio.server(options=cfg.grpc_options(), interceptors=chain)
         decoding.add_rollout_service(servicer, server)
@@ -549,7 +560,13 @@ class RolloutServer:
     async def _start_health_port(self, tls: TlsConfig | None) -> None:
         """A separate health-only server (plaintext when asked, so kubelet probes need no cert)."""
         cfg = self.config
-        self._health_server = grpc.aio.server(options=[NO_REUSEPORT])
+        # Health requests are one service name: anything larger is refused by gRPC core unread.
+        self._health_server = grpc.aio.server(
+            options=[
+                NO_REUSEPORT,
+                ("grpc.max_receive_message_length", cfg.request_limits().max_open_request_bytes),
+            ]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
         secure = tls is not None and not cfg.health_plaintext
         credentials = server_credentials(tls, require_client_cert=False) if secure and tls else None

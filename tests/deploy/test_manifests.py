@@ -113,28 +113,30 @@ def test_network_policy_admits_clients_and_peers_only() -> None:
     )
     assert 'rollout-grpc/client: "true"' in text
     assert 'policyTypes: ["Ingress", "Egress"]' in text
+    # Prometheus (labelled pods, any namespace) may scrape the metrics port, and only it.
+    metrics_rule = text.split(f"- port: {args['--health-port']}\n", 1)[1].split("egress:", 1)[0]
+    assert f"- port: {args['--metrics-port']}\n" in metrics_rule
+    assert 'rollout-grpc/metrics-scraper: "true"' in metrics_rule and "namespaceSelector: {}" in metrics_rule
     engines = (K8S / "vllm-engines.example.yaml").read_text()
     assert "app.kubernetes.io/name: trainer" not in engines  # not every trainer pod
     assert 'rollout-grpc/engine-admin: "true"' in engines
 
 
-def test_tls_overlay_flags_exist_and_match_its_mount() -> None:
-    text = (K8S / "tls" / "kustomization.yaml").read_text()
-    help_text = subprocess.run(
-        [*replica_command(), "serve", "--help"], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    flags = re.findall(r"value: (--[a-z0-9-]+)(?:=(\S+))?", text)
-    assert {f for f, _ in flags} == {
-        "--tls-cert",
-        "--tls-key",
-        "--peer-ca",
-        "--peer-tls-name",
-        "--health-plaintext",
-    }
-    assert {f for f, _ in flags} <= set(re.findall(r"(--[a-z0-9-]+)", help_text))
-    mount = re.search(r"name: tls, mountPath: (\S+),", text)
-    assert mount is not None
-    assert all(path.startswith(mount[1] + "/") for flag, path in flags if path and flag != "--peer-tls-name")
+def test_the_documented_deployment_serves_tls_with_its_tokens() -> None:
+    """Tokens never cross the pod network in plaintext: the base manifests (what the README applies)
+    serve TLS from the mounted kubernetes.io/tls Secret, and a replica would refuse tokens without
+    it on --host=0.0.0.0 (tests/deploy/test_exposure.py)."""
+    args = container_args()
+    assert args["--host"] == "0.0.0.0" and "--auth-tokens-file" in args
+    assert "--insecure-trusted-network" not in args
+    mounts = dict(re.findall(r"- name: (\S+)\n\s+mountPath: (\S+)", DEPLOYMENT))
+    for flag in ("--tls-cert", "--tls-key", "--peer-ca"):
+        assert args[flag].startswith(mounts["tls"] + "/"), flag
+    assert "--health-plaintext" in args and args["--peer-tls-name"] == "rollout-grpc-headless"
+    assert re.search(r"- name: tls\n\s+secret:\n\s+secretName: rollout-grpc-tls\n", DEPLOYMENT)
+    assert not (K8S / "tls").exists()  # no plaintext base with an optional TLS overlay any more
+    services = (K8S / "services.yaml").read_text()
+    assert "h2c" not in services and services.count("appProtocol: https") == 3
 
 
 def test_metrics_port_is_exposed_and_annotated_for_scraping() -> None:

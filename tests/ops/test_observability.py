@@ -20,6 +20,7 @@ from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client import make_sample, pb
 from rollout_grpc.server.app import RolloutServer, ServerConfig
 from rollout_grpc.server.facade.calls import CallRecord
+from rollout_grpc.server.security.redact import engine_label
 from rollout_grpc.sim.app import RECEIVED_HEADERS
 from tests.harness import Harness, harness, sim_engines
 
@@ -104,7 +105,7 @@ async def test_metrics_move_with_generations_refusals_aborts_and_pauses(slow: Ha
     port = h.server.metrics_port
     assert port
     before = await scrape(port)
-    assert value(before, "rollout_grpc_engine_usable", engine=h.sims[0].url) == 1.0
+    assert value(before, "rollout_grpc_engine_usable", engine=engine_label(h.sims[0].url)) == 1.0
     assert value(before, "rollout_grpc_admission_limit") == 1.0
     ended = Ended(h)
 
@@ -128,7 +129,7 @@ async def test_metrics_move_with_generations_refusals_aborts_and_pauses(slow: Ha
     await first_delta(long_call)
     during = await scrape(port)
     assert value(during, "rollout_grpc_num_requests_running") == 1
-    assert value(during, "rollout_grpc_engine_in_flight", engine=h.sims[0].url) == 1
+    assert value(during, "rollout_grpc_engine_in_flight", engine=engine_label(h.sims[0].url)) == 1
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         async for _ in stub(h).Generate(request(4, "refused")):
             pass
@@ -140,7 +141,7 @@ async def test_metrics_move_with_generations_refusals_aborts_and_pauses(slow: Ha
         pass
     await stub(h).Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP))
     paused = await scrape(port)
-    assert value(paused, "rollout_grpc_engine_paused", engine=h.sims[0].url) == 1
+    assert value(paused, "rollout_grpc_engine_paused", engine=engine_label(h.sims[0].url)) == 1
     await stub(h).Resume(pb.ResumeRequest(weight_version="v7"))
     await ended.wait(4)
     end = await scrape(port)
@@ -151,9 +152,14 @@ async def test_metrics_move_with_generations_refusals_aborts_and_pauses(slow: Ha
     assert value(end, "rollout_grpc_aborted_generations_total", target="all") == 1
     assert value(end, "rollout_grpc_abort_all_duration_seconds_count") == 1
     assert value(end, "rollout_grpc_pause_duration_seconds_count") == 1
-    assert value(end, "rollout_grpc_engine_paused", engine=h.sims[0].url) == 0
+    assert value(end, "rollout_grpc_engine_paused", engine=engine_label(h.sims[0].url)) == 0
     assert value(end, "rollout_grpc_num_requests_running") == 0
-    version = value(end, "rollout_grpc_engine_weight_version_info", engine=h.sims[0].url, weight_version="v7")
+    version = value(
+        end,
+        "rollout_grpc_engine_weight_version_info",
+        engine=engine_label(h.sims[0].url),
+        weight_version="v7",
+    )
     assert version == 1
     code = value(end, "rollout_grpc_grpc_server_handled_total", grpc_method="Generate", grpc_code="OK")
     assert code == 3
@@ -163,8 +169,10 @@ async def test_metrics_report_engine_capability_problems() -> None:
     async with harness("sim", sim_config={"scale_out": False}, metrics_port=0) as h:
         assert h.server.metrics_port
         samples = await scrape(h.server.metrics_port)
-        assert value(samples, "rollout_grpc_engine_usable", engine=h.sims[0].url) == 0
-        assert value(samples, "rollout_grpc_engine_capability_problems", engine=h.sims[0].url) == 1
+        assert value(samples, "rollout_grpc_engine_usable", engine=engine_label(h.sims[0].url)) == 0
+        assert (
+            value(samples, "rollout_grpc_engine_capability_problems", engine=engine_label(h.sims[0].url)) == 1
+        )
 
 
 def _done(logs: list[MutableMapping[str, Any]], request_id: str) -> MutableMapping[str, Any]:

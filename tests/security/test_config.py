@@ -9,6 +9,7 @@ import structlog
 
 from rollout_grpc import settings
 from rollout_grpc.server.app import RolloutServer, ServerConfig
+from rollout_grpc.server.exposure import ExposureRefused
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -59,9 +60,12 @@ def test_default_share_is_half_of_slots_and_queue() -> None:
     assert config.per_caller_limit() == (20 + 30) // 2
 
 
-def test_network_address_without_auth_or_tls_is_warned_about_loudly() -> None:
+def test_network_address_without_auth_or_tls_starts_only_on_a_trusted_network() -> None:
+    with pytest.raises(ExposureRefused, match="--insecure-trusted-network"):
+        RolloutServer(ServerConfig(engines=[], host="0.0.0.0"))._check_exposure(None)
     with structlog.testing.capture_logs() as logs:
-        RolloutServer(ServerConfig(engines=[], host="0.0.0.0"))._warn_if_exposed(None)
-        RolloutServer(ServerConfig(engines=[], host="127.0.0.1"))._warn_if_exposed(None)
+        trusted = ServerConfig(engines=[], host="0.0.0.0", insecure_trusted_network=True)
+        RolloutServer(trusted)._check_exposure(None)
+        RolloutServer(ServerConfig(engines=[], host="127.0.0.1"))._check_exposure(None)
     events = [e["event"] for e in logs if e["log_level"] == "warning"]
     assert events == ["UNAUTHENTICATED_SERVICE_ON_NETWORK", "PLAINTEXT_SERVICE_ON_NETWORK"]

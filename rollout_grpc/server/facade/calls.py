@@ -80,6 +80,9 @@ class CallRecord:
     step_groups: dict[str, int] = field(default_factory=dict)
     version_lags: list[int] = field(default_factory=list)
     step_tokens: int = 0
+    #: Write the call's log line. Off for calls refused past a peer's budget of failed
+    #: authentications (security/refusals.py): counted in the metrics, not one line each.
+    log_line: bool = True
 
     @property
     def duration_s(self) -> float:
@@ -170,7 +173,10 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def log_call(record: CallRecord) -> None:
-    """The one log line of every generation that ends, whatever its outcome and door."""
+    """The one log line of every generation that ends, whatever its outcome and door (unless the
+    call was one of a flood of failed authentications, `CallRecord.log_line`)."""
+    if not record.log_line:
+        return
     if record.door is Door.OPENAI:
         _log_front_door(record)
     elif record.method == "Generate":

@@ -10,7 +10,11 @@ come from three places, none of them inside the generation loop:
   (its turns' queue wait joins the shared queue histogram);
 * the engine pool and admission, read at scrape time (`_StateCollector`): running, queued and
   limit, and per engine health, circuit breaker, paused, usable, capability problems, in flight and
-  the current weight version (an info-style gauge).
+  the current weight version (an info-style gauge). The `engine` label is the engine's opaque
+  `engine-<8 hex>` label (security/redact.py), the one non-admin callers see: the endpoint has no
+  authentication, and engine URLs are internal addresses (`--metrics-engine-urls` shows them,
+  for a metrics port only admins reach). The label is stable across replicas and restarts; an
+  admin's `GetServerInfo` or `rollout-grpc info` maps it back to the URL.
 
 Names follow Prometheus conventions (`_total` counters, `_seconds` units, base units) with the
 `rollout_grpc_` prefix; where vLLM has the same quantity (`vllm:time_to_first_token_seconds`,
@@ -36,6 +40,7 @@ from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.facade.calls import CallRecord, Door
 from rollout_grpc.server.rollout.admission import Admission
 from rollout_grpc.server.rollout.control import AbortResult, FleetResult
+from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +80,10 @@ _RPC_BUCKETS: Final = (
 class Metrics:
     """The replica's metrics; `observe` is a listener of the facade's `CallBook`."""
 
-    def __init__(self, pool: EnginePool, admission: Admission) -> None:
+    def __init__(self, pool: EnginePool, admission: Admission, *, engine_urls: bool = False) -> None:
+        """`engine_urls`: label engine series with the engine URLs; by default with the opaque
+        `engine-<8 hex>` labels that non-admin callers see (the endpoint has no authentication)."""
+        self._engine_urls = engine_urls
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.handled = Counter(
@@ -272,6 +280,10 @@ class Metrics:
         """The text exposition format of every metric."""
         return generate_latest(self.registry)
 
+    def engine_name(self, url: str) -> str:
+        """The `engine` label value of `url`: the URL itself only when asked for."""
+        return url if self._engine_urls else redact.engine_label(url)
+
 
 class _StateCollector(Collector):
     """Gauges read from the pool and admission at scrape time (always current, no bookkeeping)."""
@@ -325,7 +337,7 @@ class _StateCollector(Collector):
         )
         paused = self._metrics.paused_engines
         for engine in self._pool.engines:
-            url = [engine.url]
+            url = [self._metrics.engine_name(engine.url)]
             families["healthy"].add_metric(url, float(engine.healthy))
             families["breaker"].add_metric(url, float(not engine.healthy and engine.consecutive_failures > 0))
             families["paused"].add_metric(url, float(engine.url in paused))
@@ -333,7 +345,7 @@ class _StateCollector(Collector):
             families["problems"].add_metric(url, float(len(engine.problems)))
             families["in_flight"].add_metric(url, float(engine.in_flight))
             if engine.weight_version:
-                version.add_metric([engine.url, engine.weight_version], 1.0)
+                version.add_metric([url[0], engine.weight_version], 1.0)
         yield from families.values()
         yield version
 

@@ -34,6 +34,34 @@ class RequestLimits:
     max_stop_string_chars: int = 1024
     #: Serialized size of `RenderRequest.chat_template_kwargs`.
     max_chat_template_kwargs_bytes: int = 64 << 10
+    #: Serialized size of a request of a small RPC (Abort, Pause, Resume, GetServerInfo,
+    #: GetTrajectory, AbortLocal), checked on the bytes before they are decoded. 1024 request ids
+    #: of 256 characters are ~270 KB; only Generate, RolloutStep and Render carry payloads (prompts,
+    #: partial samples, routed experts, images) up to the gRPC message limit.
+    max_control_request_bytes: int = 1 << 20
+    #: Serialized size of a request to the open health service (no credentials, nothing to carry).
+    max_open_request_bytes: int = 4 << 10
+    #: Characters of prompt text one chat render may carry (message text, tool-call arguments, tool
+    #: definitions; images have their own byte and pixel caps), checked before anything is sent to
+    #: an engine: a 60 MiB chat turn kept an engine's renderer busy until its health probe failed
+    #: and every caller got 503. 4 Mi characters are ~1M tokens, above any served context.
+    max_prompt_chars: int = 4 << 20
+
+    def check_prompt(self, field: str, chars: int) -> None:
+        """Raise InvalidArgument naming `field` when a prompt's `chars` exceed `max_prompt_chars`."""
+        if chars > self.max_prompt_chars:
+            cap = self.max_prompt_chars
+            raise InvalidArgument(
+                field, f"{chars} characters of prompt text, over the limit max_prompt_chars={cap}"
+            )
+
+    def check_request_bytes(self, size: int, limit: str) -> None:
+        """Raise InvalidArgument naming the request when `size` serialized bytes exceed the cap
+        named `limit` (`max_control_request_bytes` or `max_open_request_bytes`); called before
+        the bytes are decoded, so a large request costs its bytes, never its decoded objects."""
+        cap = int(getattr(self, limit))
+        if size > cap:
+            raise InvalidArgument("request", f"{size} bytes, over the limit {limit}={cap}")
 
     def check_ids(self, count: int) -> None:
         """Raise InvalidArgument when one Abort lists more request ids than `max_abort_ids`."""

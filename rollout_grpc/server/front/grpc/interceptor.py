@@ -6,19 +6,25 @@ Every RPC of `rollout.v1.RolloutService` and `rollout.v1.ReplicaService` runs in
 1. opens the call's record in the facade's `CallBook` (rollout RPCs), so that a call refused at
    the door leaves its log line and metrics like one that generated;
 2. authenticates the caller from the `authorization` metadata or the verified client certificate
-   (`security.auth`), checks the role against `METHOD_ROLES` and binds the caller to the call
-   (`identity.set_caller`); UNAUTHENTICATED / PERMISSION_DENIED otherwise;
-3. refuses request bytes that did not decode (`decoding.py`), requests over a size cap
+   (`security.auth`) BEFORE any request byte is read (`wire.py`: the methods are registered at
+   the wire level as request-streaming, undecoded); UNAUTHENTICATED otherwise, RESOURCE_EXHAUSTED
+   past the peer's budget of failed authentications (`security.refusals`);
+3. reads the one request message as bytes, refuses it over the method's cap before decoding it
+   (`max_control_request_bytes` for every method but Generate, RolloutStep and Render), decodes
+   it, checks the role against `METHOD_ROLES` and binds the caller to the call
+   (`identity.set_caller`; PERMISSION_DENIED otherwise);
+4. refuses request bytes that did not decode (`decoding.py`), requests over a size cap
    (`security.limits.RequestLimits`) and control RPCs over the caller's rate;
-4. runs the servicer: a stream's messages pass through this wrapper's one loop untouched (no
+5. runs the servicer: a stream's messages pass through this wrapper's one loop untouched (no
    per-message inspection: the facade observes the domain events before conversion);
-5. maps a domain error to its rich status (`status.to_status`), anything unexpected to INTERNAL
+6. maps a domain error to its rich status (`status.to_status`), anything unexpected to INTERNAL
    with a generic message, and closes the record with the code the caller got. A stream whose
    final sample was already sent is OK even if the client leaves before reading the trailers.
 
-Control RPCs leave one `audit` line with the caller, target and outcome, refusals included.
-Health is always open (probes carry no credentials); reflection is open, or needs any valid
-credential (`AuthConfig.reflection_open`).
+Control RPCs leave one `audit` line with the caller, target and outcome, refusals included
+(refusals within `RefusalSampler`'s bound; the rest are counted on the next line). Health is
+always open (probes carry no credentials) and its requests are capped at `max_open_request_bytes`;
+reflection is open, or needs any valid credential (`AuthConfig.reflection_open`).
 """
 
 from __future__ import annotations
@@ -31,14 +37,15 @@ import grpc
 import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc.server.domain.errors import InvalidArgument, RolloutError
+from rollout_grpc.server.domain.errors import InvalidArgument, ResourceExhausted, RolloutError
 from rollout_grpc.server.domain.identity import Caller, Role, current_caller, set_caller
 from rollout_grpc.server.facade.calls import CallRecord, Door
 from rollout_grpc.server.facade.door import CallBook
-from rollout_grpc.server.front.grpc import redaction, status
+from rollout_grpc.server.front.grpc import redaction, status, wire
 from rollout_grpc.server.front.grpc.decoding import Undecodable
 from rollout_grpc.server.security.auth import AuthConfig, Presented, Refused, authenticate, authorize
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
+from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
 
 log = structlog.get_logger(__name__)
 audit_log = structlog.get_logger("rollout_grpc.audit")
@@ -71,6 +78,10 @@ CONTROL_METHODS = frozenset(
 #: Public control RPCs, rate-limited per caller (replica-to-replica AbortLocal is not: one caller's
 #: abort fans out to every peer, and peers are trusted).
 RATE_LIMITED_METHODS = frozenset({ROLLOUT + "Abort", ROLLOUT + "Pause", ROLLOUT + "Resume"})
+#: The RPCs whose requests carry payloads (prompts, partial samples with routed experts, images),
+#: read up to the gRPC message limit once the caller may call them. Every other method's request
+#: is capped at `RequestLimits.max_control_request_bytes` before it is decoded.
+PAYLOAD_METHODS = frozenset({ROLLOUT + "Generate", ROLLOUT + "RolloutStep", ROLLOUT + "Render"})
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -88,10 +99,21 @@ def check_request(limits: RequestLimits, request: object) -> None:
     elif isinstance(request, pb.AbortRequest | pb.AbortLocalRequest):
         if request.WhichOneof("target") == "request_ids":
             limits.check_ids(len(request.request_ids.ids))
-    elif isinstance(request, pb.RenderRequest) and request.HasField("chat_template_kwargs"):
+    elif isinstance(request, pb.RenderRequest):
+        _check_render(limits, request)
+
+
+def _check_render(limits: RequestLimits, request: pb.RenderRequest) -> None:
+    """A render's prompt text and template arguments, before anything goes to an engine."""
+    if request.HasField("chat_template_kwargs"):
         limits.check_size(
             "chat_template_kwargs", request.chat_template_kwargs.ByteSize(), "max_chat_template_kwargs_bytes"
         )
+    if request.WhichOneof("prompt") == "text":
+        limits.check_prompt("text", len(request.text))
+    elif request.WhichOneof("prompt") == "chat":
+        chars = sum(len(part.text) for m in request.chat.messages for part in m.content)
+        limits.check_prompt("chat.messages", chars)
 
 
 def _check_step(limits: RequestLimits, request: pb.RolloutStepRequest) -> None:
@@ -165,13 +187,40 @@ def _code_name(context: Context, exc: BaseException | None, sample_sent: bool) -
     return "UNKNOWN" if exc is not None else "OK"
 
 
+def _request_cap(method: str) -> str | None:
+    """The `RequestLimits` cap of a method's serialized request (None: the gRPC message limit)."""
+    return None if method in PAYLOAD_METHODS else "max_control_request_bytes"
+
+
+class _Unread(Exception):
+    """A refusal before the request was read (`request` is None)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.request: object = None
+
+
+class _Refusal(Exception):
+    """A refusal after the request was read and decoded."""
+
+    def __init__(self, error: Exception, request: object) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.request = request
+
+
 def _details(context: Context) -> str:
     details = context.details()
     return details.decode() if isinstance(details, bytes) else str(details or "")
 
 
 class RpcInterceptor(grpc.aio.ServerInterceptor):
-    """The one per-call wrapper (see the module docstring)."""
+    """The one per-call wrapper (see the module docstring).
+
+    It must be the first interceptor of the server: it replaces each unary-request handler by its
+    wire-level form (`wire.py`), so the interceptors after it (tracing) and the servicer see the
+    decoded request as before, but only of a caller that was admitted."""
 
     def __init__(
         self,
@@ -180,14 +229,20 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         limits: RequestLimits,
         rate: ControlRateLimiter,
         engine_urls: Callable[[], Iterable[str]] = tuple,
+        *,
+        auth_failures: AuthFailureLimiter | None = None,
+        refusal_audit: RefusalSampler | None = None,
     ) -> None:
         """`engine_urls`: the pool's engine addresses, replaced by labels in the error messages
-        non-admins get."""
+        non-admins get. `auth_failures`: failed authentications per peer (default: 1/s, burst
+        20); `refusal_audit`: how many refusals get an audit line (default: 1/s, burst 20)."""
         self._engine_urls = engine_urls
         self._calls = calls
         self._auth = auth
         self._limits = limits
         self._rate = rate
+        self._auth_failures = auth_failures or AuthFailureLimiter(1.0, 20)
+        self._refusal_audit = refusal_audit or RefusalSampler(1.0, 20)
 
     async def intercept_service(
         self,
@@ -196,22 +251,24 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
-        if handler is None or method.startswith(HEALTH_PREFIX):
+        if handler is None:
             return handler
+        if method.startswith(HEALTH_PREFIX):
+            return wire.open_service(handler, self._limits)
         if method.startswith(REFLECTION_PREFIXES):
-            if self._config_open_reflection():
-                return handler
-            return self._guard_reflection(handler, method)
+            admit = None if self._config_open_reflection() else self._admit_reflection
+            return wire.reflection(handler, self._limits, admit)
+        deserialize = handler.request_deserializer or wire.undecoded
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream),
-                handler.request_deserializer,
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_stream(method, handler.unary_stream, deserialize),
+                None,
                 handler.response_serializer,
             )
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary),
-                handler.request_deserializer,
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.unary_unary, deserialize),
+                None,
                 handler.response_serializer,
             )
         return handler
@@ -226,35 +283,72 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             return None
         return self._calls.open(Door.GRPC, method.removeprefix(ROLLOUT))
 
-    def _admit(self, method: str, context: Context, request: object, record: CallRecord | None) -> Caller:
-        """Authenticate and authorise the caller, bind it to the call, check the request's bounds.
+    async def _admit(
+        self,
+        method: str,
+        context: Context,
+        requests: AsyncIterator[bytes],
+        deserialize: wire.Deserialize,
+        record: CallRecord | None,
+    ) -> tuple[Caller, object]:
+        """Authenticate the caller from the metadata, then read and decode the request, authorise,
+        bind the caller to the call and check the request's bounds.
 
-        Raises `Refused` or a `RolloutError` (the caller's, mapped by `_refuse`)."""
-        caller = authenticate(self._auth, presented(context))
+        Nothing of the request is read before the caller is authenticated; a non-control method's
+        request is read only once the role may call it (a control method's, capped small, is read
+        first so that a PERMISSION_DENIED audit line names its target). A refusal (`Refused` or
+        a `RolloutError`, mapped by `_refuse`) is raised inside `_Unread` when the request was not
+        read, inside `_Refusal` with the request when it was."""
+        caller = self._authenticate(context, record)
+        if record is not None:
+            record.caller = caller.identity  # authenticated: its refusals name it in the log line
+        control = method in CONTROL_METHODS
+        try:
+            if not control:
+                self._authorize(method, caller)
+            request = await wire.read_one(requests, deserialize, self._limits, _request_cap(method))
+        except (Refused, RolloutError) as exc:
+            raise _Unread(exc) from None
+        try:
+            if control:
+                self._authorize(method, caller)
+            set_caller(caller)
+            check_request(self._limits, request)
+            if method in RATE_LIMITED_METHODS:
+                self._rate.acquire(caller.identity)
+        except (Refused, RolloutError) as exc:
+            raise _Refusal(exc, request) from None
+        return caller, request
+
+    def _authenticate(self, context: Context, record: CallRecord | None) -> Caller:
+        """The caller from the call's metadata or certificate, or `_Unread` with the refusal:
+        UNAUTHENTICATED, or RESOURCE_EXHAUSTED past the peer's budget of failed authentications
+        (then the call is counted in the metrics but writes no log line)."""
+        try:
+            return authenticate(self._auth, presented(context))
+        except Refused as refused:
+            try:
+                self._auth_failures.failed(context.peer())
+            except ResourceExhausted as flood:
+                if record is not None:
+                    record.log_line = False
+                raise _Unread(flood) from None
+            raise _Unread(refused) from None
+        except RolloutError as exc:
+            raise _Unread(exc) from None
+
+    def _authorize(self, method: str, caller: Caller) -> None:
         if self._auth.enabled:
             authorize(caller, method.rsplit("/", 1)[-1], METHOD_ROLES.get(method, frozenset()))
-        set_caller(caller)
-        if record is not None:
-            record.caller = caller.identity
-        check_request(self._limits, request)
-        if method in RATE_LIMITED_METHODS:
-            self._rate.acquire(caller.identity)
-        return caller
 
     async def _refuse(self, method: str, context: Context, request: object, exc: Exception) -> None:
-        """Abort the call with the status of `exc` (audited for control methods); always raises."""
+        """Abort the call with the status of `exc` (audited for control methods, within the
+        refusal audit's bound); always raises."""
+        if isinstance(exc, _Unread | _Refusal):
+            request, exc = exc.request, exc.error
         if isinstance(exc, Refused):
             if method in CONTROL_METHODS:
-                who = exc.caller
-                audit_log.warning(
-                    "audit",
-                    method=method,
-                    caller=who.identity if who else None,
-                    role=who.role.value if who else None,
-                    peer=context.peer(),
-                    outcome=exc.code,
-                    **describe_target(method, request),
-                )
+                self._audit_refusal(method, context, request, exc)
             await context.abort(grpc.StatusCode[exc.code], exc.message)
         if isinstance(exc, RolloutError):
             if not current_caller().is_admin:
@@ -262,6 +356,25 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             await context.abort_with_status(status.to_status(exc))
         log.exception("internal_error", exc_info=exc)
         await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the server)")
+
+    def _audit_refusal(self, method: str, context: Context, request: object, exc: Refused) -> None:
+        """One audit line for a refused control RPC, unless the refusal audit's bound is reached
+        (then counted, and the count written with the next line)."""
+        left_out = self._refusal_audit.admit()
+        if left_out is None:
+            return
+        who = exc.caller
+        extra: dict[str, object] = {"suppressed_refusals": left_out} if left_out else {}
+        audit_log.warning(
+            "audit",
+            method=method,
+            caller=who.identity if who else None,
+            role=who.role.value if who else None,
+            peer=context.peer(),
+            outcome=exc.code,
+            **describe_target(method, request),
+            **extra,
+        )
 
     def _close(
         self,
@@ -275,14 +388,15 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         code = _code_name(context, exc, sample_sent)
         self._calls.close(record, code, _details(context) if code != "OK" else "")
 
-    def _wrap_unary(self, method: str, inner: Any) -> Any:
+    def _wrap_unary(self, method: str, inner: Any, deserialize: wire.Deserialize) -> Any:
         audited = method in CONTROL_METHODS
 
-        async def unary(request: Any, context: Context) -> Any:
+        async def unary(requests: AsyncIterator[bytes], context: Context) -> Any:
             record = self._open(method)
+            request: object = None
             try:
                 try:
-                    caller = self._admit(method, context, request, record)
+                    caller, request = await self._admit(method, context, requests, deserialize, record)
                     if audited:
                         response = await self._audited(method, request, context, inner, caller)
                     else:
@@ -300,15 +414,16 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
 
         return unary
 
-    def _wrap_stream(self, method: str, inner: Any) -> Any:
-        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+    def _wrap_stream(self, method: str, inner: Any, deserialize: wire.Deserialize) -> Any:
+        async def stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
             record = self._open(method)
+            request: object = None
             #: The final sample was handed to gRPC (it is the one message sent after the facade
             #: recorded the sample): a client that leaves after it got what it asked for.
             delivered = False
             try:
                 try:
-                    self._admit(method, context, request, record)
+                    _, request = await self._admit(method, context, requests, deserialize, record)
                     async for message in inner(request, context):
                         delivered = delivered or (record is not None and record.sample is not None)
                         yield message
@@ -347,20 +462,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         audit_log.info("audit", outcome="OK", **fields, **_describe_result(response))
         return response
 
-    def _guard_reflection(
-        self, handler: grpc.RpcMethodHandler[Any, Any], method: str
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        """Reflection (a bidirectional stream) for authenticated callers only."""
-        inner: Any = handler.stream_stream
-
-        async def stream_stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            try:
-                set_caller(authenticate(self._auth, presented(context)))
-            except Refused as refused:
-                await context.abort(grpc.StatusCode[refused.code], refused.message)
-            async for message in inner(requests, context):
-                yield message
-
-        return grpc.stream_stream_rpc_method_handler(
-            stream_stream, handler.request_deserializer, handler.response_serializer
-        )
+    async def _admit_reflection(self, context: Context) -> None:
+        """Guarded reflection: any valid credential, bound to the call; else the refusal."""
+        try:
+            set_caller(authenticate(self._auth, presented(context)))
+        except Refused as refused:
+            await context.abort(grpc.StatusCode[refused.code], refused.message)

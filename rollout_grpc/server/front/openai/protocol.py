@@ -7,6 +7,7 @@ domain's finish reasons -> OpenAI's `finish_reason` strings (vLLM's `"abort"` an
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -34,6 +35,15 @@ FINISH = {
 }
 
 
+#: Session ids (`X-Session-Id`, `/sessions/{id}/...`): the characters of the request-id rule (gRPC
+#: metadata-, header- and log-safe; `~` excluded, as in request ids), at most 200 of them: a
+#: turn's request id is `<session id>.t<turn>.<8 hex>` and must itself be a valid request id.
+SESSION_ID = re.compile(r"[A-Za-z0-9._:/@+=-]{1,200}")
+SESSION_ID_RULE = "must be 1-200 characters of A-Z a-z 0-9 . _ : / @ + = -"
+#: Content parts that are not text (their bytes have limits of their own).
+_MEDIA_PARTS = frozenset({"image_url", "input_audio", "video_url", "audio_url", "file"})
+
+
 class OpenAIError(Exception):
     """An OpenAI error envelope with its HTTP status."""
 
@@ -44,6 +54,33 @@ class OpenAIError(Exception):
         self.param = param
         self.etype = etype or ("invalid_request_error" if status < 500 else "server_error")
         self.headers: dict[str, str] = {}
+
+
+def check_session_id(session_id: str) -> None:
+    """A 400 naming `session_id` unless it follows SESSION_ID. Checked before the turn runs: a
+    control character used to run the turn and then break the response header echoing it, and a
+    non-UTF-8 one (surrogates after aiohttp's decoding) to fail the log line."""
+    if SESSION_ID.fullmatch(session_id) is None:
+        shown = session_id[:64].encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+        raise OpenAIError(400, f"session_id: {SESSION_ID_RULE}; got {shown!r}", "session_id")
+
+
+def text_chars(value: Any) -> int:
+    """Characters of every string in `value` (parsed JSON, so bounded by the body cap), media
+    parts skipped."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            if item.get("type") in _MEDIA_PARTS:
+                continue
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def from_domain(exc: RolloutError) -> OpenAIError:

@@ -51,11 +51,13 @@ from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.openai import auth as openai_auth
 from rollout_grpc.server.front.openai.protocol import (
     OpenAIError,
+    check_session_id,
     error_response,
     finish_reason,
     from_domain,
     render_request,
     sampling_params,
+    text_chars,
     usage,
 )
 from rollout_grpc.server.front.openai.tools import ParsedOutput, ToolCallParser, get_parser, held_back
@@ -66,6 +68,10 @@ from rollout_grpc.server.security.tls import TlsConfig, server_ssl_context
 
 log = structlog.get_logger(__name__)
 
+#: The front door's body cap (aiohttp's `client_max_size`; 413 over it).
+MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Answers after which the connection is closed: the rest of the body was never read.
+_CLOSE_AFTER = frozenset({408, 413})
 SESSION_HEADER = "X-Session-Id"
 REQUEST_ID_HEADER = "X-Request-Id"
 #: Where the middleware keeps the request's `FrontDoorCall`.
@@ -88,6 +94,8 @@ class FrontDoorConfig:
     return_routed_experts: bool = False
     stream_batch_tokens: int = 16
     stream_batch_interval_s: float = 0.02
+    #: Seconds a request body may take to arrive (408 after it).
+    body_timeout_s: float = 30.0
 
 
 class OpenAIFrontDoor:
@@ -120,7 +128,7 @@ class OpenAIFrontDoor:
     # ----------------------------------------------------------------------------- lifecycle
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._middleware])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._middleware])
         for prefix in ("", _SESSION_PREFIX):
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_get(prefix + "/v1/models", self._models)
@@ -164,10 +172,21 @@ class OpenAIFrontDoor:
                 finally:
                     reset_caller(token)
             call.http_status = response.status
+            if response.status in _CLOSE_AFTER:
+                response.force_close()
             return response
-        except web.HTTPException as exc:  # the router's 404 and 405
-            call.http_status, call.details = exc.status, exc.reason
-            raise
+        except web.HTTPException as exc:  # the router's 404 and 405, the body cap's 413
+            if exc.status < 400:
+                call.http_status, call.details = exc.status, exc.reason
+                raise
+            http_error = self._error(request, _http_error(exc))
+            call.http_status = http_error.status
+            if http_error.status in _CLOSE_AFTER:
+                http_error.force_close()
+            return http_error
+        except ConnectionError as exc:  # the client left while its body was read: no one to answer
+            call.http_status, call.details = 499, f"the client closed the connection ({exc})"
+            return web.Response(status=499)
         except BaseException as exc:  # cancelled (client gone before the response) or a bug
             call.http_status = 499 if isinstance(exc, asyncio.CancelledError) else 500
             call.details = repr(exc)
@@ -207,7 +226,7 @@ class OpenAIFrontDoor:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
             try:
-                body = orjson.loads(await request.read())
+                body = orjson.loads(await self._body(request))
             except orjson.JSONDecodeError as exc:
                 raise OpenAIError(400, f"the body is not JSON: {exc}") from None
             if not isinstance(body, dict):
@@ -233,8 +252,7 @@ class OpenAIFrontDoor:
                 or request.headers.get(SESSION_HEADER)
                 or "sess-" + secrets.token_hex(8)
             )
-            if len(session_id) > 200:
-                raise OpenAIError(400, "the session id must be at most 200 characters", "session_id")
+            check_session_id(session_id)
             call = request[_CALL]
             call.session_id, call.stream = session_id, bool(body.get("stream"))
             params = sampling_params(body)
@@ -248,8 +266,25 @@ class OpenAIFrontDoor:
         except RolloutError as exc:
             return self._error(request, from_domain(exc))
 
+    async def _body(self, request: web.Request) -> bytes:
+        """The whole body within `body_timeout_s` (408 after it: a client that trickles bytes holds
+        a connection and a handler), under the 64 MiB cap (aiohttp's 413, an OpenAI error)."""
+        timeout = self.config.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await request.read()
+        except TimeoutError:
+            raise OpenAIError(
+                408, f"the request body did not arrive within body_timeout_s={timeout:g} s", etype="timeout"
+            ) from None
+
     def _check_bounds(self, body: dict[str, Any], params: SamplingParams) -> None:
-        """The gRPC port's per-request caps (InvalidArgument naming the field: a 400)."""
+        """The gRPC port's per-request caps (InvalidArgument naming the field: a 400), and the prompt
+        text cap before anything is rendered (tools count with it: the template renders them)."""
+        chars = text_chars(body.get("messages"))
+        self._limits.check_prompt("messages", chars)
+        if body.get("tools") is not None:
+            self._limits.check_prompt("tools", chars + text_chars(body["tools"]))
         self._limits.check_stop(params.stop, "stop")
         for key, limit in (
             ("chat_template_kwargs", "max_chat_template_kwargs_bytes"),
@@ -541,6 +576,18 @@ class _ChunkWriter:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await self._response.write(b"data: [DONE]\n\n")
                 await self._response.write_eof()
+
+
+def _http_error(exc: web.HTTPException) -> OpenAIError:
+    """An HTTP error of aiohttp (no route, wrong method, body over the cap) in OpenAI's shape."""
+    if exc.status == 404:
+        return OpenAIError(404, "no such route on the OpenAI front door", etype="not_found_error")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return OpenAIError(405, f"method {exc.method} is not allowed on this route (it takes {allowed})")
+    if exc.status == 413:
+        return OpenAIError(413, f"the request body is over the limit of {MAX_BODY_BYTES >> 20} MiB")
+    return OpenAIError(exc.status, exc.reason or exc.text or "HTTP error")
 
 
 def _route(request: web.Request) -> str:
