@@ -181,6 +181,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument("--samples-per-prompt", type=int, default=4, help="samples per prompt group")
     demo.add_argument("--max-new-tokens", type=int, default=128, help="token budget of each sample")
     demo.add_argument("--progress", action="store_true", help="show a progress bar (tqdm)")
+    demo.add_argument(
+        "--sim-sglang",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        metavar="N",
+        help="make N of the two simulated engines SGLang (1: a mixed vLLM + SGLang fleet)",
+    )
     return parser, serve
 
 
@@ -225,7 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logs.configure("warning", "console")
     return asyncio.run(
-        run_demo(args.prompts, args.samples_per_prompt, args.max_new_tokens, progress=args.progress)
+        run_demo(
+            args.prompts,
+            args.samples_per_prompt,
+            args.max_new_tokens,
+            progress=args.progress,
+            sim_sglang=args.sim_sglang,
+        )
     )
 
 
