@@ -8,7 +8,9 @@ raw int32 routing, prefix-free abort by rid, the pause modes (wait emulated) and
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 
 from rollout_grpc.server.domain.errors import FailedPrecondition
-from rollout_grpc.server.domain.model import SamplingParams
+from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem, SamplingParams
 from rollout_grpc.server.engines.api import (
     ChatRenderRequest,
     EngineCall,
@@ -32,6 +34,7 @@ from rollout_grpc.server.engines.sglang.adapter import SglangEngine
 from rollout_grpc.server.engines.sglang.wire import engine_request_id
 from rollout_grpc.sim import SimConfig, SimEngine
 from rollout_grpc.sim.config import SGLangOptions
+from tests.support.multimodal import png
 
 PROMPT = [11, 12, 13, 14, 15]
 
@@ -254,3 +257,28 @@ def test_engine_rids_are_prefix_free() -> None:
     rids = [engine_request_id(r, a) for r in ("a", "ab", "a1") for a in (0, 1, 10, 11)]
     assert len(set(rids)) == len(rids)
     assert not [(x, y) for x in rids for y in rids if x != y and y.startswith(x)]
+
+
+async def test_media_go_as_image_data_with_one_placeholder_each() -> None:
+    """SGLang expands placeholders itself: the sample's expanded run goes back to one placeholder
+    and the image rides in `image_data`; the engine's expansion gives the sample's prompt length."""
+    image = "data:image/png;base64," + base64.b64encode(png()).decode()
+    tokens = [*PROMPT[:2], 6, 6, 6, 6, *PROMPT[2:]]  # 56x56 -> 4 placeholder tokens
+    item = MultimodalItem("h", offset=2, length=4, kwargs_data=image.encode(), placeholder_token_id=6)
+    features = MultimodalFeatures({"image": [item]})
+    async with sglang(multimodal=True) as (sim, adapter):
+        c = dataclasses.replace(call(max_tokens=4), prompt_token_ids=tokens, features=features)
+        events = await collect(adapter, c)
+        body = sim.core.stats.last_requests[-1]
+    assert body["input_ids"] == [*PROMPT[:2], 6, *PROMPT[2:]] and body["image_data"] == [image]
+    (usage,) = [e for e in events if isinstance(e, EngineUsage)]
+    assert usage.prompt_tokens == len(tokens)
+    assert len(joined(events)[0]) == 4
+
+
+async def test_cached_media_without_the_image_are_refused() -> None:
+    item = MultimodalItem("h", offset=2, length=4, kwargs_data=None, placeholder_token_id=6)
+    c = dataclasses.replace(call(), features=MultimodalFeatures({"image": [item]}))
+    async with sglang(multimodal=True) as (_, adapter):
+        with pytest.raises(EngineRejected, match="takes images"):
+            await collect(adapter, c)
