@@ -25,8 +25,11 @@ log = structlog.get_logger("rollout_grpc.cli")
 
 
 @contextlib.asynccontextmanager
-async def _engines(args: argparse.Namespace, given: list[settings.EngineURL]) -> AsyncIterator[list[str]]:
-    """The engine URLs: the given ones, or (only with --sim N) simulated engines in this process."""
+async def _engines(
+    args: argparse.Namespace, given: list[settings.EngineURL]
+) -> AsyncIterator[tuple[list[str], dict[str, str]]]:
+    """The engine URLs and the kinds of those that are not vLLM: the given ones, or (only with
+    --sim N) simulated vLLM engines in this process."""
     urls = [engine.url for engine in given]
     if args.engines_file and not urls:
         # Never fall back to toy engines in a deployment whose engine list came out empty.
@@ -34,7 +37,7 @@ async def _engines(args: argparse.Namespace, given: list[settings.EngineURL]) ->
     if urls and args.sim:
         raise SystemExit("rollout-grpc: give engines (--engine/--engines-file) or --sim N, not both")
     if urls:
-        yield urls
+        yield urls, settings.engine_kinds(given)
         return
     if not args.sim:
         raise SystemExit(
@@ -63,7 +66,7 @@ async def _engines(args: argparse.Namespace, given: list[settings.EngineURL]) ->
             engines=[s.url for s in sims],
             note="SIMULATED ENGINES (--sim): toy tokens, not a model; never train on them",
         )
-        yield [s.url for s in sims]
+        yield [s.url for s in sims], {}
 
 
 def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
@@ -75,7 +78,6 @@ def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
         return
     try:
         engines = settings.engine_list(args)
-        _supported(engines)
     except settings.SettingsError as exc:
         # An unreadable file or a bad line (named by its number): the replica serves on as it was.
         log.error(
@@ -85,16 +87,7 @@ def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
     if not engines:
         log.error("engines_file_empty", path=args.engines_file, action="kept the current engines")
         return
-    server.reload_engines([engine.url for engine in engines])
-
-
-def _supported(engines: list[settings.EngineURL]) -> None:
-    """Refuse engine kinds this build cannot drive yet (the URL grammar already names them)."""
-    for engine in engines:
-        if engine.kind is not settings.EngineKind.VLLM:
-            raise settings.SettingsError(
-                f"{engine.kind}+{engine.url}: {engine.kind} engines are not supported yet"
-            )
+    server.reload_engines([engine.url for engine in engines], settings.engine_kinds(engines))
 
 
 def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
@@ -104,9 +97,9 @@ def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
 
 
 async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> int:
-    async with _engines(args, given) as engines:
+    async with _engines(args, given) as (engines, kinds):
         try:
-            config = settings.server_config(args, engines, simulated=bool(args.sim))
+            config = settings.server_config(args, engines, simulated=bool(args.sim), kinds=kinds)
         except settings.SettingsError as exc:
             raise SystemExit(f"rollout-grpc serve: {exc}") from None
         server = RolloutServer(config)
@@ -191,6 +184,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument("--samples-per-prompt", type=int, default=4, help="samples per prompt group")
     demo.add_argument("--max-new-tokens", type=int, default=128, help="token budget of each sample")
     demo.add_argument("--progress", action="store_true", help="show a progress bar (tqdm)")
+    demo.add_argument(
+        "--sim-sglang",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        metavar="N",
+        help="make N of the two simulated engines SGLang (1: a mixed vLLM + SGLang fleet)",
+    )
     return parser, serve
 
 
@@ -211,7 +212,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         try:
             given = settings.engine_list(args)
-            _supported(given)
         except settings.SettingsError as exc:
             print(f"rollout-grpc serve: error: {exc}", file=sys.stderr)
             return 2
@@ -236,7 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logs.configure("warning", "console")
     return asyncio.run(
-        run_demo(args.prompts, args.samples_per_prompt, args.max_new_tokens, progress=args.progress)
+        run_demo(
+            args.prompts,
+            args.samples_per_prompt,
+            args.max_new_tokens,
+            progress=args.progress,
+            sim_sglang=args.sim_sglang,
+        )
     )
 
 

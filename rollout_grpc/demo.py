@@ -1,7 +1,7 @@
 """`make run`: a GRPO-style rollout with over-sampling and partial-rollout continuation.
 
-It starts two simulated vLLM engines and a service replica in this process, then, through the
-Python client over real gRPC and HTTP:
+It starts two simulated engines (vLLM, or with `--sim-sglang N` that many of them SGLang) and a
+service replica in this process, then, through the Python client over real gRPC and HTTP:
 
 1. generates `prompts x samples_per_prompt` samples (one session per group) and aborts everything
    once half of them have finished, as an over-sampling trainer does;
@@ -90,19 +90,31 @@ def phases(
     ]
 
 
-async def run_demo(prompts: int, samples_per_prompt: int, max_new_tokens: int, progress: bool = False) -> int:
+async def run_demo(
+    prompts: int, samples_per_prompt: int, max_new_tokens: int, progress: bool = False, sim_sglang: int = 0
+) -> int:
     """Run the demo and print its table; returns the process exit code.
 
-    `progress` shows a tqdm bar (on stderr) of finished samples in each phase.
+    `progress` shows a tqdm bar (on stderr) of finished samples in each phase; `sim_sglang` of the
+    two engines (0 to 2) are simulated SGLang engines (a mixed fleet with 1).
     """
+    if not 0 <= sim_sglang <= 2:
+        raise ValueError(f"--sim-sglang must be 0, 1 or 2, got {sim_sglang}")
+    kinds = ["sglang" if i < sim_sglang else "vllm" for i in range(2)]
     async with contextlib.AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(
-                SimEngine(SimConfig(token_delay_s=0.002, seed=i, logprobs_mode="processed_logprobs"))
+                SimEngine(
+                    SimConfig(token_delay_s=0.002, seed=i, logprobs_mode="processed_logprobs", kind=kind)
+                )
             )
-            for i in range(2)
+            for i, kind in enumerate(kinds)
         ]
-        server = RolloutServer(ServerConfig(engines=[e.url for e in engines], port=0, health_port=None))
+        engine_kinds = {e.url: "sglang" for e, kind in zip(engines, kinds, strict=True) if kind == "sglang"}
+        config = ServerConfig(
+            engines=[e.url for e in engines], engine_kinds=engine_kinds, port=0, health_port=None
+        )
+        server = RolloutServer(config)
         await server.start()
         stack.push_async_callback(server.stop, 1.0)
         client = await stack.enter_async_context(AsyncRolloutClient(f"127.0.0.1:{server.port}"))
@@ -140,7 +152,12 @@ async def run_demo(prompts: int, samples_per_prompt: int, max_new_tokens: int, p
         final = {s.index: s for s in round1}
         final.update({s.index: s for s in continued})
 
-    print("\nrollout-grpc demo: 2 simulated vLLM engines, 1 replica, Python client over gRPC\n")
+    fleet = " + ".join(
+        f"{kinds.count(k)} simulated {name}"
+        for k, name in (("vllm", "vLLM"), ("sglang", "SGLang"))
+        if k in kinds
+    )
+    print(f"\nrollout-grpc demo: {fleet} engine(s), 1 replica, Python client over gRPC\n")
     print(f"| {'phase':<22} | {'samples':>7} | {'statuses':<38} | {'tokens':>7} | {'tokens/s':>9} |")
     print(f"|{'-' * 24}|{'-' * 9}|{'-' * 40}|{'-' * 9}|{'-' * 11}|")
     for phase in phases(round1, continued, round1_s, round2_s):

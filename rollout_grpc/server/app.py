@@ -39,7 +39,7 @@ from rollout_grpc.server.domain.trajectory import TrajectoryStore
 from rollout_grpc.server.engines.api import EngineTimeouts
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
-from rollout_grpc.server.engines.registry import adapter_factory
+from rollout_grpc.server.engines.registry import KindOptions, adapter_factory
 from rollout_grpc.server.exposure import check_exposure
 from rollout_grpc.server.facade.calls import TimedAdmission, log_call
 from rollout_grpc.server.facade.door import CallBook, RolloutFacade
@@ -90,6 +90,12 @@ class ServerConfig:
     """Everything a replica needs to start."""
 
     engines: list[str]
+    #: The kind of each engine URL that is not vLLM ("sglang"), as the settings read it from a
+    #: `sglang+http://...` URL; the registry picks each engine's adapter from it.
+    engine_kinds: dict[str, str] = field(default_factory=dict)
+    #: The MoE model's `num_experts_per_tok`, which SGLang's shape-less R3 bytes need (None: R3 is
+    #: off on SGLang engines, with a warning in their capabilities).
+    sglang_experts_topk: int | None = None
     host: str = "127.0.0.1"
     port: int = 50051
     #: Separate health port (0 = pick a free one, None = health on the main port only).
@@ -443,7 +449,12 @@ class RolloutServer:
         )
         self.pool = EnginePool(
             cfg.engines,
-            adapter_factory(session, timeouts),
+            adapter_factory(
+                session,
+                timeouts,
+                cfg.engine_kinds,
+                KindOptions(sglang_experts_topk=cfg.sglang_experts_topk),
+            ),
             health_interval_s=cfg.health_interval_s,
             breaker_cooldown_s=cfg.breaker_cooldown_s,
         )
@@ -587,9 +598,15 @@ class RolloutServer:
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)
 
-    def reload_engines(self, urls: list[str]) -> None:
+    def reload_engines(self, urls: list[str], kinds: dict[str, str] | None = None) -> None:
         """Make the engine list `urls` (SIGHUP): engines join or drain, and the admission limit
-        follows the new engine count (the HTTP connector has no limit of its own to resize)."""
+        follows the new engine count (the HTTP connector has no limit of its own to resize).
+
+        `kinds` (URL -> kind, vLLM when absent) is updated in place before the pool changes, since
+        the adapter factory reads that table when an engine joins. An engine already in the pool
+        keeps its adapter."""
+        self.config.engine_kinds.clear()
+        self.config.engine_kinds.update(kinds or {})
         self.config.engines = list(urls)
         self.pool.replace(urls)
         limit = self.config.in_flight_limit()

@@ -21,6 +21,7 @@ import pytest
 
 from rollout_grpc.client import AsyncRolloutClient, pb
 from rollout_grpc.server.app import RolloutServer
+from rollout_grpc.sim import SimEngine
 from tests.faults.support import Outcome, consume, first_tokens, processes, silent_server, sim_process, start
 from tests.harness import running_server, sim_engines
 
@@ -36,6 +37,26 @@ REPLICA: dict[str, Any] = {
     "health_interval_s": 60.0,  # faults are found by the calls, not by a probe racing them
     "control_deadline_s": 2.0,
 }
+
+
+#: The HTTP faults and their failover run on both simulated engine kinds.
+KINDS = pytest.mark.parametrize("engine_kind", ["vllm", "sglang"])
+
+
+@contextlib.asynccontextmanager
+async def fleet(engine_kind: str, count: int) -> AsyncIterator[tuple[list[SimEngine], dict[str, Any]]]:
+    """`count` simulated engines of `engine_kind`, and the replica settings that name their kind."""
+    if engine_kind == "vllm":
+        async with sim_engines(count, **SIM) as sims:
+            yield sims, {}
+        return
+    async with sim_engines(count, **SIM, kind="sglang") as sims:
+        yield sims, {"engine_kinds": {s.url: "sglang" for s in sims}}
+
+
+def label(fault: str, engine_kind: str) -> str:
+    """The fault table's row name (SGLang rows say so)."""
+    return fault if engine_kind == "vllm" else f"{fault} (SGLang)"
 
 
 @contextlib.asynccontextmanager
@@ -119,53 +140,58 @@ def _backlog_full() -> Iterator[tuple[str, socket.socket]]:
 
 
 @pytest.mark.parametrize("kind", ["accept-never-answer", "slow-connect"])
-async def test_an_engine_that_never_answers(record: Record, kind: str) -> None:
+@KINDS
+async def test_an_engine_that_never_answers(record: Record, kind: str, engine_kind: str) -> None:
     async with contextlib.AsyncExitStack() as stack:
-        sims = await stack.enter_async_context(sim_engines(1, **SIM))
+        sims, kinds = await stack.enter_async_context(fleet(engine_kind, 1))
         if kind == "accept-never-answer":
             bad = await stack.enter_async_context(silent_server())
         else:
             bad, _ = stack.enter_context(contextlib.contextmanager(_backlog_full)())
-        server, client = await stack.enter_async_context(replica([sims[0].url, bad]))
+        server, client = await stack.enter_async_context(replica([sims[0].url, bad], **kinds))
         ref = await reference(client)
         server.pool.engines[1].healthy = True  # as a probe saw it just before it wedged
         outcomes = await run_streams(client)
-        record(f"engine {kind}", outcomes, ref)
+        record(label(f"engine {kind}", engine_kind), outcomes, ref)
         completed(outcomes)
 
 
 # ------------------------------------------------------------------------------------ HTTP faults
 
 
-async def test_http_500_engine_wide(record: Record) -> None:
-    async with sim_engines(2, **SIM) as sims, replica([s.url for s in sims]) as (_, client):
+@KINDS
+async def test_http_500_engine_wide(record: Record, engine_kind: str) -> None:
+    async with fleet(engine_kind, 2) as (sims, kinds), replica([s.url for s in sims], **kinds) as (_, client):
         ref = await reference(client)
         sims[0].faults.http_500 = -1
         outcomes = await run_streams(client)
-        record("HTTP 500 engine-wide", outcomes, ref)
+        record(label("HTTP 500 engine-wide", engine_kind), outcomes, ref)
         completed(outcomes)
 
 
-async def test_http_500_request_specific(record: Record) -> None:
-    async with sim_engines(2, **SIM) as sims, replica([s.url for s in sims]) as (_, client):
+@KINDS
+async def test_http_500_request_specific(record: Record, engine_kind: str) -> None:
+    async with fleet(engine_kind, 2) as (sims, kinds), replica([s.url for s in sims], **kinds) as (_, client):
         ref = await reference(client)
         for sim in sims:
             sim.faults.http_500 = 1  # this request fails on every engine it tries
         bad = await consume(client, "bad", TOKENS)
         outcomes = await run_streams(client)  # the other callers are not hurt
-        record("HTTP 500 request-specific", [bad, *outcomes], ref)
+        record(label("HTTP 500 request-specific", engine_kind), [bad, *outcomes], ref)
         assert bad.final is None and bad.error is not None
         assert bad.error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
         completed(outcomes)
 
 
-async def test_sse_error_event_mid_stream(record: Record) -> None:
-    async with sim_engines(1, **SIM) as sims, replica([sims[0].url]) as (_, client):
+@KINDS
+async def test_sse_error_event_mid_stream(record: Record, engine_kind: str) -> None:
+    """vLLM: an error event; SGLang: the final chunk an abort with status_code 500."""
+    async with fleet(engine_kind, 1) as (sims, kinds), replica([sims[0].url], **kinds) as (_, client):
         ref = await reference(client)
         sims[0].faults.stream_error = STREAMS
         sims[0].faults.stream_error_after = 5
         outcomes = await run_streams(client)
-        record("SSE error event after 5 tokens", outcomes, ref)
+        record(label("SSE error event after 5 tokens", engine_kind), outcomes, ref)
         # The engine stays healthy, so the failure is the request's: the call is retried from the
         # 5 tokens it has (failover policy), and the stream completes without losing one.
         completed(outcomes)
@@ -174,14 +200,18 @@ async def test_sse_error_event_mid_stream(record: Record) -> None:
             assert out.final.engine_attempts[0].end == 5 and out.final.engine_attempts[0].error
 
 
-async def test_all_engines_down(record: Record) -> None:
-    async with sim_engines(2, **SIM) as sims, replica([s.url for s in sims]) as (server, client):
+@KINDS
+async def test_all_engines_down(record: Record, engine_kind: str) -> None:
+    async with (
+        fleet(engine_kind, 2) as (sims, kinds),
+        replica([s.url for s in sims], **kinds) as (server, client),
+    ):
         ref = await reference(client)
         await server.pool.stop()  # no probe: the calls find out
         for sim in sims:
             await sim.stop()
         outcomes = await run_streams(client)
-        record("all engines down", outcomes, ref)
+        record(label("all engines down", engine_kind), outcomes, ref)
         for out in outcomes:
             assert out.final is None and out.error is not None
             assert out.error.code() == grpc.StatusCode.UNAVAILABLE, out.error

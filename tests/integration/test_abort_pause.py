@@ -128,8 +128,9 @@ async def test_abort_sent_to_one_replica_ends_streams_of_another(
 ) -> None:
     async with slow_harness(backend, engine_url) as a:
         urls = [s.url for s in a.sims] or [str(engine_url)]
+        kinds = {"engine_kinds": dict(a.server.config.engine_kinds)}  # the same engines, the same kinds
         async with (
-            running_server(urls, peers=[a.target]) as b_server,
+            running_server(urls, peers=[a.target], **kinds) as b_server,
             AsyncRolloutClient(f"127.0.0.1:{b_server.port}") as b,
         ):
             streams = [start_stream(b, f"b-{i}") for i in range(4)]

@@ -38,6 +38,8 @@ WEATHER_TOOL: dict[str, Any] = {
     },
 }
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12}
+#: The front door renders each turn with the engine's chat template; SGLang serves no render route.
+SGLANG_NO_CHAT_RENDER = "SGLang serves no chat render route: the front door needs a vLLM engine"
 
 
 @contextlib.asynccontextmanager
@@ -49,6 +51,8 @@ async def front_door(
     **sim: Any,
 ) -> AsyncIterator[Harness]:
     """A replica with the front door on a free port."""
+    if backend == "sim-sglang":
+        pytest.skip(SGLANG_NO_CHAT_RENDER)
     config = FrontDoorConfig(drift_policy=policy, tool_parser=tool_parser)
     async with harness(backend, engine_url, sim_config=sim or None, openai_port=0, openai=config) as running:
         yield running

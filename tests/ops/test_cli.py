@@ -17,6 +17,7 @@ from rollout_grpc.info import run_info
 from rollout_grpc.server.app import ServerConfig
 from tests.harness import harness
 from tests.support.processes import Processes, child_env, read_port_file, replica_command
+from tests.support.sglang_http import sglang_engine
 
 
 @pytest.fixture
@@ -155,3 +156,43 @@ async def test_info_into_a_closed_pipe_exits_quietly() -> None:
             os.close(write_end)
     assert result.stderr == ""
     assert result.returncode == 0  # what the command would have returned: the replica is SERVING
+
+
+async def test_serve_drives_an_sglang_engine_and_info_names_its_kind(
+    procs: Processes, tmp_path: Path
+) -> None:
+    """`serve --engine sglang+http://...`: the replica speaks SGLang to it (usable, SERVING) and
+    `info` shows the kind per engine, in JSON and in the table."""
+    async with sglang_engine() as eng:
+        port_file = tmp_path / "ports.json"
+        proc = procs.start(
+            "replica",
+            [
+                *replica_command(),
+                "serve",
+                "--engine",
+                f"sglang+{eng.url}",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+            ],
+        )
+        ports = json.loads(await asyncio.to_thread(read_port_file, port_file, proc))
+        target = f"127.0.0.1:{ports['grpc']}"
+        assert ports["engines"] == [eng.url]  # the base URL, without the kind prefix
+        args = [*replica_command(), "info", "--target", target]
+        as_json = await asyncio.to_thread(
+            subprocess.run, [*args, "--json"], capture_output=True, text=True, timeout=60, check=True
+        )
+        table = await asyncio.to_thread(
+            subprocess.run, args, capture_output=True, text=True, timeout=60, check=True
+        )
+        requests = eng.core.stats.generate_requests
+    body = json.loads(as_json.stdout)
+    assert body["health"] == "SERVING"
+    (engine,) = body["engines"]
+    assert engine["kind"] == "sglang" and engine["usable"] is True
+    row = next(line for line in table.stdout.splitlines() if eng.url in line)
+    assert "sglang" in row.split()
+    assert requests == 0  # info asked the replica, which asked the engine's control routes only

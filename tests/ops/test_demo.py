@@ -28,9 +28,11 @@ def test_phase_two_counts_only_the_tokens_generated_in_it() -> None:
     assert f"| {54:>9} |" in second.row()  # 27 tokens in 0.5 s
 
 
-async def test_demo_table_adds_up(capsys: pytest.CaptureFixture[str]) -> None:
-    """With `make run`'s sizes some samples are still running at the abort and are continued."""
-    assert await run_demo(prompts=8, samples_per_prompt=4, max_new_tokens=128) == 0
+@pytest.mark.parametrize("sim_sglang", [0, 1], ids=["vllm", "mixed-vllm-sglang"])
+async def test_demo_table_adds_up(capsys: pytest.CaptureFixture[str], sim_sglang: int) -> None:
+    """With `make run`'s sizes some samples are still running at the abort and are continued
+    (`make run`; `rollout-grpc demo --sim-sglang 1` on a mixed vLLM + SGLang fleet)."""
+    assert await run_demo(prompts=8, samples_per_prompt=4, max_new_tokens=128, sim_sglang=sim_sglang) == 0
     rows = {
         m.group(1): (int(m.group(2)), int(m.group(3)))
         for m in re.finditer(r"^\| (\S.*?) +\| +(\d+) \|[^|]*\| +(\d+) \|", capsys.readouterr().out, re.M)

@@ -281,3 +281,21 @@ def test_serve_refuses_an_engine_without_a_scheme_in_one_line(tmp_path: Path, so
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert where in result.stderr and repr(bad) in result.stderr and "no scheme" in result.stderr
+
+
+def test_the_sglang_prefix_reaches_the_server_config_from_flag_variable_and_file(tmp_path: Path) -> None:
+    """Every way of naming engines carries the kind to `ServerConfig.engine_kinds` (URL -> kind,
+    vLLM engines absent), with the plain base URL in `engines`."""
+    engines_file = tmp_path / "engines.txt"
+    engines_file.write_text("# fleet\nsglang+http://sgl-file:30000\nhttp://vllm-file:8000\n")
+    args = _parse(
+        ["--engine", "sglang+http://sgl-flag:30000", "--engines-file", str(engines_file)],
+        {"ROLLOUT_GRPC_SGLANG_EXPERTS_TOPK": "8"},
+    )
+    engines = settings.engine_list(args)
+    config = settings.server_config(args, [e.url for e in engines], kinds=settings.engine_kinds(engines))
+    assert config.engines == ["http://sgl-flag:30000", "http://sgl-file:30000", "http://vllm-file:8000"]
+    assert config.engine_kinds == {"http://sgl-flag:30000": "sglang", "http://sgl-file:30000": "sglang"}
+    assert config.sglang_experts_topk == 8
+    from_env = settings.engine_list(_parse([], {"ROLLOUT_GRPC_ENGINE": "sglang+http://sgl-env:30000"}))
+    assert settings.engine_kinds(from_env) == {"http://sgl-env:30000": "sglang"}

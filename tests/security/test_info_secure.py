@@ -58,7 +58,7 @@ async def test_info_reaches_a_tls_replica_with_a_token(
 
         admin = _token_file(tmp_path, ADMIN)
         code, out, _ = await _info(capsys, *target, "--tls-ca", str(pki.ca.cert), "--token-file", admin)
-        assert code == 0 and f"{url}  yes" in out and "health SERVING" in out
+        assert code == 0 and f"{url}  vllm  yes" in out and "health SERVING" in out
 
         trainer = _token_file(tmp_path, TRAINER_A)
         code, out, _ = await _info(
@@ -97,7 +97,7 @@ async def test_info_takes_its_credentials_from_the_environment_and_does_mtls(
         monkeypatch.setenv("ROLLOUT_GRPC_INFO_TLS_CERT", str(pki.ops.cert))
         monkeypatch.setenv("ROLLOUT_GRPC_INFO_TLS_KEY", str(pki.ops.key))
         code, out, _ = await _info(capsys, *target)
-        assert code == 0 and f"{sims[0].url}  yes" in out
+        assert code == 0 and f"{sims[0].url}  vllm  yes" in out
 
 
 async def test_info_sends_the_token_from_the_environment_over_plaintext_loopback(
@@ -112,4 +112,4 @@ async def test_info_sends_the_token_from_the_environment_over_plaintext_loopback
         assert code == 2 and "UNAUTHENTICATED" in err
         monkeypatch.setenv("ROLLOUT_GRPC_INFO_TOKEN", ADMIN)
         code, out, _ = await _info(capsys, *target)
-        assert code == 0 and f"{sims[0].url}  yes" in out
+        assert code == 0 and f"{sims[0].url}  vllm  yes" in out

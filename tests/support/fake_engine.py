@@ -55,6 +55,7 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     paused: bool = False
+    kind: str = "fake"
     missing_route_hint: str = "the fake engine serves every route"
 
     def control_route(self, action: ControlAction) -> str:

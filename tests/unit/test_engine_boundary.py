@@ -50,6 +50,7 @@ VLLM_FRAGMENTS = ("generate-tokens-", "/inference/", "/server_info", "/pause", "
 #: Modules allowed to name vLLM's wire format, and why.
 ALLOWED: dict[str, str] = {
     "engines/vllm/": "the vLLM adapter",
+    "engines/sglang/": "the SGLang adapter (SGLang shares some key names with vLLM)",
     "front/openai/": "speaks OpenAI's chat-completions format to harnesses (its keys are OpenAI's)",
 }
 
@@ -70,11 +71,11 @@ def test_no_module_but_the_adapter_knows_vllm_json(path: str) -> None:
     assert not found, f"{path} contains vLLM wire keys {sorted(found)}: move them into vllm.py"
 
 
-def test_only_the_registry_imports_an_engine_kind() -> None:
+@pytest.mark.parametrize("kind", ["rollout_grpc.server.engines.vllm", "rollout_grpc.server.engines.sglang"])
+def test_only_the_registry_imports_an_engine_kind(kind: str) -> None:
     """Import-level: ids, routes, capability facts, the chat-render body and R3 decoding live in the
-    adapter, so nothing of the server but the registry may import `engines/vllm` at all."""
+    adapter, so nothing of the server but the registry may import an engine kind at all."""
     graph = grimp.build_graph("rollout_grpc", cache_dir=None)
-    kind = "rollout_grpc.server.engines.vllm"
     inside = {kind, *graph.find_descendants(kind)}
     importers = {
         importer

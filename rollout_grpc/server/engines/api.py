@@ -142,7 +142,7 @@ class EngineCapabilities:
                 f"engine {url} serves a dense model, which has no expert routing to return "
                 "(R3 needs a mixture-of-experts model)"
             )
-        if self.is_moe and self.routed_experts is False:
+        if self.routed_experts is False:
             return f"engine {url} was not started with {self.routed_experts_flag}"
         return None
 
@@ -304,6 +304,8 @@ class EngineAdapter(Protocol):
     """One engine, as the domain sees it. `vllm.VllmEngine` is the production implementation."""
 
     url: str
+    #: The engine kind's name ("vllm", "sglang"), as the `KIND+` prefix of an engine URL spells it.
+    kind: str
     #: What an operator does when one of this engine kind's control routes answers 404.
     missing_route_hint: str
 

@@ -1,32 +1,66 @@
 """Which adapter speaks to an engine URL: the one module that knows every engine kind.
 
 The pool, the domain and the front doors hold `EngineAdapter`s and never name a kind; the replica
-(`app.py`) builds the pool with `adapter_factory`, which picks the adapter of each engine's kind.
+(`app.py`) builds the pool with `adapter_factory`, which picks the adapter of each engine's kind
+from the replica's URL -> kind table (`ServerConfig.engine_kinds`, filled from `sglang+http://...`
+engine URLs by the settings; a URL not in it is vLLM).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import aiohttp
 
 from rollout_grpc.server.engines.api import EngineAdapter, EngineTimeouts
+from rollout_grpc.server.engines.sglang.adapter import SglangEngine
 from rollout_grpc.server.engines.vllm.adapter import VllmEngine
 
-#: Builds the adapter of one engine kind: (base URL, shared HTTP session, timeouts) -> adapter.
-AdapterClass = Callable[[str, aiohttp.ClientSession, EngineTimeouts | None], EngineAdapter]
 
-#: Every engine kind the replica can talk to.
-KINDS: dict[str, AdapterClass] = {"vllm": VllmEngine}
+@dataclass(frozen=True, slots=True)
+class KindOptions:
+    """Per-kind settings of the replica that an adapter needs and its engine does not report."""
+
+    #: The model's `num_experts_per_tok`, which shapes SGLang's raw R3 bytes (None: R3 off there).
+    sglang_experts_topk: int | None = None
+
+
+#: Builds the adapter of one engine kind: (base URL, shared HTTP session, timeouts, options).
+AdapterClass = Callable[[str, aiohttp.ClientSession, EngineTimeouts | None, KindOptions], EngineAdapter]
+
+
+def _vllm(url: str, http: aiohttp.ClientSession, t: EngineTimeouts | None, _: KindOptions) -> EngineAdapter:
+    return VllmEngine(url, http, t)
+
+
+def _sglang(url: str, http: aiohttp.ClientSession, t: EngineTimeouts | None, o: KindOptions) -> EngineAdapter:
+    return SglangEngine(url, http, t, experts_topk=o.sglang_experts_topk)
+
+
+#: Every engine kind the replica can talk to (the names of `settings.EngineKind`).
+KINDS: dict[str, AdapterClass] = {"vllm": _vllm, "sglang": _sglang}
 DEFAULT_KIND = "vllm"
 
 
 def adapter_factory(
-    http: aiohttp.ClientSession, timeouts: EngineTimeouts | None = None
+    http: aiohttp.ClientSession,
+    timeouts: EngineTimeouts | None = None,
+    kinds: Mapping[str, str] | None = None,
+    options: KindOptions | None = None,
 ) -> Callable[[str], EngineAdapter]:
-    """The pool's adapter factory: every engine URL gets its kind's adapter over `http`."""
+    """The pool's adapter factory: every engine URL gets its kind's adapter over `http`.
+
+    `kinds` (URL -> kind name) is read when an engine joins, so a reload that updates the mapping
+    before it changes the pool gives new engines the right adapter.
+    """
+    table = kinds if kinds is not None else {}
+    opts = options or KindOptions()
 
     def build(url: str) -> EngineAdapter:
-        return KINDS[DEFAULT_KIND](url, http, timeouts)
+        kind = table.get(url.rstrip("/"), DEFAULT_KIND)
+        if kind not in KINDS:
+            raise ValueError(f"engine {url}: unknown engine kind {kind!r} (known: {', '.join(KINDS)})")
+        return KINDS[kind](url, http, timeouts, opts)
 
     return build

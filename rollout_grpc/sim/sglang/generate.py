@@ -31,6 +31,13 @@ from .request import SGLangRequest, parse_generate
 from .state import SGLANG_KEY, SGLangState
 
 INTERNAL_ERROR = "Internal server error"
+#: `FINISH_ABORT` of a scheduler-side internal error (`status_code` 500).
+ERROR_FINISH = {
+    "type": "abort",
+    "message": INTERNAL_ERROR,
+    "status_code": 500,
+    "err_type": "InternalServerError",
+}
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
@@ -172,6 +179,25 @@ def _object(
     return orjson.dumps(output_object(spec, text, seq.token_ids[start:], meta))
 
 
+def _error_frame(
+    core: EngineCore, state: SGLangState, spec: OutputSpec, seq: Sequence, *, incremental: bool, start: int
+) -> bytes:
+    """The final stream chunk of a request the scheduler ended with an internal error."""
+    begin = start if incremental else 0
+    meta = meta_info(
+        spec,
+        seq,
+        version=core.version,
+        retractions=state.retractions[spec.rid],
+        start=begin,
+        routed_experts=None,
+        e2e_latency=None,
+    )
+    meta["finish_reason"] = dict(ERROR_FINISH)
+    text = (seq.take_text_delta() if incremental else seq.text) if spec.want_text else None
+    return b"data: " + orjson.dumps(output_object(spec, text, seq.token_ids[begin:], meta)) + b"\n\n"
+
+
 def _finish(state: SGLangState, spec: OutputSpec, ereq: EngineRequest) -> None:
     state.retractions.pop(spec.rid, None)
     state.remember(spec.prompt_ids + ereq.seqs[0].token_ids)
@@ -239,8 +265,10 @@ async def _stream(
     except _Dropped:
         return resp
     except _StreamFault:
+        # A scheduler-side error after the stream opened is the final output itself, an abort with
+        # the error's status (docs/sglang-http-api.md §3.1, §7), then [DONE].
         with contextlib.suppress(ConnectionError):
-            await resp.write(SGLangError(INTERNAL_ERROR, 500).event())
+            await resp.write(_error_frame(core, state, spec, seq, incremental=incremental, start=sent))
             await resp.write(DONE)
         return resp
     except (ConnectionError, asyncio.CancelledError):

@@ -24,11 +24,10 @@ Three behaviours of vLLM shape this module:
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Container, Iterable, Mapping
+from collections.abc import AsyncIterator, Container, Iterable
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any, Final
@@ -39,7 +38,6 @@ import orjson
 from rollout_grpc.server.domain import params as params_mod
 from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem, WeightSpan
 from rollout_grpc.server.engines.api import (
-    HEALTHY,
     ChatRenderRequest,
     ControlAction,
     EngineCall,
@@ -49,7 +47,6 @@ from rollout_grpc.server.engines.api import (
     EngineEvent,
     EngineFinal,
     EngineHealth,
-    EngineHung,
     EngineMalformed,
     EngineRejected,
     EngineRequestFailed,
@@ -60,8 +57,8 @@ from rollout_grpc.server.engines.api import (
     MediaCacheMiss,
     Rendered,
     ServedModel,
-    describe_transport_error,
 )
+from rollout_grpc.server.engines.http import DONE, TRANSPORT_ERRORS, HttpEngine
 from rollout_grpc.server.engines.vllm import experts, info
 
 __all__ = [
@@ -75,11 +72,6 @@ __all__ = [
 #: vLLM tracks a generate call as this prefix + the request id; abort matches only the prefixed id.
 ENGINE_ID_PREFIX: Final = "generate-tokens-"
 
-_JSON_HEADERS: Final = {"Content-Type": "application/json"}
-_DATA: Final = b"data: "
-_DONE: Final = b"[DONE]"
-#: aiohttp failures that mean "no (complete) answer from this engine": try another one.
-_TRANSPORT_ERRORS: Final = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 
 #: vLLM finish_reason -> neutral finish. Unknown strings count as STOP, as in the vLLM port of
 #: slime (a non-streaming finish_reason is never null in vLLM).
@@ -392,79 +384,6 @@ def parse_chunk(url: str, data: bytes, call: EngineCall) -> list[EngineEvent]:
 # ------------------------------------------------------------------------------------ the adapter
 
 
-def _take_events(buf: bytearray, scan: int) -> tuple[list[bytes], int]:
-    """The `data:` payloads of the complete lines at the front of `buf`, which are removed from it,
-    and where the next search for a line end starts (lines are not split by length)."""
-    events: list[bytes] = []
-    start = 0
-    while (end := buf.find(b"\n", scan)) >= 0:
-        line = bytes(buf[start:end]).rstrip(b"\r")
-        start = scan = end + 1
-        if line.startswith(_DATA):
-            events.append(line[len(_DATA) :].strip())
-    if start:
-        del buf[:start]
-    return events, len(buf)
-
-
-class _IdleWatch:
-    """Notices a read of an engine stream that has waited `idle` seconds, and interrupts it.
-
-    One timer per idle period, not one per read: an `asyncio.timeout` around every SSE read cost
-    the service ~2 s of CPU per million streamed tokens at 512 streams (bench.compare A/B). Only a
-    read in progress is interrupted (never the consumer's own awaits between reads), by cancelling
-    the reading task; `interrupted()` tells that cancellation apart from anyone else's.
-    """
-
-    __slots__ = ("_base", "_fired", "_handle", "_idle", "_loop", "_since", "_task")
-
-    def __init__(self, idle: float) -> None:
-        self._idle = idle
-        self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("an engine stream is read outside a task")
-        self._task = task
-        self._handle: asyncio.TimerHandle | None = None
-        self._since: float | None = None
-        self._base = 0
-        self._fired = False
-
-    def arm(self) -> None:
-        """A read starts."""
-        self._since = self._loop.time()
-        self._base = self._task.cancelling()
-        if self._handle is None:
-            self._handle = self._loop.call_at(self._since + self._idle, self._check)
-
-    def disarm(self) -> None:
-        """The read ended (the timer stays; it re-arms itself only while a read is waiting)."""
-        self._since = None
-
-    def _check(self) -> None:
-        self._handle = None
-        if self._since is None:
-            return
-        due = self._since + self._idle
-        if self._loop.time() < due:
-            self._handle = self._loop.call_at(due, self._check)
-            return
-        self._fired = True
-        self._task.cancel()
-
-    def interrupted(self) -> bool:
-        """After a CancelledError in a read: True when it was this watch's alone (then absorbed)."""
-        if not self._fired:
-            return False
-        self._fired = False
-        return self._task.uncancel() <= self._base
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-
 @dataclass(slots=True)
 class _Progress:
     """How far a generate call got: a delta received (the engine holds the media), the final result."""
@@ -473,8 +392,11 @@ class _Progress:
     finished: bool = False
 
 
-class VllmEngine:
+class VllmEngine(HttpEngine):
     """One vLLM engine (or the simulator, which speaks the same surface): an `EngineAdapter`."""
+
+    kind = "vllm"
+    generate_path = "/inference/v1/generate"
 
     def __init__(
         self,
@@ -484,14 +406,15 @@ class VllmEngine:
         *,
         media_limit: int = 4096,
     ) -> None:
-        self.url = url.rstrip("/")
-        self._session = session
-        self._timeouts = timeouts or EngineTimeouts()
+        super().__init__(url, session, timeouts)
         #: Media hashes whose tensors this engine received in a successful generate (LRU-bounded).
         self._media: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._media_limit = media_limit
 
     missing_route_hint = DEV_MODE_HINT
+
+    def _http_error(self, status: int, body: bytes) -> EngineError:
+        return _http_error(self.url, status, body)
 
     def control_route(self, action: ControlAction) -> str:
         return CONTROL_ROUTES[action]
@@ -561,7 +484,7 @@ class VllmEngine:
                 self.forget_media(hashes)
                 raise MediaCacheMiss(self.url, f"media sent by hash only failed ({exc.message})") from exc
             raise
-        except _TRANSPORT_ERRORS as exc:
+        except TRANSPORT_ERRORS as exc:
             if progress.finished:  # the final result arrived; only the usage chunk or [DONE] was lost
                 return
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
@@ -573,9 +496,9 @@ class VllmEngine:
         async with contextlib.AsyncExitStack() as stack:
             resp = await self._open_stream(stack, body)
             if resp.status != 200:
-                raise _http_error(self.url, resp.status, await resp.read())
+                raise self._http_error(resp.status, await resp.read())
             async for data in self._events(resp):
-                if data == _DONE:
+                if data == DONE:
                     return
                 for event in parse_chunk(self.url, data, call):
                     if not progress.produced and isinstance(event, EngineDelta):
@@ -586,136 +509,10 @@ class VllmEngine:
             if not progress.finished:
                 raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
 
-    async def _open_stream(
-        self, stack: contextlib.AsyncExitStack, body: dict[str, Any]
-    ) -> aiohttp.ClientResponse:
-        """Send the request and wait for the response head, checking a silent engine's liveness."""
-        timeout = aiohttp.ClientTimeout(
-            sock_connect=self._timeouts.connect, sock_read=self._timeouts.sock_read
-        )
-        request = self._session.post(
-            self.url + "/inference/v1/generate",
-            data=orjson.dumps(body),
-            headers=_JSON_HEADERS,
-            timeout=timeout,
-        )
-        task = asyncio.ensure_future(stack.enter_async_context(request))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self._timeouts.idle)
-                if done:
-                    return task.result()
-                await self._check_alive()
-        except BaseException:
-            task.cancel()
-            raise
-
-    async def _check_alive(self) -> None:
-        """After `idle` seconds of silence: keep waiting if the engine answers, else it is hung."""
-        if not await self.health(self._timeouts.liveness):
-            raise EngineHung(
-                self.url,
-                f"no data for {self._timeouts.idle:g} s and no answer to a liveness probe within "
-                f"{self._timeouts.liveness:g} s",
-            )
-
-    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """The `data:` payloads of an SSE body, split without a line-length cap below the limit."""
-        limit = self._timeouts.max_event_bytes
-        buf = bytearray()
-        scan = 0
-        watch = _IdleWatch(self._timeouts.idle) if self._timeouts.idle else None
-        try:
-            while piece := await self._read(resp, watch):
-                buf += piece
-                events, scan = _take_events(buf, scan)
-                for event in events:
-                    yield event
-                if len(buf) > limit:
-                    raise EngineMalformed(self.url, f"a stream event exceeds {limit} bytes")
-        finally:
-            if watch is not None:
-                watch.close()
-
-    async def _read(self, resp: aiohttp.ClientResponse, watch: _IdleWatch | None) -> bytes:
-        """The body's next chunk (b"" at its end); a read silent for the idle time probes the engine."""
-        while True:
-            if watch is not None:
-                watch.arm()
-            try:
-                return await resp.content.readany()
-            except asyncio.CancelledError:
-                if watch is None or not watch.interrupted():
-                    raise
-                await self._check_alive()  # silent for the idle time: hung, or only paused?
-            finally:
-                if watch is not None:
-                    watch.disarm()
-
-    # ----------------------------------------------------------------------------- control
-
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json_body: Any = None,
-        params: Mapping[str, str] | None = None,
-        timeout: float | EllipsisType | None = ...,
-    ) -> tuple[int, bytes]:
-        """One control call; returns (status, body). Connection failures raise EngineUnavailable.
-
-        `timeout` defaults (`...`) to the control timeout; None means no limit (`/pause?mode=wait`
-        returns only when the engine has drained).
-        """
-        client_timeout = aiohttp.ClientTimeout(
-            total=self._timeouts.control if timeout is ... else timeout,
-            sock_connect=self._timeouts.connect,
-        )
-        data = orjson.dumps(json_body) if json_body is not None else None
-        try:
-            async with self._session.request(
-                method,
-                self.url + path,
-                data=data,
-                params=params,
-                headers=_JSON_HEADERS if data is not None else None,
-                timeout=client_timeout,
-            ) as resp:
-                return resp.status, await resp.read()
-        except _TRANSPORT_ERRORS as exc:
-            raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
-
-    async def _json(
-        self,
-        method: str,
-        path: str,
-        *,
-        json_body: Any = None,
-        params: Mapping[str, str] | None = None,
-        timeout: float | EllipsisType | None = ...,
-    ) -> Any:
-        status, body = await self._request(method, path, json_body=json_body, params=params, timeout=timeout)
-        if status != 200:
-            raise _http_error(self.url, status, body)
-        try:
-            return orjson.loads(body) if body else None
-        except orjson.JSONDecodeError as exc:
-            raise EngineMalformed(self.url, f"{path} answered invalid JSON: {exc}") from None
-
     async def health(self, timeout: float = 2.0) -> EngineHealth:
         """GET /health: healthy on 200. A refused connection, silence, a 503 (dead engine) or a
         server without vLLM's routes is unhealthy, with that cause."""
-        try:
-            status, _ = await self._request("GET", "/health", timeout=timeout)
-        except EngineUnavailable as exc:
-            cause = exc.__cause__
-            return EngineHealth(False, describe_transport_error(cause, timeout) if cause else exc.message)
-        if status == 200:
-            return HEALTHY
-        if status in (404, 405):
-            return EngineHealth(False, f"answers HTTP {status} on /health: not a vLLM server (wrong port?)")
-        return EngineHealth(False, f"GET /health answered HTTP {status}")
+        return await self._probe_health("/health", "a vLLM server", timeout)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         """POST /inference/v1/abort_requests with engine ids (`engine_request_id`)."""

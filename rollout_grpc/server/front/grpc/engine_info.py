@@ -12,7 +12,11 @@ def engine_info_extras(engine: EngineHandle | None) -> dict[str, Any]:
     """The capability fields of `rollout.v1.EngineInfo` for one engine, as keyword arguments."""
     if engine is None:
         return {}
-    extras: dict[str, Any] = {"problems": list(engine.problems), "usable": engine.usable}
+    extras: dict[str, Any] = {
+        "problems": list(engine.problems),
+        "usable": engine.usable,
+        "kind": engine.client.kind,
+    }
     if not engine.healthy:
         extras["health_error"] = engine.last_error or "health probe failed"
     caps = engine.capabilities

@@ -1,0 +1,204 @@
+"""SGLang's `/generate` output objects as neutral events, for cumulative and incremental streams.
+
+SGLang streams are **cumulative by default**: every chunk repeats `text`, `output_ids` and
+`meta_info.output_token_logprobs` from the first token; only under the server flag
+`--incremental-streaming-output` are they deltas. `meta_info.completion_tokens` is cumulative in
+both modes (docs/sglang-http-api.md §3.4), which tells the modes apart chunk by chunk without
+asking the server: a chunk is a delta when the tokens seen so far plus its ids make
+`completion_tokens`, and a repetition when its ids alone do (with nothing seen yet, both read the
+same). The reader turns either into deltas, checks every logprob triple against its token and
+ends with `EngineUsage` and one `EngineFinal` from the final `meta_info`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from rollout_grpc.server.domain.model import WeightSpan
+from rollout_grpc.server.engines.api import (
+    EngineCall,
+    EngineDelta,
+    EngineError,
+    EngineEvent,
+    EngineFinal,
+    EngineUsage,
+    FinishKind,
+)
+from rollout_grpc.server.engines.sglang import experts
+from rollout_grpc.server.engines.sglang.wire import rejection
+
+#: SGLang `finish_reason.type` -> neutral finish (an unknown type counts as a stop, as slime does).
+FINISH_MAP: Final[dict[str, FinishKind]] = {
+    "stop": FinishKind.STOP,
+    "length": FinishKind.LENGTH,
+    "abort": FinishKind.ABORT,
+}
+
+
+def _ints(value: object, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        raise ValueError(f"{what} must be a list of non-negative integers, got {str(value)[:80]}")
+    return value
+
+
+def _count(value: object, what: str) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _number(value: object, what: str) -> float:
+    if type(value) is float or type(value) is int:
+        return float(value)
+    raise ValueError(f"{what} must be a number, got {str(value)[:80]}")
+
+
+def _window(values: object, seen: int, new: int, what: str) -> list[Any]:
+    """The entries of the `new` tokens: the list is either those entries or all since the start."""
+    if not isinstance(values, list):
+        raise ValueError(f"{what} is missing")
+    if len(values) == new:
+        return values
+    if len(values) == seen + new:
+        return values[seen:]
+    raise ValueError(f"{what} has {len(values)} entries for {new} new tokens after {seen}")
+
+
+def _logprobs(triples: list[Any], tokens: list[int]) -> list[float]:
+    """`[logprob, token_id, text|null]` per token, each naming the token it belongs to."""
+    out = []
+    for triple, token in zip(triples, tokens, strict=True):
+        if not isinstance(triple, list) or len(triple) < 2 or triple[1] != token:
+            raise ValueError(f"logprob entry {str(triple)[:80]} does not belong to token {token}")
+        out.append(_number(triple[0], "logprob"))
+    return out
+
+
+def _top(rows: list[Any]) -> list[tuple[list[int], list[float]]]:
+    """`output_top_logprobs` rows (a list of triples, or null for a position without any)."""
+    top = []
+    for row in rows:
+        cands = row or []
+        top.append(
+            (
+                _ints([c[1] for c in cands], "top logprob token id"),
+                [_number(c[0], "top logprob") for c in cands],
+            )
+        )
+    return top
+
+
+def _spans(value: object, weight_version: object, completion: int) -> list[WeightSpan]:
+    """`weight_versions` spans of the call's output; empty ones dropped (SGLang reports
+    `[{v, 0, 0}]` before the first token). Without spans, the one `weight_version` covers it all."""
+    if value is None:
+        return (
+            [WeightSpan(weight_version, 0, completion)]
+            if isinstance(weight_version, str) and completion
+            else []
+        )
+    if not isinstance(value, list):
+        raise ValueError("weight_versions must be a list")
+    spans = []
+    for s in value:
+        start, end = s["start"], s["end"]
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+            raise ValueError(f"weight_versions span has bad bounds {start!r}..{end!r}")
+        if end > start:
+            spans.append(WeightSpan(str(s["version"]), start, end))
+    return spans
+
+
+class ChunkReader:
+    """The events of one call's output objects, in order (one reader per call)."""
+
+    def __init__(self, url: str, call: EngineCall, experts_topk: int | None) -> None:
+        self.url = url
+        self.call = call
+        self.experts_topk = experts_topk
+        #: Tokens delivered so far, and the length of the text they decoded to.
+        self.seen = 0
+        self.text_len = 0
+
+    def read(self, chunk: Any) -> list[EngineEvent]:
+        """One parsed SSE payload (or the non-streaming body) as events; ValueError when unusable."""
+        if not isinstance(chunk, dict):
+            raise ValueError(f"an output is a JSON {type(chunk).__name__}, not an object")
+        if "error" in chunk:
+            raise self._error(chunk["error"])
+        meta = chunk["meta_info"]
+        ids = _ints(chunk.get("output_ids") or [], "output_ids")
+        total = _count(meta.get("completion_tokens"), "completion_tokens")
+        cumulative = total is not None and self.seen and len(ids) == total
+        if total is not None and not cumulative and self.seen + len(ids) != total:
+            raise ValueError(f"{len(ids)} output ids after {self.seen} do not make {total} tokens")
+        new = ids[self.seen :] if cumulative else ids
+        delta = EngineDelta(token_ids=new)
+        if new:
+            triples = _window(meta.get("output_token_logprobs"), self.seen, len(new), "output_token_logprobs")
+            delta.logprobs = _logprobs(triples, new)
+            if self.call.top_logprobs:
+                rows = _window(meta.get("output_top_logprobs"), self.seen, len(new), "output_top_logprobs")
+                delta.top_logprobs = _top(rows)
+        text = chunk.get("text")
+        if self.call.want_text and isinstance(text, str):
+            delta.text = text[self.text_len :] if cumulative else text
+            self.text_len = len(text) if cumulative else self.text_len + len(text)
+        self.seen += len(new)
+        events: list[EngineEvent] = [delta]
+        finish = meta.get("finish_reason")
+        if finish is not None:
+            events += self._final(meta, finish)
+        return events
+
+    def _error(self, error: object) -> EngineError:
+        """An in-stream `{"error": {"message"}}`: SGLang's `ValueError`, a 400 unless a code says."""
+        if not isinstance(error, dict):
+            return rejection(self.url, 500, f"error event: {error}")
+        code = error.get("code")
+        status = code if type(code) is int else 400
+        return rejection(self.url, status, str(error.get("message", "")) or "error event")
+
+    def _final(self, meta: dict[str, Any], finish: object) -> list[EngineEvent]:
+        if not isinstance(finish, dict):
+            raise ValueError(f"finish_reason must be an object, got {str(finish)[:80]}")
+        kind = FINISH_MAP.get(str(finish.get("type")), FinishKind.STOP)
+        status = finish.get("status_code")
+        if kind is FinishKind.ABORT and type(status) is int and status >= 400:
+            # A scheduler-side error reported as an abort (docs/sglang-http-api.md §3.1).
+            raise rejection(self.url, status, str(finish.get("message") or "aborted by the engine"))
+        prompt = _count(meta.get("prompt_tokens"), "prompt_tokens") or 0
+        cached = _count(meta.get("cached_tokens"), "cached_tokens") or 0
+        final = EngineFinal(
+            finish=kind,
+            stop_reason=self._stop_reason(finish) if kind is FinishKind.STOP else None,
+            weight_spans=_spans(meta.get("weight_versions"), meta.get("weight_version"), self.seen),
+            routed_experts=self._routed(meta, prompt),
+        )
+        return [EngineUsage(prompt, cached), final]
+
+    def _stop_reason(self, finish: dict[str, Any]) -> int | str | None:
+        """`matched` as vLLM's `stop_reason`: the stop string or stop token id, None for EOS
+        (SGLang reports the EOS id as `matched`; it is EOS when the caller did not list it)."""
+        matched = finish.get("matched")
+        if isinstance(matched, str):
+            return matched
+        if type(matched) is int and matched in self.call.sampling.stop_token_ids:
+            return matched
+        return None
+
+    def _routed(self, meta: dict[str, Any], prompt: int) -> Any:
+        encoded = meta.get("routed_experts")
+        if not self.call.return_routed_experts or encoded is None:
+            return None
+        if not isinstance(encoded, str):
+            raise ValueError("routed_experts must be a base64 string")
+        if not self.experts_topk:
+            raise ValueError(
+                "routed_experts cannot be shaped: SGLang does not report the model's top-k; start the "
+                "replica with --sglang-experts-topk"
+            )
+        rows = prompt + self.seen - 1 - self.call.routed_experts_start
+        return experts.decode(encoded, rows, self.experts_topk)
