@@ -87,7 +87,7 @@ async def test_a_stream_becomes_deltas_with_one_logprob_per_token(incremental: b
     (usage,) = [e for e in events if isinstance(e, EngineUsage)]
     assert usage.prompt_tokens == len(PROMPT)
     # What went on the wire: SGLang's names only, the rid prefix-free, logprobs asked for.
-    assert body["rid"] == "r~0~" and body["return_logprob"] is True and body["stream"] is True
+    assert body["rid"] == call_id("r") and body["return_logprob"] is True and body["stream"] is True
     assert body["sampling_params"]["max_new_tokens"] == 12
     assert body["sampling_params"]["no_stop_trim"] is True
     assert "include_stop_str_in_output" not in body["sampling_params"]
