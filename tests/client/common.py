@@ -1,11 +1,11 @@
-"""What the client tests share: a prompt and sampling params, and a fake RolloutService for what a
-live replica will not do on demand (refuse a call once)."""
+"""What the client tests share: a prompt and sampling params, and fake RolloutServices for what a
+live replica will not do on demand (refuse a call once; never answer)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -42,3 +42,20 @@ class RefuseOnce:
     async def generate(self, request: pb.GenerateRequest, context: Ctx) -> AsyncIterator[pb.GenerateResponse]:
         await self._refuse_first(context)
         yield pb.GenerateResponse(sample=pb.Sample(tokens=list(request.sample.tokens), response_length=0))
+
+
+class Silent:
+    """A fake RolloutService whose Generate never answers until `release` is set.
+
+    The one deterministic way to reach a caller's deadline: a live replica ends a generation with
+    its ABORTED sample before the deadline (`--deadline-margin`), and even a deadline already
+    expired at the call raced the replica's answer in the blocking client."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        self.release.wait()
+        yield from ()

@@ -18,13 +18,14 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
 from rollout_grpc.client import pb
-from tests.client.common import RefuseOnce
+from tests.client.common import RefuseOnce, Silent
 from tests.client.replica import METRICS_ENV, TARGET_ENV, Replica
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,3 +114,29 @@ async def refusing() -> AsyncIterator[tuple[str, RefuseOnce]]:
         yield f"127.0.0.1:{port}", fake
     finally:
         await server.stop(None)
+
+
+@pytest.fixture
+def silent() -> Iterator[str]:
+    """host:port of a RolloutService that never answers Generate (a threaded server, so blocking
+    and async tests alike can call it)."""
+    fake = Silent()
+    handler = grpc.method_handlers_generic_handler(
+        "rollout.v1.RolloutService",
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                fake.generate,
+                request_deserializer=pb.GenerateRequest.FromString,
+                response_serializer=pb.GenerateResponse.SerializeToString,
+            ),
+        },
+    )
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        fake.release.set()
+        server.stop(None)

@@ -24,11 +24,10 @@ from tests.client.common import LONG, PROMPT, PUSHBACK_MS, SHORT, RefuseOnce
 
 TOP_P = FieldViolation("sampling_params.top_p", "must be in (0, 1], got 2.0")
 
-#: A deadline that has expired when the call starts (gRPC fails it at once, on any machine). A
-#: short positive one is not deterministic: 1 ms was sometimes met by the replica's ABORTED sample
-#: (`--deadline-margin` ends a generation with its sample before the caller's deadline), and a
-#: longer one (0.2 s) always is.
-EXPIRED_S = 0.0
+#: The deadline of calls to the `silent` service, which never answers. A live replica meets any
+#: deadline it can with an ABORTED sample (`--deadline-margin`): 1 ms, and even 0 s in the
+#: blocking client, sometimes got that sample instead of DEADLINE_EXCEEDED.
+DEADLINE_S = 0.2
 
 
 def _check_invalid_top_p(err: InvalidArgumentError) -> None:
@@ -41,7 +40,7 @@ def _check_invalid_top_p(err: InvalidArgumentError) -> None:
     assert any(key == "grpc-status-details-bin" for key, _ in err.trailing_metadata() or ())
 
 
-def test_sync_client_raises_typed_errors_on_every_call_kind(target: str) -> None:
+def test_sync_client_raises_typed_errors_on_every_call_kind(target: str, silent: str) -> None:
     with RolloutClient(target, timeout=30) as client:
         with pytest.raises(InvalidArgumentError) as err:
             client.generate(PROMPT, {"top_p": 2.0})
@@ -55,11 +54,11 @@ def test_sync_client_raises_typed_errors_on_every_call_kind(target: str) -> None
         with pytest.raises(InvalidArgumentError) as err:
             client.abort()  # no target: a unary call
         assert [v.field for v in err.value.field_violations] == ["target"]
-        with pytest.raises(DeadlineExceededError):
-            client.generate(PROMPT, LONG, timeout=EXPIRED_S)
+    with RolloutClient(silent, retry=None) as client, pytest.raises(DeadlineExceededError):
+        client.generate(PROMPT, LONG, timeout=DEADLINE_S)
 
 
-async def test_async_client_raises_typed_errors_on_every_call_kind(target: str) -> None:
+async def test_async_client_raises_typed_errors_on_every_call_kind(target: str, silent: str) -> None:
     async with AsyncRolloutClient(target, timeout=30) as client:
         with pytest.raises(InvalidArgumentError) as err:
             await client.generate(PROMPT, {"top_p": 2.0})
@@ -73,9 +72,10 @@ async def test_async_client_raises_typed_errors_on_every_call_kind(target: str) 
         with pytest.raises(InvalidArgumentError) as err:
             await client.abort()
         assert [v.field for v in err.value.field_violations] == ["target"]
-        with pytest.raises(DeadlineExceededError):
-            await client.generate(PROMPT, LONG, timeout=EXPIRED_S)
         assert (await client.generate(PROMPT, SHORT)).response_length == 8
+    async with AsyncRolloutClient(silent, retry=None) as client:
+        with pytest.raises(DeadlineExceededError):
+            await client.generate(PROMPT, LONG, timeout=DEADLINE_S)
 
 
 def test_a_connection_that_fails_is_unavailable() -> None:
