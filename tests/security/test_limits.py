@@ -55,6 +55,14 @@ async def test_request_size_caps_name_the_field_and_the_limit() -> None:
         assert field_violation(err) == "chat_template_kwargs"
         assert "max_chat_template_kwargs_bytes" in (err.details() or "")
 
+        # A Struct may hold infinities, JSON may not: the caller's error, not INTERNAL (found by
+        # tests/security/test_fuzz.py).
+        kwargs = struct_pb2.Struct()
+        kwargs.update({"": float("inf")})
+        err = await _refused(h.client.stub.Render(pb.RenderRequest(text="hi", chat_template_kwargs=kwargs)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field_violation(err) == "chat_template_kwargs" and "finite" in (err.details() or "")
+
 
 async def test_one_caller_cannot_take_every_slot(tokens_file: Path) -> None:
     async with (

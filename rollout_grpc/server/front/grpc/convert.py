@@ -237,6 +237,18 @@ def delta_to_pb(batch: domain.TokenBatch) -> pb.GenerateResponse:
     )
 
 
+def struct_from_pb(msg: Any, field: str) -> dict[str, Any]:
+    """A `google.protobuf.Struct` as the plain dict an engine's JSON body takes.
+
+    A Struct can hold NaN and infinities, which JSON cannot (protobuf refuses to convert them): the
+    caller's error, naming the field, not an INTERNAL one."""
+    try:
+        value: dict[str, Any] = json_format.MessageToDict(msg)
+    except ValueError as exc:
+        raise InvalidArgument(field, "numbers must be finite (NaN and infinities are not JSON)") from exc
+    return value
+
+
 def content_part_from_pb(part: pb.ContentPart, field: str) -> tuple[str, str | bytes, str]:
     """A content part as (kind, payload, mime type): ("text", str, "") or ("image", bytes|url, mime)."""
     kind = part.WhichOneof("part")

@@ -16,7 +16,6 @@ from typing import Any
 import grpc
 import orjson
 import structlog
-from google.protobuf import json_format
 
 from rollout_grpc import __version__
 from rollout_grpc._proto import rollout_pb2 as pb
@@ -220,7 +219,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> pb.RenderResponse:
         kind = request.WhichOneof("prompt")
         template_kwargs = (
-            json_format.MessageToDict(request.chat_template_kwargs)
+            convert.struct_from_pb(request.chat_template_kwargs, "chat_template_kwargs")
             if request.HasField("chat_template_kwargs")
             else {}
         )
