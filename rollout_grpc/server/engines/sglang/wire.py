@@ -66,8 +66,8 @@ def engine_request_id(call_id: str) -> str:
     """The `rid` SGLang knows the call `call_id` by (what `/abort_request` takes): the call id as is.
 
     SGLang uses a client's rid verbatim and its scheduler aborts **by prefix**; the domain's call
-    ids (`EngineCall.call_id`: unique per replica, owner, request id and attempt) end with their
-    only unescaped `~`, so no call id is a prefix of another and an abort reaches exactly one call.
+    ids (`EngineCall.call_id`: unique per replica, owner, request id and attempt) hold exactly three
+    `~` and end with one, so no call id is a prefix of another and an abort reaches exactly one call.
     The one place the rid scheme lives.
     """
     return call_id
