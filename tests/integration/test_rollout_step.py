@@ -17,6 +17,7 @@ from structlog.testing import capture_logs
 from rollout_grpc.client import RolloutClient, make_sample, pb
 from rollout_grpc.server.facade.calls import CallRecord
 from tests.harness import Harness, harness
+from tests.support.partials import aborted_partials
 from tests.support.reward_server import RewardServer
 from tests.support.service import PROMPT, SLOW_SIM, engine_id, field_violation
 
@@ -135,19 +136,7 @@ async def test_over_sampling_past_filtered_groups_with_a_remote_reward(h: Harnes
 
 def nearly_done(index: int, n: int, done: int) -> list[pb.Sample]:
     """ABORTED partial samples with `done` response tokens (what a previous step returned)."""
-    return [
-        pb.Sample(
-            tokens=[*PROMPT, *([5] * done)],
-            index=index + i,
-            response_length=done,
-            loss_mask=[1] * done,
-            rollout_log_probs=[-1.0] * done,
-            status=pb.SAMPLE_STATUS_ABORTED,
-            finish_reason=pb.FINISH_REASON_ABORT,
-            start_step_id="earlier",
-        )
-        for i in range(n)
-    ]
+    return aborted_partials(PROMPT, index, n, done)
 
 
 LONG_STEP = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}

