@@ -21,7 +21,7 @@ from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.sim import SimEngine
 from tests.harness import running_server, sim_engines
 from tests.support.fleet import session_on
-from tests.support.service import PROMPT, assert_lossless, start_stream, started
+from tests.support.service import PROMPT, Stream, assert_lossless, start_stream, started
 
 GREEDY: dict[str, object] = {"temperature": 0.0, "max_new_tokens": 120, "ignore_eos": True}
 
@@ -32,6 +32,19 @@ class Mixed:
     client: AsyncRolloutClient
     vllm: SimEngine
     sglang: SimEngine
+
+    def sample_on(self, engine: SimEngine) -> pb.Sample:
+        """A sample whose session the replica's pool sends to `engine`."""
+        session = session_on([self.vllm, self.sglang], engine, self.server.pool.pick)
+        return make_sample(PROMPT, session_id=session)
+
+    def streams_on_both(self, prefix: str, params: dict[str, object], count: int) -> list[Stream]:
+        """`count` streaming Generates started in the background, alternating vLLM and SGLang."""
+        engines = [self.vllm, self.sglang]
+        return [
+            start_stream(self.client, f"{prefix}-{i}", params, sample=self.sample_on(engines[i % 2]))
+            for i in range(count)
+        ]
 
 
 @contextlib.asynccontextmanager
@@ -55,11 +68,8 @@ async def test_server_info_names_each_engines_kind() -> None:
 
 async def test_greedy_is_the_same_sequence_on_both_kinds() -> None:
     async with mixed(0.0) as m:
-        pick = m.server.pool.pick
-        on_vllm = make_sample(PROMPT, session_id=session_on([m.vllm, m.sglang], m.vllm, pick))
-        on_sglang = make_sample(PROMPT, session_id=session_on([m.vllm, m.sglang], m.sglang, pick))
-        a = await m.client.generate(on_vllm, GREEDY)
-        b = await m.client.generate(on_sglang, GREEDY)
+        a = await m.client.generate(m.sample_on(m.vllm), GREEDY)
+        b = await m.client.generate(m.sample_on(m.sglang), GREEDY)
     assert a.engine_attempts[0].engine == m.vllm.url and b.engine_attempts[0].engine == m.sglang.url
     assert list(a.tokens) == list(b.tokens) and a.response_length == 120
     assert list(a.rollout_log_probs) == pytest.approx(list(b.rollout_log_probs))
@@ -69,13 +79,10 @@ async def test_greedy_is_the_same_sequence_on_both_kinds() -> None:
 async def test_failover_between_kinds_continues_the_tokens_exactly(first: str) -> None:
     async with mixed() as m:
         bad, good = (m.vllm, m.sglang) if first == "vllm" else (m.sglang, m.vllm)
-        reference = await m.client.generate(
-            make_sample(PROMPT, session_id=session_on([m.vllm, m.sglang], good, m.server.pool.pick)), GREEDY
-        )
+        reference = await m.client.generate(m.sample_on(good), GREEDY)
         bad.faults.drop_connection = 1
         bad.faults.drop_after_tokens = 40
-        sample = make_sample(PROMPT, session_id=session_on([m.vllm, m.sglang], bad, m.server.pool.pick))
-        stream = start_stream(m.client, "failover", GREEDY, sample=sample)
+        stream = start_stream(m.client, "failover", GREEDY, sample=m.sample_on(bad))
         final = await stream.task
     assert final.status == pb.SAMPLE_STATUS_TRUNCATED and final.response_length == 120
     assert_lossless(stream, final)
@@ -88,17 +95,7 @@ async def test_failover_between_kinds_continues_the_tokens_exactly(first: str) -
 async def test_abort_all_across_kinds_then_continue_to_the_budget() -> None:
     async with mixed(0.005) as m:
         params: dict[str, object] = {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True}
-        pick = m.server.pool.pick
-        engines = [m.vllm, m.sglang]
-        streams = [
-            start_stream(
-                m.client,
-                f"all-{i}",
-                params,
-                sample=make_sample(PROMPT, session_id=session_on(engines, engines[i % 2], pick)),
-            )
-            for i in range(6)
-        ]
+        streams = m.streams_on_both("all", params, 6)
         await started(*streams)
         response = await m.client.abort(all=True)
         assert response.aborted == 6 and not response.engine_errors
@@ -122,17 +119,7 @@ async def test_abort_all_across_kinds_then_continue_to_the_budget() -> None:
 async def test_pause_resume_across_kinds_splits_versions_or_drains(mode: str) -> None:
     async with mixed(0.003) as m:
         params: dict[str, object] = {"temperature": 1.0, "max_new_tokens": 150, "ignore_eos": True}
-        pick = m.server.pool.pick
-        engines = [m.vllm, m.sglang]
-        streams = [
-            start_stream(
-                m.client,
-                f"{mode}-{i}",
-                params,
-                sample=make_sample(PROMPT, session_id=session_on(engines, engines[i % 2], pick)),
-            )
-            for i in range(4)
-        ]
+        streams = m.streams_on_both(mode, params, 4)
         await started(*streams)
         paused = await m.client.pause(mode)
         assert sorted(paused.paused_engines) == sorted([m.vllm.url, m.sglang.url])
