@@ -59,7 +59,7 @@ def plan(quick: bool) -> list[Workload]:
     """Concurrency 1 and 32; sized so the whole run (with vLLM's start) stays under ~5 minutes."""
     if quick:
         return [Workload(0, 1, 2, 1), Workload(0, 32, 32, 1)]
-    return [Workload(0, 1, 4, 2), Workload(0, 32, 96, 2)]
+    return [Workload(0, 1, 6, 2), Workload(0, 32, 128, 2)]
 
 
 def missing() -> str | None:

@@ -250,7 +250,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: small points, short responses")
     parser.add_argument("--out-dir", type=Path, default=DOCS)
+    parser.add_argument(
+        "--rederive",
+        action="store_true",
+        help="measure nothing: recompute the sizing rule of the stored rows (after a change to "
+        "bench/sizing.py) and re-render benchmarks.md",
+    )
     args = parser.parse_args(argv)
+    if args.rederive:
+        path = args.out_dir / RESULTS
+        stored = json.loads(path.read_text())
+        base = stored["settings"]
+        stored["sizing"] = sizing.derive(stored["rows"], base["base_engines"], base["base_streams"])
+        path.write_text(json.dumps(stored, indent=2) + "\n")
+        from bench.real_vllm import rerender
+
+        rerender(args.out_dir)
+        print(f"sizing: {stored['sizing']}")
+        return 0
     print("scale: one replica, simulated engines at 20 ms per token", flush=True)
     results = run(args.quick)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -129,9 +129,9 @@ def scale_section(data: dict[str, Any]) -> list[str]:
         f"{settings['prompt_tokens']}-token prompts, {settings['max_new_tokens']}-token responses "
         "(`ignore_eos`), one logprob per token, token-in/token-out (`skip_text`), deltas: "
         f"{settings['stream_batch']}. Closed loop of *streams* concurrent generations.",
-        f"* Engines run {settings['engine_processes']} to a machine: the engines of a row are split "
-        "over that many processes, each holding several `SimEngine`s on their own ports "
-        "(`bench/sim_pool.py`). R3 rows run MoE engines (uint8 ids of "
+        f"* The engines of a row run in {settings['engine_processes']} processes, each holding half "
+        "of them as `SimEngine`s on their own ports (`bench/sim_pool.py`; 32 engine processes would "
+        "not fit 2 cores). R3 rows run MoE engines (uint8 ids of "
         f"{settings['r3_experts']} experts) and ask for `return_routed_experts`; the final sample "
         "carries layers x top-k bytes per token.",
         "* *service cores* = service CPU seconds / wall seconds of the row. *tokens/s per stream* "
@@ -166,6 +166,8 @@ def scale_section(data: dict[str, Any]) -> list[str]:
             f"| {_num(row['client_cpu_s'], ',.1f')} | {_num(row['other_load_cores'], '.2f')} |"
         )
     low, high = rule["cpu_s_per_mtok_range"]
+    idles = [r["service_idle_rss_mib"] for r in data["rows"] if r.get("service_idle_rss_mib")]
+    idle = max(idles) if idles else None
     lines += [
         "",
         "### Sizing rule",
@@ -176,22 +178,39 @@ def scale_section(data: dict[str, Any]) -> list[str]:
         "",
         f"* **CPU: {rule['cores_per_100k_tok_s']} cores per 100k tokens/s** relayed "
         f"({rule['cpu_s_per_mtok']} s of service CPU per million tokens, the highest of the streams "
-        f"axis, at {rule['cpu_from_streams']:,} streams; the axis ranged {low}-{high}).",
+        f"axis, at {rule['cpu_from_streams']:,} streams; rows at "
+        f"{', '.join(f'{n:,}' for n in rule.get('cpu_rows_streams', []))} streams ranged {low}-{high}).",
         f"* **Memory: {rule['rss_mib_per_1k_streams']} MiB per 1k concurrent streams** on top of "
         f"{rule['fixed_rss_mib']} MiB per replica (least-squares line of peak RSS over "
-        f"{', '.join(f'{s:,}' for s in rule['rss_fit_streams'])} streams).",
+        f"{', '.join(f'{s:,}' for s in rule['rss_fit_streams'])} streams; an idle replica holds "
+        f"{_num(idle, ',.0f')} MiB).",
         f"* **One replica is one process and uses at most one core**: its ceiling is about "
         f"{_num(rule['replica_ceiling_tok_s'])} tokens/s; plan {_num(rule['replica_planned_tok_s'])} "
         f"tokens/s per replica ({rule['target_core_share'] * 100:.0f} % of the core) and add replicas "
         "beyond that.",
     ]
+    slow = rule.get("slow_rows") or []
+    if slow:
+        listed = "; ".join(
+            f"{r['streams']:,} streams ({_num(r['tokens_per_s_per_stream'], '.1f')} tokens/s per stream, "
+            f"{_num(r['cpu_s_per_mtok'], '.1f')} s/M tok)"
+            for r in slow
+        )
+        lines.append(
+            "* Left out of the CPU figure, since its streams ran below half the nominal speed (the "
+            f"shared cores could not keep {settings['token_delay_ms']:g} ms per token, so the row does "
+            f"not match the assumption; its memory counts): {listed}."
+        )
     if rule.get("rss_mib_per_engine") is not None:
         cpu = ", ".join(
             f"{e['engines']} engines {_num(e['cpu_s_per_mtok'], '.1f')} s/M tok" for e in rule["engines"]
         )
+        engines = rule["engines"]
         lines.append(
-            f"* **Engines**: {rule['rss_mib_per_engine']} MiB per engine in the list; CPU per token "
-            f"at {settings['base_streams']} streams: {cpu}."
+            f"* **Engines**: {rule['rss_mib_per_engine']} MiB per engine in the list (peak RSS "
+            f"{_num(engines[0]['rss_mib'])} MiB at {engines[0]['engines']} engines, "
+            f"{_num(engines[-1]['rss_mib'])} MiB at {engines[-1]['engines']}); CPU per token at "
+            f"{settings['base_streams']} streams: {cpu}."
         )
     r3_rows = [r for r in rule["r3"] if r["bytes_per_token"]]
     if r3_rows:

@@ -8,7 +8,11 @@ From the rows of one scale run (each a dict with `streams`, `engines`, `r3_layer
 
 * **CPU**: a replica's service CPU is proportional to the tokens it relays, so cores per 100k
   tokens/s = (CPU seconds per million tokens) x 0.1. The rule takes the *highest* CPU per token of
-  the streams axis (conservative: the per-token cost is not exactly flat in the stream count).
+  the streams axis (conservative: the per-token cost is not exactly flat in the stream count)
+  among the rows that ran at the assumed decode speed: a row whose streams got less than
+  `MIN_RATE_SHARE` of the nominal tokens/s per stream (the shared machine could not keep up) is
+  left out of the CPU figure, since a slower stream sends more, smaller messages per token and
+  the rule's assumption is the nominal speed. Its memory still counts.
 * **Memory**: peak RSS against concurrent streams is fitted with a least-squares line over the
   streams axis; the slope x 1000 is MiB per 1k streams, the intercept the replica's fixed memory.
 * **Engines** and **R3 payloads** are reported as their extra cost over the baseline row (the
@@ -26,6 +30,8 @@ from typing import Any
 
 #: The share of its one core a replica is planned to use (the rest is headroom).
 TARGET_CORE_SHARE = 0.7
+#: A row counts for the CPU figure when its streams got at least this share of the nominal speed.
+MIN_RATE_SHARE = 0.5
 
 
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -52,6 +58,16 @@ def streams_axis(rows: Sequence[dict[str, Any]], engines: int) -> list[dict[str,
     return sorted(picked, key=lambda r: r["streams"])
 
 
+def at_nominal_speed(row: dict[str, Any]) -> bool:
+    """Whether the row's streams ran at (nearly) the assumed decode speed; rows without the
+    fields are taken as nominal."""
+    nominal = row.get("nominal_tokens_per_s_per_stream")
+    achieved = row.get("tokens_per_s_per_stream")
+    if not nominal or achieved is None:
+        return True
+    return bool(achieved >= MIN_RATE_SHARE * nominal)
+
+
 def derive(rows: Sequence[dict[str, Any]], base_engines: int, base_streams: int) -> dict[str, Any]:
     """The sizing rule from one run's rows (see the module docstring)."""
     axis = streams_axis(rows, base_engines)
@@ -59,7 +75,13 @@ def derive(rows: Sequence[dict[str, Any]], base_engines: int, base_streams: int)
         raise ValueError(
             f"sizing: need at least two usable rows with {base_engines} engines and no R3, got {len(axis)}"
         )
-    worst = max(axis, key=lambda r: r["service_cpu_s_per_mtok"])
+    nominal = [r for r in axis if at_nominal_speed(r)]
+    if not nominal:
+        raise ValueError(
+            f"sizing: no row with {base_engines} engines and no R3 ran at {MIN_RATE_SHARE:.0%} of the "
+            "nominal tokens/s per stream; rerun on a quieter machine or with fewer streams"
+        )
+    worst = max(nominal, key=lambda r: r["service_cpu_s_per_mtok"])
     cpu_s_per_mtok = float(worst["service_cpu_s_per_mtok"])
     intercept, slope = linear_fit(
         [float(r["streams"]) for r in axis], [float(r["service_peak_rss_mib"]) for r in axis]
@@ -86,10 +108,20 @@ def derive(rows: Sequence[dict[str, Any]], base_engines: int, base_streams: int)
     return {
         "cpu_s_per_mtok": round(cpu_s_per_mtok, 2),
         "cpu_s_per_mtok_range": [
-            round(min(r["service_cpu_s_per_mtok"] for r in axis), 2),
+            round(min(r["service_cpu_s_per_mtok"] for r in nominal), 2),
             round(cpu_s_per_mtok, 2),
         ],
         "cpu_from_streams": worst["streams"],
+        "cpu_rows_streams": [r["streams"] for r in nominal],
+        "slow_rows": [
+            {
+                "streams": r["streams"],
+                "tokens_per_s_per_stream": r.get("tokens_per_s_per_stream"),
+                "cpu_s_per_mtok": r["service_cpu_s_per_mtok"],
+            }
+            for r in axis
+            if not at_nominal_speed(r)
+        ],
         "cores_per_100k_tok_s": round(cpu_s_per_mtok * 0.1, 2),
         "replica_ceiling_tok_s": round(ceiling, -2),
         "replica_planned_tok_s": round(ceiling * TARGET_CORE_SHARE, -2),

@@ -18,8 +18,12 @@ from bench import sections, sizing
 from bench.procs import workers_flag
 
 
-def row(streams: int, engines: int = 2, cpu: float = 10.0, rss: float = 100.0, r3: int = 0) -> dict[str, Any]:
+def row(
+    streams: int, engines: int = 2, cpu: float = 10.0, rss: float = 100.0, r3: int = 0, rate: float = 45.0
+) -> dict[str, Any]:
     return {
+        "tokens_per_s_per_stream": rate,
+        "nominal_tokens_per_s_per_stream": 50.0,
         "streams": streams,
         "engines": engines,
         "r3_layers": r3,
@@ -52,7 +56,7 @@ def scale_rows() -> list[dict[str, Any]]:
         row(64, cpu=12.0, rss=83.2),
         row(256, cpu=10.0, rss=92.8),
         row(1024, cpu=14.0, rss=131.2),
-        row(4096, cpu=13.0, rss=284.8),
+        row(4096, cpu=30.0, rss=284.8, rate=3.0),  # the machine could not keep 20 ms per token
         row(256, engines=8, cpu=11.0, rss=98.8),
         row(256, engines=32, cpu=12.0, rss=122.8),
         row(256, cpu=11.0, rss=112.8, r3=48),
@@ -64,10 +68,12 @@ def test_the_rule_takes_the_worst_cpu_of_the_streams_axis_and_the_memory_line() 
     assert rule["cpu_s_per_mtok"] == 14.0  # the 1024-stream row, not the engines or R3 rows
     assert rule["cpu_from_streams"] == 1024
     assert rule["cpu_s_per_mtok_range"] == [10.0, 14.0]
+    assert rule["cpu_rows_streams"] == [64, 256, 1024]
+    assert rule["slow_rows"] == [{"streams": 4096, "tokens_per_s_per_stream": 3.0, "cpu_s_per_mtok": 30.0}]
     assert rule["cores_per_100k_tok_s"] == 1.4  # 14 s per 1e6 tokens x 1e5 tokens/s
     assert rule["rss_mib_per_1k_streams"] == pytest.approx(50.0)  # 0.05 MiB per stream
     assert rule["fixed_rss_mib"] == pytest.approx(80.0)
-    assert rule["rss_fit_streams"] == [64, 256, 1024, 4096]
+    assert rule["rss_fit_streams"] == [64, 256, 1024, 4096]  # slow rows still count for memory
     assert rule["replica_ceiling_tok_s"] == pytest.approx(71_400)  # 1e6 / 14, to hundreds
     assert rule["replica_planned_tok_s"] == pytest.approx(50_000)  # 70 % of it
 
@@ -87,6 +93,12 @@ def test_engines_and_r3_are_costs_over_the_baseline_row() -> None:
 def test_rows_without_measurements_are_left_out_and_too_few_is_an_error() -> None:
     rows = [row(64), {**row(256), "service_cpu_s_per_mtok": None}, row(1024, engines=8)]
     with pytest.raises(ValueError, match="at least two usable rows with 2 engines and no R3, got 1"):
+        sizing.derive(rows, base_engines=2, base_streams=256)
+
+
+def test_a_run_where_no_row_kept_the_nominal_speed_gives_no_cpu_figure() -> None:
+    rows = [row(64, rate=20.0), row(256, rate=10.0)]
+    with pytest.raises(ValueError, match="no row with 2 engines and no R3 ran at 50% of the nominal"):
         sizing.derive(rows, base_engines=2, base_streams=256)
 
 
