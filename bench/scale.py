@@ -171,7 +171,7 @@ def measure_point(group: procs.Processes, point: Point, index: int, max_tokens: 
             seed=i * 1000,
             extra=sim_flags(point),
         )
-        for i, share in enumerate(_split(point.engines, POOL_PROCESSES))
+        for i, share in enumerate(split_engines(point.engines, POOL_PROCESSES))
         if share
     ]
     engines = [url for pool in pools for url in pool.urls]
@@ -204,7 +204,7 @@ def measure_point(group: procs.Processes, point: Point, index: int, max_tokens: 
     return row
 
 
-def _split(total: int, parts: int) -> list[int]:
+def split_engines(total: int, parts: int) -> list[int]:
     """`total` engines over `parts` processes, as evenly as possible."""
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 

@@ -180,3 +180,28 @@ def test_a_broken_side_file_names_itself(tmp_path: Path) -> None:
     (tmp_path / sections.SCALE_FILE).write_text('{"rows": []}')
     with pytest.raises(ValueError, match="expected an object with 'rows' and 'environment'"):
         sections.load_sections(tmp_path)
+
+
+def test_the_scale_plan_covers_each_axis_around_one_baseline() -> None:
+    from bench import scale
+
+    points = scale.plan(quick=False)
+    assert len(set(points)) == len(points)  # the baseline is measured once
+    axis = sorted(p.streams for p in points if p.engines == scale.BASE_ENGINES and not p.r3_layers)
+    assert axis == [64, 256, 1024, 4096]
+    assert sorted(p.engines for p in points if p.streams == scale.BASE_STREAMS and not p.r3_layers) == [
+        2,
+        8,
+        16,
+        32,
+    ]
+    r3 = sorted((p.r3_layers, p.r3_topk) for p in points if p.r3_layers)
+    assert r3 == [(24, 8), (48, 8), (64, 8)]
+    assert scale.BASE_STREAMS in {p.streams for p in points if p.r3_layers}
+
+
+@pytest.mark.parametrize(("total", "parts", "split"), [(32, 2, [16, 16]), (3, 2, [2, 1]), (1, 2, [1, 0])])
+def test_engines_are_split_evenly_over_the_pool_processes(total: int, parts: int, split: list[int]) -> None:
+    from bench import scale
+
+    assert scale.split_engines(total, parts) == split
