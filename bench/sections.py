@@ -80,7 +80,8 @@ def vllm_section(data: dict[str, Any]) -> list[str]:
         f"`rollout-grpc serve` process{flags}, `AsyncRolloutClient.generate_stream`, `skip_text`, "
         f"deltas: {settings['stream_batch']}. "
         "The service asks vLLM for `stream_interval` (fewer, larger SSE events than the direct "
-        "client's default of one per token), which also saves vLLM's own CPU on its one core.",
+        "client's default of one per token), which changes vLLM's own output work too: compare the "
+        "vLLM CPU column (vLLM has one core here, so its CPU per token also sets its tokens/s).",
         "* *messages / token*: SSE events carrying tokens (direct) or gRPC messages, deltas and the "
         "final sample (service), per response token; *tokens per message* is their distribution. "
         "Paths alternate (ABBA), best repetition shown. CPU is user + system time per million "
