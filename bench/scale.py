@@ -25,7 +25,7 @@ per stream against the nominal 50). CPU per token stays meaningful (it is what t
 on the tokens it relayed); the sizing rule (`bench/sizing.py`) states which row it comes from.
 
 Writes `docs/benchmarks.scale.json` (its own file: a `make bench` does not rerun it, and it keeps
-its own commit, date and load) and re-renders `docs/benchmarks.md`. About 4-5 minutes;
+its own commit, date and load) and re-renders `docs/benchmarks.md`. About 4 minutes;
 `--quick` runs small points only.
 """
 

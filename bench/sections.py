@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-#: (file name, renderer) in the order the sections appear.
+#: The side files, in the order their sections appear in benchmarks.md.
 VLLM_FILE = "benchmarks.vllm.json"
 SCALE_FILE = "benchmarks.scale.json"
 

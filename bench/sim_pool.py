@@ -1,7 +1,7 @@
 """Several simulated vLLM engines in one process: `python -m bench.sim_pool --engines K --port-file F ...`.
 
 Why: the scale benchmark (`bench/scale.py`) needs up to 32 engines on a 2-core machine. 32
-`python -m rollout_grpc.sim` processes would cost ~32 x 60 MiB and 32 interpreters competing for
+`python -m rollout_grpc.sim` processes would be 32 interpreters (tens of MiB each) competing for
 two cores; the simulator's `SimEngine` is an ordinary asyncio object, so K of them can share one
 event loop, each on its own port, exactly as `rollout-grpc sim` configures one (the flags are the
 simulator's own, parsed by its parser). To the service each is an independent engine: its own
