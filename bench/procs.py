@@ -11,7 +11,12 @@ the benchmark's own lives here: the engine and replica flags of a run, and the `
 
 from __future__ import annotations
 
+import functools
+import json
+import subprocess
+import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -19,10 +24,14 @@ import psutil
 from tests.support.processes import (
     REPO,
     Engine,
+    Proc,
     Processes,
     Replica,
     StartupError,
+    fresh_port_file,
     nginx_binary,
+    read_port_file,
+    replica_command,
     start_engine,
     start_nginx,
     start_replica,
@@ -34,11 +43,15 @@ __all__ = [
     "Meter",
     "Processes",
     "Replica",
+    "SimPool",
     "StartupError",
     "nginx_binary",
+    "one_process_flags",
     "start_nginx",
     "start_service",
     "start_sim",
+    "start_sim_pool",
+    "workers_flag",
 ]
 
 
@@ -74,8 +87,74 @@ def start_service(
     extra: list[str] | None = None,
     src: Path | None = None,
 ) -> Replica:
-    """A service replica (`rollout-grpc serve`) in its own process, logging warnings only."""
-    return start_replica(group, name, engines, ["--log-level", "warning", *(extra or [])], src=src)
+    """A service replica (`rollout-grpc serve`) in its own process, logging warnings only.
+
+    One process (`one_process_flags`) when it runs this checkout's code: the meters read one PID.
+    """
+    single = list(one_process_flags()) if src is None else []
+    return start_replica(group, name, engines, ["--log-level", "warning", *single, *(extra or [])], src=src)
+
+
+@dataclass
+class SimPool:
+    """One process serving several simulated engines (`bench/sim_pool.py`)."""
+
+    proc: Proc
+    urls: list[str]
+
+
+def start_sim_pool(
+    group: Processes,
+    name: str,
+    engines: int,
+    token_delay_ms: float,
+    seed: int,
+    extra: list[str] | None = None,
+) -> SimPool:
+    """`engines` simulated engines in one process, configured as `start_sim` configures one."""
+    port_file = fresh_port_file(group.workdir / f"{name}.ports")
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.sim_pool",
+        "--engines",
+        str(engines),
+        "--port-file",
+        str(port_file),
+        "--token-delay-ms",
+        str(token_delay_ms),
+        "--seed",
+        str(seed),
+        "--eos-probability",
+        "0",
+        "--max-model-len",
+        "8192",
+        *(extra or []),
+    ]
+    proc = group.start(name, argv, cwd=REPO)
+    ports = json.loads(read_port_file(port_file, proc))
+    return SimPool(proc, [f"http://127.0.0.1:{port}" for port in ports])
+
+
+def workers_flag(serve_help: str) -> list[str]:
+    """`--workers 1` when `serve --help` lists a `--workers` flag, else nothing.
+
+    Why: the benchmarks describe one service process (its CPU and RSS are read from one PID); a
+    `serve` that can fork workers must be told to stay one process, and an older one has no flag.
+    """
+    for token in serve_help.replace("[", " ").replace("]", " ").replace(",", " ").split():
+        if token == "--workers" or token.startswith("--workers="):
+            return ["--workers", "1"]
+    return []
+
+
+@functools.cache
+def one_process_flags() -> tuple[str, ...]:
+    """The `serve` flags that keep a replica in one process, read from this checkout's `serve --help`."""
+    result = subprocess.run(
+        [*replica_command(), "serve", "--help"], check=False, capture_output=True, text=True, timeout=60
+    )
+    return tuple(workers_flag(result.stdout))
 
 
 class Meter:

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench import r3, r3_e2e
+from bench import r3, r3_e2e, sections
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PATH_ORDER = ("direct", "service", "nginx x2", "service final_only", "service text mode")
@@ -220,6 +220,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         ]
     if results.get("previous"):
         lines += previous_table(results)
+    lines += sections.render(path.parent)
     if results.get("r3_e2e"):
         lines += r3_e2e.markdown(results["r3_e2e"])
     if results.get("r3"):
@@ -307,7 +308,8 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
-    """Re-render docs/benchmarks.md and .png from docs/benchmarks.json."""
+    """Re-render docs/benchmarks.md and .png from docs/benchmarks.json (and the side files of
+    `bench/sections.py`: benchmarks.vllm.json, benchmarks.scale.json)."""
     results = json.loads((DOCS / "benchmarks.json").read_text())
     write_plot(results, DOCS / "benchmarks.png")
     write_markdown(results, DOCS / "benchmarks.md")

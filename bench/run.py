@@ -33,6 +33,10 @@ part of the benchmark (teammates' jobs), in cores, so a noisy row can be recogni
 Outputs: `docs/benchmarks.json`, `docs/benchmarks.md` (tables, including the R3 encodings of
 `bench/r3.py`), `docs/benchmarks.png`. Every process started here is stopped by PID in `finally`.
 Run `python -m bench.run --quick` for a short smoke run (fewer requests, no repetitions).
+`--vllm` runs only the real-vLLM rows (`bench/real_vllm.py`, `make bench-vllm`); `--scale` adds the
+one-replica scale table (`bench/scale.py`, `make bench-scale`). Both keep their results in their own
+files (`benchmarks.vllm.json`, `benchmarks.scale.json`, see `bench/sections.py`), rendered into
+`benchmarks.md` by every run.
 """
 
 from __future__ import annotations
@@ -453,8 +457,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-abort", action="store_true")
     parser.add_argument("--no-r3", action="store_true")
     parser.add_argument("--no-agentic", action="store_true", help="leave out the agent front door rows")
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="only the real-vLLM rows (bench/real_vllm.py): benchmarks.vllm.json, benchmarks.md re-rendered",
+    )
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="also the one-replica scale table (bench/scale.py, ~5 min): benchmarks.scale.json",
+    )
     parser.add_argument("--out-dir", type=Path, default=DOCS)
     args = parser.parse_args(argv)
+    if args.vllm:  # its own file, so the simulated results stay as they are
+        from bench import real_vllm
+
+        return real_vllm.main([*(["--quick"] if args.quick else []), "--out-dir", str(args.out_dir)])
 
     started = time.monotonic()
     nginx_missing = "disabled with --no-nginx" if args.no_nginx else nginx_available()
@@ -524,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
         r3.write(results["r3"], args.out_dir)
     if "agentic" in results:
         agentic.write(results["agentic"], args.out_dir)
+    if args.scale:
+        from bench import scale
+
+        print("phase: one replica at scale", flush=True)
+        scale_results = scale.run(quick=args.quick)
+        (args.out_dir / scale.RESULTS).write_text(json.dumps(scale_results, indent=2) + "\n")
+        results["duration_s"] = round(time.monotonic() - started, 1)
     write_plot(results, args.out_dir / "benchmarks.png")
     write_markdown(results, args.out_dir / "benchmarks.md")
     print(f"done in {results['duration_s']} s: {args.out_dir}/benchmarks.{{json,md,png}}")
