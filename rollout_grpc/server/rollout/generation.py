@@ -106,6 +106,7 @@ class _Batcher:
     """
 
     __slots__ = (
+        "_call_limit",
         "_first",
         "_interval",
         "_limit",
@@ -120,6 +121,7 @@ class _Batcher:
     def __init__(self, options: GenerateOptions) -> None:
         self.enabled = not options.final_only
         self._limit = max(1, options.stream_batch_tokens)
+        self._call_limit = self._limit
         self._interval = options.stream_batch_interval_s
         self._tokens: list[int] = []
         self._logprobs: list[float] = []
@@ -127,6 +129,11 @@ class _Batcher:
         self._offset = 0
         self._since = 0.0
         self._first = self._interval > 0
+
+    def engine_batches(self, stream_interval: int) -> None:
+        """The current engine call sends `stream_interval` tokens per event: an event that full
+        is one message (`tokens_per_message` sized it so), not held for the next event."""
+        self._call_limit = min(self._limit, stream_interval) if stream_interval > 1 else self._limit
 
     def _open(self, offset: int) -> None:
         """Start a batch at response position `offset` unless one is pending."""
@@ -143,7 +150,7 @@ class _Batcher:
         self._text += text
         if (
             self._first
-            or len(self._tokens) >= self._limit
+            or len(self._tokens) >= self._call_limit
             or (self._interval > 0 and time.monotonic() - self._since >= self._interval)
         ):
             self._first = False
@@ -162,6 +169,30 @@ class _Batcher:
         batch = TokenBatch(self._tokens, self._logprobs, self._offset, self._text)
         self._tokens, self._logprobs, self._text = [], [], ""
         return batch
+
+
+def tokens_per_message(limit: int, interval_s: float, gap_s: float | None) -> int:
+    """The tokens `_Batcher` puts in one stream message when an engine makes one every `gap_s`
+    seconds, which is what an engine's `stream_interval` should be.
+
+    The batcher flushes at `limit` tokens, or at the first event that arrives `interval_s` after
+    the batch's first event. Events of at most the tokens made in `interval_s` keep the time
+    flush (1 until the engine's speed is measured); the batcher then releases them in groups.
+    Asking the engine for the whole group at once, and flushing each such event
+    (`_Batcher.engine_batches`), gives the same messages at the same times from fewer SSE events
+    (20 ms/token, 16 tokens or 200 ms: events of 20 tokens instead of two of 10; each event
+    costs the service 25-50 us, bench/profile_notes.md).
+    """
+    limit = max(1, limit)
+    if interval_s <= 0:
+        return limit
+    if gap_s is None:
+        return 1
+    per_event = max(1, min(limit, int(interval_s / max(gap_s, 1e-6))))
+    events = 1
+    while events * per_event < limit and (events - 1) * per_event * gap_s < interval_s:
+        events += 1
+    return events * per_event
 
 
 class Rollout:
@@ -379,20 +410,17 @@ class Rollout:
         """Tokens per engine SSE event: as many as the caller's batching releases at once.
 
         vLLM sends the first token at once, then every `stream_interval` tokens, and the final
-        chunk (with every remaining token) whatever the count, so batching loses nothing. With a
-        time flush of T ms, the engine may batch only the tokens it makes in T ms (from its
-        observed speed; 1 until measured), so deltas still arrive every T ms.
+        chunk (with every remaining token) whatever the count, so batching loses nothing. The
+        engine is asked for the tokens of one whole stream message (`tokens_per_message`), so
+        each SSE event becomes one message and no event waits in the batcher for the next.
         """
         if not self.config.engine_stream_interval:
             return 1
         if options.final_only:
             return self.config.final_only_stream_interval
-        tokens = options.stream_batch_tokens
-        if options.stream_batch_interval_s > 0:
-            if engine.token_gap_s is None:
-                return 1
-            tokens = min(tokens, int(options.stream_batch_interval_s / max(engine.token_gap_s, 1e-6)))
-        return max(1, tokens)
+        return tokens_per_message(
+            options.stream_batch_tokens, options.stream_batch_interval_s, engine.token_gap_s
+        )
 
     def _engine_call(
         self,
@@ -442,6 +470,7 @@ class Rollout:
         the tokens produced), and the caller's deadline ends it at once (`_Interrupted`).
         """
         call = self._engine_call(engine, sample, params, options, entry, run)
+        batcher.engine_batches(call.stream_interval)
         entry.engine = engine
         entry.engine_started = False
         entry.engine_request_ids.append(engine.client.engine_request_id(call.call_id))
