@@ -31,7 +31,7 @@ from rollout_grpc.server.engines.api import (
 )
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.rollout.admission import Admission
-from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
+from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig, _Batcher, tokens_per_message
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from tests.support.fake_engine import HANG, FakeEngine, final, tokens
 
@@ -393,14 +393,11 @@ def test_the_engine_is_asked_for_the_tokens_of_one_stream_message(
 ) -> None:
     """Events of `tokens_per_message` tokens leave the batcher as the same messages, at the same
     times, as events of the tokens made within the time flush (what engines were asked before)."""
-    from rollout_grpc.server.rollout import generation
 
     def messages(per_event: int, engine_batch: int) -> list[tuple[float, int]]:
         clock = [0.0]
-        monkeypatch.setattr(generation.time, "monotonic", lambda: clock[0])
-        batcher = generation._Batcher(
-            GenerateOptions(stream_batch_tokens=limit, stream_batch_interval_s=interval_s)
-        )
+        monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+        batcher = _Batcher(GenerateOptions(stream_batch_tokens=limit, stream_batch_interval_s=interval_s))
         batcher.engine_batches(engine_batch)
         out: list[tuple[float, int]] = []
         made = 0
@@ -414,7 +411,7 @@ def test_the_engine_is_asked_for_the_tokens_of_one_stream_message(
         return out
 
     old = max(1, min(limit, int(interval_s / gap_s)))
-    asked = generation.tokens_per_message(limit, interval_s, gap_s)
+    asked = tokens_per_message(limit, interval_s, gap_s)
     assert asked >= old
     # Compare the messages both produce up to the last token both have made.
     fewer, more = messages(asked, asked), messages(old, 1)
@@ -423,8 +420,6 @@ def test_the_engine_is_asked_for_the_tokens_of_one_stream_message(
 
 
 def test_without_a_time_flush_or_a_measured_speed_the_engine_batch_is_the_message_or_one() -> None:
-    from rollout_grpc.server.rollout.generation import tokens_per_message
-
     assert tokens_per_message(16, 0, None) == 16
     assert tokens_per_message(16, 0.2, None) == 1
     assert tokens_per_message(0, 0.2, 0.01) == 1
