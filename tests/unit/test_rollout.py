@@ -423,3 +423,23 @@ def test_without_a_time_flush_or_a_measured_speed_the_engine_batch_is_the_messag
     assert tokens_per_message(16, 0, None) == 16
     assert tokens_per_message(16, 0.2, None) == 1
     assert tokens_per_message(0, 0.2, 0.01) == 1
+
+
+def test_an_engine_faster_than_measured_sends_no_more_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for 8-token events from a 50 ms/token estimate, an engine at 1 ms/token delivers
+    them every 8 ms: they are held to the 16-token count as single tokens would be."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    batcher = _Batcher(GenerateOptions(stream_batch_tokens=16, stream_batch_interval_s=0.2))
+    asked = tokens_per_message(16, 0.2, 0.05)
+    assert asked == 8
+    batcher.engine_batches(asked)
+    sizes = []
+    made = 0
+    for n in [1] + [asked] * 10:
+        made += n
+        clock[0] = made * 0.001
+        batch = batcher.add(made - n, [7] * n, [0.0] * n, "")
+        if batch is not None:
+            sizes.append(len(batch.token_ids))
+    assert sizes == [1, 16, 16, 16, 16, 16]

@@ -103,12 +103,16 @@ class _Batcher:
     With a time flush (T > 0) the first tokens of a generation go out at once, so the time to the
     first token is the engine's, not the batching delay (measured: TTFT p50 93-99 ms -> 15-23 ms at
     20 ms/token, bench/profile_notes.md). The age is checked as tokens arrive (no timer task).
+    When the engine batches tokens into events (`stream_interval` > 1, `engine_batches`), the
+    oldest token of an event was made just after the previous event arrived, so a batch's age
+    counts from then; an event that spans the time flush is sent as it arrives.
     """
 
     __slots__ = (
-        "_call_limit",
+        "_batched",
         "_first",
         "_interval",
+        "_last",
         "_limit",
         "_logprobs",
         "_offset",
@@ -121,7 +125,6 @@ class _Batcher:
     def __init__(self, options: GenerateOptions) -> None:
         self.enabled = not options.final_only
         self._limit = max(1, options.stream_batch_tokens)
-        self._call_limit = self._limit
         self._interval = options.stream_batch_interval_s
         self._tokens: list[int] = []
         self._logprobs: list[float] = []
@@ -129,29 +132,34 @@ class _Batcher:
         self._offset = 0
         self._since = 0.0
         self._first = self._interval > 0
+        #: The engine call batches tokens into events; when its last event (or the call) came.
+        self._batched = False
+        self._last = 0.0
 
     def engine_batches(self, stream_interval: int) -> None:
-        """The current engine call sends `stream_interval` tokens per event: an event that full
-        is one message (`tokens_per_message` sized it so), not held for the next event."""
-        self._call_limit = min(self._limit, stream_interval) if stream_interval > 1 else self._limit
+        """An engine call starts that sends `stream_interval` tokens per event."""
+        self._batched = stream_interval > 1
+        self._last = time.monotonic()
 
-    def _open(self, offset: int) -> None:
+    def _open(self, offset: int, now: float) -> None:
         """Start a batch at response position `offset` unless one is pending."""
         if not self._tokens and not self._text:
             self._offset = offset
-            self._since = time.monotonic()
+            self._since = self._last if self._batched else now
 
     def add(self, offset: int, tokens: list[int], logprobs: list[float], text: str) -> TokenBatch | None:
         if not self.enabled:
             return None
-        self._open(offset)
+        now = time.monotonic()
+        self._open(offset, now)
+        self._last = now
         self._tokens.extend(tokens)
         self._logprobs.extend(logprobs)
         self._text += text
         if (
             self._first
-            or len(self._tokens) >= self._call_limit
-            or (self._interval > 0 and time.monotonic() - self._since >= self._interval)
+            or len(self._tokens) >= self._limit
+            or (self._interval > 0 and now - self._since >= self._interval)
         ):
             self._first = False
             return self.flush()
@@ -160,7 +168,9 @@ class _Batcher:
     def add_text(self, offset: int, text: str) -> None:
         """Text that arrived without tokens (e.g. held back by a stop string until the end)."""
         if self.enabled:
-            self._open(offset)
+            now = time.monotonic()
+            self._open(offset, now)
+            self._last = now
             self._text += text
 
     def flush(self) -> TokenBatch | None:
@@ -178,10 +188,12 @@ def tokens_per_message(limit: int, interval_s: float, gap_s: float | None) -> in
     The batcher flushes at `limit` tokens, or at the first event that arrives `interval_s` after
     the batch's first event. Events of at most the tokens made in `interval_s` keep the time
     flush (1 until the engine's speed is measured); the batcher then releases them in groups.
-    Asking the engine for the whole group at once, and flushing each such event
-    (`_Batcher.engine_batches`), gives the same messages at the same times from fewer SSE events
-    (20 ms/token, 16 tokens or 200 ms: events of 20 tokens instead of two of 10; each event
-    costs the service 25-50 us, bench/profile_notes.md).
+    Asking the engine for the whole group at once gives the same messages at the same times from
+    fewer SSE events (20 ms/token, 16 tokens or 200 ms: events of 20 tokens instead of two of 10;
+    each event costs the service 25-50 us, bench/profile_notes.md): such an event spans the time
+    flush, and the batcher counts its age from the event before (`_Batcher.engine_batches`). An
+    engine faster than measured sends events sooner, and the batcher holds them as it would
+    single tokens: never more messages than without engine batching.
     """
     limit = max(1, limit)
     if interval_s <= 0:
