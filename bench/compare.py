@@ -12,7 +12,9 @@ the median CPU per million tokens over repetitions, which is less sensitive to o
         --variant 'iv200=:--stream-batch-interval-ms 200' --delay 20 --concurrency 64 --requests 128
 
 A variant is `NAME`, `NAME=SRC` or `NAME=SRC:ARGS` (SRC empty = this checkout). `--sim-src` runs
-the engines from another copy too (e.g. a simulator that honours `stream_interval`).
+the engines from another copy too (e.g. a simulator that honours `stream_interval`). `--engine URL`
+(repeatable) uses running engines instead of simulated ones, e.g. a real vLLM server started with
+`python -m tools.vllm.launch dense`; their CPU is then not metered.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-interval-ms", type=int, default=None)
     parser.add_argument("--no-direct", action="store_true", help="leave out the direct HTTP row")
     parser.add_argument("--json", type=Path, default=None, help="write every repetition here")
+    parser.add_argument(
+        "--engine", action="append", default=[], help="a running engine's URL instead of simulators"
+    )
     args = parser.parse_args(argv)
 
     variants = [parse_variant(v) for v in args.variant]
@@ -98,10 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         with procs.Processes(workdir) as group:
-            sims = [
-                procs.start_sim(group, f"engine{i}", args.delay, seed=i, src=args.sim_src) for i in range(2)
-            ]
-            engines = [sim.url for sim in sims]
+            sims = (
+                []
+                if args.engine
+                else [
+                    procs.start_sim(group, f"engine{i}", args.delay, seed=i, src=args.sim_src)
+                    for i in range(2)
+                ]
+            )
+            engines = list(args.engine) or [sim.url for sim in sims]
             engine_pids = [sim.proc.pid for sim in sims]
             targets: dict[str, tuple[str, int]] = {}
             for v in variants:

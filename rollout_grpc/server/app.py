@@ -50,7 +50,7 @@ from rollout_grpc.server.front.grpc.replica import ReplicaServicer
 from rollout_grpc.server.front.grpc.service import RolloutServicer
 from rollout_grpc.server.front.grpc.tls import peer_channel_credentials, server_credentials
 from rollout_grpc.server.front.openai.server import FrontDoorConfig, OpenAIFrontDoor
-from rollout_grpc.server.observe.httplog import engine_call_logging
+from rollout_grpc.server.observe.httplog import engine_call_logging, engine_calls_logged
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import registry as rewards_registry
@@ -427,7 +427,9 @@ class RolloutServer:
                     "--otlp-endpoint needs the tracing extra: pip install 'rollout-grpc[tracing]'"
                 ) from exc
             self._tracer_provider = otlp_provider(cfg.otlp_endpoint)
-        trace_configs = [engine_call_logging()]
+        # The debug log's trace config only when debug lines are kept: aiohttp builds trace
+        # parameter objects for every signal of every request once any trace config is set.
+        trace_configs = [engine_call_logging()] if engine_calls_logged() else []
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self._tracer_provider is not None:
             from rollout_grpc.server.observe.tracing import TracingInterceptor, engine_tracing

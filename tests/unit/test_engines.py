@@ -73,3 +73,21 @@ async def test_admission_queues_then_refuses() -> None:
         await waiter
     await holder.__aexit__(None, None, None)
     assert admission.running == 0
+
+
+def test_engine_calls_are_traced_only_when_their_debug_lines_are_kept() -> None:
+    """aiohttp builds trace objects for every signal of every request once a trace config is set;
+    the debug log's is worth that only at debug level (`logs.configure`, once per process)."""
+    import structlog
+
+    from rollout_grpc import logs
+    from rollout_grpc.server.observe.httplog import engine_calls_logged
+
+    try:
+        logs.configure("info")
+        assert not engine_calls_logged()
+        logs.configure("debug")
+        assert engine_calls_logged()
+    finally:
+        structlog.reset_defaults()
+    assert engine_calls_logged()  # structlog's default keeps every level

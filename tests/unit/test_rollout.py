@@ -31,7 +31,7 @@ from rollout_grpc.server.engines.api import (
 )
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.rollout.admission import Admission
-from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
+from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig, _Batcher, tokens_per_message
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from tests.support.fake_engine import HANG, FakeEngine, final, tokens
 
@@ -375,3 +375,71 @@ async def test_routed_experts_engine_lost_after_tokens_keeps_them_when_no_other_
     sample = await _generate_r3(_r3_fleet((moe, MOE_R3), (dense, DENSE)))
     assert sample.tokens == [*PROMPT, 10, 11] and sample.status == Status.ABORTED
     assert not dense.calls
+
+
+@pytest.mark.parametrize(
+    ("limit", "interval_s", "gap_s"),
+    [
+        (16, 0.2, 0.021),
+        (16, 0.2, 0.0235),
+        (16, 0.2, 0.049),
+        (16, 0.2, 0.0001),
+        (64, 0.2, 0.033),
+        (4, 1.0, 0.011),
+    ],
+)
+def test_the_engine_is_asked_for_the_tokens_of_one_stream_message(
+    monkeypatch: pytest.MonkeyPatch, limit: int, interval_s: float, gap_s: float
+) -> None:
+    """Events of `tokens_per_message` tokens leave the batcher as the same messages, at the same
+    times, as events of the tokens made within the time flush (what engines were asked before)."""
+
+    def messages(per_event: int, engine_batch: int) -> list[tuple[float, int]]:
+        clock = [0.0]
+        monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+        batcher = _Batcher(GenerateOptions(stream_batch_tokens=limit, stream_batch_interval_s=interval_s))
+        batcher.engine_batches(engine_batch)
+        out: list[tuple[float, int]] = []
+        made = 0
+        while made < 240:  # the first token alone (vLLM sends it at once), then `per_event` each
+            n = 1 if made == 0 else per_event
+            made += n
+            clock[0] = made * gap_s
+            batch = batcher.add(made - n, [7] * n, [0.0] * n, "")
+            if batch is not None:
+                out.append((clock[0], len(batch.token_ids)))
+        return out
+
+    old = max(1, min(limit, int(interval_s / gap_s)))
+    asked = tokens_per_message(limit, interval_s, gap_s)
+    assert asked >= old
+    # Compare the messages both produce up to the last token both have made.
+    fewer, more = messages(asked, asked), messages(old, 1)
+    end = min(fewer[-1][0], more[-1][0])
+    assert [m for m in fewer if m[0] <= end] == [m for m in more if m[0] <= end]
+
+
+def test_without_a_time_flush_or_a_measured_speed_the_engine_batch_is_the_message_or_one() -> None:
+    assert tokens_per_message(16, 0, None) == 16
+    assert tokens_per_message(16, 0.2, None) == 1
+    assert tokens_per_message(0, 0.2, 0.01) == 1
+
+
+def test_an_engine_faster_than_measured_sends_no_more_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for 8-token events from a 50 ms/token estimate, an engine at 1 ms/token delivers
+    them every 8 ms: they are held to the 16-token count as single tokens would be."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    batcher = _Batcher(GenerateOptions(stream_batch_tokens=16, stream_batch_interval_s=0.2))
+    asked = tokens_per_message(16, 0.2, 0.05)
+    assert asked == 8
+    batcher.engine_batches(asked)
+    sizes = []
+    made = 0
+    for n in [1] + [asked] * 10:
+        made += n
+        clock[0] = made * 0.001
+        batch = batcher.add(made - n, [7] * n, [0.0] * n, "")
+        if batch is not None:
+            sizes.append(len(batch.token_ids))
+    assert sizes == [1, 16, 16, 16, 16, 16]

@@ -7,6 +7,7 @@ pause, probes) is covered without touching the engine adapter. The lines are log
 
 from __future__ import annotations
 
+import logging
 import time
 from types import SimpleNamespace
 
@@ -51,6 +52,12 @@ async def _error(
         ms=round((time.monotonic() - ctx.log_started) * 1000, 2),
         request_id=_request_id(),
     )
+
+
+def engine_calls_logged() -> bool:
+    """True when this process keeps debug lines (`logs.configure`), so the trace config pays."""
+    is_enabled_for = getattr(structlog.get_logger().bind(), "is_enabled_for", None)
+    return True if is_enabled_for is None else bool(is_enabled_for(logging.DEBUG))
 
 
 def engine_call_logging() -> aiohttp.TraceConfig:
