@@ -338,3 +338,103 @@ class ReplicaServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_ReplicaServiceServicer_to_server(servicer: ReplicaServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class WorkerServiceStub:
+    """---------------------------------------------------------------------------------------------
+    Worker processes of one replica (`rollout-grpc serve --workers N`; internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between the worker processes of one replica ("siblings"). Served only on each worker's
+    private unix socket (in a 0700 directory the supervisor creates), never on a network port, and
+    only to callers that present the per-start sibling secret (`x-rollout-sibling` metadata): the
+    secret grants this service and nothing else. Used so that control RPCs act on the whole
+    replica whichever worker receives them.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> WorkerServiceAsyncStub: ...
+    AbortLocal: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortLocalRequest, _rollout_pb2.AbortLocalResponse]
+    """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
+    sibling's Abort(all).
+    """
+    SyncControl: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SyncControlRequest, _rollout_pb2.SyncControlResponse]
+    """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
+    GetTrajectory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.GetTrajectoryResponse]
+    """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
+    Scrape: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]
+    """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
+
+@_typing.type_check_only
+class WorkerServiceAsyncStub(WorkerServiceStub):
+    """---------------------------------------------------------------------------------------------
+    Worker processes of one replica (`rollout-grpc serve --workers N`; internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between the worker processes of one replica ("siblings"). Served only on each worker's
+    private unix socket (in a 0700 directory the supervisor creates), never on a network port, and
+    only to callers that present the per-start sibling secret (`x-rollout-sibling` metadata): the
+    secret grants this service and nothing else. Used so that control RPCs act on the whole
+    replica whichever worker receives them.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    AbortLocal: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortLocalRequest, _rollout_pb2.AbortLocalResponse]  # type: ignore[assignment]
+    """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
+    sibling's Abort(all).
+    """
+    SyncControl: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SyncControlRequest, _rollout_pb2.SyncControlResponse]  # type: ignore[assignment]
+    """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
+    GetTrajectory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.GetTrajectoryResponse]  # type: ignore[assignment]
+    """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
+    Scrape: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]  # type: ignore[assignment]
+    """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
+
+class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
+    """---------------------------------------------------------------------------------------------
+    Worker processes of one replica (`rollout-grpc serve --workers N`; internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between the worker processes of one replica ("siblings"). Served only on each worker's
+    private unix socket (in a 0700 directory the supervisor creates), never on a network port, and
+    only to callers that present the per-start sibling secret (`x-rollout-sibling` metadata): the
+    secret grants this service and nothing else. Used so that control RPCs act on the whole
+    replica whichever worker receives them.
+    """
+
+    @_abc_1.abstractmethod
+    def AbortLocal(
+        self,
+        request: _rollout_pb2.AbortLocalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.AbortLocalResponse, _abc.Awaitable[_rollout_pb2.AbortLocalResponse]]:
+        """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
+        sibling's Abort(all).
+        """
+
+    @_abc_1.abstractmethod
+    def SyncControl(
+        self,
+        request: _rollout_pb2.SyncControlRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.SyncControlResponse, _abc.Awaitable[_rollout_pb2.SyncControlResponse]]:
+        """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
+
+    @_abc_1.abstractmethod
+    def GetTrajectory(
+        self,
+        request: _rollout_pb2.SiblingTrajectoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.GetTrajectoryResponse, _abc.Awaitable[_rollout_pb2.GetTrajectoryResponse]]:
+        """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
+
+    @_abc_1.abstractmethod
+    def Scrape(
+        self,
+        request: _rollout_pb2.ScrapeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.ScrapeResponse, _abc.Awaitable[_rollout_pb2.ScrapeResponse]]:
+        """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
+
+def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

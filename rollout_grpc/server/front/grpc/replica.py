@@ -42,8 +42,19 @@ class ReplicaServicer(pb_grpc.ReplicaServiceServicer):
             if not request.owner_all:
                 raise InvalidArgument("owner_all", "must be true when it is the target")
             scope = AbortScope(owner=owner, all_of_owner=True)
+        elif target == "all":
+            if not request.all:
+                raise InvalidArgument("all", "must be true when it is the target")
+            scope = AbortScope(owner=owner, everything=True)
         else:
-            raise InvalidArgument("target", "set one of request_ids, session_id, group_index, owner_all")
+            raise InvalidArgument(
+                "target", "set one of request_ids, session_id, group_index, owner_all, all"
+            )
         result = await self._facade.abort_local(scope)
         errors = engine_errors_to_pb(result.engine_errors)
-        return pb.AbortLocalResponse(aborted=result.aborted, engine_errors=errors)
+        response = pb.AbortLocalResponse(aborted=result.aborted, engine_errors=errors)
+        if scope.request_ids:
+            # The ids found here: those the forwarding replica must not report as unknown.
+            unknown = set(result.unknown_request_ids)
+            response.found_request_ids.extend(i for i in dict.fromkeys(scope.request_ids) if i not in unknown)
+        return response
