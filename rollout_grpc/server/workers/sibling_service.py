@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -20,16 +20,29 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.domain.errors import InvalidArgument, RolloutError
 from rollout_grpc.server.domain.identity import Caller, Role, reset_caller, set_caller
+from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.grpc.replica import ReplicaServicer
 from rollout_grpc.server.front.grpc.status import to_status
+from rollout_grpc.server.observe.metrics import Metrics
+from rollout_grpc.server.workers.control import WorkerRolloutServicer
 from rollout_grpc.server.workers.handshake import SIBLING_METADATA_KEY
-
-if TYPE_CHECKING:
-    from rollout_grpc.server.workers.worker import WorkerServer
 
 log = structlog.get_logger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class SiblingHost(Protocol):
+    """What the sibling calls act on: the worker's server (workers/worker.py)."""
+
+    @property
+    def facade(self) -> RolloutFacade: ...
+    @property
+    def servicer(self) -> WorkerRolloutServicer: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    def sibling_paused(self, mode: str) -> int: ...
+    def sibling_resumed(self, weight_version: str | None, relabelled: list[str]) -> None: ...
 
 
 class _SecretCheck(grpc.aio.ServerInterceptor):
@@ -66,7 +79,7 @@ async def _domain_errors(context: Context, call: Awaitable[Any]) -> Any:
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
     """The sibling calls, on top of this worker's server."""
 
-    def __init__(self, server: WorkerServer) -> None:
+    def __init__(self, server: SiblingHost) -> None:
         self._server = server
         self._replica = ReplicaServicer(server.facade)
 
@@ -119,7 +132,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         return pb.ScrapeResponse(text=self._server.metrics.exposition())
 
 
-async def start_sibling_server(server: WorkerServer, address: str, secret: str) -> grpc.aio.Server:
+async def start_sibling_server(server: SiblingHost, address: str, secret: str) -> grpc.aio.Server:
     """Serve WorkerService on `address` (a `unix:` path) for the siblings."""
     sibling = grpc.aio.server(interceptors=[_SecretCheck(secret)])
     pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(server), sibling)
