@@ -1726,6 +1726,7 @@ class GetServerInfoResponse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     SIMULATED_ENGINES_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
     paused: _builtins.bool
     """Any engine reports paused."""
     weight_version: _builtins.str
@@ -1743,6 +1744,10 @@ class GetServerInfoResponse(_message.Message):
     single process, 0 from a replica that predates the field. `in_flight` and `queued` are the
     answering worker's own; a client may open this many connections to use every worker.
     """
+    worker: _builtins.int
+    """The index (0 .. workers-1) of the worker process that answered this call (0 for a single
+    process): which worker a connection reached.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineInfo]:
         """Every engine in the pool."""
@@ -1758,10 +1763,11 @@ class GetServerInfoResponse(_message.Message):
         version: _builtins.str = ...,
         simulated_engines: _builtins.bool = ...,
         workers: _builtins.int = ...,
+        worker: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "in_flight", b"in_flight", "paused", b"paused", "queued", b"queued", "simulated_engines", b"simulated_engines", "version", b"version", "weight_version", b"weight_version", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "in_flight", b"in_flight", "paused", b"paused", "queued", b"queued", "simulated_engines", b"simulated_engines", "version", b"version", "weight_version", b"weight_version", "worker", b"worker", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -131,6 +131,7 @@ class WorkerRolloutServicer(RolloutServicer):
     ) -> pb.GetServerInfoResponse:
         response = await super().GetServerInfo(request, context)
         response.workers = self.workers
+        response.worker = self.index
         return response
 
     async def GetTrajectory(

@@ -11,7 +11,7 @@ state (engines, admission) at scrape time. Sum over workers with `sum without(wo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import cast
 
 import grpc
@@ -113,17 +113,18 @@ def supervisor_families(workers: int, up: set[int], foreign: int) -> list[Metric
 class MergedMetricsEndpoint:
     """The supervisor's `/metrics` HTTP endpoint."""
 
-    def __init__(self, scraper: WorkerScraper, workers: int, foreign: list[int]) -> None:
+    def __init__(self, scraper: WorkerScraper, workers: int, check_listeners: Callable[[], int]) -> None:
         self._scraper = scraper
         self._workers = workers
-        #: A one-item box the supervisor updates at each listener check.
-        self._foreign = foreign
+        #: The supervisor's listener check, run at every scrape too (cheap: /proc reads).
+        self._check_listeners = check_listeners
         self._runner: web.AppRunner | None = None
 
     async def _handle(self, request: web.Request) -> web.Response:
         expositions = await self._scraper.scrape()
         up = {index for index, _ in expositions}
-        families = merge(expositions, supervisor_families(self._workers, up, self._foreign[0]))
+        foreign = self._check_listeners()
+        families = merge(expositions, supervisor_families(self._workers, up, foreign))
         return web.Response(body=render(families), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def start(self, host: str, port: int) -> int:

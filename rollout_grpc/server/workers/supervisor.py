@@ -87,7 +87,6 @@ class Supervisor:
         self.simulated = simulated
         self.port_file = port_file
         self._workers: list[_Worker] = []
-        self._foreign = [0]
         self._metrics: MergedMetricsEndpoint | None = None
         self._scraper: WorkerScraper | None = None
         self.metrics_port: int | None = None
@@ -212,7 +211,7 @@ class Supervisor:
         )
         cfg = self.config
         if cfg.metrics_port is not None:
-            self._metrics = MergedMetricsEndpoint(self._scraper, self.workers, self._foreign)
+            self._metrics = MergedMetricsEndpoint(self._scraper, self.workers, self.check_listeners)
             try:
                 self.metrics_port = await self._metrics.start(cfg.host, cfg.metrics_port)
             except OSError as exc:
@@ -261,7 +260,6 @@ class Supervisor:
     def check_listeners(self) -> int:
         """Listeners on the port no worker holds (logged as an error, exposed as a metric)."""
         foreign = foreign_listeners(self.port, [w.process.pid for w in self._workers])
-        self._foreign[0] = len(foreign)
         if foreign:
             log.error(
                 "foreign_listener",

@@ -47,9 +47,7 @@ class ReplicaServicer(pb_grpc.ReplicaServiceServicer):
                 raise InvalidArgument("all", "must be true when it is the target")
             scope = AbortScope(owner=owner, everything=True)
         else:
-            raise InvalidArgument(
-                "target", "set one of request_ids, session_id, group_index, owner_all, all"
-            )
+            raise InvalidArgument("target", "set one of request_ids, session_id, group_index, owner_all, all")
         result = await self._facade.abort_local(scope)
         errors = engine_errors_to_pb(result.engine_errors)
         response = pb.AbortLocalResponse(aborted=result.aborted, engine_errors=errors)
