@@ -64,9 +64,30 @@ class _Worker:
     ready: dict[str, object] = field(default_factory=dict)
 
 
+#: The cgroup v2 CPU limit of this process's container ("max" or "<quota> <period>").
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+
+
+def cgroup_cpus(path: str = CGROUP_CPU_MAX) -> int | None:
+    """CPUs a cgroup v2 quota allows (rounded up), None without a quota."""
+    try:
+        quota, _, period = Path(path).read_text().strip().partition(" ")
+    except OSError:
+        return None
+    if quota == "max" or not period:
+        return None
+    try:
+        return max(1, -(-int(quota) // int(period)))
+    except ValueError:
+        return None
+
+
 def default_workers() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0))
+    """The cores this process may run on: its CPU affinity, capped by a container's CPU quota
+    (a pod limited to 2 CPUs on a 64-core node sees 64 cores in its affinity)."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cgroup_cpus()
+    return min(cores, quota) if quota is not None else cores
 
 
 class Supervisor:

@@ -43,7 +43,8 @@ def worker_config(config: ServerConfig, spec: WorkerSpec) -> ServerConfig:
         config.max_in_flight_per_caller = worker_share(
             config.max_in_flight_per_caller, spec.index, spec.workers
         )
-    config.max_pending_calls = worker_share(config.max_pending_calls, spec.index, spec.workers)
+    if config.max_pending_calls > 0:  # 0: sized from this worker's admission limits
+        config.max_pending_calls = worker_share(config.max_pending_calls, spec.index, spec.workers)
     config.metrics_port = None
     if spec.index != FRONT_DOOR_WORKER:
         config.health_port = None
