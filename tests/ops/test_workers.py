@@ -11,7 +11,6 @@ import asyncio
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.client import AsyncRolloutClient, NotFoundError
 from rollout_grpc.server.workers.reservation import foreign_listeners
-from tests.support.processes import Processes, child_env, replica_command
+from tests.support.processes import Processes, child_env, replica_command, start_engine
 from tests.support.workers import Replica, Streams, clients_by_worker, start_replica, wait_admitted
 
 pytestmark = pytest.mark.timeout(180)
@@ -261,20 +260,14 @@ def signal_pid(pid: int, sig: int) -> None:
 async def test_the_health_port_goes_not_serving_when_the_engines_die(
     procs: Processes, tmp_path: Path
 ) -> None:
-    port_file = tmp_path / "sim.port"
-    sim = procs.start(
-        "sim", [sys.executable, "-m", "rollout_grpc.sim", "--port", "0", "--port-file", str(port_file)]
-    )
-    from tests.support.processes import read_port_file
-
-    engine = f"http://127.0.0.1:{read_port_file(port_file, sim).strip()}"
+    sim = start_engine(procs, "sim", token_delay_ms=0)
     replica = start_replica(
         procs,
         tmp_path,
         "--workers",
         "2",
         "--engine",
-        engine,
+        sim.url,
         "--health-port",
         "0",
         "--health-interval",
@@ -286,7 +279,28 @@ async def test_the_health_port_goes_not_serving_when_the_engines_die(
         watch = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=60)
         first = await watch.read()
         assert first.status == health_pb2.HealthCheckResponse.SERVING
-        procs.stop(sim)
+        procs.stop(sim.proc)
         while (await watch.read()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
             pass  # each read is the next status change
         watch.cancel()
+
+
+async def test_sighup_reloads_the_engines_file_in_every_worker(procs: Processes, tmp_path: Path) -> None:
+    engines = [start_engine(procs, f"engine-{i}", token_delay_ms=0, seed=i) for i in range(2)]
+    path = tmp_path / "engines.txt"
+    path.write_text(engines[0].url + "\n")
+    replica = start_replica(procs, tmp_path, "--workers", "2", "--engines-file", str(path))
+    async with clients_by_worker(replica.target, 2) as found:
+        for on in found.values():
+            assert len((await on.server_info()).engines) == 1
+        tmp = tmp_path / "engines.txt.tmp"
+        tmp.write_text("".join(e.url + "\n" for e in engines))
+        tmp.replace(path)
+        replica.proc.popen.send_signal(signal.SIGHUP)
+        async with asyncio.timeout(30):
+            for on in found.values():
+                while True:  # each worker re-reads the file on the SIGHUP its supervisor forwards
+                    if len((await on.server_info()).engines) == 2:
+                        break
+                    await asyncio.sleep(0.05)
+    assert replica.proc.popen.poll() is None

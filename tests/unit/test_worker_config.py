@@ -27,19 +27,18 @@ def test_the_shares_of_a_limit_add_up_to_it(total: int, workers: int) -> None:
 
 
 def test_a_worker_gets_its_share_of_every_replica_wide_limit() -> None:
-    base = ServerConfig(engines=["http://a", "http://b"], server_concurrency=3, max_queue=9, openai_port=0)
-    first = worker_config(ServerConfig(**{**_fields(base)}), _spec(0))
-    second = worker_config(ServerConfig(**{**_fields(base)}), _spec(1))
+    def base() -> ServerConfig:
+        return ServerConfig(
+            engines=["http://a", "http://b"], server_concurrency=3, max_queue=9, openai_port=0
+        )
+
+    first, second = worker_config(base(), _spec(0)), worker_config(base(), _spec(1))
     assert (first.in_flight_limit(), second.in_flight_limit()) == (3, 3)
     assert (first.max_queue, second.max_queue) == (5, 4)
     assert first.max_pending_calls == second.max_pending_calls == 0  # still sized from admission
     assert first.pending_calls_limit() == 3 + 5 + 1000
     assert (first.port, first.reuse_port, first.metrics_port) == (1234, True, None)
     assert first.openai_port == 0 and second.openai_port is None and second.health_port is None
-
-
-def _fields(config: ServerConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
 
 def test_the_default_worker_count_follows_a_cgroup_cpu_quota(tmp_path: Path) -> None:

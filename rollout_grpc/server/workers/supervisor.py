@@ -252,6 +252,8 @@ class Supervisor:
             metrics_port=self.metrics_port,
             simulated_engines=self.simulated or None,
             engines=list(cfg.engines),
+            # The replica's limit, and each worker's share of it (admission is per worker).
+            in_flight_limit=sum(int(str(w.ready.get("in_flight_limit", 0))) for w in self._workers),
             in_flight_limit_per_worker=[w.ready.get("in_flight_limit") for w in self._workers],
         )
         if self.port_file:
