@@ -174,9 +174,9 @@ async def test_one_metrics_scrape_shows_every_worker(
     for on in by_worker.values():
         await on.generate(pb.Sample(tokens=[1, 2], status=pb.SAMPLE_STATUS_PENDING), {"max_new_tokens": 2})
     text = await scrape(replica)
-    assert "rollout_workers 2.0" in text
-    assert 'rollout_worker_up{worker="0"} 1.0' in text and 'rollout_worker_up{worker="1"} 1.0' in text
-    assert "rollout_foreign_listeners 0.0" in text
+    assert "rollout_grpc_workers 2.0" in text
+    assert 'rollout_grpc_worker_up{worker="0"} 1.0' in text and 'rollout_grpc_worker_up{worker="1"} 1.0' in text
+    assert "rollout_grpc_foreign_listeners 0.0" in text
     for index in (0, 1):
         assert any(
             line.startswith("rollout_grpc_") and f'worker="{index}"' in line for line in text.splitlines()
@@ -190,7 +190,7 @@ async def test_a_foreign_reuseport_listener_is_detected(replica: Replica) -> Non
         stranger.listen()
         assert foreign_listeners(replica.ports["grpc"], replica.ports["worker_pids"])
         text = await scrape(replica)
-        assert "rollout_foreign_listeners 1.0" in text
+        assert "rollout_grpc_foreign_listeners 1.0" in text
     assert '"foreign_listener"' in replica.proc.log_text()
     assert foreign_listeners(replica.ports["grpc"], replica.ports["worker_pids"]) == set()
 

@@ -2,8 +2,8 @@
 
 Each worker answers `WorkerService.Scrape` on its private socket with its own exposition; the
 supervisor parses them, adds a `worker` label to every sample and renders one exposition, family
-by family, with its own series (`rollout_workers`, `rollout_worker_up`,
-`rollout_foreign_listeners`). prometheus_client's multiprocess mode does not fit: it covers only
+by family, with its own series (`rollout_grpc_workers`, `rollout_grpc_worker_up`,
+`rollout_grpc_foreign_listeners`). prometheus_client's multiprocess mode does not fit: it covers only
 the library's own metric types written to mmap files, not the custom collectors that read live
 state (engines, admission) at scrape time. Sum over workers with `sum without(worker) (...)`.
 """
@@ -96,17 +96,17 @@ class WorkerScraper:
 
 def supervisor_families(workers: int, up: set[int], foreign: int) -> list[Metric]:
     """The supervisor's own series."""
-    count = Metric("rollout_workers", "Worker processes of this replica (serve --workers).", "gauge")
-    count.add_sample("rollout_workers", {}, float(workers))
-    alive = Metric("rollout_worker_up", "1 when the worker answered this scrape.", "gauge")
+    count = Metric("rollout_grpc_workers", "Worker processes of this replica (serve --workers).", "gauge")
+    count.add_sample("rollout_grpc_workers", {}, float(workers))
+    alive = Metric("rollout_grpc_worker_up", "1 when the worker answered this scrape.", "gauge")
     for index in range(workers):
-        alive.add_sample("rollout_worker_up", {"worker": str(index)}, 1.0 if index in up else 0.0)
+        alive.add_sample("rollout_grpc_worker_up", {"worker": str(index)}, 1.0 if index in up else 0.0)
     strangers = Metric(
-        "rollout_foreign_listeners",
+        "rollout_grpc_foreign_listeners",
         "Listening sockets on the gRPC port that no worker of this replica holds (should be 0).",
         "gauge",
     )
-    strangers.add_sample("rollout_foreign_listeners", {}, float(foreign))
+    strangers.add_sample("rollout_grpc_foreign_listeners", {}, float(foreign))
     return [count, alive, strangers]
 
 

@@ -13,7 +13,7 @@ What SO_REUSEPORT cannot prevent is another process of the same user that binds 
 SO_REUSEPORT too (the kernel would hand it a share of the connections). `foreign_listeners`
 compares the listening sockets on the port (/proc/net/tcp and tcp6, state LISTEN) with the socket
 inodes the workers hold (/proc/<pid>/fd): at startup a stranger is fatal, later it is logged and
-counted (`rollout_foreign_listeners`).
+counted (`rollout_grpc_foreign_listeners`).
 """
 
 from __future__ import annotations
