@@ -2070,6 +2070,54 @@ class AbortLocalResponse(_message.Message):
 Global___AbortLocalResponse: _TypeAlias = AbortLocalResponse  # noqa: Y015
 
 @_typing.final
+class AbortSiblingRequest(_message.Message):
+    """A sibling's abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ABORT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def abort(self) -> Global___AbortLocalRequest:
+        """What to abort, as a peer's forwarded abort says it."""
+
+    def __init__(
+        self,
+        *,
+        abort: Global___AbortLocalRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortSiblingRequest: _TypeAlias = AbortSiblingRequest  # noqa: Y015
+
+@_typing.final
+class AbortSiblingResponse(_message.Message):
+    """The outcome of a sibling's abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def result(self) -> Global___AbortLocalResponse:
+        """What the receiving worker aborted."""
+
+    def __init__(
+        self,
+        *,
+        result: Global___AbortLocalResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortSiblingResponse: _TypeAlias = AbortSiblingResponse  # noqa: Y015
+
+@_typing.final
 class SyncControlRequest(_message.Message):
     """The local part of a Pause or Resume that a sibling ran on the engines. Exactly one is set."""
 
@@ -2184,6 +2232,30 @@ class SiblingTrajectoryRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SiblingTrajectoryRequest: _TypeAlias = SiblingTrajectoryRequest  # noqa: Y015
+
+@_typing.final
+class SiblingTrajectoryResponse(_message.Message):
+    """A recorded session read for a sibling."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRAJECTORY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def trajectory(self) -> Global___GetTrajectoryResponse:
+        """What GetTrajectory answers."""
+
+    def __init__(
+        self,
+        *,
+        trajectory: Global___GetTrajectoryResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["trajectory", b"trajectory"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["trajectory", b"trajectory"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiblingTrajectoryResponse: _TypeAlias = SiblingTrajectoryResponse  # noqa: Y015
 
 @_typing.final
 class ScrapeRequest(_message.Message):

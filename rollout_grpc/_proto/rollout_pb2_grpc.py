@@ -539,20 +539,20 @@ class WorkerServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.AbortLocal = channel.unary_unary(
-                '/rollout.v1.WorkerService/AbortLocal',
-                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalRequest.SerializeToString,
-                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalResponse.FromString,
+        self.AbortSibling = channel.unary_unary(
+                '/rollout.v1.WorkerService/AbortSibling',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingResponse.FromString,
                 _registered_method=True)
         self.SyncControl = channel.unary_unary(
                 '/rollout.v1.WorkerService/SyncControl',
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlRequest.SerializeToString,
                 response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlResponse.FromString,
                 _registered_method=True)
-        self.GetTrajectory = channel.unary_unary(
-                '/rollout.v1.WorkerService/GetTrajectory',
+        self.SiblingTrajectory = channel.unary_unary(
+                '/rollout.v1.WorkerService/SiblingTrajectory',
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryRequest.SerializeToString,
-                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryResponse.FromString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryResponse.FromString,
                 _registered_method=True)
         self.Scrape = channel.unary_unary(
                 '/rollout.v1.WorkerService/Scrape',
@@ -573,7 +573,7 @@ class WorkerServiceServicer:
     replica whichever worker receives them.
     """
 
-    def AbortLocal(self, request, context):
+    def AbortSibling(self, request, context):
         """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
         sibling's Abort(all).
         """
@@ -588,7 +588,7 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetTrajectory(self, request, context):
+    def SiblingTrajectory(self, request, context):
         """Reads a recorded front-door session (worker 0 runs the front door and holds every session).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -605,20 +605,20 @@ class WorkerServiceServicer:
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'AbortLocal': grpc.unary_unary_rpc_method_handler(
-                    servicer.AbortLocal,
-                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalRequest.FromString,
-                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalResponse.SerializeToString,
+            'AbortSibling': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortSibling,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingResponse.SerializeToString,
             ),
             'SyncControl': grpc.unary_unary_rpc_method_handler(
                     servicer.SyncControl,
                     request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlRequest.FromString,
                     response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlResponse.SerializeToString,
             ),
-            'GetTrajectory': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetTrajectory,
+            'SiblingTrajectory': grpc.unary_unary_rpc_method_handler(
+                    servicer.SiblingTrajectory,
                     request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryRequest.FromString,
-                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryResponse.SerializeToString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryResponse.SerializeToString,
             ),
             'Scrape': grpc.unary_unary_rpc_method_handler(
                     servicer.Scrape,
@@ -646,7 +646,7 @@ class WorkerService:
     """
 
     @staticmethod
-    def AbortLocal(request,
+    def AbortSibling(request,
             target,
             options=(),
             channel_credentials=None,
@@ -659,9 +659,9 @@ class WorkerService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/rollout.v1.WorkerService/AbortLocal',
-            rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalRequest.SerializeToString,
-            rollout__grpc_dot___proto_dot_rollout__pb2.AbortLocalResponse.FromString,
+            '/rollout.v1.WorkerService/AbortSibling',
+            rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -700,7 +700,7 @@ class WorkerService:
             _registered_method=True)
 
     @staticmethod
-    def GetTrajectory(request,
+    def SiblingTrajectory(request,
             target,
             options=(),
             channel_credentials=None,
@@ -713,9 +713,9 @@ class WorkerService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/rollout.v1.WorkerService/GetTrajectory',
+            '/rollout.v1.WorkerService/SiblingTrajectory',
             rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryRequest.SerializeToString,
-            rollout__grpc_dot___proto_dot_rollout__pb2.GetTrajectoryResponse.FromString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

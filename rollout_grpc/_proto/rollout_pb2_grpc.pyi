@@ -355,13 +355,13 @@ class WorkerServiceStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> WorkerServiceAsyncStub: ...
-    AbortLocal: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortLocalRequest, _rollout_pb2.AbortLocalResponse]
+    AbortSibling: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortSiblingRequest, _rollout_pb2.AbortSiblingResponse]
     """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
     sibling's Abort(all).
     """
     SyncControl: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SyncControlRequest, _rollout_pb2.SyncControlResponse]
     """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
-    GetTrajectory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.GetTrajectoryResponse]
+    SiblingTrajectory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.SiblingTrajectoryResponse]
     """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
     Scrape: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]
     """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
@@ -380,13 +380,13 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
-    AbortLocal: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortLocalRequest, _rollout_pb2.AbortLocalResponse]  # type: ignore[assignment]
+    AbortSibling: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortSiblingRequest, _rollout_pb2.AbortSiblingResponse]  # type: ignore[assignment]
     """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
     sibling's Abort(all).
     """
     SyncControl: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SyncControlRequest, _rollout_pb2.SyncControlResponse]  # type: ignore[assignment]
     """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
-    GetTrajectory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.GetTrajectoryResponse]  # type: ignore[assignment]
+    SiblingTrajectory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.SiblingTrajectoryResponse]  # type: ignore[assignment]
     """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
     Scrape: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]  # type: ignore[assignment]
     """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
@@ -404,11 +404,11 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """
 
     @_abc_1.abstractmethod
-    def AbortLocal(
+    def AbortSibling(
         self,
-        request: _rollout_pb2.AbortLocalRequest,
+        request: _rollout_pb2.AbortSiblingRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_rollout_pb2.AbortLocalResponse, _abc.Awaitable[_rollout_pb2.AbortLocalResponse]]:
+    ) -> _typing.Union[_rollout_pb2.AbortSiblingResponse, _abc.Awaitable[_rollout_pb2.AbortSiblingResponse]]:
         """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
         sibling's Abort(all).
         """
@@ -422,11 +422,11 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
 
     @_abc_1.abstractmethod
-    def GetTrajectory(
+    def SiblingTrajectory(
         self,
         request: _rollout_pb2.SiblingTrajectoryRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_rollout_pb2.GetTrajectoryResponse, _abc.Awaitable[_rollout_pb2.GetTrajectoryResponse]]:
+    ) -> _typing.Union[_rollout_pb2.SiblingTrajectoryResponse, _abc.Awaitable[_rollout_pb2.SiblingTrajectoryResponse]]:
         """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
 
     @_abc_1.abstractmethod

@@ -83,16 +83,18 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._server = server
         self._replica = ReplicaServicer(server.facade)
 
-    async def AbortLocal(self, request: pb.AbortLocalRequest, context: Context) -> pb.AbortLocalResponse:
+    async def AbortSibling(
+        self, request: pb.AbortSiblingRequest, context: Context
+    ) -> pb.AbortSiblingResponse:
         # Siblings act for the replica itself: any owner's generations when `owner` is empty.
         token = set_caller(Caller(identity="sibling", role=Role.ADMIN))
         try:
-            response: pb.AbortLocalResponse = await _domain_errors(
-                context, self._replica.AbortLocal(request, context)
+            result: pb.AbortLocalResponse = await _domain_errors(
+                context, self._replica.AbortLocal(request.abort, context)
             )
         finally:
             reset_caller(token)
-        return response
+        return pb.AbortSiblingResponse(result=result)
 
     async def SyncControl(self, request: pb.SyncControlRequest, context: Context) -> pb.SyncControlResponse:
         action = request.WhichOneof("action")
@@ -111,9 +113,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         await context.abort_with_status(to_status(InvalidArgument("action", "set pause or resume")))
         raise AssertionError("unreachable")  # abort raises
 
-    async def GetTrajectory(
+    async def SiblingTrajectory(
         self, request: pb.SiblingTrajectoryRequest, context: Context
-    ) -> pb.GetTrajectoryResponse:
+    ) -> pb.SiblingTrajectoryResponse:
         try:
             role = Role(request.caller_role)
         except ValueError:
@@ -121,12 +123,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             raise
         token = set_caller(Caller(identity=request.caller_identity, role=role))
         try:
-            response: pb.GetTrajectoryResponse = await _domain_errors(
+            trajectory: pb.GetTrajectoryResponse = await _domain_errors(
                 context, self._server.servicer.local_trajectory(request.request, context)
             )
         finally:
             reset_caller(token)
-        return response
+        return pb.SiblingTrajectoryResponse(trajectory=trajectory)
 
     async def Scrape(self, request: pb.ScrapeRequest, context: Context) -> pb.ScrapeResponse:
         return pb.ScrapeResponse(text=self._server.metrics.exposition())

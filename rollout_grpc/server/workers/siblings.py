@@ -89,17 +89,17 @@ class Siblings:
 
     async def abort(self, scope: AbortScope) -> SiblingAbort:
         """Abort `scope` on every sibling; what they aborted and which ids they knew."""
-        request = abort_request(scope)
-        answers: list[tuple[int, pb.AbortLocalResponse]] = await self._each(
-            "AbortLocal",
-            lambda stub: stub.AbortLocal(
+        request = pb.AbortSiblingRequest(abort=abort_request(scope))
+        answers: list[tuple[int, pb.AbortSiblingResponse]] = await self._each(
+            "AbortSibling",
+            lambda stub: stub.AbortSibling(
                 request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True
             ),
         )
         outcome = SiblingAbort()
         for _, answer in answers:
-            outcome.aborted += answer.aborted
-            outcome.found_request_ids.update(answer.found_request_ids)
+            outcome.aborted += answer.result.aborted
+            outcome.found_request_ids.update(answer.result.found_request_ids)
         return outcome
 
     async def sync_pause(self, mode: str) -> int:
@@ -132,10 +132,11 @@ class Siblings:
         forwarded = pb.SiblingTrajectoryRequest(
             caller_identity=caller.identity, caller_role=str(caller.role), request=request
         )
-        call = self._stubs[index].GetTrajectory(
+        call = self._stubs[index].SiblingTrajectory(
             forwarded, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True
         )
-        return await cast(Awaitable[pb.GetTrajectoryResponse], call)
+        answer = await cast(Awaitable[pb.SiblingTrajectoryResponse], call)
+        return answer.trajectory
 
     async def close(self) -> None:
         """Close the channels."""
