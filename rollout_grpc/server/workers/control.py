@@ -4,7 +4,7 @@ A worker's `Control` runs the engine side once, as a replica of its own does (th
 shared by every worker), and reaches its siblings through `WorkerService` for what only they hold:
 
 * Abort(all): the siblings abort their generations (queued ones too) and hold the abort-all window
-  (`WorkerService.AbortSibling` with target `all`, concurrently with this worker's pause/resume of the engines);
+  (`WorkerService.AbortSibling`, target `all`), while this worker pauses/resumes the engines;
 * abort by id, session, group or `mine`: forwarded like a peer's forward; the counts add up, and
   `unknown_request_ids` lists only ids that no worker knew;
 * Pause: the siblings bump their pause epoch (a late resume of theirs must not undo it) and, for
