@@ -2259,7 +2259,7 @@ Global___SiblingTrajectoryResponse: _TypeAlias = SiblingTrajectoryResponse  # no
 
 @_typing.final
 class ScrapeRequest(_message.Message):
-    """Asks a worker for its metrics."""
+    """Asks a worker for its metrics (the supervisor's merged `--metrics-port` scrape)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
