@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc.client import AsyncRolloutClient, NotFoundError
+from rollout_grpc.client import AsyncRolloutClient, NotFoundError, RolloutClient
 from rollout_grpc.server.workers.reservation import foreign_listeners
 from tests.support.processes import Processes, child_env, replica_command, start_engine
 from tests.support.workers import Replica, Streams, clients_by_worker, start_replica, wait_admitted
@@ -305,3 +305,23 @@ async def test_sighup_reloads_the_engines_file_in_every_worker(procs: Processes,
                         break
                     await asyncio.sleep(0.05)
     assert replica.proc.popen.poll() is None
+
+
+async def test_a_client_with_k_connections_spreads_its_calls_over_the_workers(replica: Replica) -> None:
+    # 16 connections all on one worker: 2**-15 (the kernel hashes each connection's ports).
+    async with AsyncRolloutClient(replica.target, connections=16) as spread:
+        answered = {(await spread.server_info()).worker for _ in range(32)}
+    assert answered == {0, 1}
+
+
+def test_the_blocking_client_spreads_its_calls_too(replica: Replica) -> None:
+    with RolloutClient(replica.target, connections=16) as spread:
+        answered = {spread.server_info().worker for _ in range(32)}
+    assert answered == {0, 1}
+
+
+def test_connections_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError, match="connections"):
+        AsyncRolloutClient("127.0.0.1:1", connections=0)
+    with pytest.raises(ValueError, match="connections"):
+        RolloutClient("127.0.0.1:1", connections=0)
