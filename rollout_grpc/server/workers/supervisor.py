@@ -147,7 +147,14 @@ class Supervisor:
             reservation = PortReservation(cfg.host, cfg.port)
         except PortUnavailable as exc:
             raise SupervisorError(str(exc)) from None
-        run_dir = tempfile.mkdtemp(prefix="rollout-grpc-")  # mode 0700
+        try:
+            run_dir = tempfile.mkdtemp(prefix="rollout-grpc-")  # mode 0700
+        except OSError as exc:
+            reservation.close()
+            raise SupervisorError(
+                f"cannot create the workers' run directory in {tempfile.gettempdir()} ({exc.strerror}): "
+                "set TMPDIR to a writable directory"
+            ) from None
         try:
             with reservation:
                 self.port = reservation.port
