@@ -20,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client import AsyncRolloutClient, NotFoundError, RolloutClient
 from rollout_grpc.server.workers.reservation import foreign_listeners
 from tests.support.processes import Processes, child_env, replica_command, start_engine
@@ -325,3 +326,40 @@ def test_connections_must_be_at_least_one() -> None:
         AsyncRolloutClient("127.0.0.1:1", connections=0)
     with pytest.raises(ValueError, match="connections"):
         RolloutClient("127.0.0.1:1", connections=0)
+
+
+async def test_with_authentication_a_trainer_reaches_only_its_own_streams_on_other_workers(
+    procs: Processes, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("trainer-a trainer token-a\ntrainer-b trainer token-b\nops admin token-ops\n")
+    replica = start_replica(procs, tmp_path, *SIM, "--auth-tokens-file", str(tokens))
+    async with (
+        clients_by_worker(replica.target, 2, "token-a") as a,
+        clients_by_worker(replica.target, 2, "token-b") as b,
+    ):
+        streams = Streams(a[1])
+        ids = streams.start(2, "owned")
+        await streams.running()
+        other = await b[0].abort(request_ids=ids)
+        assert (other.aborted, sorted(other.unknown_request_ids)) == (0, sorted(ids))
+        others_mine = await b[0].abort(mine=True)
+        assert others_mine.aborted == 0
+        own = await a[0].abort(request_ids=ids)
+        assert (own.aborted, list(own.unknown_request_ids)) == (2, [])
+        assert _statuses(await streams.finals()) == [pb.SAMPLE_STATUS_ABORTED] * 2
+
+
+async def test_a_sibling_socket_refuses_calls_without_the_secret(replica: Replica) -> None:
+    run_dir = Path(replica.ports["run_dir"])
+    assert run_dir.stat().st_mode & 0o777 == 0o700
+    async with grpc.aio.insecure_channel(f"unix:{run_dir / 'worker-1.sock'}") as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        for metadata in ((), (("x-rollout-sibling", "a guess"),)):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.AbortSibling(
+                    pb.AbortSiblingRequest(abort=pb.AbortLocalRequest(all=True)),
+                    metadata=metadata,
+                    timeout=10,
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED

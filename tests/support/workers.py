@@ -57,19 +57,23 @@ def start_replica(procs: Processes, workdir: Path, *args: str, name: str = "repl
     return Replica(proc, json.loads(read_port_file(port_file, proc)))
 
 
-def client(target: str) -> AsyncRolloutClient:
+def client(target: str, token: str | None = None) -> AsyncRolloutClient:
     """A client with a connection of its own (not shared with other clients' channels)."""
-    return AsyncRolloutClient(target, options=[("grpc.use_local_subchannel_pool", 1)], retry=None)
+    return AsyncRolloutClient(
+        target, options=[("grpc.use_local_subchannel_pool", 1)], retry=None, token=token
+    )
 
 
 @contextlib.asynccontextmanager
-async def clients_by_worker(target: str, workers: int) -> AsyncIterator[dict[int, AsyncRolloutClient]]:
+async def clients_by_worker(
+    target: str, workers: int, token: str | None = None
+) -> AsyncIterator[dict[int, AsyncRolloutClient]]:
     """One client per worker index, each with a connection that worker serves."""
     found: dict[int, AsyncRolloutClient] = {}
     opened: list[AsyncRolloutClient] = []
     try:
         for _ in range(MAX_CONNECTIONS):
-            candidate = client(target)
+            candidate = client(target, token)
             opened.append(candidate)
             info = await candidate.server_info()
             assert info.workers == workers, info

@@ -112,6 +112,7 @@ class Supervisor:
         self._scraper: WorkerScraper | None = None
         self.metrics_port: int | None = None
         self.port = 0
+        self._run_dir = ""
 
     def _command(self) -> list[str]:
         return [sys.executable, "-m", "rollout_grpc._entry", "serve", *self.serve_argv]
@@ -163,6 +164,7 @@ class Supervisor:
             shutil.rmtree(run_dir, ignore_errors=True)
 
     async def _run(self, run_dir: str) -> int:
+        self._run_dir = run_dir
         secret = secrets.token_urlsafe(32)
         specs = [
             WorkerSpec(
@@ -276,6 +278,8 @@ class Supervisor:
                         "workers": self.workers,
                         "worker_pids": pids,
                         "supervisor_pid": os.getpid(),
+                        # The 0700 directory of the workers' sockets (reaching them needs the secret).
+                        "run_dir": self._run_dir,
                     }
                 )
             )
