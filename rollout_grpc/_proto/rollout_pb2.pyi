@@ -1741,8 +1741,9 @@ class GetServerInfoResponse(_message.Message):
     """The engines are simulated (`rollout-grpc serve --sim N`): toy tokens, never train on them."""
     workers: _builtins.int
     """Worker processes serving this replica's port (`rollout-grpc serve --workers N`): 1 for a
-    single process, 0 from a replica that predates the field. `in_flight` and `queued` are the
-    answering worker's own; a client may open this many connections to use every worker.
+    single process, 0 from a replica that predates the field. `in_flight`, `queued` and each
+    engine's `in_flight` add up every worker; a client may open this many connections to use
+    every worker.
     """
     worker: _builtins.int
     """The index (0 .. workers-1) of the worker process that answered this call (0 for a single
@@ -2068,6 +2069,75 @@ class AbortLocalResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortLocalResponse: _TypeAlias = AbortLocalResponse  # noqa: Y015
+
+@_typing.final
+class SiblingLoadRequest(_message.Message):
+    """Asks a worker for its load."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiblingLoadRequest: _TypeAlias = SiblingLoadRequest  # noqa: Y015
+
+@_typing.final
+class SiblingLoadResponse(_message.Message):
+    """One worker's load."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EngineInFlightEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    ENGINE_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    in_flight: _builtins.int
+    """Generations holding an admission slot on the receiving worker."""
+    queued: _builtins.int
+    """Generations waiting for a slot on the receiving worker."""
+    @_builtins.property
+    def engine_in_flight(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Engine URL -> the receiving worker's generations in flight on that engine."""
+
+    def __init__(
+        self,
+        *,
+        in_flight: _builtins.int = ...,
+        queued: _builtins.int = ...,
+        engine_in_flight: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_in_flight", b"engine_in_flight", "in_flight", b"in_flight", "queued", b"queued"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiblingLoadResponse: _TypeAlias = SiblingLoadResponse  # noqa: Y015
 
 @_typing.final
 class AbortSiblingRequest(_message.Message):

@@ -559,6 +559,11 @@ class WorkerServiceStub:
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeRequest.SerializeToString,
                 response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeResponse.FromString,
                 _registered_method=True)
+        self.SiblingLoad = channel.unary_unary(
+                '/rollout.v1.WorkerService/SiblingLoad',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -602,6 +607,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SiblingLoad(self, request, context):
+        """The receiving worker's generations in flight and queued, so that GetServerInfo reports the
+        whole replica whichever worker answers it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -624,6 +637,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Scrape,
                     request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeRequest.FromString,
                     response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeResponse.SerializeToString,
+            ),
+            'SiblingLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.SiblingLoad,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -743,6 +761,33 @@ class WorkerService:
             '/rollout.v1.WorkerService/Scrape',
             rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeRequest.SerializeToString,
             rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SiblingLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.WorkerService/SiblingLoad',
+            rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

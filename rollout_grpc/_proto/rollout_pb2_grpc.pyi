@@ -365,6 +365,10 @@ class WorkerServiceStub:
     """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
     Scrape: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]
     """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
+    SiblingLoad: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SiblingLoadRequest, _rollout_pb2.SiblingLoadResponse]
+    """The receiving worker's generations in flight and queued, so that GetServerInfo reports the
+    whole replica whichever worker answers it.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -390,6 +394,10 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
     Scrape: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]  # type: ignore[assignment]
     """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
+    SiblingLoad: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SiblingLoadRequest, _rollout_pb2.SiblingLoadResponse]  # type: ignore[assignment]
+    """The receiving worker's generations in flight and queued, so that GetServerInfo reports the
+    whole replica whichever worker answers it.
+    """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------------------------------------
@@ -436,5 +444,15 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.ScrapeResponse, _abc.Awaitable[_rollout_pb2.ScrapeResponse]]:
         """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
+
+    @_abc_1.abstractmethod
+    def SiblingLoad(
+        self,
+        request: _rollout_pb2.SiblingLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.SiblingLoadResponse, _abc.Awaitable[_rollout_pb2.SiblingLoadResponse]]:
+        """The receiving worker's generations in flight and queued, so that GetServerInfo reports the
+        whole replica whichever worker answers it.
+        """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

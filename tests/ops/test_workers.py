@@ -85,7 +85,7 @@ async def test_abort_all_on_one_worker_ends_the_other_workers_streams_queued_one
 ) -> None:
     streams = Streams(by_worker[1])
     streams.start(3, "abort-all")  # one runs on worker 1 (its share is 1), two wait in its queue
-    await wait_admitted(by_worker[1], running=1, queued=2)
+    await wait_admitted(by_worker[0], running=1, queued=2)  # GetServerInfo adds up every worker
     response = await by_worker[0].abort(all=True)
     finals = await streams.finals()
     assert _statuses(finals) == [pb.SAMPLE_STATUS_ABORTED] * 3

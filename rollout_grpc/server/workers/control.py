@@ -108,6 +108,21 @@ class WorkerControl(Control):
             )
             await self.siblings.sync_resume(weight_version, relabelled)
 
+    async def abort_local(self, scope: AbortScope) -> AbortResult:
+        """A peer replica's forwarded abort: this worker's generations and every sibling's."""
+        result = await super().abort_local(scope)
+        outcome = await self._siblings_abort(scope)
+        result.aborted += outcome.aborted
+        if scope.request_ids:
+            result.unknown_request_ids = [
+                rid for rid in result.unknown_request_ids if rid not in outcome.found_request_ids
+            ]
+        return result
+
+    async def abort_local_only(self, scope: AbortScope) -> AbortResult:
+        """A sibling's abort: this worker's generations only (never forwarded again)."""
+        return await super().abort_local(scope)
+
     def sibling_paused(self, mode: str) -> int:
         """A sibling ran Pause(`mode`) on the engines: the local part; generations aborted."""
         self._pause_epoch += 1
@@ -117,6 +132,10 @@ class WorkerControl(Control):
         for entry in local:
             entry.request_abort("pause abort")
         return len(local)
+
+
+async def _no_loads() -> list[pb.SiblingLoadResponse]:
+    return []
 
 
 class WorkerRolloutServicer(RolloutServicer):
@@ -129,9 +148,20 @@ class WorkerRolloutServicer(RolloutServicer):
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: Context
     ) -> pb.GetServerInfoResponse:
-        response = await super().GetServerInfo(request, context)
+        urls = [engine.url for engine in self._facade.pool.engines]
+        response, loads = await asyncio.gather(
+            super().GetServerInfo(request, context),
+            self.siblings.load() if self.siblings is not None else _no_loads(),
+        )
         response.workers = self.workers
         response.worker = self.index
+        # The whole replica's load, as a single process would report it.
+        for load in loads:
+            response.in_flight += load.in_flight
+            response.queued += load.queued
+            if len(urls) == len(response.engines):
+                for url, info in zip(urls, response.engines, strict=True):
+                    info.in_flight += load.engine_in_flight.get(url, 0)
         return response
 
     async def GetTrajectory(

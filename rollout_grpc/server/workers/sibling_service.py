@@ -21,9 +21,10 @@ from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.domain.errors import InvalidArgument, RolloutError
 from rollout_grpc.server.domain.identity import Caller, Role, reset_caller, set_caller
 from rollout_grpc.server.facade.door import RolloutFacade
-from rollout_grpc.server.front.grpc.replica import ReplicaServicer
+from rollout_grpc.server.front.grpc.replica import abort_response, abort_scope
 from rollout_grpc.server.front.grpc.status import to_status
 from rollout_grpc.server.observe.metrics import Metrics
+from rollout_grpc.server.rollout.control import AbortResult, AbortScope
 from rollout_grpc.server.workers.control import WorkerRolloutServicer
 from rollout_grpc.server.workers.handshake import SIBLING_METADATA_KEY
 
@@ -42,6 +43,8 @@ class SiblingHost(Protocol):
     @property
     def metrics(self) -> Metrics: ...
     def sibling_paused(self, mode: str) -> int: ...
+    async def abort_local_only(self, scope: AbortScope) -> AbortResult: ...
+    def load(self) -> pb.SiblingLoadResponse: ...
     def sibling_resumed(self, weight_version: str | None, relabelled: list[str]) -> None: ...
 
 
@@ -81,7 +84,6 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     def __init__(self, server: SiblingHost) -> None:
         self._server = server
-        self._replica = ReplicaServicer(server.facade)
 
     async def AbortSibling(
         self, request: pb.AbortSiblingRequest, context: Context
@@ -89,12 +91,18 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         # Siblings act for the replica itself: any owner's generations when `owner` is empty.
         token = set_caller(Caller(identity="sibling", role=Role.ADMIN))
         try:
-            result: pb.AbortLocalResponse = await _domain_errors(
-                context, self._replica.AbortLocal(request.abort, context)
-            )
+            response: pb.AbortSiblingResponse = await _domain_errors(context, self._abort(request))
         finally:
             reset_caller(token)
-        return pb.AbortSiblingResponse(result=result)
+        return response
+
+    async def _abort(self, request: pb.AbortSiblingRequest) -> pb.AbortSiblingResponse:
+        scope = abort_scope(request.abort)
+        result = await self._server.abort_local_only(scope)
+        return pb.AbortSiblingResponse(result=abort_response(scope, result))
+
+    async def SiblingLoad(self, request: pb.SiblingLoadRequest, context: Context) -> pb.SiblingLoadResponse:
+        return self._server.load()
 
     async def SyncControl(self, request: pb.SyncControlRequest, context: Context) -> pb.SyncControlResponse:
         action = request.WhichOneof("action")

@@ -125,6 +125,17 @@ class Siblings:
             ),
         )
 
+    async def load(self) -> list[pb.SiblingLoadResponse]:
+        """Every answering sibling's generations in flight and queued."""
+        request = pb.SiblingLoadRequest()
+        answers: list[tuple[int, pb.SiblingLoadResponse]] = await self._each(
+            "SiblingLoad",
+            lambda stub: stub.SiblingLoad(
+                request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True
+            ),
+        )
+        return [answer for _, answer in answers]
+
     async def trajectory(
         self, index: int, request: pb.GetTrajectoryRequest, caller: Caller
     ) -> pb.GetTrajectoryResponse:

@@ -21,8 +21,9 @@ from typing import Any
 import grpc
 import structlog
 
+from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.app import RolloutServer, ServerConfig, worker_share
-from rollout_grpc.server.rollout.control import Control
+from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control
 from rollout_grpc.server.workers import handshake
 from rollout_grpc.server.workers.control import FRONT_DOOR_WORKER, WorkerControl, WorkerRolloutServicer
 from rollout_grpc.server.workers.handshake import WorkerSpec
@@ -86,6 +87,20 @@ class WorkerServer(RolloutServer):
         """A sibling paused the engines (SyncControl)."""
         assert isinstance(self.control, WorkerControl)
         return self.control.sibling_paused(mode)
+
+    async def abort_local_only(self, scope: AbortScope) -> AbortResult:
+        """A sibling's abort (AbortSibling): this worker's generations only."""
+        assert isinstance(self.control, WorkerControl)
+        return await self.control.abort_local_only(scope)
+
+    def load(self) -> pb.SiblingLoadResponse:
+        """This worker's generations in flight and queued (SiblingLoad)."""
+        admission = self.rollout.admission
+        return pb.SiblingLoadResponse(
+            in_flight=admission.running,
+            queued=admission.queued,
+            engine_in_flight={engine.url: engine.in_flight for engine in self.pool.engines},
+        )
 
     def sibling_resumed(self, weight_version: str | None, relabelled: list[str]) -> None:
         """A sibling resumed the engines (SyncControl): relabel the engines that took the version."""
