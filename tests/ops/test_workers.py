@@ -363,3 +363,25 @@ async def test_a_sibling_socket_refuses_calls_without_the_secret(replica: Replic
                     timeout=10,
                 )
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_port_another_process_listens_on_is_one_clear_error_with_workers() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as gRPC core's default
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [*replica_command(), "serve", "--workers", "2", "--sim", "1", "--port", str(port)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in child_env().items() if not k.startswith("ROLLOUT_GRPC_")},
+        )
+    assert result.returncode == 1
+    assert [line for line in result.stderr.splitlines() if line.startswith("rollout-grpc serve:")] == [
+        f"rollout-grpc serve: cannot listen on 127.0.0.1:{port} (gRPC, --port): address already in use: "
+        "another process is listening there (`ss -ltnp` names it)"
+    ], result.stderr
+    assert '"worker_serving"' not in result.stderr
