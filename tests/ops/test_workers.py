@@ -385,3 +385,36 @@ def test_a_port_another_process_listens_on_is_one_clear_error_with_workers() -> 
         "another process is listening there (`ss -ltnp` names it)"
     ], result.stderr
     assert '"worker_serving"' not in result.stderr
+
+
+#: Streams that end by themselves after ~1 s at the simulated engines' 20 ms per token.
+SHORT = {"max_new_tokens": 50, "ignore_eos": True, "temperature": 1.0}
+
+
+async def test_pause_keep_freezes_the_other_workers_streams_and_resume_continues_them(
+    by_worker: dict[int, AsyncRolloutClient],
+) -> None:
+    streams = Streams(by_worker[1], SHORT)
+    streams.start(1, "keep")
+    await streams.running()
+    await by_worker[0].pause("keep")
+    try:
+        assert (await by_worker[1].server_info()).paused
+    finally:
+        await by_worker[0].resume()
+    [final] = await streams.finals()
+    assert final is not None and final.status == pb.SAMPLE_STATUS_TRUNCATED and final.response_length == 50
+
+
+async def test_pause_wait_returns_once_the_other_workers_streams_finished(
+    by_worker: dict[int, AsyncRolloutClient],
+) -> None:
+    streams = Streams(by_worker[1], SHORT)
+    streams.start(1, "wait")
+    await streams.running()
+    try:
+        await by_worker[0].pause("wait", timeout=60)
+        [final] = await streams.finals()  # done before Pause(WAIT) answered: nothing left to wait for
+    finally:
+        await by_worker[0].resume()
+    assert final is not None and final.status == pb.SAMPLE_STATUS_TRUNCATED

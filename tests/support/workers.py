@@ -89,8 +89,9 @@ async def clients_by_worker(
 class Streams:
     """Long Generate streams on one client; each records its messages and its final sample."""
 
-    def __init__(self, on: AsyncRolloutClient) -> None:
+    def __init__(self, on: AsyncRolloutClient, params: dict[str, Any] | None = None) -> None:
         self._client = on
+        self._params = params or LONG
         self.tasks: list[asyncio.Task[pb.Sample | None]] = []
         self.started: list[asyncio.Event] = []
 
@@ -106,7 +107,7 @@ class Streams:
 
     async def _run(self, sample: pb.Sample, rid: str, started: asyncio.Event) -> pb.Sample | None:
         async for message in self._client.generate_stream(
-            sample, LONG, {"stream_batch_tokens": 1}, request_id=rid
+            sample, self._params, {"stream_batch_tokens": 1}, request_id=rid
         ):
             started.set()
             if message.HasField("sample"):
