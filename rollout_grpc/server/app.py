@@ -214,11 +214,6 @@ class ServerConfig:
     #: with a retry hint); the hard limit is twice that.
     max_pending_calls: int = 0
     # --- worker processes (`serve --workers N`; set per worker by the supervisor, docs/workers.md) ---
-    #: Worker processes serving this replica's port, and this one's index (0 runs the front door
-    #: and the health port). Admission is per process: this worker's in-flight limit is its share
-    #: of the replica's (`worker_share`); the supervisor divides the queue and per-caller limits.
-    workers: int = 1
-    worker_index: int = 0
     #: Bind the gRPC port with SO_REUSEPORT: only a worker, whose supervisor reserved the port
     #: (workers/reservation.py), ever sets it; a replica of its own keeps a busy port an error.
     reuse_port: bool = False
@@ -262,7 +257,7 @@ class ServerConfig:
         engines = rollout_num_engines(
             self.rollout_num_gpus, self.rollout_num_gpus_per_engine, len(self.engines)
         )
-        return worker_share(max(1, self.server_concurrency * engines), self.worker_index, self.workers)
+        return max(1, self.server_concurrency * engines)
 
     def pending_calls_limit(self) -> int:
         """Calls gRPC core holds before the replica picks them up, before it refuses any (soft)."""
@@ -485,7 +480,7 @@ class RolloutServer:
             health_interval_s=cfg.health_interval_s,
             breaker_cooldown_s=cfg.breaker_cooldown_s,
         )
-        admission = TimedAdmission(limit, cfg.max_queue, cfg.retry_after_s)
+        admission = self._admission(limit)
         self.metrics = Metrics(self.pool, admission, engine_urls=cfg.metrics_engine_urls)
         #: Every call's record, of either door, goes to these (log line, metrics; tests add theirs).
         self.calls = CallBook([log_call, self.metrics.observe])
@@ -525,6 +520,10 @@ class RolloutServer:
             steps=steps,
         )
         return self.servicer_class(self.facade, cfg.default_options, simulated_engines=cfg.simulated_engines)
+
+    def _admission(self, limit: int) -> TimedAdmission:
+        """Admission with `limit` generations in flight (a worker shares it with its siblings)."""
+        return TimedAdmission(limit, self.config.max_queue, self.config.retry_after_s)
 
     async def _start_engine_pool(self) -> None:
         """Classify every engine once (capability check), then start health probing."""

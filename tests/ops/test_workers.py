@@ -28,8 +28,8 @@ from tests.support.workers import Replica, Streams, clients_by_worker, start_rep
 
 pytestmark = pytest.mark.timeout(180)
 
-#: One generation per engine and worker (server concurrency 1, 2 engines, 2 workers: each
-#: worker's share of the in-flight limit is 1), so that further streams queue in admission.
+#: Two generations in flight in the whole replica (server concurrency 1, 2 engines; the workers
+#: share that one limit), so that further streams queue in admission.
 SMALL = ("--server-concurrency", "1", "--max-queue", "16")
 SIM = ("--workers", "2", "--sim", "2", "--sim-token-delay-ms", "20")
 
@@ -84,26 +84,26 @@ async def test_abort_all_on_one_worker_ends_the_other_workers_streams_queued_one
     by_worker: dict[int, AsyncRolloutClient],
 ) -> None:
     streams = Streams(by_worker[1])
-    streams.start(3, "abort-all")  # one runs on worker 1 (its share is 1), two wait in its queue
-    await wait_admitted(by_worker[0], running=1, queued=2)  # GetServerInfo adds up every worker
+    streams.start(4, "abort-all")  # two run on worker 1 (the replica's limit), two wait in its queue
+    await wait_admitted(by_worker[0], running=2, queued=2)  # GetServerInfo adds up every worker
     response = await by_worker[0].abort(all=True)
     finals = await streams.finals()
-    assert _statuses(finals) == [pb.SAMPLE_STATUS_ABORTED] * 3
-    assert response.aborted == 3
+    assert _statuses(finals) == [pb.SAMPLE_STATUS_ABORTED] * 4
+    assert response.aborted == 4
 
 
 async def test_pause_abort_reaches_queued_generations_of_the_other_worker(
     by_worker: dict[int, AsyncRolloutClient],
 ) -> None:
     streams = Streams(by_worker[1])
-    streams.start(3, "pause-abort")
-    await wait_admitted(by_worker[1], running=1, queued=2)
+    streams.start(4, "pause-abort")
+    await wait_admitted(by_worker[1], running=2, queued=2)
     await by_worker[0].pause("abort")
     try:
         finals = await streams.finals()
     finally:
         await by_worker[0].resume()
-    assert _statuses(finals) == [pb.SAMPLE_STATUS_ABORTED] * 3
+    assert _statuses(finals) == [pb.SAMPLE_STATUS_ABORTED] * 4
 
 
 async def test_resume_with_a_weight_version_labels_tokens_on_every_worker(
@@ -139,17 +139,31 @@ async def test_session_group_and_mine_aborts_reach_the_other_worker(
     by_worker: dict[int, AsyncRolloutClient], target: str
 ) -> None:
     streams = Streams(by_worker[1])
-    # One runs on worker 1, one waits in its admission queue: both must be found.
-    streams.start(2, f"scoped-{target}", session_id="sess-workers", group_index=77)
-    await wait_admitted(by_worker[1], running=1, queued=1)
+    # Two run on worker 1, one waits in its admission queue: all must be found.
+    streams.start(3, f"scoped-{target}", session_id="sess-workers", group_index=77)
+    await wait_admitted(by_worker[1], running=2, queued=1)
     if target == "session":
         response = await by_worker[0].abort(session_id="sess-workers")
     elif target == "group":
         response = await by_worker[0].abort(group_index=77)
     else:
         response = await by_worker[0].abort(mine=True)
-    assert response.aborted == 2
-    assert _statuses(await streams.finals()) == [pb.SAMPLE_STATUS_ABORTED] * 2
+    assert response.aborted == 3
+    assert _statuses(await streams.finals()) == [pb.SAMPLE_STATUS_ABORTED] * 3
+
+
+async def test_the_in_flight_limit_is_the_replicas_and_a_freed_slot_wakes_another_worker(
+    by_worker: dict[int, AsyncRolloutClient],
+) -> None:
+    holders, waiter = Streams(by_worker[1]), Streams(by_worker[0])
+    ids = holders.start(2, "holder")  # the replica's two slots, both on worker 1
+    await holders.running()
+    waiter.start(1, "waiter")
+    await wait_admitted(by_worker[0], running=2, queued=1)  # queued on worker 0 although it runs none
+    assert (await by_worker[0].abort(request_ids=ids[:1])).aborted == 1
+    await waiter.running()  # started by the slot worker 1 gave back (a wake-up, not a poll)
+    await by_worker[0].abort(all=True)
+    assert _statuses([*(await holders.finals()), *(await waiter.finals())]) == [pb.SAMPLE_STATUS_ABORTED] * 3
 
 
 async def test_get_trajectory_on_another_worker_asks_worker_0(

@@ -33,10 +33,11 @@ def test_a_worker_gets_its_share_of_every_replica_wide_limit() -> None:
         )
 
     first, second = worker_config(base(), _spec(0)), worker_config(base(), _spec(1))
-    assert (first.in_flight_limit(), second.in_flight_limit()) == (3, 3)
+    # The in-flight limit is the replica's, counted by the workers together (workers/admission.py).
+    assert (first.in_flight_limit(), second.in_flight_limit()) == (6, 6)
     assert (first.max_queue, second.max_queue) == (5, 4)
     assert first.max_pending_calls == second.max_pending_calls == 0  # still sized from admission
-    assert first.pending_calls_limit() == 3 + 5 + 1000
+    assert first.pending_calls_limit() == 6 + 5 + 1000
     assert (first.port, first.reuse_port, first.metrics_port) == (1234, True, None)
     assert first.openai_port == 0 and second.openai_port is None and second.health_port is None
 

@@ -38,6 +38,7 @@ import structlog
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.ports import PortUnavailable
 from rollout_grpc.server.workers import handshake
+from rollout_grpc.server.workers.admission import create_slots
 from rollout_grpc.server.workers.handshake import WorkerSpec
 from rollout_grpc.server.workers.metrics import MergedMetricsEndpoint, WorkerScraper
 from rollout_grpc.server.workers.reservation import PortReservation, foreign_listeners
@@ -159,6 +160,8 @@ class Supervisor:
         try:
             with reservation:
                 self.port = reservation.port
+                # The replica's one in-flight limit, counted by all workers together.
+                create_slots(run_dir, cfg.in_flight_limit())
                 return await self._run(run_dir)
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -261,9 +264,8 @@ class Supervisor:
             metrics_port=self.metrics_port,
             simulated_engines=self.simulated or None,
             engines=list(cfg.engines),
-            # The replica's limit, and each worker's share of it (admission is per worker).
-            in_flight_limit=sum(int(str(w.ready.get("in_flight_limit", 0))) for w in self._workers),
-            in_flight_limit_per_worker=[w.ready.get("in_flight_limit") for w in self._workers],
+            # The replica's one limit, counted by the workers together (admission.py).
+            in_flight_limit=cfg.in_flight_limit(),
         )
         if self.port_file:
             tmp = self.port_file + ".tmp"

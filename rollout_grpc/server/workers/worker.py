@@ -2,9 +2,10 @@
 
 The worker is the console script started again by its supervisor (handshake.py): it parses the
 same settings, then takes from the spec what the supervisor decided — the reserved port (bound
-with SO_REUSEPORT), its share of the admission limits, the engines (with `--sim`, the simulated
-engines the supervisor runs) — and serves until SIGTERM/SIGINT (graceful stop, as a replica of
-its own) or until its supervisor's end of the channel closes. Worker 0 alone runs the OpenAI front
+with SO_REUSEPORT), the shared in-flight limit (admission.py) and its share of the queue, the
+engines (with `--sim`, the simulated engines the supervisor runs) — and serves until
+SIGTERM/SIGINT (graceful stop, as a replica of its own) or until its supervisor's end of the
+channel closes. Worker 0 alone runs the OpenAI front
 door and the health port; no worker serves metrics (the supervisor merges theirs).
 """
 
@@ -23,8 +24,10 @@ import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.app import RolloutServer, ServerConfig, worker_share
+from rollout_grpc.server.facade.calls import TimedAdmission
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control
 from rollout_grpc.server.workers import handshake
+from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots
 from rollout_grpc.server.workers.control import FRONT_DOOR_WORKER, WorkerControl, WorkerRolloutServicer
 from rollout_grpc.server.workers.handshake import WorkerSpec
 from rollout_grpc.server.workers.sibling_service import start_sibling_server
@@ -35,8 +38,7 @@ log = structlog.get_logger(__name__)
 
 def worker_config(config: ServerConfig, spec: WorkerSpec) -> ServerConfig:
     """`config` as worker `spec.index` of `spec.workers` serves it (changed in place, returned)."""
-    config.workers = spec.workers
-    config.worker_index = spec.index
+    # The in-flight limit stays the replica's: the workers count it together (admission.py).
     config.port = spec.port
     config.reuse_port = True
     config.max_queue = worker_share(config.max_queue, spec.index, spec.workers)
@@ -66,6 +68,16 @@ class WorkerServer(RolloutServer):
         self.siblings = Siblings(spec, timeout_s=config.control_deadline_s)
         self.servicer: WorkerRolloutServicer
         self._sibling_server: grpc.aio.Server | None = None
+        self.shared_admission: SharedAdmission
+
+    def _admission(self, limit: int) -> TimedAdmission:
+        self.shared_admission = SharedAdmission(
+            SharedSlots(self.spec.run_dir, self.spec.index, self.spec.workers),
+            limit,
+            self.config.max_queue,
+            self.config.retry_after_s,
+        )
+        return self.shared_admission
 
     def _build_domain(self, *args: Any, **kwargs: Any) -> WorkerRolloutServicer:
         servicer = super()._build_domain(*args, **kwargs)
@@ -79,6 +91,7 @@ class WorkerServer(RolloutServer):
 
     async def start(self) -> None:
         await super().start()
+        self.shared_admission.listen(asyncio.get_running_loop())
         self._sibling_server = await start_sibling_server(
             self, self.spec.sibling_address(self.spec.index), self.spec.secret
         )
