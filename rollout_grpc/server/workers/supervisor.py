@@ -307,7 +307,9 @@ class Supervisor:
         return len(foreign)
 
     def _forward(self, sig: signal.Signals) -> None:
-        for worker in self._workers:
+        # Worker 0 last: it serves --health-port, whose NOT_SERVING should come once every worker
+        # has been told to stop.
+        for worker in reversed(self._workers):
             if worker.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.send_signal(sig)
