@@ -61,8 +61,10 @@ async def run_grpc_custom(
     final_only: bool,
     batch_tokens: int | None,
     batch_interval_ms: int | None,
+    connections: int = 1,
 ) -> load.RunResult:
-    """`load.run_grpc` with per-request batching options."""
+    """`load.run_grpc` with per-request batching options, over `connections` TCP connections (a
+    `serve --workers N` replica serves each connection on one worker)."""
     rng = random.Random(seed)
     parts = []
     for _ in range(requests):
@@ -72,7 +74,7 @@ async def run_grpc_custom(
         if batch_interval_ms is not None:
             options.stream_batch_interval_ms = batch_interval_ms
         parts.append((sample, params, options))
-    async with AsyncRolloutClient(target) as client:
+    async with AsyncRolloutClient(target, connections=connections) as client:
         return await load.closed_loop(
             concurrency, requests, lambda i: load.grpc_generate(client, parts[i], f"cmp-{seed}-{i}")
         )
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--final-only", action="store_true", help="clients ask for the final sample only")
     parser.add_argument("--batch-tokens", type=int, default=None)
     parser.add_argument("--batch-interval-ms", type=int, default=None)
+    parser.add_argument(
+        "--connections", type=int, default=1, help="client TCP connections (>= workers for --workers N)"
+    )
     parser.add_argument("--no-direct", action="store_true", help="leave out the direct HTTP row")
     parser.add_argument("--json", type=Path, default=None, help="write every repetition here")
     parser.add_argument(
@@ -113,10 +118,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             engines = list(args.engine) or [sim.url for sim in sims]
             engine_pids = [sim.proc.pid for sim in sims]
-            targets: dict[str, tuple[str, int]] = {}
+            targets: dict[str, tuple[str, dict[str, int]]] = {}
             for v in variants:
                 service = procs.start_service(group, f"svc-{v.name}", engines, list(v.args), src=v.src)
-                targets[v.name] = (service.target, service.proc.pid)
+                # A `serve --workers N` supervisor and its workers, each metered.
+                workers = service.info.get("worker_pids") or []
+                service_pids = {"service": service.proc.pid}
+                service_pids.update({f"service-w{i}": int(pid) for i, pid in enumerate(workers)})
+                targets[v.name] = (service.target, service_pids)
             names = ([] if args.no_direct else ["direct"]) + [v.name for v in variants]
 
             def runner(name: str, seed: int, c: int, n: int, m: int) -> Any:
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.final_only,
                     args.batch_tokens,
                     args.batch_interval_ms,
+                    args.connections,
                 )
 
             for name in names:  # warm-up
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     pids = {f"engine{i}": p for i, p in enumerate(engine_pids)}
                     if name != "direct":
-                        pids["service"] = targets[name][1]
+                        pids.update(targets[name][1])
                     system = SystemCpu()
                     with procs.Meter(pids, interval_s=0.05) as meter:
                         run = asyncio.run(
@@ -152,13 +162,16 @@ def main(argv: list[str] | None = None) -> int:
                         "direct" if name == "direct" else "service", workload, run, meter, system.elapsed()
                     )
                     row["variant"], row["rep"] = name, rep
+                    row["cpu_s_by_process"] = {k: round(v, 2) for k, v in meter.cpu_s.items()}
+                    row["wall_s"] = round(run.wall_s, 2)
                     rows.append(row)
                     print(
                         f"{name:14s} rep {rep}: {row['tokens_per_s']:>9,.0f} tok/s  "
                         f"p50 {row['latency_p50_ms']:8.1f} ms  p99 {row['latency_p99_ms']:8.1f} ms  "
                         f"ttft p50 {row['ttft_p50_ms']:7.1f} ms  "
                         f"svc {row['service_cpu_s_per_mtok'] or 0:6.1f} s/Mtok  rss "
-                        f"{row['service_peak_rss_mib'] or 0:5.0f} MiB  other {row['other_load_cores']}",
+                        f"{row['service_peak_rss_mib'] or 0:5.0f} MiB  other {row['other_load_cores']}  "
+                        f"cpu s {row['cpu_s_by_process']}",
                         flush=True,
                     )
     finally:

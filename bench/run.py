@@ -168,7 +168,9 @@ def summarise(
     elif path == "direct":
         service_cpu, service_rss = 0.0, 0
     else:
-        service_cpu, service_rss = cpu.get("service", 0.0), rss.get("service", 0)
+        # "service" and, for `serve --workers N`, its workers ("service-w<i>").
+        service_cpu = sum(v for k, v in cpu.items() if k.startswith("service"))
+        service_rss = sum(v for k, v in rss.items() if k.startswith("service"))
     return {
         "path": path,
         "workload": workload.key,

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -135,6 +136,51 @@ async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> i
     return 0
 
 
+def _worker_count(args: argparse.Namespace) -> int:
+    """`--workers`, or the cores this process may run on."""
+    from rollout_grpc.server.workers.supervisor import default_workers
+
+    if args.workers is None:
+        return default_workers()
+    if args.workers < 1:
+        raise SystemExit(f"rollout-grpc serve: --workers must be at least 1, got {args.workers}")
+    return int(args.workers)
+
+
+async def _supervise(
+    args: argparse.Namespace, given: list[settings.EngineURL], argv: list[str], workers: int
+) -> int:
+    """`serve --workers N` (N > 1): this process supervises N workers on one port (docs/workers.md)."""
+    from rollout_grpc.server.workers.supervisor import Supervisor, SupervisorError
+
+    async with _engines(args, given) as (engines, kinds):
+        try:
+            config = settings.server_config(args, engines, simulated=bool(args.sim), kinds=kinds)
+        except settings.SettingsError as exc:
+            raise SystemExit(f"rollout-grpc serve: {exc}") from None
+        supervisor = Supervisor(config, workers, argv, simulated=bool(args.sim), port_file=args.port_file)
+        try:
+            return await supervisor.run()
+        except SupervisorError as exc:
+            raise SystemExit(f"rollout-grpc serve: {exc}") from None
+
+
+async def _serve_worker(args: argparse.Namespace, channel: socket.socket) -> int:
+    """One worker of a `serve --workers N` supervisor (workers/worker.py)."""
+    from rollout_grpc.server.workers import handshake
+    from rollout_grpc.server.workers.worker import WorkerServer, serve_worker, worker_config
+
+    spec = handshake.read_spec(channel)
+    structlog.contextvars.bind_contextvars(worker=spec.index)
+    try:
+        config = settings.server_config(args, spec.engines, simulated=spec.simulated, kinds=spec.engine_kinds)
+        server = WorkerServer(worker_config(config, spec), spec)
+    except (settings.SettingsError, ValueError) as exc:
+        channel.sendall(handshake.encode({"error": str(exc)}))
+        return 1
+    return await serve_worker(server, channel, lambda: _on_sighup(server, args))
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The whole command tree and its `serve` parser (which `settings.parse_serve_args` layers
     environment and config file values into). `sim` carries the simulator's own flags so that
@@ -216,6 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"rollout-grpc serve: error: {exc}", file=sys.stderr)
             return 2
         logs.configure(args.log_level, args.log_format)
+        from rollout_grpc.server.workers.handshake import worker_socket
+
+        channel = worker_socket()
+        if channel is not None:  # started by a `serve --workers N` supervisor
+            return asyncio.run(_serve_worker(args, channel))
         for unknown in settings.unknown_variables(os.environ):
             log.warning(
                 "environment_variable_ignored",
@@ -224,6 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flag=unknown.flag,
                 message=str(unknown),
             )
+        workers = _worker_count(args)
+        if workers > 1:
+            return asyncio.run(_supervise(args, given, argv[1:], workers))
         return asyncio.run(_serve(args, given))
     if args.command == "info":
         try:

@@ -44,6 +44,7 @@ NOT_FLAGS: Final[dict[str, str]] = {
     "simulated_engines": "set by --sim, never by hand",
     "engine_kinds": "read from the KIND+ prefix of each engine URL (--engine, --engines-file)",
     "openai": "a FrontDoorConfig, whose fields are flags of their own (--openai-*) or in NOT_OPENAI_FLAGS",
+    "reuse_port": "set per worker by the `serve --workers` supervisor (the port it reserved)",
 }
 
 #: FrontDoorConfig (`ServerConfig.openai`) fields that are not flags yet, and why.
@@ -214,6 +215,14 @@ FLAGS: Final[tuple[Flag, ...]] = (
         default=0,
         aliases=("--sim-engines",),
         metavar="N",
+    ),
+    Flag(
+        "--workers",
+        "worker processes serving the gRPC port, one replica to the outside (default: the cores this "
+        "process may run on; 1 = one process, no supervisor). The serve process then supervises them: "
+        "worker 0 runs the OpenAI front door and the health port, the supervisor serves the merged "
+        "metrics (label `worker`), the in-flight limit is shared, the queue divided (docs/workers.md)",
+        type=int,
     ),
     Flag("--sim-token-delay-ms", "per-token delay of the simulated engines", type=float, default=0.0),
     Flag("--host", "address to bind the gRPC (and health and metrics) ports to", "host"),

@@ -1725,6 +1725,8 @@ class GetServerInfoResponse(_message.Message):
     QUEUED_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     SIMULATED_ENGINES_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
     paused: _builtins.bool
     """Any engine reports paused."""
     weight_version: _builtins.str
@@ -1737,6 +1739,16 @@ class GetServerInfoResponse(_message.Message):
     """Service version."""
     simulated_engines: _builtins.bool
     """The engines are simulated (`rollout-grpc serve --sim N`): toy tokens, never train on them."""
+    workers: _builtins.int
+    """Worker processes serving this replica's port (`rollout-grpc serve --workers N`): 1 for a
+    single process, 0 from a replica that predates the field. `in_flight`, `queued` and each
+    engine's `in_flight` add up every worker; a client may open this many connections to use
+    every worker.
+    """
+    worker: _builtins.int
+    """The index (0 .. workers-1) of the worker process that answered this call (0 for a single
+    process): which worker a connection reached.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineInfo]:
         """Every engine in the pool."""
@@ -1751,10 +1763,12 @@ class GetServerInfoResponse(_message.Message):
         queued: _builtins.int = ...,
         version: _builtins.str = ...,
         simulated_engines: _builtins.bool = ...,
+        workers: _builtins.int = ...,
+        worker: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "in_flight", b"in_flight", "paused", b"paused", "queued", b"queued", "simulated_engines", b"simulated_engines", "version", b"version", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "in_flight", b"in_flight", "paused", b"paused", "queued", b"queued", "simulated_engines", b"simulated_engines", "version", b"version", "weight_version", b"weight_version", "worker", b"worker", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1979,6 +1993,7 @@ class AbortLocalRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
     OWNER_ALL_FIELD_NUMBER: _builtins.int
+    ALL_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
     """Identity of the caller whose generations may be aborted; empty means any owner (an admin's
     abort).
@@ -1989,6 +2004,12 @@ class AbortLocalRequest(_message.Message):
     """A prompt group."""
     owner_all: _builtins.bool
     """Every generation of `owner` (a forwarded Abort{mine}); `owner` must be set. Must be true."""
+    all: _builtins.bool
+    """Every generation of the receiving replica, of any owner (queued ones included), and the
+    abort-all window held until they ended or the control deadline, so that a Generate
+    arriving meanwhile ends ABORTED: a sibling worker's Abort(all), which paused the shared
+    engines itself. `owner` must be empty. Must be true.
+    """
     @_builtins.property
     def request_ids(self) -> Global___RequestIds:
         """Request ids (only ids in flight on the receiving replica are aborted)."""
@@ -2001,12 +2022,13 @@ class AbortLocalRequest(_message.Message):
         session_id: _builtins.str = ...,
         group_index: _builtins.int = ...,
         owner_all: _builtins.bool = ...,
+        all: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "owner_all", b"owner_all", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "group_index", b"group_index", "owner_all", b"owner_all", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "owner", b"owner", "owner_all", b"owner_all", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "group_index", b"group_index", "owner", b"owner", "owner_all", b"owner_all", "request_ids", b"request_ids", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["request_ids", "session_id", "group_index", "owner_all"]  # noqa: Y015
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["request_ids", "session_id", "group_index", "owner_all", "all"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
 
@@ -2020,25 +2042,329 @@ class AbortLocalResponse(_message.Message):
 
     ABORTED_FIELD_NUMBER: _builtins.int
     ENGINE_ERRORS_FIELD_NUMBER: _builtins.int
+    FOUND_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     aborted: _builtins.int
     """Generations of the receiving replica that were in flight and are being ended as ABORTED."""
     @_builtins.property
     def engine_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineError]:
         """Engines that did not confirm the abort, with the error."""
 
+    @_builtins.property
+    def found_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With a `request_ids` target: the ids that were in flight on the receiving replica, so that
+        the forwarding replica reports as unknown only the ids nobody knew.
+        """
+
     def __init__(
         self,
         *,
         aborted: _builtins.int = ...,
         engine_errors: _abc.Iterable[Global___EngineError] | None = ...,
+        found_request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "engine_errors", b"engine_errors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "engine_errors", b"engine_errors", "found_request_ids", b"found_request_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortLocalResponse: _TypeAlias = AbortLocalResponse  # noqa: Y015
+
+@_typing.final
+class SiblingLoadRequest(_message.Message):
+    """Asks a worker for its load."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiblingLoadRequest: _TypeAlias = SiblingLoadRequest  # noqa: Y015
+
+@_typing.final
+class SiblingLoadResponse(_message.Message):
+    """One worker's load."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EngineInFlightEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    ENGINE_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    in_flight: _builtins.int
+    """Generations holding an admission slot on the receiving worker."""
+    queued: _builtins.int
+    """Generations waiting for a slot on the receiving worker."""
+    @_builtins.property
+    def engine_in_flight(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Engine URL -> the receiving worker's generations in flight on that engine."""
+
+    def __init__(
+        self,
+        *,
+        in_flight: _builtins.int = ...,
+        queued: _builtins.int = ...,
+        engine_in_flight: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_in_flight", b"engine_in_flight", "in_flight", b"in_flight", "queued", b"queued"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiblingLoadResponse: _TypeAlias = SiblingLoadResponse  # noqa: Y015
+
+@_typing.final
+class AbortSiblingRequest(_message.Message):
+    """A sibling's abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ABORT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def abort(self) -> Global___AbortLocalRequest:
+        """What to abort, as a peer's forwarded abort says it."""
+
+    def __init__(
+        self,
+        *,
+        abort: Global___AbortLocalRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortSiblingRequest: _TypeAlias = AbortSiblingRequest  # noqa: Y015
+
+@_typing.final
+class AbortSiblingResponse(_message.Message):
+    """The outcome of a sibling's abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def result(self) -> Global___AbortLocalResponse:
+        """What the receiving worker aborted."""
+
+    def __init__(
+        self,
+        *,
+        result: Global___AbortLocalResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortSiblingResponse: _TypeAlias = AbortSiblingResponse  # noqa: Y015
+
+@_typing.final
+class SyncControlRequest(_message.Message):
+    """The local part of a Pause or Resume that a sibling ran on the engines. Exactly one is set."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAUSE_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    pause: Global___PauseMode.ValueType
+    """A Pause ran in this mode: the worker bumps its pause epoch (late resumes it started stop);
+    with PAUSE_MODE_ABORT it also aborts its local generations, queued ones included.
+    """
+    @_builtins.property
+    def resume(self) -> Global___ResumeSync:
+        """A Resume ran."""
+
+    def __init__(
+        self,
+        *,
+        pause: Global___PauseMode.ValueType = ...,
+        resume: Global___ResumeSync | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "pause", b"pause", "resume", b"resume"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "pause", b"pause", "resume", b"resume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["pause", "resume"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___SyncControlRequest: _TypeAlias = SyncControlRequest  # noqa: Y015
+
+@_typing.final
+class ResumeSync(_message.Message):
+    """What a Resume changed on the engines."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    RELABELLED_ENGINES_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.str
+    """The weight version the Resume set ("" when it set none)."""
+    @_builtins.property
+    def relabelled_engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """URLs of the engines that took `weight_version`: their labels on the receiving worker (the
+        version of tokens an engine streams without spans) become `weight_version`.
+        """
+
+    def __init__(
+        self,
+        *,
+        weight_version: _builtins.str = ...,
+        relabelled_engines: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["relabelled_engines", b"relabelled_engines", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeSync: _TypeAlias = ResumeSync  # noqa: Y015
+
+@_typing.final
+class SyncControlResponse(_message.Message):
+    """The outcome of a SyncControl."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ABORTED_FIELD_NUMBER: _builtins.int
+    aborted: _builtins.int
+    """Local generations of the receiving worker that are being ended as ABORTED (Pause ABORT)."""
+    def __init__(
+        self,
+        *,
+        aborted: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SyncControlResponse: _TypeAlias = SyncControlResponse  # noqa: Y015
+
+@_typing.final
+class SiblingTrajectoryRequest(_message.Message):
+    """A GetTrajectory that another worker received, on behalf of its caller."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLER_IDENTITY_FIELD_NUMBER: _builtins.int
+    CALLER_ROLE_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    caller_identity: _builtins.str
+    """The authenticated identity of the original caller (owner of its sessions)."""
+    caller_role: _builtins.str
+    """The original caller's role ("trainer", "admin", "peer"): admins read every session."""
+    @_builtins.property
+    def request(self) -> Global___GetTrajectoryRequest:
+        """The caller's request, unchanged."""
+
+    def __init__(
+        self,
+        *,
+        caller_identity: _builtins.str = ...,
+        caller_role: _builtins.str = ...,
+        request: Global___GetTrajectoryRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_identity", b"caller_identity", "caller_role", b"caller_role", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiblingTrajectoryRequest: _TypeAlias = SiblingTrajectoryRequest  # noqa: Y015
+
+@_typing.final
+class SiblingTrajectoryResponse(_message.Message):
+    """A recorded session read for a sibling."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRAJECTORY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def trajectory(self) -> Global___GetTrajectoryResponse:
+        """What GetTrajectory answers."""
+
+    def __init__(
+        self,
+        *,
+        trajectory: Global___GetTrajectoryResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["trajectory", b"trajectory"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["trajectory", b"trajectory"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiblingTrajectoryResponse: _TypeAlias = SiblingTrajectoryResponse  # noqa: Y015
+
+@_typing.final
+class ScrapeRequest(_message.Message):
+    """Asks a worker for its metrics (the supervisor's merged `--metrics-port` scrape)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScrapeRequest: _TypeAlias = ScrapeRequest  # noqa: Y015
+
+@_typing.final
+class ScrapeResponse(_message.Message):
+    """One worker's metrics."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    text: _builtins.bytes
+    """The Prometheus text exposition (format 0.0.4) of the worker's registry."""
+    def __init__(
+        self,
+        *,
+        text: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScrapeResponse: _TypeAlias = ScrapeResponse  # noqa: Y015
 
 @_typing.final
 class GetTrajectoryRequest(_message.Message):

@@ -519,3 +519,281 @@ class ReplicaService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerServiceStub:
+    """---------------------------------------------------------------------------------------------
+    Worker processes of one replica (`rollout-grpc serve --workers N`; internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between the worker processes of one replica ("siblings"). Served only on each worker's
+    private unix socket (in a 0700 directory the supervisor creates), never on a network port, and
+    only to callers that present the per-start sibling secret (`x-rollout-sibling` metadata): the
+    secret grants this service and nothing else. Used so that control RPCs act on the whole
+    replica whichever worker receives them.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AbortSibling = channel.unary_unary(
+                '/rollout.v1.WorkerService/AbortSibling',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingResponse.FromString,
+                _registered_method=True)
+        self.SyncControl = channel.unary_unary(
+                '/rollout.v1.WorkerService/SyncControl',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlResponse.FromString,
+                _registered_method=True)
+        self.SiblingTrajectory = channel.unary_unary(
+                '/rollout.v1.WorkerService/SiblingTrajectory',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryResponse.FromString,
+                _registered_method=True)
+        self.Scrape = channel.unary_unary(
+                '/rollout.v1.WorkerService/Scrape',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeResponse.FromString,
+                _registered_method=True)
+        self.SiblingLoad = channel.unary_unary(
+                '/rollout.v1.WorkerService/SiblingLoad',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerServiceServicer:
+    """---------------------------------------------------------------------------------------------
+    Worker processes of one replica (`rollout-grpc serve --workers N`; internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between the worker processes of one replica ("siblings"). Served only on each worker's
+    private unix socket (in a 0700 directory the supervisor creates), never on a network port, and
+    only to callers that present the per-start sibling secret (`x-rollout-sibling` metadata): the
+    secret grants this service and nothing else. Used so that control RPCs act on the whole
+    replica whichever worker receives them.
+    """
+
+    def AbortSibling(self, request, context):
+        """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
+        sibling's Abort(all).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncControl(self, request, context):
+        """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SiblingTrajectory(self, request, context):
+        """Reads a recorded front-door session (worker 0 runs the front door and holds every session).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Scrape(self, request, context):
+        """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SiblingLoad(self, request, context):
+        """The receiving worker's generations in flight and queued, so that GetServerInfo reports the
+        whole replica whichever worker answers it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AbortSibling': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortSibling,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingResponse.SerializeToString,
+            ),
+            'SyncControl': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncControl,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlResponse.SerializeToString,
+            ),
+            'SiblingTrajectory': grpc.unary_unary_rpc_method_handler(
+                    servicer.SiblingTrajectory,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryResponse.SerializeToString,
+            ),
+            'Scrape': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scrape,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeResponse.SerializeToString,
+            ),
+            'SiblingLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.SiblingLoad,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'rollout.v1.WorkerService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('rollout.v1.WorkerService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerService:
+    """---------------------------------------------------------------------------------------------
+    Worker processes of one replica (`rollout-grpc serve --workers N`; internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between the worker processes of one replica ("siblings"). Served only on each worker's
+    private unix socket (in a 0700 directory the supervisor creates), never on a network port, and
+    only to callers that present the per-start sibling secret (`x-rollout-sibling` metadata): the
+    secret grants this service and nothing else. Used so that control RPCs act on the whole
+    replica whichever worker receives them.
+    """
+
+    @staticmethod
+    def AbortSibling(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.WorkerService/AbortSibling',
+            rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.AbortSiblingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncControl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.WorkerService/SyncControl',
+            rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.SyncControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SiblingTrajectory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.WorkerService/SiblingTrajectory',
+            rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.SiblingTrajectoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scrape(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.WorkerService/Scrape',
+            rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.ScrapeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SiblingLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.WorkerService/SiblingLoad',
+            rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.SiblingLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

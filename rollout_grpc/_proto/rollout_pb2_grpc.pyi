@@ -338,3 +338,121 @@ class ReplicaServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_ReplicaServiceServicer_to_server(servicer: ReplicaServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class WorkerServiceStub:
+    """---------------------------------------------------------------------------------------------
+    Worker processes of one replica (`rollout-grpc serve --workers N`; internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between the worker processes of one replica ("siblings"). Served only on each worker's
+    private unix socket (in a 0700 directory the supervisor creates), never on a network port, and
+    only to callers that present the per-start sibling secret (`x-rollout-sibling` metadata): the
+    secret grants this service and nothing else. Used so that control RPCs act on the whole
+    replica whichever worker receives them.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> WorkerServiceAsyncStub: ...
+    AbortSibling: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortSiblingRequest, _rollout_pb2.AbortSiblingResponse]
+    """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
+    sibling's Abort(all).
+    """
+    SyncControl: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SyncControlRequest, _rollout_pb2.SyncControlResponse]
+    """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
+    SiblingTrajectory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.SiblingTrajectoryResponse]
+    """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
+    Scrape: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]
+    """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
+    SiblingLoad: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SiblingLoadRequest, _rollout_pb2.SiblingLoadResponse]
+    """The receiving worker's generations in flight and queued, so that GetServerInfo reports the
+    whole replica whichever worker answers it.
+    """
+
+@_typing.type_check_only
+class WorkerServiceAsyncStub(WorkerServiceStub):
+    """---------------------------------------------------------------------------------------------
+    Worker processes of one replica (`rollout-grpc serve --workers N`; internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between the worker processes of one replica ("siblings"). Served only on each worker's
+    private unix socket (in a 0700 directory the supervisor creates), never on a network port, and
+    only to callers that present the per-start sibling secret (`x-rollout-sibling` metadata): the
+    secret grants this service and nothing else. Used so that control RPCs act on the whole
+    replica whichever worker receives them.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    AbortSibling: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortSiblingRequest, _rollout_pb2.AbortSiblingResponse]  # type: ignore[assignment]
+    """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
+    sibling's Abort(all).
+    """
+    SyncControl: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SyncControlRequest, _rollout_pb2.SyncControlResponse]  # type: ignore[assignment]
+    """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
+    SiblingTrajectory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.SiblingTrajectoryResponse]  # type: ignore[assignment]
+    """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
+    Scrape: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]  # type: ignore[assignment]
+    """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
+    SiblingLoad: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SiblingLoadRequest, _rollout_pb2.SiblingLoadResponse]  # type: ignore[assignment]
+    """The receiving worker's generations in flight and queued, so that GetServerInfo reports the
+    whole replica whichever worker answers it.
+    """
+
+class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
+    """---------------------------------------------------------------------------------------------
+    Worker processes of one replica (`rollout-grpc serve --workers N`; internal)
+    ---------------------------------------------------------------------------------------------
+
+    Calls between the worker processes of one replica ("siblings"). Served only on each worker's
+    private unix socket (in a 0700 directory the supervisor creates), never on a network port, and
+    only to callers that present the per-start sibling secret (`x-rollout-sibling` metadata): the
+    secret grants this service and nothing else. Used so that control RPCs act on the whole
+    replica whichever worker receives them.
+    """
+
+    @_abc_1.abstractmethod
+    def AbortSibling(
+        self,
+        request: _rollout_pb2.AbortSiblingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.AbortSiblingResponse, _abc.Awaitable[_rollout_pb2.AbortSiblingResponse]]:
+        """Aborts matching generations of the receiving worker only (never forwarded again); `all` is a
+        sibling's Abort(all).
+        """
+
+    @_abc_1.abstractmethod
+    def SyncControl(
+        self,
+        request: _rollout_pb2.SyncControlRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.SyncControlResponse, _abc.Awaitable[_rollout_pb2.SyncControlResponse]]:
+        """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
+
+    @_abc_1.abstractmethod
+    def SiblingTrajectory(
+        self,
+        request: _rollout_pb2.SiblingTrajectoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.SiblingTrajectoryResponse, _abc.Awaitable[_rollout_pb2.SiblingTrajectoryResponse]]:
+        """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
+
+    @_abc_1.abstractmethod
+    def Scrape(
+        self,
+        request: _rollout_pb2.ScrapeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.ScrapeResponse, _abc.Awaitable[_rollout_pb2.ScrapeResponse]]:
+        """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
+
+    @_abc_1.abstractmethod
+    def SiblingLoad(
+        self,
+        request: _rollout_pb2.SiblingLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.SiblingLoadResponse, _abc.Awaitable[_rollout_pb2.SiblingLoadResponse]]:
+        """The receiving worker's generations in flight and queued, so that GetServerInfo reports the
+        whole replica whichever worker answers it.
+        """
+
+def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -18,6 +18,8 @@ from rollout_grpc.client.channel import (
     batch_request_ids,
     build_request,
     channel_options,
+    check_connections,
+    connection_options,
     is_batch,
     resolve_timeout,
 )
@@ -48,6 +50,19 @@ _NO_LOOP = (
 )
 
 
+class _Connections:
+    """One event loop's channels and stubs, handed out round-robin."""
+
+    def __init__(self, connections: list[tuple[grpc.aio.Channel, RolloutServiceAsyncStub]]) -> None:
+        self.all = connections
+        self._next = 0
+
+    def next(self) -> tuple[grpc.aio.Channel, RolloutServiceAsyncStub]:
+        found = self.all[self._next]
+        self._next = (self._next + 1) % len(self.all)
+        return found
+
+
 class AsyncRolloutClient:
     """Calls a rollout service replica (or a load balancer in front of several).
 
@@ -70,6 +85,7 @@ class AsyncRolloutClient:
         private_key: PemLike | None = None,
         token: str | None = None,
         server_name: str | None = None,
+        connections: int = 1,
     ) -> None:
         """`timeout`: default deadline in seconds of generate and generate_stream calls that give
         none (None: no deadline; one call opts out with `timeout=math.inf`). `retry`: the gRPC
@@ -80,7 +96,17 @@ class AsyncRolloutClient:
         `certificate_chain` and `private_key`. `token` is sent as `authorization: Bearer` on
         every call of this client. `server_name` overrides the name checked in the server's
         certificate.
+
+        `connections`: TCP connections (channels) opened to the target, calls spread over them
+        round-robin. A replica started with `serve --workers N` serves each connection on one of
+        its N worker processes (GetServerInfo().workers says N): one connection uses one of them,
+        so a client that alone must load the whole replica opens N or more. The default, 1, is
+        today's single connection: trainers usually run many client processes, each one
+        connection, which the kernel spreads over the workers already.
         """
+        self._connections = check_connections(connections)
+        if channel is not None and connections != 1:
+            raise ValueError("connections must be 1 with a given channel (it is used as is)")
         self._security = ClientSecurity(
             tls, root_certificates, certificate_chain, private_key, token, server_name
         )
@@ -90,15 +116,16 @@ class AsyncRolloutClient:
         self._options = channel_options([*self._security.channel_options(), *options], retry)
         self._default_timeout = timeout
         self._given = (channel, async_stub(channel)) if channel is not None else None
-        self._per_loop: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, RolloutServiceAsyncStub]
-        ] = weakref.WeakKeyDictionary()
+        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Connections] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    def _make_channel(self) -> grpc.aio.Channel:
-        """A new channel to the target (called once per event loop)."""
+    def _make_channel(self, index: int = 0) -> grpc.aio.Channel:
+        """A new channel to the target (called once per event loop and connection)."""
+        options = self._options if self._connections == 1 else connection_options(self._options, index)
         if self._credentials is not None:
-            return grpc.aio.secure_channel(self._target, self._credentials, options=self._options)
-        return grpc.aio.insecure_channel(self._target, options=self._options)
+            return grpc.aio.secure_channel(self._target, self._credentials, options=options)
+        return grpc.aio.insecure_channel(self._target, options=options)
 
     def _connection(self) -> tuple[grpc.aio.Channel, RolloutServiceAsyncStub]:
         if self._given is not None:
@@ -109,9 +136,9 @@ class AsyncRolloutClient:
             raise RuntimeError(_NO_LOOP) from None
         found = self._per_loop.get(loop)
         if found is None:
-            channel = self._make_channel()
-            found = self._per_loop[loop] = (channel, async_stub(channel))
-        return found
+            channels = [self._make_channel(i) for i in range(self._connections)]
+            found = self._per_loop[loop] = _Connections([(c, async_stub(c)) for c in channels])
+        return found.next()
 
     @property
     def _stub(self) -> RolloutServiceAsyncStub:
@@ -134,7 +161,7 @@ class AsyncRolloutClient:
             raise RuntimeError(_NO_LOOP) from None
         found = self._per_loop.pop(loop, None)
         if found is not None:
-            await found[0].close()
+            await asyncio.gather(*(channel.close() for channel, _ in found.all))
 
     @property
     def stub(self) -> RolloutServiceAsyncStub:

@@ -72,6 +72,24 @@ def channel_options(user: Sequence[tuple[str, Any]], retry: RetryPolicy | None) 
     return [(k, v) for k, v in defaults if k not in given] + list(user)
 
 
+def connection_options(options: Sequence[tuple[str, Any]], index: int) -> list[tuple[str, Any]]:
+    """The options of a client's connection number `index` (of `connections=K`).
+
+    gRPC shares one subchannel (one TCP connection) among channels with equal arguments, so K
+    plain channels would still be one connection, served by one worker of a `serve --workers N`
+    replica (the kernel gives each connection to one worker). A local subchannel pool per channel
+    (and an index that makes the arguments differ) makes each its own TCP connection.
+    """
+    return [*options, ("grpc.use_local_subchannel_pool", 1), ("rollout.connection_index", index)]
+
+
+def check_connections(connections: int) -> int:
+    """`connections` validated: at least 1 (ValueError naming the argument otherwise)."""
+    if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+        raise ValueError(f"connections must be an int of at least 1, got {connections!r}")
+    return connections
+
+
 def resolve_timeout(per_call: float | None, client_default: float | None) -> float | None:
     """The deadline of one call: its own, else the client's; `math.inf` means none."""
     value = per_call if per_call is not None else client_default

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import grpc
 import numpy as np
@@ -16,6 +17,8 @@ from rollout_grpc.client.channel import (
     batch_request_ids,
     build_request,
     channel_options,
+    check_connections,
+    connection_options,
     is_batch,
     resolve_timeout,
 )
@@ -35,6 +38,9 @@ from rollout_grpc.client.samples import (
 from rollout_grpc.client.step import GroupLike, StepProgressBar, step_request
 from rollout_grpc.client.stubs import sync_stub
 
+if TYPE_CHECKING:
+    from rollout_grpc._proto.rollout_pb2_grpc import RolloutServiceStub
+
 
 class RolloutClient:
     """Blocking calls to a rollout service replica; lists of samples run on a thread pool."""
@@ -53,19 +59,27 @@ class RolloutClient:
         private_key: PemLike | None = None,
         token: str | None = None,
         server_name: str | None = None,
+        connections: int = 1,
     ) -> None:
         """`timeout` and `retry` as in AsyncRolloutClient: a default deadline for generate calls,
         and gRPC retries of refused calls honouring the server's pushback (None disables); TLS,
-        mTLS and token options as in `AsyncRolloutClient`."""
+        mTLS and token options as in `AsyncRolloutClient`; `connections` too (TCP connections
+        that calls are spread over round-robin, for a `serve --workers N` replica)."""
         security = ClientSecurity(tls, root_certificates, certificate_chain, private_key, token, server_name)
         self._metadata = security.metadata()
         options = channel_options([*security.channel_options(), *options], retry)
         credentials = security.channel_credentials()
-        if credentials is not None:
-            self._channel = grpc.secure_channel(target, credentials, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
-        self._stub = sync_stub(self._channel)
+        count = check_connections(connections)
+        self._channels: list[grpc.Channel] = []
+        for index in range(count):
+            these = options if count == 1 else connection_options(options, index)
+            if credentials is not None:
+                self._channels.append(grpc.secure_channel(target, credentials, options=these))
+            else:
+                self._channels.append(grpc.insecure_channel(target, options=these))
+        self._channel = self._channels[0]
+        self._stubs = [sync_stub(channel) for channel in self._channels]
+        self._turn = itertools.count()
         self._max_workers = max_workers
         self._default_timeout = timeout
 
@@ -75,9 +89,15 @@ class RolloutClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def _stub(self) -> RolloutServiceStub:
+        """The next connection's stub (round-robin; `itertools.count` is thread-safe in CPython)."""
+        return self._stubs[next(self._turn) % len(self._stubs)]
+
     def close(self) -> None:
-        """Close the channel."""
-        self._channel.close()
+        """Close the channels."""
+        for channel in self._channels:
+            channel.close()
 
     def generate_stream(
         self,

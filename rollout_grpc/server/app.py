@@ -213,6 +213,10 @@ class ServerConfig:
     #: calls, so that every call of a burst reaches admission (run, queue or RESOURCE_EXHAUSTED
     #: with a retry hint); the hard limit is twice that.
     max_pending_calls: int = 0
+    # --- worker processes (`serve --workers N`; set per worker by the supervisor, docs/workers.md) ---
+    #: Bind the gRPC port with SO_REUSEPORT: only a worker, whose supervisor reserved the port
+    #: (workers/reservation.py), ever sets it; a replica of its own keeps a busy port an error.
+    reuse_port: bool = False
 
     def tls(self) -> TlsConfig | None:
         """The TLS settings, or None for plaintext; a key without a certificate is a config error."""
@@ -276,8 +280,9 @@ class ServerConfig:
             ("grpc.server_max_unrequested_time_in_server", int(self.max_unrequested_time_s)),
             ("grpc.server.max_pending_requests", pending),
             ("grpc.server.max_pending_requests_hard_limit", 2 * pending),
-            # A busy port is an error, never a port silently shared with another process.
-            NO_REUSEPORT,
+            # A busy port is an error, never a port silently shared with another process; a
+            # worker shares the port its supervisor reserved with its siblings only.
+            ("grpc.so_reuseport", 1) if self.reuse_port else NO_REUSEPORT,
         ]
         if self.max_connection_age_s:
             options += [
@@ -285,6 +290,16 @@ class ServerConfig:
                 ("grpc.max_connection_age_grace_ms", int(self.max_connection_age_grace_s * 1000)),
             ]
         return options
+
+
+def worker_share(total: int, index: int, workers: int) -> int:
+    """Worker `index`'s share of a replica-wide limit `total` split among `workers` processes:
+    the shares add up to `total` (the first `total % workers` workers get one more), and none is
+    below 1 (a limit smaller than the worker count is exceeded by that much)."""
+    if workers <= 1:
+        return total
+    base, extra = divmod(total, workers)
+    return max(1, base + (1 if index < extra else 0))
 
 
 def _bind(
@@ -311,6 +326,13 @@ def _bind(
 
 class RolloutServer:
     """One running replica."""
+
+    #: What a worker process of `serve --workers N` replaces (workers/worker.py): the fleet
+    #: control (it also reaches the sibling workers), the servicer (GetTrajectory from worker 0,
+    #: the worker count in GetServerInfo) and the start line (the supervisor logs `serving`).
+    control_class: type[Control] = Control
+    servicer_class: type[RolloutServicer] = RolloutServicer
+    serving_event: str = "serving"
 
     def __init__(self, config: ServerConfig, *, tracer_provider: Any = None) -> None:
         """`tracer_provider`: an OpenTelemetry TracerProvider (tests); else `otlp_endpoint` decides."""
@@ -395,7 +417,7 @@ class RolloutServer:
         await self._server.start()
         await self._start_side_ports(tls)
         log.info(
-            "serving",
+            self.serving_event,
             port=self.port,
             health_port=self.health_port,
             openai_port=self.openai_port,
@@ -460,7 +482,7 @@ class RolloutServer:
             health_interval_s=cfg.health_interval_s,
             breaker_cooldown_s=cfg.breaker_cooldown_s,
         )
-        admission = TimedAdmission(limit, cfg.max_queue, cfg.retry_after_s)
+        admission = self._admission(limit)
         self.metrics = Metrics(self.pool, admission, engine_urls=cfg.metrics_engine_urls)
         #: Every call's record, of either door, goes to these (log line, metrics; tests add theirs).
         self.calls = CallBook([log_call, self.metrics.observe])
@@ -476,7 +498,7 @@ class RolloutServer:
         )
         if cfg.peers:
             self.peers = self._peer_aborter(tls)
-        self.control = Control(
+        self.control = self.control_class(
             self.pool,
             self.registry,
             self.rollout,
@@ -499,7 +521,11 @@ class RolloutServer:
             calls=self.calls,
             steps=steps,
         )
-        return RolloutServicer(self.facade, cfg.default_options, simulated_engines=cfg.simulated_engines)
+        return self.servicer_class(self.facade, cfg.default_options, simulated_engines=cfg.simulated_engines)
+
+    def _admission(self, limit: int) -> TimedAdmission:
+        """Admission with `limit` generations in flight (a worker shares it with its siblings)."""
+        return TimedAdmission(limit, self.config.max_queue, self.config.retry_after_s)
 
     async def _start_engine_pool(self) -> None:
         """Classify every engine once (capability check), then start health probing."""

@@ -35,5 +35,7 @@ class Replica:
                 continue
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line[: line.rindex("}")]))
             if labels.get("grpc_method") == method:
-                counts[labels["grpc_code"]] = float(line.rsplit(" ", 1)[1])
+                # Summed over the `worker` label of a `serve --workers N` replica's merged scrape.
+                code = labels["grpc_code"]
+                counts[code] = counts.get(code, 0.0) + float(line.rsplit(" ", 1)[1])
         return counts

@@ -34,14 +34,15 @@ def write_engines_file(path: Path, urls: list[str]) -> None:
 
 @pytest.fixture
 def reloadable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Engine], Replica, Path]]:
-    """Two engines; a replica whose engines file lists only the first."""
+    """Two engines; a replica whose engines file lists only the first. One process (`--workers 1`):
+    these tests read its log lines one by one (tests/ops/test_workers.py reloads two workers)."""
     procs = Processes(tmp_path_factory.mktemp("engines-file"))
     try:
         engines = [start_engine(procs, f"engine-{i}", token_delay_ms=0, seed=i) for i in range(2)]
         path = procs.workdir / "engines.txt"
         write_engines_file(path, [engines[0].url])
         replica = start_replica(
-            procs, "replica", [], ["--engines-file", str(path), "--health-interval", "0.2"]
+            procs, "replica", [], ["--workers", "1", "--engines-file", str(path), "--health-interval", "0.2"]
         )
         yield engines, replica, path
     finally:

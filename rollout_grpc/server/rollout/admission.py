@@ -49,19 +49,33 @@ class Admission:
         self._limit = max(1, limit)
         self._wake()
 
+    def _take(self) -> bool:
+        """Take one slot if the limit allows. A limit shared with other processes overrides this
+        and `_give_back` (workers/admission.py: `serve --workers N`)."""
+        if self._running < self._limit:
+            self._running += 1
+            return True
+        return False
+
+    def _give_back(self) -> None:
+        """Return one slot taken by `_take`."""
+        self._running -= 1
+
     def _wake(self) -> None:
-        while self._queue and self._running < self._limit:
-            fut = self._queue.popleft()
-            if not fut.done():
-                self._running += 1
-                fut.set_result(None)
+        while self._queue:
+            fut = self._queue[0]
+            if fut.done():  # aborted or cancelled while queued
+                self._queue.popleft()
+                continue
+            if not self._take():
+                return
+            self._queue.popleft()
+            fut.set_result(None)
 
     @contextlib.asynccontextmanager
     async def slot(self, entry: InFlight) -> AsyncIterator[None]:
         """Hold one slot for the body; raise ResourceExhausted when the queue is full."""
-        if self._running < self._limit and not self._queue:
-            self._running += 1
-        else:
+        if self._queue or not self._take():
             if self.queued >= self._max_queue:
                 raise ResourceExhausted(
                     f"{self._running} generations in flight and {self.queued} queued (limits "
@@ -87,5 +101,5 @@ class Admission:
             self._release()
 
     def _release(self) -> None:
-        self._running -= 1
+        self._give_back()
         self._wake()

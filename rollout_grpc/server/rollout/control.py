@@ -76,13 +76,15 @@ class AbortResult:
 @dataclass(frozen=True, slots=True)
 class AbortScope:
     """What a forwarded abort targets on a peer: one of ids, session, group or everything of
-    `owner` (`all_of_owner`, a forwarded Abort{mine}), of `owner` only."""
+    `owner` (`all_of_owner`, a forwarded Abort{mine}), of `owner` only; or `everything` of any
+    owner (a sibling worker's Abort(all), `abort_all_local`)."""
 
     owner: str | None
     request_ids: tuple[str, ...] = ()
     session_id: str | None = None
     group_index: int | None = None
     all_of_owner: bool = False
+    everything: bool = False
 
 
 @dataclass(slots=True)
@@ -551,8 +553,28 @@ class Control:
                 return
             await asyncio.sleep(0.01)
 
+    async def abort_all_local(self) -> AbortResult:
+        """Abort every generation of this process (queued ones too) and hold the abort-all window
+        (new generations end ABORTED at once) until they ended, or the control deadline: the local
+        part of a sibling worker's Abort(all), which pauses and resumes the shared engines itself,
+        so nothing is sent to the engines here."""
+        window = _AbortAllWindow(self._rollout)
+        try:
+            local = self._registry.all()
+            for entry in local:
+                entry.request_abort("abort all")
+            if not await self._registry.wait_idle(self._deadline_s):
+                log.warning("abort_all_window_deadline", deadline_s=self._deadline_s)
+        finally:
+            window.close()
+        return AbortResult(aborted=len(local))
+
     async def abort_local(self, scope: AbortScope) -> AbortResult:
         """Abort matching generations of this replica only (the target of a peer's forward)."""
+        if scope.everything:
+            if scope.owner:
+                raise InvalidArgument("owner", "must be empty with all")
+            return await self.abort_all_local()
         if scope.all_of_owner:
             if not scope.owner:
                 raise InvalidArgument("owner", "must be set with owner_all")
@@ -560,7 +582,10 @@ class Control:
         if scope.request_ids:
             if any(not rid for rid in scope.request_ids):
                 raise InvalidArgument("request_ids.ids", "must not contain an empty request id")
-            entries, _ = self._registry.select(scope.request_ids, scope.owner)
+            entries, unknown = self._registry.select(scope.request_ids, scope.owner)
+            result = await self.abort_entries(entries)
+            result.unknown_request_ids = unknown  # the forwarder lists only ids nobody knew
+            return result
         else:
             if scope.session_id is not None and not scope.session_id:
                 raise InvalidArgument("session_id", "must not be empty")

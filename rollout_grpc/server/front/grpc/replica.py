@@ -16,7 +16,7 @@ from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.grpc.service import engine_errors_to_pb
-from rollout_grpc.server.rollout.control import AbortScope
+from rollout_grpc.server.rollout.control import AbortResult, AbortScope
 
 
 class ReplicaServicer(pb_grpc.ReplicaServiceServicer):
@@ -28,22 +28,39 @@ class ReplicaServicer(pb_grpc.ReplicaServiceServicer):
     async def AbortLocal(
         self, request: pb.AbortLocalRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.AbortLocalResponse:
-        owner = request.owner or None
-        target = request.WhichOneof("target")
-        if target == "request_ids":
-            if not request.request_ids.ids:
-                raise InvalidArgument("request_ids.ids", "must list at least one request id")
-            scope = AbortScope(owner=owner, request_ids=tuple(request.request_ids.ids))
-        elif target == "session_id":
-            scope = AbortScope(owner=owner, session_id=request.session_id)
-        elif target == "group_index":
-            scope = AbortScope(owner=owner, group_index=request.group_index)
-        elif target == "owner_all":
-            if not request.owner_all:
-                raise InvalidArgument("owner_all", "must be true when it is the target")
-            scope = AbortScope(owner=owner, all_of_owner=True)
-        else:
-            raise InvalidArgument("target", "set one of request_ids, session_id, group_index, owner_all")
-        result = await self._facade.abort_local(scope)
-        errors = engine_errors_to_pb(result.engine_errors)
-        return pb.AbortLocalResponse(aborted=result.aborted, engine_errors=errors)
+        scope = abort_scope(request)
+        return abort_response(scope, await self._facade.abort_local(scope))
+
+
+def abort_scope(request: pb.AbortLocalRequest) -> AbortScope:
+    """The scope a forwarded abort names (exactly one target; INVALID_ARGUMENT naming it otherwise)."""
+    owner = request.owner or None
+    target = request.WhichOneof("target")
+    if target == "request_ids":
+        if not request.request_ids.ids:
+            raise InvalidArgument("request_ids.ids", "must list at least one request id")
+        return AbortScope(owner=owner, request_ids=tuple(request.request_ids.ids))
+    if target == "session_id":
+        return AbortScope(owner=owner, session_id=request.session_id)
+    if target == "group_index":
+        return AbortScope(owner=owner, group_index=request.group_index)
+    if target == "owner_all":
+        if not request.owner_all:
+            raise InvalidArgument("owner_all", "must be true when it is the target")
+        return AbortScope(owner=owner, all_of_owner=True)
+    if target == "all":
+        if not request.all:
+            raise InvalidArgument("all", "must be true when it is the target")
+        return AbortScope(owner=owner, everything=True)
+    raise InvalidArgument("target", "set one of request_ids, session_id, group_index, owner_all, all")
+
+
+def abort_response(scope: AbortScope, result: AbortResult) -> pb.AbortLocalResponse:
+    """The answer to a forwarded abort: what was aborted and, for ids, which ids were found."""
+    errors = engine_errors_to_pb(result.engine_errors)
+    response = pb.AbortLocalResponse(aborted=result.aborted, engine_errors=errors)
+    if scope.request_ids:
+        # The ids found here: those the forwarding replica must not report as unknown.
+        unknown = set(result.unknown_request_ids)
+        response.found_request_ids.extend(i for i in dict.fromkeys(scope.request_ids) if i not in unknown)
+    return response

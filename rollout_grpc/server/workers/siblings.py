@@ -1,0 +1,154 @@
+"""Calls to the sibling workers of this replica (`rollout.v1.WorkerService` on their unix sockets).
+
+A sibling is a peer that is always present: every Abort, Pause and Resume a worker receives is
+also applied to the others (`control.py`). Calls present the per-start secret and wait for a
+sibling that is still starting (`wait_for_ready`), each bounded by the control deadline; a sibling
+that fails is logged and left out of the counts (its supervisor stops the replica if it died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar, cast
+
+import grpc
+import structlog
+
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server.domain.identity import Caller
+from rollout_grpc.server.rollout.control import AbortScope
+from rollout_grpc.server.workers.handshake import SIBLING_METADATA_KEY, WorkerSpec
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class SiblingAbort:
+    """What the siblings aborted: how many generations, and which of the asked ids they knew."""
+
+    aborted: int = 0
+    found_request_ids: set[str] = field(default_factory=set)
+
+
+def abort_request(scope: AbortScope) -> pb.AbortLocalRequest:
+    """The AbortLocal request for `scope`."""
+    request = pb.AbortLocalRequest(owner=scope.owner or "")
+    if scope.everything:
+        request.all = True
+    elif scope.all_of_owner:
+        request.owner_all = True
+    elif scope.request_ids:
+        request.request_ids.ids.extend(scope.request_ids)
+    elif scope.session_id is not None:
+        request.session_id = scope.session_id
+    else:
+        request.group_index = scope.group_index or 0
+    return request
+
+
+class Siblings:
+    """Channels to every other worker of this replica, opened at start and kept."""
+
+    def __init__(self, spec: WorkerSpec, timeout_s: float) -> None:
+        self.spec = spec
+        self._timeout_s = timeout_s
+        self._metadata = ((SIBLING_METADATA_KEY, spec.secret),)
+        self._channels = {
+            i: grpc.aio.insecure_channel(spec.sibling_address(i))
+            for i in range(spec.workers)
+            if i != spec.index
+        }
+        self._stubs = {i: pb_grpc.WorkerServiceStub(c) for i, c in self._channels.items()}
+
+    def stub(self, index: int) -> pb_grpc.WorkerServiceStub:
+        """The stub of sibling `index`."""
+        return self._stubs[index]
+
+    async def _each(
+        self, what: str, call: Callable[[pb_grpc.WorkerServiceStub], object]
+    ) -> list[tuple[int, T]]:
+        """Run `call` on every sibling concurrently; the answers of those that answered."""
+        indexes = list(self._stubs)
+        results = await asyncio.gather(
+            *(cast(Awaitable[T], call(self._stubs[i])) for i in indexes), return_exceptions=True
+        )
+        answered: list[tuple[int, T]] = []
+        for index, result in zip(indexes, results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                log.warning("sibling_call_failed", call=what, worker=index, error=str(result))
+            else:
+                answered.append((index, result))
+        return answered
+
+    async def abort(self, scope: AbortScope) -> SiblingAbort:
+        """Abort `scope` on every sibling; what they aborted and which ids they knew."""
+        request = pb.AbortSiblingRequest(abort=abort_request(scope))
+        answers: list[tuple[int, pb.AbortSiblingResponse]] = await self._each(
+            "AbortSibling",
+            lambda stub: stub.AbortSibling(
+                request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True
+            ),
+        )
+        outcome = SiblingAbort()
+        for _, answer in answers:
+            outcome.aborted += answer.result.aborted
+            outcome.found_request_ids.update(answer.result.found_request_ids)
+        return outcome
+
+    async def sync_pause(self, mode: str) -> int:
+        """Tell every sibling a Pause ran in `mode`; the generations they aborted (ABORT)."""
+        request = pb.SyncControlRequest(pause=pb.PauseMode.Value("PAUSE_MODE_" + mode.upper()))
+        answers: list[tuple[int, pb.SyncControlResponse]] = await self._each(
+            "SyncControl",
+            lambda stub: stub.SyncControl(
+                request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True
+            ),
+        )
+        return sum(answer.aborted for _, answer in answers)
+
+    async def sync_resume(self, weight_version: str | None, relabelled: list[str]) -> None:
+        """Tell every sibling a Resume ran, and which engines took `weight_version`."""
+        request = pb.SyncControlRequest(
+            resume=pb.ResumeSync(weight_version=weight_version or "", relabelled_engines=relabelled)
+        )
+        await self._each(
+            "SyncControl",
+            lambda stub: stub.SyncControl(
+                request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True
+            ),
+        )
+
+    async def load(self) -> list[pb.SiblingLoadResponse]:
+        """Every answering sibling's generations in flight and queued."""
+        request = pb.SiblingLoadRequest()
+        answers: list[tuple[int, pb.SiblingLoadResponse]] = await self._each(
+            "SiblingLoad",
+            lambda stub: stub.SiblingLoad(
+                request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True
+            ),
+        )
+        return [answer for _, answer in answers]
+
+    async def trajectory(
+        self, index: int, request: pb.GetTrajectoryRequest, caller: Caller
+    ) -> pb.GetTrajectoryResponse:
+        """GetTrajectory on worker `index` on behalf of `caller` (grpc.aio.AioRpcError passes)."""
+        forwarded = pb.SiblingTrajectoryRequest(
+            caller_identity=caller.identity, caller_role=str(caller.role), request=request
+        )
+        call = self._stubs[index].SiblingTrajectory(
+            forwarded, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True
+        )
+        answer = await cast(Awaitable[pb.SiblingTrajectoryResponse], call)
+        return answer.trajectory
+
+    async def close(self) -> None:
+        """Close the channels."""
+        await asyncio.gather(*(c.close() for c in self._channels.values()))

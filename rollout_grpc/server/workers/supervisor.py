@@ -1,0 +1,336 @@
+"""The `serve --workers N` supervisor: N worker processes on one port, one replica outside.
+
+It reserves the gRPC port (reservation.py), creates a 0700 run directory for the workers'
+private sockets and a per-start random sibling secret, starts the workers as subprocesses of the
+same console script (handshake.py says why), and waits until each reported ready on its socket
+pair (never a sleep). It then checks that every listener on the port is a worker's (a stranger is
+fatal), logs one `serving` line, serves the merged `--metrics-port` and writes `--port-file`.
+
+In steady state it only waits: for a signal, a worker's exit, or the listener re-check timer.
+
+* SIGTERM / SIGINT: forwarded to every worker, which stops gracefully (in-flight streams end with
+  their samples) within the replica's shutdown bound; workers still running past it (plus a
+  margin) are killed. Exit 0 when every worker stopped cleanly.
+* SIGHUP: forwarded; every worker re-reads the engines file and the tokens file.
+* A worker that exits unexpectedly: the others are stopped (gracefully, as at SIGTERM) and the
+  supervisor exits 1 — a replica with a missing worker would silently lose its share of the port's
+  connections and of the admission limit, so it is restarted whole by whatever runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from rollout_grpc.server.app import ServerConfig
+from rollout_grpc.server.ports import PortUnavailable
+from rollout_grpc.server.workers import handshake
+from rollout_grpc.server.workers.admission import create_slots
+from rollout_grpc.server.workers.handshake import WorkerSpec
+from rollout_grpc.server.workers.metrics import MergedMetricsEndpoint, WorkerScraper
+from rollout_grpc.server.workers.reservation import PortReservation, foreign_listeners
+
+log = structlog.get_logger(__name__)
+
+#: Seconds between re-checks that nobody else listens on the port.
+LISTENER_CHECK_S = 10.0
+#: Seconds past the shutdown bound before a worker that has not stopped is killed.
+KILL_MARGIN_S = 5.0
+#: Longest a unix socket path may be (sun_path).
+MAX_SOCKET_PATH = 107
+
+
+class SupervisorError(Exception):
+    """The replica cannot start: one line for `rollout-grpc serve:` to print."""
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: asyncio.subprocess.Process
+    channel: socket.socket
+    ready: dict[str, object] = field(default_factory=dict)
+
+
+#: The cgroup v2 CPU limit of this process's container ("max" or "<quota> <period>").
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+
+
+def cgroup_cpus(path: str = CGROUP_CPU_MAX) -> int | None:
+    """CPUs a cgroup v2 quota allows (rounded up), None without a quota."""
+    try:
+        quota, _, period = Path(path).read_text().strip().partition(" ")
+    except OSError:
+        return None
+    if quota == "max" or not period:
+        return None
+    try:
+        return max(1, -(-int(quota) // int(period)))
+    except ValueError:
+        return None
+
+
+def default_workers() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a container's CPU quota
+    (a pod limited to 2 CPUs on a 64-core node sees 64 cores in its affinity)."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cgroup_cpus()
+    return min(cores, quota) if quota is not None else cores
+
+
+class Supervisor:
+    """Runs the workers of one replica."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        workers: int,
+        serve_argv: Sequence[str],
+        *,
+        simulated: bool,
+        port_file: str | None = None,
+    ) -> None:
+        self.config = config
+        self.workers = workers
+        self.serve_argv = list(serve_argv)
+        self.simulated = simulated
+        self.port_file = port_file
+        self._workers: list[_Worker] = []
+        self._metrics: MergedMetricsEndpoint | None = None
+        self._scraper: WorkerScraper | None = None
+        self.metrics_port: int | None = None
+        self.port = 0
+        self._run_dir = ""
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-m", "rollout_grpc._entry", "serve", *self.serve_argv]
+
+    async def _spawn(self, spec: WorkerSpec) -> _Worker:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env[handshake.WORKER_FD_VARIABLE] = str(theirs.fileno())
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self._command(), env=env, pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.DEVNULL
+            )
+        finally:
+            theirs.close()
+        ours.sendall(handshake.spec_message(spec))
+        return _Worker(spec.index, process, ours)
+
+    async def _await_ready(self, worker: _Worker) -> None:
+        """The worker's ready line; SupervisorError with its message when it failed or exited."""
+        loop = asyncio.get_running_loop()
+        message = await loop.run_in_executor(None, handshake.read_line, worker.channel)
+        if message is None:
+            code = await worker.process.wait()
+            raise SupervisorError(f"worker {worker.index} exited with {code} before it was ready")
+        if "error" in message:
+            raise SupervisorError(str(message["error"]))
+        worker.ready = message
+
+    async def run(self) -> int:
+        """Start, serve until a signal or a worker's exit, stop; the exit code."""
+        cfg = self.config
+        try:
+            reservation = PortReservation(cfg.host, cfg.port)
+        except PortUnavailable as exc:
+            raise SupervisorError(str(exc)) from None
+        try:
+            run_dir = tempfile.mkdtemp(prefix="rollout-grpc-")  # mode 0700
+        except OSError as exc:
+            reservation.close()
+            raise SupervisorError(
+                f"cannot create the workers' run directory in {tempfile.gettempdir()} ({exc.strerror}): "
+                "set TMPDIR to a writable directory"
+            ) from None
+        try:
+            with reservation:
+                self.port = reservation.port
+                # The replica's one in-flight limit, counted by all workers together.
+                create_slots(run_dir, cfg.in_flight_limit())
+                return await self._run(run_dir)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    async def _run(self, run_dir: str) -> int:
+        self._run_dir = run_dir
+        secret = secrets.token_urlsafe(32)
+        specs = [
+            WorkerSpec(
+                index=i,
+                workers=self.workers,
+                port=self.port,
+                run_dir=run_dir,
+                secret=secret,
+                engines=list(self.config.engines),
+                engine_kinds=dict(self.config.engine_kinds),
+                simulated=self.simulated,
+            )
+            for i in range(self.workers)
+        ]
+        if len(specs[-1].sibling_socket(self.workers - 1)) > MAX_SOCKET_PATH:
+            raise SupervisorError(f"the run directory {run_dir} is too long for unix sockets (set TMPDIR)")
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
+        try:
+            self._workers = [await self._spawn(spec) for spec in specs]
+            await self._start(specs)
+        except BaseException:
+            await self._stop_workers()
+            await self._close()
+            raise
+        exits = {asyncio.ensure_future(w.process.wait()): w for w in self._workers}
+        stopping = asyncio.ensure_future(stop.wait())
+        checks = asyncio.ensure_future(self._check_listeners_forever())
+        try:
+            done, _ = await asyncio.wait([stopping, *exits], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            checks.cancel()
+        code = 0
+        if stopping not in done:
+            for task in done:
+                worker = exits[task]
+                log.error(
+                    "worker_exited",
+                    worker=worker.index,
+                    pid=worker.process.pid,
+                    code=task.result(),
+                    action="stopping the other workers; the replica exits 1",
+                )
+            code = 1
+        else:
+            log.info("shutdown_requested", workers=self.workers)
+        stopping.cancel()
+        await self._stop_workers()
+        await self._close()
+        log.info("stopped", workers=self.workers)
+        return code
+
+    async def _start(self, specs: list[WorkerSpec]) -> None:
+        waits = [asyncio.ensure_future(self._await_ready(w)) for w in self._workers]
+        try:
+            for wait in asyncio.as_completed(waits):
+                await wait
+        finally:
+            for wait in waits:
+                wait.cancel()
+        pids = [w.process.pid for w in self._workers]
+        foreign = foreign_listeners(self.port, pids)
+        if foreign:
+            raise SupervisorError(
+                f"cannot listen on {self.config.host}:{self.port} (gRPC, --port): another process "
+                f"listens there with SO_REUSEPORT too (socket inodes {sorted(foreign)}; `ss -ltnpe` "
+                "names it)"
+            )
+        self._scraper = WorkerScraper(
+            [specs[0].sibling_address(i) for i in range(self.workers)], specs[0].secret
+        )
+        cfg = self.config
+        if cfg.metrics_port is not None:
+            self._metrics = MergedMetricsEndpoint(self._scraper, self.workers, self.check_listeners)
+            try:
+                self.metrics_port = await self._metrics.start(cfg.host, cfg.metrics_port)
+            except OSError as exc:
+                from rollout_grpc.server import ports
+
+                raise SupervisorError(
+                    str(ports.unavailable("metrics, --metrics-port", cfg.host, cfg.metrics_port, exc))
+                ) from None
+        first = self._workers[0].ready
+        log.info(
+            "serving",
+            port=self.port,
+            workers=self.workers,
+            worker_pids=pids,
+            health_port=first.get("health_port"),
+            openai_port=first.get("openai_port"),
+            metrics_port=self.metrics_port,
+            simulated_engines=self.simulated or None,
+            engines=list(cfg.engines),
+            # The replica's one limit, counted by the workers together (admission.py).
+            in_flight_limit=cfg.in_flight_limit(),
+        )
+        if self.port_file:
+            tmp = self.port_file + ".tmp"
+            Path(tmp).write_text(
+                json.dumps(
+                    {
+                        "grpc": self.port,
+                        "health": first.get("health_port"),
+                        "openai": first.get("openai_port"),
+                        "metrics": self.metrics_port,
+                        "engines": list(cfg.engines),
+                        "workers": self.workers,
+                        "worker_pids": pids,
+                        "supervisor_pid": os.getpid(),
+                        # The 0700 directory of the workers' sockets (reaching them needs the secret).
+                        "run_dir": self._run_dir,
+                    }
+                )
+            )
+            os.replace(tmp, self.port_file)
+
+    async def _check_listeners_forever(self) -> None:
+        """Every LISTENER_CHECK_S: log and count listeners on the port that are not the workers'."""
+        while True:
+            await asyncio.sleep(LISTENER_CHECK_S)
+            self.check_listeners()
+
+    def check_listeners(self) -> int:
+        """Listeners on the port no worker holds (logged as an error, exposed as a metric)."""
+        foreign = foreign_listeners(self.port, [w.process.pid for w in self._workers])
+        if foreign:
+            log.error(
+                "foreign_listener",
+                port=self.port,
+                inodes=sorted(foreign),
+                error="another process listens on the replica's port with SO_REUSEPORT and receives "
+                "a share of its connections (`ss -ltnpe` names it)",
+            )
+        return len(foreign)
+
+    def _forward(self, sig: signal.Signals) -> None:
+        # Worker 0 last: it serves --health-port, whose NOT_SERVING should come once every worker
+        # has been told to stop.
+        for worker in reversed(self._workers):
+            if worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(sig)
+
+    async def _stop_workers(self) -> None:
+        """SIGTERM every worker, wait within the shutdown bound, then kill what is left."""
+        self._forward(signal.SIGTERM)
+        bound = self.config.shutdown_bound_s() + KILL_MARGIN_S
+        waits = [w.process.wait() for w in self._workers]
+        try:
+            async with asyncio.timeout(bound):
+                await asyncio.gather(*waits)
+        except TimeoutError:
+            log.error("worker_stop_timeout", seconds=bound, action="killing")
+            self._forward(signal.SIGKILL)
+            await asyncio.gather(*(w.process.wait() for w in self._workers))
+        for worker in self._workers:
+            worker.channel.close()
+
+    async def _close(self) -> None:
+        if self._metrics is not None:
+            await self._metrics.stop()
+        if self._scraper is not None:
+            await self._scraper.close()

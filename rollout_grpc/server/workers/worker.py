@@ -1,0 +1,180 @@
+"""One worker process of `serve --workers N`: a `RolloutServer` on the shared port, plus siblings.
+
+The worker is the console script started again by its supervisor (handshake.py): it parses the
+same settings, then takes from the spec what the supervisor decided — the reserved port (bound
+with SO_REUSEPORT), the shared in-flight limit (admission.py) and its share of the queue, the
+engines (with `--sim`, the simulated engines the supervisor runs) — and serves until
+SIGTERM/SIGINT (graceful stop, as a replica of its own) or until its supervisor's end of the
+channel closes. Worker 0 alone runs the OpenAI front
+door and the health port; no worker serves metrics (the supervisor merges theirs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server.app import RolloutServer, ServerConfig, worker_share
+from rollout_grpc.server.facade.calls import TimedAdmission
+from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control
+from rollout_grpc.server.workers import handshake
+from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots
+from rollout_grpc.server.workers.control import FRONT_DOOR_WORKER, WorkerControl, WorkerRolloutServicer
+from rollout_grpc.server.workers.handshake import WorkerSpec
+from rollout_grpc.server.workers.sibling_service import start_sibling_server
+from rollout_grpc.server.workers.siblings import Siblings
+
+log = structlog.get_logger(__name__)
+
+
+def worker_config(config: ServerConfig, spec: WorkerSpec) -> ServerConfig:
+    """`config` as worker `spec.index` of `spec.workers` serves it (changed in place, returned)."""
+    # The in-flight limit stays the replica's: the workers count it together (admission.py).
+    config.port = spec.port
+    config.reuse_port = True
+    config.max_queue = worker_share(config.max_queue, spec.index, spec.workers)
+    if config.max_in_flight_per_caller > 0:
+        config.max_in_flight_per_caller = worker_share(
+            config.max_in_flight_per_caller, spec.index, spec.workers
+        )
+    if config.max_pending_calls > 0:  # 0: sized from this worker's admission limits
+        config.max_pending_calls = worker_share(config.max_pending_calls, spec.index, spec.workers)
+    config.metrics_port = None
+    if spec.index != FRONT_DOOR_WORKER:
+        config.health_port = None
+        config.openai_port = None
+    return config
+
+
+class WorkerServer(RolloutServer):
+    """A replica's worker: control that reaches the siblings, and their private server."""
+
+    control_class: type[Control] = WorkerControl
+    servicer_class = WorkerRolloutServicer
+    serving_event = "worker_serving"
+
+    def __init__(self, config: ServerConfig, spec: WorkerSpec, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.spec = spec
+        self.siblings = Siblings(spec, timeout_s=config.control_deadline_s)
+        self.servicer: WorkerRolloutServicer
+        self._sibling_server: grpc.aio.Server | None = None
+        self.shared_admission: SharedAdmission
+
+    def _admission(self, limit: int) -> TimedAdmission:
+        self.shared_admission = SharedAdmission(
+            SharedSlots(self.spec.run_dir, self.spec.index, self.spec.workers),
+            limit,
+            self.config.max_queue,
+            self.config.retry_after_s,
+        )
+        return self.shared_admission
+
+    def _build_domain(self, *args: Any, **kwargs: Any) -> WorkerRolloutServicer:
+        servicer = super()._build_domain(*args, **kwargs)
+        assert isinstance(servicer, WorkerRolloutServicer) and isinstance(self.control, WorkerControl)
+        self.control.siblings = self.siblings
+        servicer.siblings = self.siblings
+        servicer.workers = self.spec.workers
+        servicer.index = self.spec.index
+        self.servicer = servicer
+        return servicer
+
+    async def start(self) -> None:
+        await super().start()
+        self.shared_admission.listen(asyncio.get_running_loop())
+        self._sibling_server = await start_sibling_server(
+            self, self.spec.sibling_address(self.spec.index), self.spec.secret
+        )
+
+    def sibling_paused(self, mode: str) -> int:
+        """A sibling paused the engines (SyncControl)."""
+        assert isinstance(self.control, WorkerControl)
+        return self.control.sibling_paused(mode)
+
+    async def abort_local_only(self, scope: AbortScope) -> AbortResult:
+        """A sibling's abort (AbortSibling): this worker's generations only."""
+        assert isinstance(self.control, WorkerControl)
+        return await self.control.abort_local_only(scope)
+
+    def load(self) -> pb.SiblingLoadResponse:
+        """This worker's generations in flight and queued (SiblingLoad)."""
+        admission = self.rollout.admission
+        return pb.SiblingLoadResponse(
+            in_flight=admission.running,
+            queued=admission.queued,
+            engine_in_flight={engine.url: engine.in_flight for engine in self.pool.engines},
+        )
+
+    def sibling_resumed(self, weight_version: str | None, relabelled: list[str]) -> None:
+        """A sibling resumed the engines (SyncControl): relabel the engines that took the version."""
+        if weight_version is None:
+            return
+        for url in relabelled:
+            engine = self.pool.get(url)
+            if engine is not None:
+                engine.weight_version = weight_version
+        if relabelled and self.steps is not None:
+            self.steps.versions.advance(weight_version)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await super().stop(grace_s)
+        if self._sibling_server is not None:
+            await self._sibling_server.stop(None)
+        await self.siblings.close()
+
+
+def _supervisor_gone(sock: socket.socket, stop: Callable[[], None]) -> None:
+    """The supervisor's end closed (it died): stop, gracefully."""
+    try:
+        data = sock.recv(1)
+    except BlockingIOError:
+        return
+    except OSError:
+        data = b""
+    if not data:
+        log.warning("supervisor_gone", action="stopping")
+        stop()
+
+
+async def serve_worker(server: WorkerServer, sock: socket.socket, on_sighup: Callable[[], None]) -> int:
+    """Start `server`, answer the handshake, serve until told to stop; the exit code."""
+    try:
+        await server.start()
+    except Exception as exc:  # reported by the supervisor as one line (ports, exposure, ...)
+        sock.sendall(handshake.encode({"error": str(exc) or type(exc).__name__}))
+        with contextlib.suppress(Exception):
+            await server.stop()
+        return 1
+    sock.sendall(
+        handshake.encode(
+            {
+                "ready": True,
+                "pid": os.getpid(),
+                "health_port": server.health_port,
+                "openai_port": server.openai_port,
+                "in_flight_limit": server.config.in_flight_limit(),
+            }
+        )
+    )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    sock.setblocking(False)
+    loop.add_reader(sock.fileno(), _supervisor_gone, sock, stop.set)
+    await stop.wait()
+    loop.remove_reader(sock.fileno())
+    log.info("shutdown_requested")
+    await server.stop()
+    return 0
