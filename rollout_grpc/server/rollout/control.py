@@ -219,6 +219,12 @@ class _PauseCountdown:
             self.all_answered.set()
 
 
+async def _turns(n: int) -> None:
+    """Let the event loop run `n` times (tasks just created take their first steps)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 class _StepFailed(Exception):
     """An engine failed at `action` (one step of a multi-step per-engine action)."""
 
@@ -417,10 +423,6 @@ class Control:
         deadline = asyncio.get_running_loop().time() + self._deadline_s
         window = _AbortAllWindow(self._rollout)
         try:
-            local = self._registry.all()
-            for entry in local:
-                entry.request_abort("abort all")
-            result = AbortResult(aborted=len(local))
             engines, fleet = _split(self._pool.engines)
             pauses = _PauseCountdown(len(engines))
             fan_out = asyncio.ensure_future(
@@ -432,6 +434,18 @@ class Control:
                     timeout_s=self._timeout(deadline),
                 )
             )
+            # The engines' pause is the critical path (every stream ends only once it ran), so it
+            # goes out before the local generations are marked: two loop turns let `_fan_out`
+            # start the per-engine calls, which send their requests. No stream can take its
+            # engine's abort chunk before the marking (the engine has not answered yet), and one
+            # that ends meanwhile ends as it would have (the window is already open).
+            try:
+                await _turns(2)
+            finally:
+                local = self._registry.all()
+                for entry in local:
+                    entry.request_abort("abort all")
+            result = AbortResult(aborted=len(local))
             try:
                 await self._hold_abort_all_window(pauses, deadline)
             finally:
