@@ -9,6 +9,7 @@ the tokens it streamed, and together the samples carry every token the engines g
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from rollout_grpc.client import pb
 from tests.harness import harness
@@ -27,9 +28,7 @@ async def test_abort_all_of_1024_generations_delivers_every_token() -> None:
     async with harness("sim", None, sim_count=2, sim_config=SIM) as h:
         for sim in h.sims:
             sim.reset_stats()
-        streams = [
-            start_stream(h.client, f"many-{i}", PARAMS, options=BATCHED) for i in range(IN_FLIGHT)
-        ]
+        streams = [start_stream(h.client, f"many-{i}", PARAMS, options=BATCHED) for i in range(IN_FLIGHT)]
         await started(*streams)
         response = await h.client.abort(all=True)
         assert response.aborted == IN_FLIGHT
@@ -46,3 +45,21 @@ async def test_abort_all_of_1024_generations_delivers_every_token() -> None:
         assert all(sim.stats.pause_calls == 1 and sim.stats.resume_calls == 1 for sim in h.sims)
         info = await h.client.server_info()
         assert not any(engine.paused for engine in info.engines)
+
+
+async def test_abort_all_gives_the_collector_back_as_it_found_it() -> None:
+    """Abort(all) holds the garbage collector off while it runs (`rollout/collector.py`), and leaves
+    it on when it was on, off when the operator had turned it off."""
+    async with harness("sim", None, sim_config=SIM) as h:
+        for was_enabled in (True, False):
+            if not was_enabled:
+                gc.disable()
+            try:
+                stream = start_stream(h.client, f"gc-{was_enabled}", PARAMS, options=BATCHED)
+                await started(stream)
+                response = await h.client.abort(all=True)
+                assert response.aborted == 1
+                assert (await stream.task).status == pb.SAMPLE_STATUS_ABORTED
+                assert gc.isenabled() is was_enabled
+            finally:
+                gc.enable()

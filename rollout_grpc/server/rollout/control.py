@@ -45,6 +45,7 @@ from rollout_grpc.server.engines.api import (
     EngineRequestFailed,
 )
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
+from rollout_grpc.server.rollout import collector
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlight, InFlightRegistry
 
@@ -414,12 +415,16 @@ class Control:
         Each engine is paused then resumed on its own, so a hung engine delays nobody; the whole
         fan-out ends by the deadline. The abort-all window (new generations here end ABORTED at
         once) closes when the local streams have ended and every pause answered, or at the
-        deadline, whichever is first.
+        deadline, whichever is first. The garbage collector is held off meanwhile (`collector`).
         """
         if not current_caller().is_admin:
             raise PermissionDenied(
                 "Abort(all) needs the admin role; abort your own request_ids, session or group"
             )
+        with collector.HOLD:
+            return await self._abort_all()
+
+    async def _abort_all(self) -> AbortResult:
         deadline = asyncio.get_running_loop().time() + self._deadline_s
         window = _AbortAllWindow(self._rollout)
         try:
