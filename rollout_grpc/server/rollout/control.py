@@ -45,6 +45,7 @@ from rollout_grpc.server.engines.api import (
     EngineRequestFailed,
 )
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
+from rollout_grpc.server.rollout import collector
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlight, InFlightRegistry
 
@@ -219,6 +220,12 @@ class _PauseCountdown:
         self._remaining -= 1
         if self._remaining == 0:
             self.all_answered.set()
+
+
+async def _turns(n: int) -> None:
+    """Let the event loop run `n` times (tasks just created take their first steps)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
 
 
 class _StepFailed(Exception):
@@ -410,19 +417,19 @@ class Control:
         Each engine is paused then resumed on its own, so a hung engine delays nobody; the whole
         fan-out ends by the deadline. The abort-all window (new generations here end ABORTED at
         once) closes when the local streams have ended and every pause answered, or at the
-        deadline, whichever is first.
+        deadline, whichever is first. The garbage collector is held off meanwhile (`collector`).
         """
         if not current_caller().is_admin:
             raise PermissionDenied(
                 "Abort(all) needs the admin role; abort your own request_ids, session or group"
             )
+        with collector.HOLD:
+            return await self._abort_all()
+
+    async def _abort_all(self) -> AbortResult:
         deadline = asyncio.get_running_loop().time() + self._deadline_s
         window = _AbortAllWindow(self._rollout)
         try:
-            local = self._registry.all()
-            for entry in local:
-                entry.request_abort("abort all")
-            result = AbortResult(aborted=len(local))
             engines, fleet = _split(self._pool.engines)
             pauses = _PauseCountdown(len(engines))
             fan_out = asyncio.ensure_future(
@@ -434,6 +441,18 @@ class Control:
                     timeout_s=self._timeout(deadline),
                 )
             )
+            # The engines' pause is the critical path (every stream ends only once it ran), so it
+            # goes out before the local generations are marked: two loop turns let `_fan_out`
+            # start the per-engine calls, which send their requests. No stream can take its
+            # engine's abort chunk before the marking (the engine has not answered yet), and one
+            # that ends meanwhile ends as it would have (the window is already open).
+            try:
+                await _turns(2)
+            finally:
+                local = self._registry.all()
+                for entry in local:
+                    entry.request_abort("abort all")
+            result = AbortResult(aborted=len(local))
             try:
                 await self._hold_abort_all_window(pauses, deadline)
             finally:

@@ -1,0 +1,154 @@
+"""A/B of Abort(all) latency: the service's Abort(all) against the engines' own pause+resume.
+
+Why: Abort(all) is what a trainer waits on at every weight update, so its cost over the direct
+`/pause?mode=abort` + `/resume` (what vime sends) is the service's overhead on every step. The
+numbers of different builds are only comparable inside one run on a small shared machine, so this
+starts one pair of simulated engines (100 ms per token, as `bench.run`'s abort phase) and one
+service process per variant (as `bench.compare`: `NAME`, `NAME=SRC` or `NAME=SRC:ARGS`, SRC a
+directory holding a copy of the `rollout_grpc` package), then times `direct` and every variant at
+each in-flight count, in rotating order, `--reps` times. With `--busy`, another process spins on
+a core during every measurement (a trainer's data loader, another helper's job), and is stopped
+by its PID afterwards.
+
+    python -m bench.abort_all --variant base=/tmp/base --variant new --reps 5 --busy
+
+It prints, per variant and in-flight count, the median and best time from the abort call to the
+last aborted sample, and the ratio of the medians to `direct`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench import load, procs
+from bench.compare import Variant, parse_variant
+from bench.run import ABORT_TOKEN_DELAY_MS, SystemCpu
+
+#: Tokens each generation may make: far more than it makes before the abort.
+MAX_TOKENS = 2048
+
+
+@contextlib.contextmanager
+def busy_core(enabled: bool) -> Iterator[None]:
+    """Another process spinning on one core while the block runs (stopped by its PID)."""
+    if not enabled:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)  # let it reach the run queue
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def measure(
+    name: str, engines: list[str], targets: dict[str, str], n: int, seed: int
+) -> load.AbortResult | None:
+    """One abort-all of `n` generations by `name` (`direct` or a variant); None when it failed
+    (printed: one failed repetition on a loaded machine must not lose the run)."""
+    try:
+        if name == "direct":
+            return asyncio.run(load.abort_direct(engines, n, MAX_TOKENS, seed))
+        return asyncio.run(load.abort_grpc(targets[name], n, MAX_TOKENS, seed))
+    except Exception as exc:
+        print(f"{name} n={n}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.abort_all", description=__doc__.split("\n")[0])
+    parser.add_argument("--variant", action="append", required=True, help="NAME[=SRC[:ARGS]]")
+    parser.add_argument("--in-flight", type=int, action="append", default=None, help="default 256 and 1024")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--busy", action="store_true", help="spin another process on a core meanwhile")
+    parser.add_argument("--json", type=Path, default=None, help="write every repetition here")
+    args = parser.parse_args(argv)
+
+    variants: list[Variant] = [parse_variant(v) for v in args.variant]
+    counts: list[int] = args.in_flight or [256, 1024]
+    workdir = Path(tempfile.mkdtemp(prefix="rollout-abort-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        with procs.Processes(workdir) as group:
+            sims = [procs.start_sim(group, f"engine{i}", ABORT_TOKEN_DELAY_MS, seed=i) for i in range(2)]
+            engines = [sim.url for sim in sims]
+            targets: dict[str, str] = {}
+            for v in variants:
+                service = procs.start_service(group, f"svc-{v.name}", engines, list(v.args), src=v.src)
+                targets[v.name] = service.target
+            names = ["direct"] + [v.name for v in variants]
+            for name in names:  # warm-up: connections, imports, first-call paths
+                measure(name, engines, targets, 32, -1)
+                time.sleep(0.5)
+            for rep in range(args.reps):
+                order = names[rep % len(names) :] + names[: rep % len(names)]
+                for n in counts:
+                    for name in order:
+                        system = SystemCpu()
+                        with busy_core(args.busy):
+                            started = time.perf_counter()
+                            result = measure(name, engines, targets, n, rep * 7919 + n)
+                            wall = time.perf_counter() - started
+                        if result is None:
+                            time.sleep(5.0)  # the failed run's generations end (or are aborted)
+                            continue
+                        row = {"variant": name, "rep": rep, "busy": args.busy, **asdict(result)}
+                        row["other_load_cores"] = round(system.elapsed() / max(wall, 1e-9), 2)
+                        rows.append(row)
+                        print(
+                            f"{name:10s} n={n:5d} rep {rep}: call {result.call_s * 1000:7.1f} ms  "
+                            f"last {result.last_delivery_s * 1000:7.1f} ms  "
+                            f"p50 {result.p50_delivery_s * 1000:7.1f} ms  "
+                            f"aborted {result.aborted}/{n}  machine busy {row['other_load_cores']} cores",
+                            flush=True,
+                        )
+                        time.sleep(1.0)  # the engines finish the aborted requests' bookkeeping
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print()
+    print(f"busy core: {'yes' if args.busy else 'no'}")
+    print(
+        "| in flight | path | last ABORTED ms, median | best | call ms, median | x direct (median) "
+        "| aborted | reps |"
+    )
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in counts:
+        base: float | None = None
+        for name in names:
+            reps = [r for r in rows if r["variant"] == name and r["in_flight"] == n]
+            if not reps:
+                print(f"| {n} | {name} | failed | | | | | 0 |")
+                continue
+            last = statistics.median(r["last_delivery_s"] for r in reps) * 1000
+            call = statistics.median(r["call_s"] for r in reps) * 1000
+            best = min(r["last_delivery_s"] for r in reps) * 1000
+            aborted = min(r["aborted"] for r in reps)
+            if name == "direct":
+                base = last
+            ratio = last / base if base else float("nan")
+            print(
+                f"| {n} | {name} | {last:.1f} | {best:.1f} | {call:.1f} | {ratio:.2f} | {aborted}/{n} "
+                f"| {len(reps)} |"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
