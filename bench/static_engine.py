@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
+import pwd
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +109,10 @@ def nginx_config(root: Path, ports: list[int], workers: int) -> str:
     }}"""
         for port in ports
     )
-    return f"""worker_processes {workers};
+    # As root, nginx workers would run as `nobody`, who may not traverse a private temp directory
+    # (pytest's); they run as the master's user, as they do when nginx is started unprivileged.
+    user = f"user {pwd.getpwuid(os.geteuid()).pw_name};\n" if os.geteuid() == 0 else ""
+    return f"""{user}worker_processes {workers};
 daemon off;
 pid nginx.pid;
 error_log nginx-error.log warn;
@@ -154,17 +159,12 @@ def start(
     prefix = group.workdir / name
     root = prefix / "root"
     root.mkdir(parents=True, exist_ok=True)
-    # As root, nginx workers run as `nobody` and must traverse the prefix to read the files.
-    for d in (group.workdir, prefix, root):
-        d.chmod(0o755)
     sim = procs.start_sim(group, f"{name}-recorder", 0.0, seed=0)
     try:
         asyncio.run(record(sim.url, root, max_tokens, stream_interval))
     finally:
         sim.proc.popen.terminate()
         sim.proc.popen.wait(30)
-    for path in root.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
     rng = random.Random()
     ports = [free_listen_port(rng) for _ in range(engines)]
     conf = prefix / "nginx.conf"

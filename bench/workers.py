@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                             cpu_s_by_process={k: round(v, 2) for k, v in cpu.items()},
                             client_cpu_s_per_mtok=round(_per_mtok(cpu, "client", tokens), 2),
                             nginx_cpu_s_per_mtok=round(_per_mtok(cpu, "nginx", tokens), 2),
+                            machine_busy_cores=round(busy / run.wall_s, 2),
                         )
                         rows.append(row)
                         print(
@@ -221,7 +222,8 @@ def report(rows: list[dict[str, Any]], names: list[str], concurrencies: list[int
     print()
     print(
         "| streams | variant | tokens/s best (median) | TTFT p50 ms (median) | CPU s/Mtok: service / "
-        "clients / nginx (median) | cores used: service / clients (median) | other load cores |"
+        "clients / nginx (median) | cores used: service / clients / whole machine (median) "
+        "| other load cores |"
     )
     print("| ---: | --- | ---: | ---: | --- | --- | --- |")
     med: dict[tuple[int, str], dict[str, float]] = {}
@@ -239,6 +241,7 @@ def report(rows: list[dict[str, Any]], names: list[str], concurrencies: list[int
                 )
             }
             m["best"] = max(r["tokens_per_s"] for r in reps)
+            m["busy_cores"] = statistics.median(r["machine_busy_cores"] for r in reps)
             m["service_cores"] = statistics.median(r["service_cpu_s"] / r["wall_s"] for r in reps)
             m["client_cores"] = statistics.median(
                 sum(v for k, v in r["cpu_s_by_process"].items() if k.startswith("client")) / r["wall_s"]
@@ -249,7 +252,8 @@ def report(rows: list[dict[str, Any]], names: list[str], concurrencies: list[int
             print(
                 f"| {c} | {name} | {m['best']:,.0f} ({m['tokens_per_s']:,.0f}) | {m['ttft_p50_ms']:,.0f} "
                 f"| {m['service_cpu_s_per_mtok']:.1f} / {m['client_cpu_s_per_mtok']:.1f} / "
-                f"{m['nginx_cpu_s_per_mtok']:.2f} | {m['service_cores']:.2f} / {m['client_cores']:.2f} "
+                f"{m['nginx_cpu_s_per_mtok']:.2f} | {m['service_cores']:.2f} / {m['client_cores']:.2f} / "
+                f"{m['busy_cores']:.2f} "
                 f"| {other} |"
             )
     if len(names) < 2:
@@ -258,19 +262,21 @@ def report(rows: list[dict[str, Any]], names: list[str], concurrencies: list[int
     print()
     for c in concurrencies:
         a, b = med[(c, first)], med[(c, last)]
-        s, cl, e = (
-            a[k] / 1e6 for k in ("service_cpu_s_per_mtok", "client_cpu_s_per_mtok", "nginx_cpu_s_per_mtok")
-        )
-        s2 = b["service_cpu_s_per_mtok"] / 1e6
+        s1, c1, e1 = (a[k] / 1e6 for k in PER_TOKEN)
+        s2, c2, e2 = (b[k] / 1e6 for k in PER_TOKEN)
         print(
             f"c={c}: {last}/{first} = {b['best'] / a['best']:.2f}x best, "
-            f"{b['tokens_per_s'] / a['tokens_per_s']:.2f}x median; ceiling on {cores} cores "
-            f"{ceiling(s, cl, e, cores):.2f}x (S={s * 1e6:.1f}, C={cl * 1e6:.1f}, E={e * 1e6:.2f} s/Mtok), "
-            f"{(cores / (s2 + cl + e)) / min(1 / s, cores / (s + cl + e)):.2f}x with {last}'s own "
-            f"S={s2 * 1e6:.1f}; all CPU of {last} at {first}'s speed would take "
-            f"{a['tokens_per_s'] * (s2 + cl + e):.2f} cores, {first}'s service alone used "
-            f"{a['service_cores']:.2f}"
+            f"{b['tokens_per_s'] / a['tokens_per_s']:.2f}x median. Ceiling on {cores} cores from "
+            f"{first}'s CPU per token (S={s1 * 1e6:.1f}, C={c1 * 1e6:.1f}, E={e1 * 1e6:.2f} s/Mtok): "
+            f"{ceiling(s1, c1, e1, cores):.2f}x; {last} at every core with its own CPU per token "
+            f"(S={s2 * 1e6:.1f}, C={c2 * 1e6:.1f}, E={e2 * 1e6:.2f}): {cores / (s2 + c2 + e2):,.0f} tok/s = "
+            f"{cores / (s2 + c2 + e2) / a['tokens_per_s']:.2f}x {first}'s median. Machine busy "
+            f"{a['busy_cores']:.2f} ({first}) and {b['busy_cores']:.2f} ({last}) of {cores} cores; "
+            f"{first}'s service used {a['service_cores']:.2f}"
         )
+
+
+PER_TOKEN = ("service_cpu_s_per_mtok", "client_cpu_s_per_mtok", "nginx_cpu_s_per_mtok")
 
 
 if __name__ == "__main__":
