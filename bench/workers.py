@@ -136,7 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, action="append", default=None, help="repeatable")
     parser.add_argument("--requests", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--stream-interval", type=int, default=16, help="of the recorded stream")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="tokens per SSE event of the recorded stream (default: what the service asks once it "
+        "measured the engine: 16 streaming, 64 final-only)",
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--connections", type=int, default=8, help="per client process")
     parser.add_argument("--clients", type=int, default=1, help="load-generator processes")
@@ -147,13 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     variants: list[Variant] = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     concurrencies: list[int] = args.concurrency or [64, 256]
     cores = len(os.sched_getaffinity(0))
+    stream_interval = args.stream_interval or (64 if args.final_only else 16)
 
     workdir = Path(tempfile.mkdtemp(prefix="rollout-workers-"))
     rows: list[dict[str, Any]] = []
     try:
         with procs.Processes(workdir) as group:
             engines = static_engine.start(
-                group, 2, args.max_tokens, args.stream_interval, nginx_workers=args.nginx_workers
+                group, 2, args.max_tokens, stream_interval, nginx_workers=args.nginx_workers
             )
             engine_pids = {f"nginx{i}": p for i, p in enumerate(engines.pids)}
             targets: dict[str, tuple[str, dict[str, int]]] = {}
