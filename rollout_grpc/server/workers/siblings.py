@@ -19,6 +19,7 @@ import structlog
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.domain.identity import Caller
+from rollout_grpc.server.front.grpc.replica import abort_request
 from rollout_grpc.server.rollout.control import AbortScope
 from rollout_grpc.server.workers.handshake import SIBLING_METADATA_KEY, WorkerSpec
 
@@ -33,22 +34,6 @@ class SiblingAbort:
 
     aborted: int = 0
     found_request_ids: set[str] = field(default_factory=set)
-
-
-def abort_request(scope: AbortScope) -> pb.AbortLocalRequest:
-    """The AbortLocal request for `scope`."""
-    request = pb.AbortLocalRequest(owner=scope.owner or "")
-    if scope.everything:
-        request.all = True
-    elif scope.all_of_owner:
-        request.owner_all = True
-    elif scope.request_ids:
-        request.request_ids.ids.extend(scope.request_ids)
-    elif scope.session_id is not None:
-        request.session_id = scope.session_id
-    else:
-        request.group_index = scope.group_index or 0
-    return request
 
 
 class Siblings:

@@ -25,6 +25,7 @@ import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server.front.grpc.replica import abort_request
 from rollout_grpc.server.rollout.control import AbortScope
 
 log = structlog.get_logger(__name__)
@@ -117,15 +118,7 @@ class PeerAborter:
 
     async def abort(self, scope: AbortScope) -> int:
         """Ask every peer to abort its local generations in `scope`; returns how many they ended."""
-        request = pb.AbortLocalRequest(owner=scope.owner or "")
-        if scope.all_of_owner:
-            request.owner_all = True
-        elif scope.request_ids:
-            request.request_ids.ids.extend(scope.request_ids)
-        elif scope.session_id is not None:
-            request.session_id = scope.session_id
-        else:
-            request.group_index = scope.group_index or 0
+        request = abort_request(scope)
         targets = await self._targets()
         # The generated stub is typed for both sync and aio channels; on an aio channel it awaits.
         calls = [

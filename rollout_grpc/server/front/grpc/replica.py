@@ -55,6 +55,22 @@ def abort_scope(request: pb.AbortLocalRequest) -> AbortScope:
     raise InvalidArgument("target", "set one of request_ids, session_id, group_index, owner_all, all")
 
 
+def abort_request(scope: AbortScope) -> pb.AbortLocalRequest:
+    """The AbortLocal request naming `scope` (the inverse of `abort_scope`), for a peer or a sibling."""
+    request = pb.AbortLocalRequest(owner=scope.owner or "")
+    if scope.everything:
+        request.all = True
+    elif scope.all_of_owner:
+        request.owner_all = True
+    elif scope.request_ids:
+        request.request_ids.ids.extend(scope.request_ids)
+    elif scope.session_id is not None:
+        request.session_id = scope.session_id
+    else:
+        request.group_index = scope.group_index or 0
+    return request
+
+
 def abort_response(scope: AbortScope, result: AbortResult) -> pb.AbortLocalResponse:
     """The answer to a forwarded abort: what was aborted and, for ids, which ids were found."""
     errors = engine_errors_to_pb(result.engine_errors)
