@@ -573,20 +573,29 @@ class Control:
             await asyncio.sleep(0.01)
 
     async def abort_all_local(self) -> AbortResult:
-        """Abort every generation of this process (queued ones too) and hold the abort-all window
-        (new generations end ABORTED at once) until they ended, or the control deadline: the local
-        part of a sibling worker's Abort(all), which pauses and resumes the shared engines itself,
-        so nothing is sent to the engines here."""
+        """Abort every generation of this process (queued ones too) and open the abort-all window
+        (new generations end ABORTED at once); answer with the count at once, and hold the window
+        in the background until they ended, or the control deadline: the local part of a sibling
+        worker's Abort(all), which pauses and resumes the shared engines itself, so nothing is sent
+        to the engines here. Answering before the engines end these streams is what lets the
+        sibling count them (`WorkerControl.abort_all` waits for this answer before it pauses)."""
         window = _AbortAllWindow(self._rollout)
         try:
             local = self._registry.all()
             for entry in local:
                 entry.request_abort("abort all")
+        except BaseException:
+            window.close()
+            raise
+        self._spawn_background(self._hold_window_until_idle(window))
+        return AbortResult(aborted=len(local))
+
+    async def _hold_window_until_idle(self, window: _AbortAllWindow) -> None:
+        try:
             if not await self._registry.wait_idle(self._deadline_s):
                 log.warning("abort_all_window_deadline", deadline_s=self._deadline_s)
         finally:
             window.close()
-        return AbortResult(aborted=len(local))
 
     async def abort_local(self, scope: AbortScope) -> AbortResult:
         """Abort matching generations of this replica only (the target of a peer's forward)."""

@@ -3,8 +3,9 @@
 A worker's `Control` runs the engine side once, as a replica of its own does (the engines are
 shared by every worker), and reaches its siblings through `WorkerService` for what only they hold:
 
-* Abort(all): the siblings abort their generations (queued ones too) and hold the abort-all window
-  (`WorkerService.AbortSibling`, target `all`), while this worker pauses/resumes the engines;
+* Abort(all): the siblings count and abort their generations (queued ones too), open the abort-all
+  window and answer (`WorkerService.AbortSibling`, target `all`); then this worker pauses/resumes
+  the engines;
 * abort by id, session, group or `mine`: forwarded like a peer's forward; the counts add up, and
   `unknown_request_ids` lists only ids that no worker knew;
 * Pause: the siblings bump their pause epoch (a late resume of theirs must not undo it) and, for
@@ -33,6 +34,8 @@ from rollout_grpc.server.workers.siblings import SiblingAbort, Siblings
 Context = grpc.aio.ServicerContext[Any, Any]
 #: The worker that runs the OpenAI front door and holds the recorded sessions.
 FRONT_DOOR_WORKER = 0
+#: Longest Abort(all) waits for the siblings to count their generations before pausing the engines.
+SIBLING_MARK_WAIT_S = 1.0
 
 
 class WorkerControl(Control):
@@ -49,6 +52,11 @@ class WorkerControl(Control):
         if not current_caller().is_admin:
             return await super().abort_all()  # refused there, before anything happens
         siblings = asyncio.ensure_future(self._siblings_abort(AbortScope(owner=None, everything=True)))
+        # The siblings count (and mark) their generations before the engines' pause ends them: a
+        # stream the engine already ended would not be counted. A sibling's answer comes before
+        # its window is held (`Control.abort_all_local`), so this waits one local call, bounded so
+        # that a stuck sibling cannot hold the engines' pause back.
+        await asyncio.wait({siblings}, timeout=SIBLING_MARK_WAIT_S)
         try:
             result = await super().abort_all()
         finally:
