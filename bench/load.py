@@ -110,9 +110,16 @@ def direct_body(token_ids: list[int], max_tokens: int, request_id: str) -> bytes
 
 
 async def direct_generate(
-    session: aiohttp.ClientSession, url: str, body: bytes, on_first_token: Callable[[], None] | None = None
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    on_first_token: Callable[[], None] | None = None,
+    on_event: Callable[[int], None] | None = None,
 ) -> Result:
-    """One streamed generation straight from an engine; accumulates tokens and logprobs."""
+    """One streamed generation straight from an engine; accumulates tokens and logprobs.
+
+    `on_event(n)` is told the token count of every SSE event that carries tokens (bench/real_vllm.py
+    reports tokens per event)."""
     start = time.perf_counter()
     ttft: float | None = None
     tokens: list[int] = []
@@ -140,6 +147,8 @@ async def direct_generate(
                     ttft = time.perf_counter() - start
                     if on_first_token is not None:
                         on_first_token()
+                if on_event is not None:
+                    on_event(len(ids))
                 tokens += ids
                 logprobs += [entry["logprob"] for entry in choice["logprobs"]["content"]]
             if choice.get("finish_reason") is not None:

@@ -91,38 +91,7 @@ class Counts:
 
 async def direct_one(session: aiohttp.ClientSession, url: str, body: bytes, counts: Counts) -> load.Result:
     """One streamed generation straight from vLLM; counts the events that carry tokens."""
-    start = time.perf_counter()
-    ttft: float | None = None
-    tokens = 0
-    logprobs = 0
-    finish = "none"
-    async with session.post(
-        url + "/inference/v1/generate", data=body, headers={"Content-Type": "application/json"}
-    ) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
-        async for line in resp.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                break
-            choices = orjson.loads(data).get("choices")
-            if not choices:
-                continue
-            choice = choices[0]
-            ids = choice.get("token_ids") or []
-            if ids:
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                counts.add(len(ids))
-                tokens += len(ids)
-                logprobs += len(choice["logprobs"]["content"])
-            if choice.get("finish_reason") is not None:
-                finish = str(choice["finish_reason"])
-    if logprobs != tokens:
-        raise RuntimeError(f"{logprobs} logprobs for {tokens} tokens")
-    return load.Result(time.perf_counter() - start, ttft, tokens, finish)
+    return await load.direct_generate(session, url, body, on_event=counts.add)
 
 
 def direct_body(token_ids: list[int], request_id: str) -> bytes:
