@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -20,36 +19,7 @@ from tests.harness import Harness, harness
 from tests.support.partials import aborted_partials
 from tests.support.reward_server import RewardServer
 from tests.support.service import PROMPT, SLOW_SIM, engine_id, field_violation
-
-
-@dataclass
-class StepRun:
-    """Every event of one step, by kind."""
-
-    groups: list[pb.GroupResult] = field(default_factory=list)
-    samples: list[pb.Sample] = field(default_factory=list)
-    progress: list[pb.StepProgress] = field(default_factory=list)
-    summary: pb.StepSummary | None = None
-
-    def by_outcome(self, outcome: int) -> list[pb.GroupResult]:
-        return [g for g in self.groups if g.outcome == outcome]
-
-
-async def run_step(h: Harness, groups: list[Any], **kw: Any) -> StepRun:
-    run = StepRun()
-    async for event in h.client.rollout_step(groups, timeout=120, **kw):
-        kind = event.WhichOneof("event")
-        assert run.summary is None, "the summary must be the last event"
-        if kind == "group":
-            run.groups.append(event.group)
-        elif kind == "sample":
-            run.samples.append(event.sample)
-        elif kind == "progress":
-            run.progress.append(event.progress)
-        else:
-            run.summary = event.summary
-    assert run.summary is not None
-    return run
+from tests.support.steps import StepRun, run_step
 
 
 def prompt(index: int = 0) -> pb.Sample:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -24,6 +23,8 @@ from rollout_grpc.client import make_sample, pb
 from tests.harness import Harness, harness
 from tests.support.partials import aborted_partials
 from tests.support.reward_server import RewardServer
+from tests.support.steps import StepRun
+from tests.support.steps import run_step as run_to_end
 
 pytestmark = pytest.mark.vllm
 
@@ -39,35 +40,9 @@ LONG = 384
 STEP_TIMEOUT_S = 240.0
 
 
-@dataclass
-class StepRun:
-    groups: list[pb.GroupResult] = field(default_factory=list)
-    samples: list[pb.Sample] = field(default_factory=list)
-    summary: pb.StepSummary | None = None
-
-    def outcomes(self) -> dict[int, int]:
-        return {g.group_index: g.outcome for g in self.groups}
-
-    def group(self, index: int) -> pb.GroupResult:
-        [found] = [g for g in self.groups if g.group_index == index]
-        return found
-
-
 async def run_step(h: Harness, groups: list[Any], **kw: Any) -> StepRun:
-    run = StepRun()
-    async for event in h.client.rollout_step(groups, timeout=STEP_TIMEOUT_S, **kw):
-        kind = event.WhichOneof("event")
-        assert run.summary is None, "the summary is the last event"
-        if kind == "group":
-            run.groups.append(event.group)
-        elif kind == "sample":
-            run.samples.append(event.sample)
-        elif kind == "summary":
-            run.summary = event.summary
-    assert run.summary is not None
-    reported = [g.group_index for g in run.groups]
-    assert len(reported) == len(set(reported)), f"a group reported twice: {reported}"
-    return run
+    """One step to its end, with the real engines' longer timeout."""
+    return await run_to_end(h, groups, timeout=STEP_TIMEOUT_S, **kw)
 
 
 async def vllm_counters(url: str) -> dict[str, float]:
