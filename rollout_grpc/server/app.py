@@ -348,6 +348,9 @@ class RolloutServer:
         self._health_server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._stopping = False
+        self._finishing = False
+        self._stop_grace_s = config.grace_s
+        self._server_stopped: asyncio.Task[None] | None = None
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.pool: EnginePool
         self.registry = InFlightRegistry(config.per_caller_limit(), config.retry_after_s)
@@ -644,27 +647,54 @@ class RolloutServer:
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful shutdown within `ServerConfig.shutdown_bound_s()`, hung engines included.
 
-        1. health NOT_SERVING for good; the gRPC server stops accepting calls at once (GOAWAY, so
-           clients and proxies send new calls to other replicas) while in-flight ones continue;
-        2. wait up to `grace_s` for in-flight generations to finish;
-        3. abort the remaining ones (locally and on their engines, one control deadline for the
+        1. the gRPC server stops accepting calls at once (GOAWAY, so clients and proxies send new
+           calls to other replicas) while in-flight ones continue (`stop_accepting`);
+        2. health NOT_SERVING for good (`finish_stop` from here on);
+        3. wait up to `grace_s` for in-flight generations to finish;
+        4. abort the remaining ones (locally and on their engines, one control deadline for the
            engines): their streams end with ABORTED samples carrying every token;
-        4. give them `abort_grace_s` to deliver those samples; the gRPC server's own grace ends
+        5. give them `abort_grace_s` to deliver those samples; the gRPC server's own grace ends
            there, so nothing outlives the bound;
-        5. stop the health server and close the HTTP session (bounded too).
+        6. stop the health server and close the HTTP session (bounded too).
+
+        A `serve --workers N` worker runs the two halves as separate phases (its supervisor starts
+        the second once every worker finished the first, docs/workers.md); a second call returns
+        at once, as before.
         """
+        if self._finishing:
+            return
+        await self.stop_accepting(grace_s)
+        await self.finish_stop()
+
+    async def stop_accepting(self, grace_s: float | None = None, phase_gap_s: float = 0.0) -> None:
+        """Shutdown step 1: refuse new generations, GOAWAY, close the listener; idempotent.
+
+        `phase_gap_s`: the longest `finish_stop` may come after this call (a worker's supervisor
+        waits that long at most for the siblings), added to the gRPC server's own grace so that
+        the in-flight streams still get the whole grace and abort grace of step 3-5."""
         if self._stopping:
             return
         self._stopping = True
-        grace = self.config.grace_s if grace_s is None else grace_s
-        server_stopped: asyncio.Task[None] | None = None
+        self._stop_grace_s = self.config.grace_s if grace_s is None else grace_s
         if self._server is not None:
             self.rollout.close()
-            server_grace = grace + self.config.control_deadline_s + self.config.abort_grace_s
-            server_stopped = asyncio.create_task(self._server.stop(server_grace))
-            # Let the shutdown begin (GOAWAY, listener closed) before readiness drops: a caller that
-            # reacts to NOT_SERVING then gets UNAVAILABLE, never a call cancelled mid-shutdown.
+            cfg = self.config
+            server_grace = self._stop_grace_s + cfg.control_deadline_s + cfg.abort_grace_s + phase_gap_s
+            self._server_stopped = asyncio.create_task(self._server.stop(server_grace))
+            # Let the shutdown begin (GOAWAY, listener closed) before this returns: the task's first
+            # step runs before this coroutine resumes (the loop runs ready callbacks in order), so
+            # a caller that reacts to the later NOT_SERVING gets UNAVAILABLE, never a call
+            # cancelled mid-shutdown.
             await asyncio.sleep(0)
+
+    async def finish_stop(self) -> None:
+        """Shutdown steps 2-6 (after `stop_accepting`); idempotent."""
+        if self._finishing:
+            return
+        self._finishing = True
+        await self.stop_accepting()
+        grace = self._stop_grace_s
+        server_stopped = self._server_stopped
         await self._health.enter_graceful_shutdown()
         if server_stopped is not None:
             if not await self.rollout.wait_idle(grace):

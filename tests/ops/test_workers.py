@@ -11,7 +11,7 @@ import asyncio
 import signal
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -21,10 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.client import AsyncRolloutClient, NotFoundError, RolloutClient
+from rollout_grpc.client import AsyncRolloutClient, NotFoundError, RolloutClient, make_sample
 from rollout_grpc.server.workers.reservation import foreign_listeners
-from tests.support.processes import Processes, child_env, replica_command, start_engine
+from tests.support.processes import POLL_S, Processes, child_env, replica_command, start_engine
 from tests.support.workers import Replica, Streams, clients_by_worker, start_replica, wait_admitted
+from tests.support.workers import client as fresh_client
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -271,6 +272,125 @@ def signal_pid(pid: int, sig: int) -> None:
     import os
 
     os.kill(pid, sig)
+
+
+#: Streams that end on their own within the drain's grace (40 tokens at 100 ms/token: still in
+#: flight when the drain starts).
+DRAINED = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 1.0}
+
+
+async def until(what: str, condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll `condition` (a kernel state, no event to wait for) until it holds."""
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                if condition():
+                    return
+                await asyncio.sleep(POLL_S)
+    except TimeoutError:
+        raise AssertionError(f"not after {timeout} s: {what}") from None
+
+
+def listeners(port: int) -> set[int]:
+    """Socket inodes listening on `port` (whoever holds them)."""
+    return foreign_listeners(port, [])
+
+
+async def health(target: str, service: str) -> int:
+    async with grpc.aio.insecure_channel(target) as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=10
+        )
+        return int(response.status)
+
+
+async def test_the_health_port_says_not_serving_only_once_no_worker_accepts_calls(
+    procs: Processes, tmp_path: Path
+) -> None:
+    """The drain's order, made visible by stopping worker 1 (SIGSTOP) while the supervisor drains:
+    worker 0 closes its listener, but its health port stays SERVING as long as worker 1 has not
+    stopped accepting; once it says NOT_SERVING, every new call is refused and the streams in
+    flight end with their samples."""
+    replica = start_replica(
+        procs,
+        tmp_path,
+        *("--workers", "2", "--sim", "2", "--sim-token-delay-ms", "100"),
+        *("--grace", "30", "--control-deadline", "60", "--health-port", "0"),
+    )
+    port, health_target = replica.ports["grpc"], f"127.0.0.1:{replica.ports['health']}"
+    service = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+    second = replica.ports["worker_pids"][1]
+    async with clients_by_worker(replica.target, 2) as found:
+        streams = [Streams(on, DRAINED) for on in found.values()]
+        for i, group in enumerate(streams):
+            group.start(2, f"drain-{i}")
+        for group in streams:
+            await group.running()
+        assert len(listeners(port)) == 2
+        signal_pid(second, signal.SIGSTOP)
+        try:
+            replica.proc.popen.send_signal(signal.SIGTERM)
+            # Worker 0 stopped accepting: only the stopped worker 1 still listens on the port.
+            await until("worker 0 closed its listener", lambda: not foreign_listeners(port, [second]))
+            assert listeners(port), "worker 1 (stopped) still listens"
+            assert await health(health_target, service) == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            signal_pid(second, signal.SIGCONT)
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        async with grpc.aio.insecure_channel(health_target) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=service), timeout=60
+            )
+            while (await watch.read()).status != not_serving:
+                pass  # each read is the next status change
+            watch.cancel()
+        # Every worker refuses new calls now, on new connections (whichever worker the kernel
+        # would pick) and on the connections already open.
+        refused: list[grpc.StatusCode] = []
+        for on in [*(fresh_client(replica.target) for _ in range(8)), *found.values()]:
+            try:
+                await on.generate(make_sample([1, 2, 3]), {"max_new_tokens": 2}, timeout=10)
+                refused.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                refused.append(exc.code())
+            if on not in found.values():
+                await on.close()
+        assert refused == [grpc.StatusCode.UNAVAILABLE] * 10
+        finals = [final for group in streams for final in await group.finals()]
+    assert _statuses(finals) == [pb.SAMPLE_STATUS_TRUNCATED] * 4
+    assert [final.response_length if final is not None else -1 for final in finals] == [40] * 4
+    assert await asyncio.to_thread(replica.proc.popen.wait, 60) == 0
+
+
+async def test_a_sigterm_to_a_worker_drains_the_whole_replica(procs: Processes, tmp_path: Path) -> None:
+    """Ctrl-C reaches the whole process group, systemd's SIGTERM the whole cgroup: a worker passes
+    the signal to its supervisor, which drains every worker in order and exits 0."""
+    replica = start_replica(procs, tmp_path, *SIM, "--grace", "1")
+    async with clients_by_worker(replica.target, 2) as found:
+        streams = Streams(found[1])
+        streams.start(1, "worker-signal")
+        await streams.running()
+        signal_pid(replica.ports["worker_pids"][1], signal.SIGTERM)
+        finals = await streams.finals()
+    assert _statuses(finals) == [pb.SAMPLE_STATUS_ABORTED]
+    assert await asyncio.to_thread(replica.proc.popen.wait, 60) == 0
+    assert '"stop_requested_by_worker"' in replica.proc.log_text()
+
+
+def gone(pid: int) -> bool:
+    """`pid` exited (a zombie nobody reaped counts as exited)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+async def test_workers_stop_when_their_supervisor_is_killed(procs: Processes, tmp_path: Path) -> None:
+    replica = start_replica(procs, tmp_path, *SIM)
+    replica.proc.popen.send_signal(signal.SIGKILL)
+    for pid in replica.ports["worker_pids"]:
+        await until(f"worker {pid} exited", lambda pid=pid: gone(pid), timeout=60)
 
 
 async def test_the_health_port_goes_not_serving_when_the_engines_die(

@@ -8,9 +8,12 @@ fatal), logs one `serving` line, serves the merged `--metrics-port` and writes `
 
 In steady state it only waits: for a signal, a worker's exit, or the listener re-check timer.
 
-* SIGTERM / SIGINT: forwarded to every worker, which stops gracefully (in-flight streams end with
-  their samples) within the replica's shutdown bound; workers still running past it (plus a
-  margin) are killed. Exit 0 when every worker stopped cleanly.
+* SIGTERM / SIGINT (to the supervisor, or to a worker, which passes it on): the drain, in two
+  phases over the socket pairs (handshake.py): every worker stops accepting and answers (at most
+  one control deadline), then every worker finishes as a replica of its own does (health
+  NOT_SERVING, grace, in-flight streams end with their samples) within the replica's shutdown
+  bound; workers still running past it (plus a margin) are killed. So worker 0's health port
+  never says NOT_SERVING while a sibling still accepts calls. Exit 0.
 * SIGHUP: forwarded; every worker re-reads the engines file and the tokens file.
 * A worker that exits unexpectedly: the others are stopped (gracefully, as at SIGTERM) and the
   supervisor exits 1 — a replica with a missing worker would silently lose its share of the port's
@@ -63,6 +66,10 @@ class _Worker:
     process: asyncio.subprocess.Process
     channel: socket.socket
     ready: dict[str, object] = field(default_factory=dict)
+    #: The socket pair after the handshake (None until the worker reported ready).
+    link: handshake.DrainLink | None = None
+    #: Set when the worker answered the drain's first phase, or its end closed (it is exiting).
+    stopped_accepting: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 #: The cgroup v2 CPU limit of this process's container ("max" or "<quota> <period>").
@@ -114,6 +121,8 @@ class Supervisor:
         self.metrics_port: int | None = None
         self.port = 0
         self._run_dir = ""
+        self._stop = asyncio.Event()
+        self._listeners: list[asyncio.Task[None]] = []
 
     def _command(self) -> list[str]:
         return [sys.executable, "-m", "rollout_grpc._entry", "serve", *self.serve_argv]
@@ -185,7 +194,7 @@ class Supervisor:
         if len(specs[-1].sibling_socket(self.workers - 1)) > MAX_SOCKET_PATH:
             raise SupervisorError(f"the run directory {run_dir} is too long for unix sockets (set TMPDIR)")
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
+        stop = self._stop
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
@@ -231,6 +240,9 @@ class Supervisor:
         finally:
             for wait in waits:
                 wait.cancel()
+        for worker in self._workers:
+            worker.link = await handshake.DrainLink.open(worker.channel)
+            self._listeners.append(asyncio.ensure_future(self._listen(worker, worker.link)))
         pids = [w.process.pid for w in self._workers]
         foreign = foreign_listeners(self.port, pids)
         if foreign:
@@ -306,17 +318,37 @@ class Supervisor:
             )
         return len(foreign)
 
+    async def _listen(self, worker: _Worker, link: handshake.DrainLink) -> None:
+        """A worker's messages after the handshake: its answer to the drain, a signal it got."""
+        while (message := await link.receive()) is not None:
+            if handshake.STOPPED_ACCEPTING in message:
+                worker.stopped_accepting.set()
+            elif handshake.STOP_REQUESTED in message:
+                log.info(
+                    "stop_requested_by_worker", worker=worker.index, signal=message[handshake.STOP_REQUESTED]
+                )
+                self._stop.set()
+        worker.stopped_accepting.set()  # its end closed: it is exiting, its listener with it
+
     def _forward(self, sig: signal.Signals) -> None:
-        # Worker 0 last: it serves --health-port, whose NOT_SERVING should come once every worker
-        # has been told to stop.
-        for worker in reversed(self._workers):
+        for worker in self._workers:
             if worker.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.send_signal(sig)
 
     async def _stop_workers(self) -> None:
-        """SIGTERM every worker, wait within the shutdown bound, then kill what is left."""
-        self._forward(signal.SIGTERM)
+        """Drain every worker in two phases, wait within the shutdown bound, kill what is left."""
+        linked = [w for w in self._workers if w.link is not None]
+        for worker in self._workers:
+            if worker.link is None:  # not ready yet (a failed start): a plain stop
+                with contextlib.suppress(ProcessLookupError):
+                    if worker.process.returncode is None:
+                        worker.process.send_signal(signal.SIGTERM)
+                worker.channel.close()  # if it got ready meanwhile, end-of-file stops it
+        await self._stop_accepting(linked)
+        for worker in linked:
+            assert worker.link is not None
+            worker.link.send({handshake.DRAIN: handshake.FINISH})
         bound = self.config.shutdown_bound_s() + KILL_MARGIN_S
         waits = [w.process.wait() for w in self._workers]
         try:
@@ -326,8 +358,35 @@ class Supervisor:
             log.error("worker_stop_timeout", seconds=bound, action="killing")
             self._forward(signal.SIGKILL)
             await asyncio.gather(*(w.process.wait() for w in self._workers))
+        for task in self._listeners:
+            task.cancel()
+        await asyncio.gather(*self._listeners, return_exceptions=True)
         for worker in self._workers:
+            if worker.link is not None:
+                worker.link.close()
             worker.channel.close()
+
+    async def _stop_accepting(self, workers: list[_Worker]) -> None:
+        """The drain's first phase: every worker refuses new calls (GOAWAY, listener closed) and
+        answers, before any worker's health says NOT_SERVING. A worker that does not answer
+        within one control deadline is logged and the drain goes on (the stop stays bounded)."""
+        for worker in workers:
+            assert worker.link is not None
+            worker.link.send({handshake.DRAIN: handshake.STOP_ACCEPTING})
+        answers = {asyncio.ensure_future(w.stopped_accepting.wait()): w for w in workers}
+        if not answers:
+            return
+        wait_s = self.config.control_deadline_s
+        _, silent = await asyncio.wait(answers, timeout=wait_s)
+        for task in silent:
+            task.cancel()
+        if silent:
+            log.error(
+                "worker_stop_accepting_timeout",
+                workers=sorted(answers[t].index for t in silent),
+                seconds=wait_s,
+                action="draining anyway: the health port may say NOT_SERVING while they accept",
+            )
 
     async def _close(self) -> None:
         if self._metrics is not None:

@@ -3,10 +3,11 @@
 The worker is the console script started again by its supervisor (handshake.py): it parses the
 same settings, then takes from the spec what the supervisor decided — the reserved port (bound
 with SO_REUSEPORT), the shared in-flight limit (admission.py) and its share of the queue, the
-engines (with `--sim`, the simulated engines the supervisor runs) — and serves until
-SIGTERM/SIGINT (graceful stop, as a replica of its own) or until its supervisor's end of the
-channel closes. Worker 0 alone runs the OpenAI front
-door and the health port; no worker serves metrics (the supervisor merges theirs).
+engines (with `--sim`, the simulated engines the supervisor runs) — and serves until its
+supervisor drains it (the same graceful stop as a replica of its own, in two phases so that every
+worker stops accepting before the health port says NOT_SERVING) or until its supervisor's end of
+the channel closes. Worker 0 alone runs the OpenAI front door and the health port; no worker
+serves metrics (the supervisor merges theirs).
 """
 
 from __future__ import annotations
@@ -126,28 +127,22 @@ class WorkerServer(RolloutServer):
         if relabelled and self.steps is not None:
             self.steps.versions.advance(weight_version)
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        await super().stop(grace_s)
+    async def finish_stop(self) -> None:
+        if self._finishing:
+            return
+        await super().finish_stop()
         if self._sibling_server is not None:
             await self._sibling_server.stop(None)
         await self.siblings.close()
 
 
-def _supervisor_gone(sock: socket.socket, stop: Callable[[], None]) -> None:
-    """The supervisor's end closed (it died): stop, gracefully."""
-    try:
-        data = sock.recv(1)
-    except BlockingIOError:
-        return
-    except OSError:
-        data = b""
-    if not data:
-        log.warning("supervisor_gone", action="stopping")
-        stop()
-
-
 async def serve_worker(server: WorkerServer, sock: socket.socket, on_sighup: Callable[[], None]) -> int:
-    """Start `server`, answer the handshake, serve until told to stop; the exit code."""
+    """Start `server`, answer the handshake, serve until the supervisor drains it; the exit code.
+
+    The drain comes in two phases over the socket pair (handshake.py): `stop_accepting` (answered
+    once this worker refuses new calls), then `finish` (health NOT_SERVING, grace, aborts). A
+    signal that reaches the worker itself is passed to the supervisor, which drains every worker
+    alike; when the supervisor is gone (end-of-file) the worker stops on its own."""
     try:
         await server.start()
     except Exception as exc:  # reported by the supervisor as one line (ports, exposure, ...)
@@ -166,15 +161,40 @@ async def serve_worker(server: WorkerServer, sock: socket.socket, on_sighup: Cal
             }
         )
     )
+    link = await handshake.DrainLink.open(sock)
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _pass_signal, link, sig)
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
-    sock.setblocking(False)
-    loop.add_reader(sock.fileno(), _supervisor_gone, sock, stop.set)
-    await stop.wait()
-    loop.remove_reader(sock.fileno())
-    log.info("shutdown_requested")
-    await server.stop()
-    return 0
+    try:
+        if not await _next_phase(link, handshake.STOP_ACCEPTING):
+            await server.stop()
+            return 0
+        log.info("shutdown_requested")
+        # The supervisor waits at most one control deadline for every worker's answer.
+        await server.stop_accepting(phase_gap_s=server.config.control_deadline_s)
+        log.info("stopped_accepting")
+        link.send({handshake.STOPPED_ACCEPTING: True})
+        await _next_phase(link, handshake.FINISH)
+        await server.finish_stop()
+        return 0
+    finally:
+        link.close()
+
+
+def _pass_signal(link: handshake.DrainLink, sig: signal.Signals) -> None:
+    """A SIGTERM/SIGINT sent to this worker itself: the supervisor drains the whole replica."""
+    log.info("signal_passed_to_supervisor", signal=sig.name)
+    link.send({handshake.STOP_REQUESTED: sig.name})
+
+
+async def _next_phase(link: handshake.DrainLink, phase: str) -> bool:
+    """Wait for the supervisor's `phase`; False when the supervisor is gone (end-of-file)."""
+    while True:
+        message = await link.receive()
+        if message is None:
+            log.warning("supervisor_gone", action="stopping", waiting_for=phase)
+            return False
+        if message.get(handshake.DRAIN) == phase:
+            return True
+        log.warning("unexpected_supervisor_message", message=message, waiting_for=phase)
