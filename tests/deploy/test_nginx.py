@@ -282,11 +282,10 @@ def draining_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """A fleet of its own (one replica gets SIGTERM), replicas with a short --grace."""
     procs = Processes(tmp_path_factory.mktemp("drain"))
     try:
-        # One process per replica: with `--workers N` the supervisor signals the workers one by
-        # one, and under load a worker can still take new calls after worker 0's health port said
-        # NOT_SERVING (docs/workers.md, "Known gaps"): this test would then see the leaving
-        # replica serve or cancel calls made during its drain.
-        yield start_fleet(procs, 1, ["--grace", str(DRAIN_GRACE_S), "--workers", "1"])
+        # Two worker processes per replica (whatever the machine's cores): the leaving replica's
+        # health port says NOT_SERVING only once both workers stopped accepting (docs/workers.md,
+        # "Drain"), so no call made after it reaches the leaving replica.
+        yield start_fleet(procs, 1, ["--grace", str(DRAIN_GRACE_S), "--workers", "2"])
     finally:
         procs.stop_all()
 

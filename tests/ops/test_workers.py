@@ -389,8 +389,8 @@ def gone(pid: int) -> bool:
 async def test_workers_stop_when_their_supervisor_is_killed(procs: Processes, tmp_path: Path) -> None:
     replica = start_replica(procs, tmp_path, *SIM)
     replica.proc.popen.send_signal(signal.SIGKILL)
-    for pid in replica.ports["worker_pids"]:
-        await until(f"worker {pid} exited", lambda pid=pid: gone(pid), timeout=60)
+    pids: list[int] = replica.ports["worker_pids"]
+    await until("every worker exited", lambda: all(gone(pid) for pid in pids), timeout=60)
 
 
 async def test_the_health_port_goes_not_serving_when_the_engines_die(
