@@ -31,14 +31,26 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import load, procs, static_engine
+from bench import h2load, load, procs, static_engine
 from bench.compare import Variant, parse_variant, run_grpc_custom
 from bench.run import SystemCpu, Workload, summarise
 
 DEFAULT_VARIANTS = ("w1=:--workers 1", "w2=:--workers 2")
+
+
+@dataclass
+class ServiceUnderTest:
+    """One variant's replica: where to call it, what to meter, and (for h2load) how to check it."""
+
+    target: str
+    pids: dict[str, int]
+    metrics_port: int
+    request_file: Path
+    call_bytes: int = 0
 
 
 def _client_main(
@@ -64,6 +76,38 @@ def _split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+def run_h2load(
+    target: str,
+    args: argparse.Namespace,
+    concurrency: int,
+    service: ServiceUnderTest,
+    engine_pids: dict[str, int],
+    workdir: Path,
+) -> tuple[load.RunResult, procs.Meter, float]:
+    """The workload from one h2load process, metered; every call checked against the service's metrics."""
+    log_file = workdir / "h2load.log"
+    argv = h2load.command(
+        target, service.request_file, args.requests, concurrency, args.connections, log_file
+    )
+    before = h2load.scrape(service.metrics_port)
+    system = SystemCpu()
+    with procs.Meter({**service.pids, **engine_pids}, interval_s=0.05) as meter:
+        result = h2load.run(argv, log_file)
+    busy = system.elapsed()
+    meter.cpu_s["client"] = result.cpu_s
+    problems: list[str] = []
+    for _ in range(50):  # the last calls' metrics land just after their trailers left
+        counted = h2load.scrape(service.metrics_port).minus(before)
+        problems = h2load.verify(result, counted, args.requests, args.max_tokens, service.call_bytes)
+        if not problems:
+            break
+        time.sleep(0.1)
+    if problems:
+        raise RuntimeError("h2load run not verified: " + "; ".join(problems) + "\n" + result.output)
+    results = [load.Result(lat, None, args.max_tokens, "verified") for lat in result.latencies_s]
+    return load.RunResult(results, result.wall_s, args.requests - result.succeeded), meter, busy
+
+
 def run_clients(
     target: str,
     args: argparse.Namespace,
@@ -72,7 +116,7 @@ def run_clients(
     service_pids: dict[str, int],
     engine_pids: dict[str, int],
 ) -> tuple[load.RunResult, procs.Meter, float]:
-    """The closed-loop workload from `args.clients` processes (1: this process), metered."""
+    """The closed-loop workload from `args.clients` Python processes (1: this process), metered."""
     if args.clients == 1:
         pids = {"client": os.getpid(), **service_pids, **engine_pids}
         system = SystemCpu()
@@ -145,11 +189,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--connections", type=int, default=8, help="per client process")
-    parser.add_argument("--clients", type=int, default=1, help="load-generator processes")
+    parser.add_argument("--clients", type=int, default=1, help="load-generator processes (--client python)")
+    parser.add_argument(
+        "--client",
+        choices=("python", "h2load"),
+        default="python",
+        help="the load generator: this package's asyncio client, or h2load (nghttp2-client, in C: ~no CPU; "
+        "every call checked against the service's metrics)",
+    )
     parser.add_argument("--final-only", action="store_true", help="clients ask for the final sample only")
     parser.add_argument("--nginx-workers", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="write every repetition here")
     args = parser.parse_args(argv)
+    if args.client == "h2load":
+        try:
+            h2load.binary()
+        except h2load.H2loadMissing as exc:
+            parser.error(str(exc))
+        if args.clients != 1:
+            parser.error("--clients applies to --client python (h2load is one process)")
     variants: list[Variant] = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     concurrencies: list[int] = args.concurrency or [64, 256]
     cores = len(os.sched_getaffinity(0))
@@ -163,18 +221,24 @@ def main(argv: list[str] | None = None) -> int:
                 group, 2, args.max_tokens, stream_interval, nginx_workers=args.nginx_workers
             )
             engine_pids = {f"nginx{i}": p for i, p in enumerate(engines.pids)}
-            targets: dict[str, tuple[str, dict[str, int]]] = {}
+            request_file = h2load.write_request_file(
+                workdir / "request.grpc", args.max_tokens, args.final_only
+            )
+            targets: dict[str, ServiceUnderTest] = {}
             for v in variants:
-                service = procs.start_service(group, f"svc-{v.name}", engines.urls, list(v.args), src=v.src)
+                extra = ["--metrics-port", "0", *v.args]  # before the variant's flags: they may override it
+                service = procs.start_service(group, f"svc-{v.name}", engines.urls, extra, src=v.src)
                 pids = {"service": service.proc.pid}
                 pids.update(
                     {f"service-w{i}": int(p) for i, p in enumerate(service.info.get("worker_pids") or [])}
                 )
-                targets[v.name] = (service.target, pids)
+                targets[v.name] = ServiceUnderTest(
+                    service.target, pids, int(service.info.get("metrics") or 0), request_file
+                )
             for v in variants:  # warm-up: connections, the engines' measured speed (stream_interval)
                 asyncio.run(
                     run_grpc_custom(
-                        targets[v.name][0],
+                        targets[v.name].target,
                         16,
                         64,
                         args.max_tokens,
@@ -185,15 +249,26 @@ def main(argv: list[str] | None = None) -> int:
                         args.connections,
                     )
                 )
+                if args.client == "h2load":
+                    targets[v.name].call_bytes = asyncio.run(
+                        h2load.expected_response_bytes(
+                            targets[v.name].target, args.max_tokens, args.final_only
+                        )
+                    )
             names = [v.name for v in variants]
             for rep in range(args.reps):
                 for concurrency in concurrencies:
                     order = names[rep % len(names) :] + names[: rep % len(names)]
                     for name in order:
-                        target, service_pids = targets[name]
-                        run, meter, busy = run_clients(
-                            target, args, concurrency, rep, service_pids, engine_pids
-                        )
+                        service = targets[name]
+                        if args.client == "h2load":
+                            run, meter, busy = run_h2load(
+                                service.target, args, concurrency, service, engine_pids, workdir
+                            )
+                        else:
+                            run, meter, busy = run_clients(
+                                service.target, args, concurrency, rep, service.pids, engine_pids
+                            )
                         workload = Workload(0.0, concurrency, args.requests, args.reps)
                         row = summarise("service", workload, run, meter, busy)
                         tokens = row["tokens"]
@@ -209,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         print(
                             f"c={concurrency:<4d} {name:6s} rep {rep}: {row['tokens_per_s']:>9,.0f} tok/s  "
-                            f"ttft p50 {row['ttft_p50_ms']:7.1f} ms  errors {row['errors']}  "
+                            f"ttft p50 {row['ttft_p50_ms']:7.1f} ms  "
+                            f"latency p50 {row['latency_p50_ms']:7.1f} ms  "
+                            f"errors {row['errors']}  "
                             f"s/Mtok svc {row['service_cpu_s_per_mtok'] or 0:5.1f} "
                             f"client {row['client_cpu_s_per_mtok']:5.1f} "
                             f"nginx {row['nginx_cpu_s_per_mtok']:4.2f}  "
@@ -228,7 +305,8 @@ def report(rows: list[dict[str, Any]], names: list[str], concurrencies: list[int
     """The table per concurrency, the measured ratio of the last variant to the first, the ceiling."""
     print()
     print(
-        "| streams | variant | tokens/s best (median) | TTFT p50 ms (median) | CPU s/Mtok: service / "
+        "| streams | variant | tokens/s best (median) | TTFT / latency p50 ms (median; h2load: no TTFT) "
+        "| CPU s/Mtok: service / "
         "clients / nginx (median) | cores used: service / clients / whole machine (median) "
         "| other load cores |"
     )
@@ -242,6 +320,7 @@ def report(rows: list[dict[str, Any]], names: list[str], concurrencies: list[int
                 for key in (
                     "tokens_per_s",
                     "ttft_p50_ms",
+                    "latency_p50_ms",
                     "service_cpu_s_per_mtok",
                     "client_cpu_s_per_mtok",
                     "nginx_cpu_s_per_mtok",
@@ -257,7 +336,8 @@ def report(rows: list[dict[str, Any]], names: list[str], concurrencies: list[int
             med[(c, name)] = m
             other = ", ".join(f"{r['other_load_cores']:.2f}" for r in reps)
             print(
-                f"| {c} | {name} | {m['best']:,.0f} ({m['tokens_per_s']:,.0f}) | {m['ttft_p50_ms']:,.0f} "
+                f"| {c} | {name} | {m['best']:,.0f} ({m['tokens_per_s']:,.0f}) | {m['ttft_p50_ms']:,.0f} / "
+                f"{m['latency_p50_ms']:,.0f} "
                 f"| {m['service_cpu_s_per_mtok']:.1f} / {m['client_cpu_s_per_mtok']:.1f} / "
                 f"{m['nginx_cpu_s_per_mtok']:.2f} | {m['service_cores']:.2f} / {m['client_cores']:.2f} / "
                 f"{m['busy_cores']:.2f} "
