@@ -77,7 +77,6 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 def run_h2load(
-    target: str,
     args: argparse.Namespace,
     concurrency: int,
     service: ServiceUnderTest,
@@ -87,7 +86,7 @@ def run_h2load(
     """The workload from one h2load process, metered; every call checked against the service's metrics."""
     log_file = workdir / "h2load.log"
     argv = h2load.command(
-        target, service.request_file, args.requests, concurrency, args.connections, log_file
+        service.target, service.request_file, args.requests, concurrency, args.connections, log_file
     )
     before = h2load.scrape(service.metrics_port)
     system = SystemCpu()
@@ -260,14 +259,12 @@ def main(argv: list[str] | None = None) -> int:
                 for concurrency in concurrencies:
                     order = names[rep % len(names) :] + names[: rep % len(names)]
                     for name in order:
-                        service = targets[name]
+                        under_test = targets[name]
                         if args.client == "h2load":
-                            run, meter, busy = run_h2load(
-                                service.target, args, concurrency, service, engine_pids, workdir
-                            )
+                            run, meter, busy = run_h2load(args, concurrency, under_test, engine_pids, workdir)
                         else:
                             run, meter, busy = run_clients(
-                                service.target, args, concurrency, rep, service.pids, engine_pids
+                                under_test.target, args, concurrency, rep, under_test.pids, engine_pids
                             )
                         workload = Workload(0.0, concurrency, args.requests, args.reps)
                         row = summarise("service", workload, run, meter, busy)
