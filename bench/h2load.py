@@ -175,6 +175,7 @@ def command(
 
 def run(argv: list[str], log_file: Path) -> H2loadRun:
     """Run h2load to its end; its CPU comes from the kernel's accounting of finished children."""
+    log_file.unlink(missing_ok=True)  # h2load appends to its log file
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=900)
@@ -206,6 +207,8 @@ def run(argv: list[str], log_file: Path) -> H2loadRun:
 def verify(result: H2loadRun, counted: Counts, requests: int, max_tokens: int, call_bytes: int) -> list[str]:
     """Why the run does not prove every call succeeded (empty: it does)."""
     problems = []
+    if len(result.latencies_s) != requests:
+        problems.append(f"h2load logged {len(result.latencies_s)} calls, expected {requests}")
     if result.succeeded != requests or result.failed or result.errored:
         problems.append(
             f"h2load: {result.succeeded} of {requests} succeeded, {result.failed} failed, "

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench import h2load, load, procs, static_engine
 from bench.compare import Variant, parse_variant, run_grpc_custom
 from bench.run import SystemCpu, Workload, summarise
@@ -163,6 +165,11 @@ def run_clients(
     return merged, meter, system.elapsed()
 
 
+def _softirq_s() -> float:
+    """The machine's CPU seconds in soft interrupts so far."""
+    return float(psutil.cpu_times().softirq)
+
+
 def _per_mtok(cpu: dict[str, float], prefix: str, tokens: int) -> float:
     return sum(v for k, v in cpu.items() if k.startswith(prefix)) / tokens * 1e6 if tokens else 0.0
 
@@ -260,12 +267,14 @@ def main(argv: list[str] | None = None) -> int:
                     order = names[rep % len(names) :] + names[: rep % len(names)]
                     for name in order:
                         under_test = targets[name]
+                        softirq = _softirq_s()
                         if args.client == "h2load":
                             run, meter, busy = run_h2load(args, concurrency, under_test, engine_pids, workdir)
                         else:
                             run, meter, busy = run_clients(
                                 under_test.target, args, concurrency, rep, under_test.pids, engine_pids
                             )
+                        softirq = _softirq_s() - softirq
                         workload = Workload(0.0, concurrency, args.requests, args.reps)
                         row = summarise("service", workload, run, meter, busy)
                         tokens = row["tokens"]
@@ -277,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                             client_cpu_s_per_mtok=round(_per_mtok(cpu, "client", tokens), 2),
                             nginx_cpu_s_per_mtok=round(_per_mtok(cpu, "nginx", tokens), 2),
                             machine_busy_cores=round(busy / run.wall_s, 2),
+                            # in `other`: the kernel's network work on loopback, counted to no process
+                            softirq_cores=round(softirq / run.wall_s, 2),
                         )
                         rows.append(row)
                         print(
@@ -287,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"s/Mtok svc {row['service_cpu_s_per_mtok'] or 0:5.1f} "
                             f"client {row['client_cpu_s_per_mtok']:5.1f} "
                             f"nginx {row['nginx_cpu_s_per_mtok']:4.2f}  "
-                            f"other {row['other_load_cores']}  cpu s {row['cpu_s_by_process']}",
+                            f"other {row['other_load_cores']} (softirq {row['softirq_cores']})  "
+                            f"cpu s {row['cpu_s_by_process']}",
                             flush=True,
                         )
     finally:
