@@ -24,13 +24,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,12 +83,41 @@ def _split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+@contextlib.contextmanager
+def profiled(service: ServiceUnderTest, args: argparse.Namespace, label: str) -> Iterator[None]:
+    """With `--py-spy DIR`: py-spy samples every serving process of the row (collapsed stacks in
+    DIR/<label>-<process>.txt, for `bench.pyspy_top`); it costs CPU, so such rows measure nothing."""
+    if args.py_spy is None:
+        yield
+        return
+    args.py_spy.mkdir(parents=True, exist_ok=True)
+    binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    spy_cmd = [binary, "record", "--format", "raw", "--nonblocking", "--rate", "100"]
+    spies = [
+        subprocess.Popen(
+            [*spy_cmd, "--pid", str(pid), "--output", str(args.py_spy / f"{label}-{proc}.txt")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for proc, pid in service.pids.items()
+        if proc != "service" or len(service.pids) == 1  # the supervisor handles no call
+    ]
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(30)
+
+
 def run_h2load(
     args: argparse.Namespace,
     concurrency: int,
     service: ServiceUnderTest,
     engine_pids: dict[str, int],
     workdir: Path,
+    label: str,
 ) -> tuple[load.RunResult, procs.Meter, float]:
     """The workload from one h2load process, metered; every call checked against the service's metrics."""
     log_file = workdir / "h2load.log"
@@ -92,7 +126,10 @@ def run_h2load(
     )
     before = h2load.scrape(service.metrics_port)
     system = SystemCpu()
-    with procs.Meter({**service.pids, **engine_pids}, interval_s=0.05) as meter:
+    with (
+        procs.Meter({**service.pids, **engine_pids}, interval_s=0.05) as meter,
+        profiled(service, args, label),
+    ):
         result = h2load.run(argv, log_file)
     busy = system.elapsed()
     meter.cpu_s["client"] = result.cpu_s
@@ -205,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--final-only", action="store_true", help="clients ask for the final sample only")
     parser.add_argument("--nginx-workers", type=int, default=1)
+    parser.add_argument(
+        "--py-spy", type=Path, default=None, help="with --client h2load: profile every serving process here"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every repetition here")
     args = parser.parse_args(argv)
     if args.client == "h2load":
@@ -269,7 +309,14 @@ def main(argv: list[str] | None = None) -> int:
                         under_test = targets[name]
                         softirq = _softirq_s()
                         if args.client == "h2load":
-                            run, meter, busy = run_h2load(args, concurrency, under_test, engine_pids, workdir)
+                            run, meter, busy = run_h2load(
+                                args,
+                                concurrency,
+                                under_test,
+                                engine_pids,
+                                workdir,
+                                f"{name}-c{concurrency}-rep{rep}",
+                            )
                         else:
                             run, meter, busy = run_clients(
                                 under_test.target, args, concurrency, rep, under_test.pids, engine_pids
