@@ -202,6 +202,31 @@ def run_clients(
     return merged, meter, system.elapsed()
 
 
+def _spin(n: int) -> None:
+    """A fixed amount of pure-Python work (the kind a worker's event loop does)."""
+    total = 0
+    for i in range(n):
+        total += i * i % 7
+
+
+def machine_scaling(cores: int, loops: int = 10_000_000) -> float:
+    """How much work `cores` processes get done at once against one alone (cores on a quiet
+    machine: `cores`; less when the vCPUs share a physical core or other load runs)."""
+    ctx = multiprocessing.get_context("spawn")
+
+    def timed(n: int) -> float:
+        children = [ctx.Process(target=_spin, args=(loops,)) for _ in range(n)]
+        start = time.perf_counter()
+        for child in children:
+            child.start()
+        for child in children:
+            child.join()
+        return time.perf_counter() - start
+
+    one = timed(1)
+    return cores * one / timed(cores)
+
+
 def _softirq_s() -> float:
     """The machine's CPU seconds in soft interrupts so far."""
     return float(psutil.cpu_times().softirq)
@@ -259,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0))
     stream_interval = args.stream_interval or (64 if args.final_only else 16)
 
+    scaling = machine_scaling(cores)
+    print(f"machine: {cores} processes of pure-Python work do {scaling:.2f}x the work of one", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="rollout-workers-"))
     rows: list[dict[str, Any]] = []
     try:

@@ -95,4 +95,3 @@ async def test_a_queued_generation_on_worker_1_starts_when_worker_0_frees_the_sl
     assert not one.waiting(1)  # its queue is empty again
     assert zero.counts() == (0, 1)
     loop.remove_reader(one.wake_socket.fileno())
-
