@@ -86,9 +86,8 @@ async def test_a_queued_generation_on_worker_1_starts_when_worker_0_frees_the_sl
     holder = asyncio.create_task(hold())
     await holding.wait()
     waiter = asyncio.create_task(queued())
-    while not second.queued:  # the waiter reached the queue (each turn of the loop runs it)
-        await asyncio.sleep(0)
-    assert one.waiting(1)
+    await asyncio.sleep(0)  # one turn of the loop: the new task runs up to its wait in the queue
+    assert second.queued == 1 and one.waiting(1)
     release.set()
     await holder
     await asyncio.wait_for(waiter, 30)  # started by worker 0's wake-up, not a poll
