@@ -13,11 +13,18 @@ from the measured CPU per token:
 with S, C, E the service's, the clients' and the engine's CPU seconds per token (S from the
 one-worker runs: one worker can use at most one core; everything shares `cores`).
 
-    python -m bench.workers --concurrency 64 --concurrency 256 --connections 8 --reps 3
+    python -m bench.workers --client h2load --concurrency 64 --concurrency 256 --connections 32 --reps 3
 
-`--clients P` splits the load over P client processes (each with its own connections), for when
-one load-generator process is the limit; `--final-only` makes the clients (and the service)
-cheaper per token.
+`--client h2load` (the default is `python`, this package's asyncio client) drives the calls with
+h2load, nghttp2's load generator in C (`bench/h2load.py`; Debian package nghttp2-client): it costs
+~0.13 of the service's CPU per token where the Python client costs ~0.6, so the load generator no
+longer takes the core a second worker is meant to use. h2load reads no gRPC trailers: each run is
+checked against the service's metrics (one Generate OK and `max_tokens` tokens per call) and the
+response bytes, and a run that does not add up fails the bench. h2load measures no time to first
+token (its latency per call is reported instead). `--clients P` splits the Python load over P
+processes; `--final-only` makes the clients (and the service) cheaper per token. The first line
+printed is how much work two processes of pure Python do against one on this machine right now:
+the machine's own ceiling, below 2x when the vCPUs share a core or other work runs.
 """
 
 from __future__ import annotations
