@@ -153,15 +153,16 @@ async def test_session_group_and_mine_aborts_reach_the_other_worker(
     assert _statuses(await streams.finals()) == [pb.SAMPLE_STATUS_ABORTED] * 3
 
 
+@pytest.mark.parametrize(("holding", "waiting"), [(1, 0), (0, 1)])
 async def test_the_in_flight_limit_is_the_replicas_and_a_freed_slot_wakes_another_worker(
-    by_worker: dict[int, AsyncRolloutClient],
+    by_worker: dict[int, AsyncRolloutClient], holding: int, waiting: int
 ) -> None:
-    holders, waiter = Streams(by_worker[1]), Streams(by_worker[0])
-    ids = holders.start(2, "holder")  # the replica's two slots, both on worker 1
+    holders, waiter = Streams(by_worker[holding]), Streams(by_worker[waiting])
+    ids = holders.start(2, "holder")  # the replica's two slots, both on one worker
     await holders.running()
     waiter.start(1, "waiter")
-    await wait_admitted(by_worker[0], running=2, queued=1)  # queued on worker 0 although it runs none
-    assert (await by_worker[0].abort(request_ids=ids[:1])).aborted == 1
+    await wait_admitted(by_worker[waiting], running=2, queued=1)  # queued although its worker runs none
+    assert (await by_worker[waiting].abort(request_ids=ids[:1])).aborted == 1
     await waiter.running()  # started by the slot worker 1 gave back (a wake-up, not a poll)
     await by_worker[0].abort(all=True)
     assert _statuses([*(await holders.finals()), *(await waiter.finals())]) == [pb.SAMPLE_STATUS_ABORTED] * 3

@@ -8,6 +8,13 @@ wakes its siblings through their unix datagram sockets (`wake-<i>`), so a genera
 worker starts when a generation ends on another; no worker polls. A worker first serves its own
 queue with a slot it gives back, then wakes the others: the queue is FIFO per worker, not across
 workers. The queue limit and the per-caller limit stay per worker (their shares).
+
+Only a sibling that waits is woken: after the counter, the file holds one `waiting` flag per
+worker, which a worker sets in the same locked section in which it found no free slot (so a slot
+given back after that section sees the flag, and one given back before it was free for the take)
+and clears, itself, once its queue is empty. Without the flags every generation that ended sent a
+datagram to every sibling and woke its event loop for nothing whenever nobody was queued, the usual
+case below the limit.
 """
 
 from __future__ import annotations
@@ -24,16 +31,21 @@ from pathlib import Path
 
 from rollout_grpc.server.facade.calls import TimedAdmission
 
-#: `running`, `limit` as two signed 64-bit integers.
+#: `running`, `limit` as two signed 64-bit integers; then one 64-bit `waiting` flag per worker.
 LAYOUT = struct.Struct("qq")
+FLAG = struct.Struct("q")
 SLOTS_FILE = "admission"
 
 
-def create_slots(run_dir: str, limit: int) -> None:
+def create_slots(run_dir: str, limit: int, workers: int) -> None:
     """The shared counter file (the supervisor writes it before any worker starts)."""
     path = Path(run_dir) / SLOTS_FILE
-    path.write_bytes(LAYOUT.pack(0, max(1, limit)))
+    path.write_bytes(LAYOUT.pack(0, max(1, limit)) + FLAG.pack(0) * workers)
     path.chmod(0o600)
+
+
+def _flag_offset(index: int) -> int:
+    return LAYOUT.size + FLAG.size * index
 
 
 def wake_path(run_dir: str, index: int) -> str:
@@ -46,8 +58,10 @@ class SharedSlots:
 
     def __init__(self, run_dir: str, index: int, workers: int) -> None:
         self._fd = os.open(Path(run_dir) / SLOTS_FILE, os.O_RDWR)
-        self._map = mmap.mmap(self._fd, LAYOUT.size)
-        self._others = [wake_path(run_dir, i) for i in range(workers) if i != index]
+        self._map = mmap.mmap(self._fd, _flag_offset(workers))
+        self._index = index
+        self._waiting = False  # this worker's flag, as last written
+        self._others = [(i, wake_path(run_dir, i)) for i in range(workers) if i != index]
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sender.setblocking(False)
         self.wake_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -63,13 +77,27 @@ class SharedSlots:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def try_take(self) -> bool:
-        """Take a slot if the replica's limit allows."""
+        """Take a slot if the replica's limit allows; if not, mark this worker as waiting (in the
+        same locked section, so the sibling that gives the next slot back wakes it)."""
         with self._locked():
             running, limit = LAYOUT.unpack_from(self._map)
             if running >= limit:
+                if not self._waiting:
+                    FLAG.pack_into(self._map, _flag_offset(self._index), 1)
+                    self._waiting = True
                 return False
             LAYOUT.pack_into(self._map, 0, running + 1, limit)
             return True
+
+    def stop_waiting(self) -> None:
+        """This worker's queue is empty: its siblings need not wake it any more."""
+        if self._waiting:
+            FLAG.pack_into(self._map, _flag_offset(self._index), 0)
+            self._waiting = False
+
+    def waiting(self, index: int) -> bool:
+        """Whether worker `index` has generations queued for a slot."""
+        return bool(FLAG.unpack_from(self._map, _flag_offset(index))[0])
 
     def give_back(self) -> None:
         """Return a slot (the siblings are woken by `notify`)."""
@@ -89,11 +117,13 @@ class SharedSlots:
             running, limit = LAYOUT.unpack_from(self._map)
         return int(running), int(limit)
 
-    def notify(self) -> None:
-        """Wake every sibling: a slot may be free (a full socket buffer is a wake-up pending)."""
-        for path in self._others:
-            with contextlib.suppress(BlockingIOError, ConnectionRefusedError, FileNotFoundError):
-                self._sender.sendto(b"w", path)
+    def notify(self, everyone: bool = False) -> None:
+        """Wake the siblings that wait (`everyone`: all of them): a slot may be free (a full socket
+        buffer is a wake-up pending)."""
+        for index, path in self._others:
+            if everyone or self.waiting(index):
+                with contextlib.suppress(BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+                    self._sender.sendto(b"w", path)
 
     def close(self) -> None:
         """Release the mapping and the sockets."""
@@ -124,10 +154,15 @@ class SharedAdmission(TimedAdmission):
         super()._release()  # this worker's queue first
         self._slots.notify()
 
+    def _wake(self) -> None:
+        super()._wake()
+        if not self._queue:
+            self._slots.stop_waiting()
+
     def resize(self, limit: int) -> None:
         self._slots.set_limit(limit)
         super().resize(limit)
-        self._slots.notify()
+        self._slots.notify(everyone=True)
 
     def woken(self) -> None:
         """A sibling gave a slot back: drain the wake-ups, start queued generations that fit."""

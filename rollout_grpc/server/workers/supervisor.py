@@ -170,7 +170,7 @@ class Supervisor:
             with reservation:
                 self.port = reservation.port
                 # The replica's one in-flight limit, counted by all workers together.
-                create_slots(run_dir, cfg.in_flight_limit())
+                create_slots(run_dir, cfg.in_flight_limit(), self.workers)
                 return await self._run(run_dir)
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
