@@ -120,12 +120,14 @@ class SglangEngine(HttpEngine):
                 resp = await self._open_stream(stack, body)
                 if resp.status != 200:
                     raise self._http_error(resp.status, await resp.read())
-                async for data in self._events(resp):
-                    if data == DONE:
-                        return
-                    for event in self._parse(reader, data):
-                        finished = finished or isinstance(event, EngineFinal)
-                        yield event
+                # Closed here, not by the garbage collector (a finalizer task per call).
+                async with contextlib.aclosing(self._events(resp)) as events:
+                    async for data in events:
+                        if data == DONE:
+                            return
+                        for event in self._parse(reader, data):
+                            finished = finished or isinstance(event, EngineFinal)
+                            yield event
                 if not finished:
                     raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
         except TRANSPORT_ERRORS as exc:

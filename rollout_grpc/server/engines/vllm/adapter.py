@@ -497,15 +497,19 @@ class VllmEngine(HttpEngine):
             resp = await self._open_stream(stack, body)
             if resp.status != 200:
                 raise self._http_error(resp.status, await resp.read())
-            async for data in self._events(resp):
-                if data == DONE:
-                    return
-                for event in parse_chunk(self.url, data, call):
-                    if not progress.produced and isinstance(event, EngineDelta):
-                        progress.produced = True
-                        self._remember_media(hashes)
-                    progress.finished = progress.finished or isinstance(event, EngineFinal)
-                    yield event
+            # Closed here, not left to the garbage collector: an async generator abandoned at
+            # [DONE] is finalized through a thread-safe callback, a self-pipe write and a task
+            # of its own, once per call (bench/profile_notes.md, third pass).
+            async with contextlib.aclosing(self._events(resp)) as events:
+                async for data in events:
+                    if data == DONE:
+                        return
+                    for event in parse_chunk(self.url, data, call):
+                        if not progress.produced and isinstance(event, EngineDelta):
+                            progress.produced = True
+                            self._remember_media(hashes)
+                        progress.finished = progress.finished or isinstance(event, EngineFinal)
+                        yield event
             if not progress.finished:
                 raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
 

@@ -287,7 +287,6 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self,
         method: str,
         context: Context,
-        requests: AsyncIterator[bytes],
         deserialize: wire.Deserialize,
         record: CallRecord | None,
     ) -> tuple[Caller, object]:
@@ -306,7 +305,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         try:
             if not control:
                 self._authorize(method, caller)
-            request = await wire.read_one(requests, deserialize, self._limits, _request_cap(method))
+            request = await wire.read_one(context, deserialize, self._limits, _request_cap(method))
         except (Refused, RolloutError) as exc:
             raise _Unread(exc) from None
         try:
@@ -396,7 +395,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             request: object = None
             try:
                 try:
-                    caller, request = await self._admit(method, context, requests, deserialize, record)
+                    caller, request = await self._admit(method, context, deserialize, record)
                     if audited:
                         response = await self._audited(method, request, context, inner, caller)
                     else:
@@ -423,7 +422,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             delivered = False
             try:
                 try:
-                    _, request = await self._admit(method, context, requests, deserialize, record)
+                    _, request = await self._admit(method, context, deserialize, record)
                     async for message in inner(request, context):
                         delivered = delivered or (record is not None and record.sample is not None)
                         yield message

@@ -39,13 +39,15 @@ Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # not subscriptable at r
 Deserialize = Callable[[bytes], Any]
 
 
-async def read_one(
-    requests: AsyncIterator[bytes], deserialize: Deserialize, limits: RequestLimits, cap: str | None
-) -> Any:
+async def read_one(context: Context, deserialize: Deserialize, limits: RequestLimits, cap: str | None) -> Any:
     """The call's one request message, decoded; InvalidArgument when it is missing or over `cap`
-    (a `RequestLimits` field name; None: only the gRPC message limit applies)."""
-    raw = await anext(requests, None)
-    if raw is None:
+    (a `RequestLimits` field name; None: only the gRPC message limit applies).
+
+    Read with `context.read()`, not from the handler's request iterator: that iterator is an async
+    generator left suspended after the one message, and its finalizer then costs every call a
+    thread-safe callback and a task to close it (bench/profile_notes.md, third pass)."""
+    raw = await context.read()
+    if raw is grpc.aio.EOF:
         raise InvalidArgument("request", "the call ended before its request message")
     if cap is not None:
         limits.check_request_bytes(len(raw), cap)
@@ -62,9 +64,9 @@ def open_service(handler: Handler, limits: RequestLimits) -> Handler:
     `max_open_request_bytes` and decoded tolerantly, no authentication."""
     deserialize = tolerant(handler.request_deserializer or undecoded)
 
-    async def read(requests: AsyncIterator[bytes], context: Context) -> Any:
+    async def read(context: Context) -> Any:
         try:
-            request = await read_one(requests, deserialize, limits, "max_open_request_bytes")
+            request = await read_one(context, deserialize, limits, "max_open_request_bytes")
             if isinstance(request, Undecodable):
                 raise InvalidArgument(
                     "request", f"the bytes are not a valid {request.message_type}: {request.error}"
@@ -77,14 +79,14 @@ def open_service(handler: Handler, limits: RequestLimits) -> Handler:
         check: Any = handler.unary_unary
 
         async def unary(requests: AsyncIterator[bytes], context: Context) -> Any:
-            return await check(await read(requests, context), context)
+            return await check(await read(context), context)
 
         return grpc.stream_unary_rpc_method_handler(unary, None, handler.response_serializer)
     if handler.unary_stream is not None:
         watch: Any = handler.unary_stream
 
         async def stream(requests: AsyncIterator[bytes], context: Context) -> None:
-            out = watch(await read(requests, context), context)
+            out = watch(await read(context), context)
             if inspect.isasyncgen(out):  # a generator servicer; health's Watch writes itself
                 async for message in out:
                     await context.write(message)
