@@ -252,8 +252,12 @@ async def _wait_started(started: asyncio.Event, tasks: list[asyncio.Task[Any]], 
         raise RuntimeError(f"generations did not all start within {timeout}s{detail}") from None
 
 
-async def abort_grpc(target: str, in_flight: int, max_tokens: int, seed: int) -> AbortResult:
-    """Start `in_flight` generations through the service, wait for a token on each, Abort(all)."""
+async def abort_grpc(
+    target: str, in_flight: int, max_tokens: int, seed: int, connections: int = 1
+) -> AbortResult:
+    """Start `in_flight` generations through the service over `connections` channels (with
+    `serve --workers N`, each connection is served by one worker), wait for a token on each,
+    Abort(all)."""
     rng = random.Random(seed)
     count = 0
     started = asyncio.Event()
@@ -265,7 +269,7 @@ async def abort_grpc(target: str, in_flight: int, max_tokens: int, seed: int) ->
         if count == in_flight:
             started.set()
 
-    async with AsyncRolloutClient(target) as client:
+    async with AsyncRolloutClient(target, connections=connections) as client:
 
         async def one(i: int) -> Result:
             # Default batching: the first delta (a generation is in flight) comes with the second

@@ -205,3 +205,12 @@ def test_engines_are_split_evenly_over_the_pool_processes(total: int, parts: int
     from bench import scale
 
     assert scale.split_engines(total, parts) == split
+
+
+def test_abort_bench_connections_are_per_variant_and_a_bad_value_names_the_option() -> None:
+    from bench.abort_all import parse_connections
+
+    assert parse_connections(["w2=4"], ["w1", "w2"]) == {"w2": 4}
+    for bad in ("w2", "w3=4", "w2=0", "w2=x"):
+        with pytest.raises(SystemExit, match="--connections"):
+            parse_connections([bad], ["w1", "w2"])
