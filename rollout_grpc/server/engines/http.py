@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from types import EllipsisType
 from typing import Any, Final
 
@@ -190,7 +190,7 @@ class HttpEngine:
                 f"{self._timeouts.liveness:g} s",
             )
 
-    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
         """The `data:` payloads of an SSE body, split without a line-length cap below the limit."""
         limit = self._timeouts.max_event_bytes
         buf = bytearray()
