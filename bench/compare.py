@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             )
             engines = list(args.engine) or [sim.url for sim in sims]
+            # A real engine refuses a direct request for a model it does not serve.
+            model = asyncio.run(load.served_model(engines[0])) if args.engine else load.SIM_MODEL
             engine_pids = [sim.proc.pid for sim in sims]
             targets: dict[str, tuple[str, dict[str, int]]] = {}
             for v in variants:
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def runner(name: str, seed: int, c: int, n: int, m: int) -> Any:
                 if name == "direct":
-                    return load.run_direct(engines, c, n, m, seed)
+                    return load.run_direct(engines, c, n, m, seed, model)
                 return run_grpc_custom(
                     targets[name][0],
                     c,

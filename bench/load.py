@@ -91,13 +91,20 @@ def direct_session(limit: int) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
 
-def direct_body(token_ids: list[int], max_tokens: int, request_id: str) -> bytes:
-    """The `/inference/v1/generate` body vime's streaming rollout sends (tokens mode)."""
+#: The model name the simulated engines serve (`python -m rollout_grpc.sim`).
+SIM_MODEL = "sim-llama"
+
+
+def direct_body(token_ids: list[int], max_tokens: int, request_id: str, model: str = SIM_MODEL) -> bytes:
+    """The `/inference/v1/generate` body vime's streaming rollout sends (tokens mode).
+
+    `model` must be one the engine serves: vLLM answers 404 for any other name.
+    """
     return orjson.dumps(
         {
             "request_id": request_id,
             "token_ids": token_ids,
-            "model": "sim-llama",
+            "model": model,
             "sampling_params": {
                 "max_tokens": max_tokens,
                 "ignore_eos": True,
@@ -158,12 +165,22 @@ async def direct_generate(
     return Result(time.perf_counter() - start, ttft, len(tokens), finish)
 
 
+async def served_model(url: str) -> str:
+    """The first model an engine lists at `GET /v1/models` (what a direct request must name)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/models") as resp:
+        resp.raise_for_status()
+        listed = (await resp.json())["data"]
+    if not listed:
+        raise RuntimeError(f"{url} serves no model")
+    return str(listed[0]["id"])
+
+
 async def run_direct(
-    engines: list[str], concurrency: int, requests: int, max_tokens: int, seed: int
+    engines: list[str], concurrency: int, requests: int, max_tokens: int, seed: int, model: str = SIM_MODEL
 ) -> RunResult:
     """The workload posted straight to the engines, round-robin."""
     rng = random.Random(seed)
-    bodies = [direct_body(prompt(rng), max_tokens, f"bench-d{seed}-{i}") for i in range(requests)]
+    bodies = [direct_body(prompt(rng), max_tokens, f"bench-d{seed}-{i}", model) for i in range(requests)]
     async with direct_session(concurrency) as session:
         return await closed_loop(
             concurrency, requests, lambda i: direct_generate(session, engines[i % len(engines)], bodies[i])

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import psutil
 
 from bench import load, procs
@@ -96,9 +95,7 @@ async def direct_one(session: aiohttp.ClientSession, url: str, body: bytes, coun
 
 def direct_body(token_ids: list[int], request_id: str) -> bytes:
     """`bench/load.py`'s body, naming the served model."""
-    body = orjson.loads(load.direct_body(token_ids, MAX_TOKENS, request_id))
-    body["model"] = MODEL
-    return orjson.dumps(body)
+    return load.direct_body(token_ids, MAX_TOKENS, request_id, MODEL)
 
 
 async def run_direct(url: str, concurrency: int, requests: int, seed: int, counts: Counts) -> load.RunResult:
