@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import r3, r3_e2e, sections
+from bench.sections import num
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PATH_ORDER = ("direct", "service", "nginx x2", "service final_only", "service text mode")
@@ -23,12 +24,6 @@ COLORS = {
     "service text mode": "#8172b3",
 }
 PROFILE_NOTES = Path(__file__).resolve().parent / "profile_notes.md"
-
-
-def _num(value: Any, fmt: str = ",.0f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, fmt)
 
 
 def _sorted_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -52,12 +47,12 @@ def main_table(rows: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"| {row['token_delay_ms']:g} ms | {row['concurrency']} | {row['requests']}{errors} "
             f"| {row['path']} "
-            f"| {_num(row['samples_per_s'], ',.1f')} | {_num(row['tokens_per_s'])} "
-            f"| {_num(row['latency_p50_ms'], ',.1f')} | {_num(row['latency_p99_ms'], ',.1f')} "
-            f"| {_num(row['ttft_p50_ms'], ',.1f')} | {_num(row['ttft_p99_ms'], ',.1f')} "
-            f"| {_num(row['service_cpu_s_per_mtok'], ',.1f')} | {_num(row['service_peak_rss_mib'], ',.0f')} "
-            f"| {_num(row.get('ratio_tokens_per_s'), '.2f')} | {_num(row.get('ratio_latency_p50'), '.2f')} "
-            f"| {_num(row['other_load_cores'], '.2f')} |"
+            f"| {num(row['samples_per_s'], ',.1f')} | {num(row['tokens_per_s'])} "
+            f"| {num(row['latency_p50_ms'], ',.1f')} | {num(row['latency_p99_ms'], ',.1f')} "
+            f"| {num(row['ttft_p50_ms'], ',.1f')} | {num(row['ttft_p99_ms'], ',.1f')} "
+            f"| {num(row['service_cpu_s_per_mtok'], ',.1f')} | {num(row['service_peak_rss_mib'], ',.0f')} "
+            f"| {num(row.get('ratio_tokens_per_s'), '.2f')} | {num(row.get('ratio_latency_p50'), '.2f')} "
+            f"| {num(row['other_load_cores'], '.2f')} |"
         )
     return out
 
@@ -138,8 +133,8 @@ def previous_table(results: dict[str, Any]) -> list[str]:
             continue
         out.append(
             f"| {row['token_delay_ms']:g} ms | {row['concurrency']} | {row['path']} "
-            f"| {_num(before['ratio_tokens_per_s'], '.2f')} | {_num(row.get('ratio_tokens_per_s'), '.2f')} "
-            f"| {_num(before['ttft_p50_ms'], ',.1f')} | {_num(row['ttft_p50_ms'], ',.1f')} |"
+            f"| {num(before['ratio_tokens_per_s'], '.2f')} | {num(row.get('ratio_tokens_per_s'), '.2f')} "
+            f"| {num(before['ttft_p50_ms'], ',.1f')} | {num(row['ttft_p50_ms'], ',.1f')} |"
         )
     if results.get("abort") and prev["abort"]:
         out += [

@@ -64,6 +64,7 @@ import psutil
 
 from bench import agentic, load, procs, r3, r3_e2e
 from bench.report import previous_summary, write_markdown, write_plot
+from bench.sections import num
 from rollout_grpc.client import AsyncRolloutClient
 from rollout_grpc.server.domain.model import GenerateOptions
 
@@ -185,8 +186,9 @@ def summarise(
         "tokens": tokens,
         "latency_p50_ms": round(_pct(latencies, 0.5), 2),
         "latency_p99_ms": round(_pct(latencies, 0.99), 2),
-        "ttft_p50_ms": round(_pct(ttfts, 0.5), 2),
-        "ttft_p99_ms": round(_pct(ttfts, 0.99), 2),
+        # None (JSON null) when no call reported a first token (h2load reads no gRPC messages).
+        "ttft_p50_ms": round(_pct(ttfts, 0.5), 2) if ttfts else None,
+        "ttft_p99_ms": round(_pct(ttfts, 0.99), 2) if ttfts else None,
         "service_cpu_s": round(service_cpu, 3),
         "service_cpu_s_per_mtok": round(service_cpu / tokens * 1e6, 2) if tokens and service_cpu else None,
         "service_peak_rss_mib": round(service_rss / 2**20, 1) if service_rss else None,
@@ -220,7 +222,7 @@ def measure(
     row["rep"] = rep
     print(
         f"  {workload.key:24s} {path:18s} rep {rep}: {row['tokens_per_s']:>9,.0f} tok/s  "
-        f"p50 {row['latency_p50_ms']:>8.1f} ms  ttft {row['ttft_p50_ms']:>7.1f} ms  "
+        f"p50 {row['latency_p50_ms']:>8.1f} ms  ttft {num(row['ttft_p50_ms'], '>7.1f')} ms  "
         f"svc cpu {row['service_cpu_s']:.2f}s  errors {row['errors']}  other load {row['other_load_cores']}",
         flush=True,
     )
@@ -334,7 +336,8 @@ def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["ratio_tokens_per_s"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
         row["ratio_latency_p50"] = round(row["latency_p50_ms"] / base["latency_p50_ms"], 3)
         row["ratio_latency_p99"] = round(row["latency_p99_ms"] / base["latency_p99_ms"], 3)
-        row["ratio_ttft_p50"] = round(row["ttft_p50_ms"] / base["ttft_p50_ms"], 3)
+        if row["ttft_p50_ms"] is not None and base["ttft_p50_ms"]:
+            row["ratio_ttft_p50"] = round(row["ttft_p50_ms"] / base["ttft_p50_ms"], 3)
     return out
 
 

@@ -36,7 +36,8 @@ def load_sections(out_dir: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def _num(value: Any, fmt: str = ",.0f") -> str:
+def num(value: Any, fmt: str = ",.0f") -> str:
+    """`value` in `fmt`, or "-" when it was not measured (None or NaN)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, fmt)
@@ -73,7 +74,7 @@ def vllm_section(data: dict[str, Any]) -> list[str]:
         "`benchmarks.vllm.json`. " + machine_note(data),
         "",
         f"* Engine: {settings['engine']}; started in {data.get('vllm_start_s', '?')} s, "
-        f"{_num(data.get('vllm_rss_mib'))} MiB RSS over its processes. {settings['prompt_tokens']}-token "
+        f"{num(data.get('vllm_rss_mib'))} MiB RSS over its processes. {settings['prompt_tokens']}-token "
         f"random prompts, {settings['max_new_tokens']}-token responses (`ignore_eos`), one logprob per "
         "token, token-in/token-out.",
         "* **direct**: aiohttp posting `/inference/v1/generate` with `stream: true`; **service**: one "
@@ -100,15 +101,15 @@ def vllm_section(data: dict[str, Any]) -> list[str]:
         per_message = _tokens_per_message(row.get("tokens_per_message", {}))
         lines.append(
             f"| {row['concurrency']} | {row['requests']}{errors} | {row['path']} "
-            f"| {_num(row['tokens_per_s'])} | {_num(row.get('ratio_tokens_per_s'), '.2f')} "
-            f"| {_num(row['latency_p50_ms'], ',.1f')} "
-            f"| {_num(row['ttft_p50_ms'], ',.1f')} | {_num(row['ttft_p99_ms'], ',.1f')} "
-            f"| {_num(row['service_cpu_s_per_mtok'], ',.1f')} "
-            f"| {_num(row.get('client_cpu_s_per_mtok'), ',.1f')} "
-            f"| {_num(row.get('engines_cpu_s_per_mtok'), ',.0f')} "
-            f"| {_num(row['service_peak_rss_mib'], ',.0f')} "
-            f"| {_num(row.get('messages_per_token'), '.3f')} | {per_message} "
-            f"| {_num(row['other_load_cores'], '.2f')} |"
+            f"| {num(row['tokens_per_s'])} | {num(row.get('ratio_tokens_per_s'), '.2f')} "
+            f"| {num(row['latency_p50_ms'], ',.1f')} "
+            f"| {num(row['ttft_p50_ms'], ',.1f')} | {num(row['ttft_p99_ms'], ',.1f')} "
+            f"| {num(row['service_cpu_s_per_mtok'], ',.1f')} "
+            f"| {num(row.get('client_cpu_s_per_mtok'), ',.1f')} "
+            f"| {num(row.get('engines_cpu_s_per_mtok'), ',.0f')} "
+            f"| {num(row['service_peak_rss_mib'], ',.0f')} "
+            f"| {num(row.get('messages_per_token'), '.3f')} | {per_message} "
+            f"| {num(row['other_load_cores'], '.2f')} |"
         )
     lines.append("")
     return lines
@@ -160,11 +161,11 @@ def scale_section(data: dict[str, Any]) -> list[str]:
         r3 = f"{row['r3_layers']} x {row['r3_topk']}" if row["r3_layers"] else "-"
         lines.append(
             f"| {row['streams']:,} | {row['engines']} | {r3} | {row['requests']:,}{errors} "
-            f"| {_num(row['tokens_per_s'])} | {_num(row['tokens_per_s_per_stream'], '.1f')} "
-            f"| {_num(row['ttft_p50_ms'], ',.1f')} | {_num(row['service_cpu_s_per_mtok'], ',.1f')} "
-            f"| {_num(row['service_cores'], '.2f')} | {_num(row['service_peak_rss_mib'], ',.0f')} "
-            f"| {_num(row['service_idle_rss_mib'], ',.0f')} | {_num(row['engines_cpu_s'], ',.1f')} "
-            f"| {_num(row['client_cpu_s'], ',.1f')} | {_num(row['other_load_cores'], '.2f')} |"
+            f"| {num(row['tokens_per_s'])} | {num(row['tokens_per_s_per_stream'], '.1f')} "
+            f"| {num(row['ttft_p50_ms'], ',.1f')} | {num(row['service_cpu_s_per_mtok'], ',.1f')} "
+            f"| {num(row['service_cores'], '.2f')} | {num(row['service_peak_rss_mib'], ',.0f')} "
+            f"| {num(row['service_idle_rss_mib'], ',.0f')} | {num(row['engines_cpu_s'], ',.1f')} "
+            f"| {num(row['client_cpu_s'], ',.1f')} | {num(row['other_load_cores'], '.2f')} |"
         )
     low, high = rule["cpu_s_per_mtok_range"]
     idles = [r["service_idle_rss_mib"] for r in data["rows"] if r.get("service_idle_rss_mib")]
@@ -184,17 +185,17 @@ def scale_section(data: dict[str, Any]) -> list[str]:
         f"* **Memory: {rule['rss_mib_per_1k_streams']} MiB per 1k concurrent streams** on top of "
         f"{rule['fixed_rss_mib']} MiB per replica (least-squares line of peak RSS over "
         f"{', '.join(f'{s:,}' for s in rule['rss_fit_streams'])} streams; an idle replica holds "
-        f"{_num(idle, ',.0f')} MiB).",
+        f"{num(idle, ',.0f')} MiB).",
         f"* **One replica is one process and uses at most one core**: its ceiling is about "
-        f"{_num(rule['replica_ceiling_tok_s'])} tokens/s; plan {_num(rule['replica_planned_tok_s'])} "
+        f"{num(rule['replica_ceiling_tok_s'])} tokens/s; plan {num(rule['replica_planned_tok_s'])} "
         f"tokens/s per replica ({rule['target_core_share'] * 100:.0f} % of the core) and add replicas "
         "beyond that.",
     ]
     slow = rule.get("slow_rows") or []
     if slow:
         listed = "; ".join(
-            f"{r['streams']:,} streams ({_num(r['tokens_per_s_per_stream'], '.1f')} tokens/s per stream, "
-            f"{_num(r['cpu_s_per_mtok'], '.1f')} s/M tok)"
+            f"{r['streams']:,} streams ({num(r['tokens_per_s_per_stream'], '.1f')} tokens/s per stream, "
+            f"{num(r['cpu_s_per_mtok'], '.1f')} s/M tok)"
             for r in slow
         )
         lines.append(
@@ -204,20 +205,20 @@ def scale_section(data: dict[str, Any]) -> list[str]:
         )
     if rule.get("rss_mib_per_engine") is not None:
         cpu = ", ".join(
-            f"{e['engines']} engines {_num(e['cpu_s_per_mtok'], '.1f')} s/M tok" for e in rule["engines"]
+            f"{e['engines']} engines {num(e['cpu_s_per_mtok'], '.1f')} s/M tok" for e in rule["engines"]
         )
         engines = rule["engines"]
         lines.append(
             f"* **Engines**: {rule['rss_mib_per_engine']} MiB per engine in the list (peak RSS "
-            f"{_num(engines[0]['rss_mib'])} MiB at {engines[0]['engines']} engines, "
-            f"{_num(engines[-1]['rss_mib'])} MiB at {engines[-1]['engines']}); CPU per token at "
+            f"{num(engines[0]['rss_mib'])} MiB at {engines[0]['engines']} engines, "
+            f"{num(engines[-1]['rss_mib'])} MiB at {engines[-1]['engines']}); CPU per token at "
             f"{settings['base_streams']} streams: {cpu}."
         )
     r3_rows = [r for r in rule["r3"] if r["bytes_per_token"]]
     if r3_rows:
         r3_parts = ", ".join(
-            f"{r['layers_x_topk']} ({r['bytes_per_token']} B/token): CPU x{_num(r['cpu_vs_base'], '.2f')}, "
-            f"+{_num(r['extra_rss_mib_per_1k_streams'], ',.0f')} MiB per 1k streams"
+            f"{r['layers_x_topk']} ({r['bytes_per_token']} B/token): CPU x{num(r['cpu_vs_base'], '.2f')}, "
+            f"+{num(r['extra_rss_mib_per_1k_streams'], ',.0f')} MiB per 1k streams"
             for r in r3_rows
         )
         lines.append(

@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -52,6 +53,7 @@ import psutil
 from bench import h2load, load, procs, static_engine
 from bench.compare import Variant, parse_variant, run_grpc_custom
 from bench.run import SystemCpu, Workload, summarise
+from bench.sections import num
 
 DEFAULT_VARIANTS = ("w1=:--workers 1", "w2=:--workers 2")
 
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         print(
                             f"c={concurrency:<4d} {name:6s} rep {rep}: {row['tokens_per_s']:>9,.0f} tok/s  "
-                            f"ttft p50 {row['ttft_p50_ms']:7.1f} ms  "
+                            f"ttft p50 {num(row['ttft_p50_ms'], '7.1f')} ms  "
                             f"latency p50 {row['latency_p50_ms']:7.1f} ms  "
                             f"errors {row['errors']}  "
                             f"s/Mtok svc {row['service_cpu_s_per_mtok'] or 0:5.1f} "
@@ -405,17 +407,18 @@ def report(rows: list[dict[str, Any]], names: list[str], concurrencies: list[int
     for c in concurrencies:
         for name in names:
             reps = [r for r in rows if r["variant"] == name and r["concurrency"] == c]
+            ttfts = [r["ttft_p50_ms"] for r in reps if r["ttft_p50_ms"] is not None]
             m = {
                 key: statistics.median(float(r[key] or 0) for r in reps)
                 for key in (
                     "tokens_per_s",
-                    "ttft_p50_ms",
                     "latency_p50_ms",
                     "service_cpu_s_per_mtok",
                     "client_cpu_s_per_mtok",
                     "nginx_cpu_s_per_mtok",
                 )
             }
+            m["ttft_p50_ms"] = statistics.median(ttfts) if ttfts else math.nan
             m["best"] = max(r["tokens_per_s"] for r in reps)
             m["busy_cores"] = statistics.median(r["machine_busy_cores"] for r in reps)
             m["service_cores"] = statistics.median(r["service_cpu_s"] / r["wall_s"] for r in reps)
@@ -426,7 +429,7 @@ def report(rows: list[dict[str, Any]], names: list[str], concurrencies: list[int
             med[(c, name)] = m
             other = ", ".join(f"{r['other_load_cores']:.2f}" for r in reps)
             print(
-                f"| {c} | {name} | {m['best']:,.0f} ({m['tokens_per_s']:,.0f}) | {m['ttft_p50_ms']:,.0f} / "
+                f"| {c} | {name} | {m['best']:,.0f} ({m['tokens_per_s']:,.0f}) | {num(m['ttft_p50_ms'])} / "
                 f"{m['latency_p50_ms']:,.0f} "
                 f"| {m['service_cpu_s_per_mtok']:.1f} / {m['client_cpu_s_per_mtok']:.1f} / "
                 f"{m['nginx_cpu_s_per_mtok']:.2f} | {m['service_cores']:.2f} / {m['client_cores']:.2f} / "
