@@ -9,7 +9,7 @@ kept for each path. The rows:
   round-robin, as vime's streaming rollout does (`bench/load.py`).
 * `service`  — the same requests through one `rollout-grpc serve` process with the Python
   `AsyncRolloutClient` (token deltas, then the final sample), at the service's default stream
-  batching: the first tokens at once, then a delta every 16 tokens or 200 ms
+  batching: the first tokens at once, then a delta every 64 tokens or 200 ms
   (``GenerateOptions``; the report states the values read from the code).
 * `nginx x2` — through nginx (the teammates' `deploy/nginx/rollout-grpc.conf.template`) in front
   of two replicas, when nginx and the template exist; left out otherwise (the report says so).

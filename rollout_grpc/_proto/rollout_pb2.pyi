@@ -1105,9 +1105,10 @@ class GenerateOptions(_message.Message):
     has no routing; an MoE engine needs the flag) — never a sample that silently lacks routing.
     """
     stream_batch_tokens: _builtins.int
-    """Flush a delta message after this many new tokens. Default 16. With the time flush disabled
-    (`stream_batch_interval_ms` = 0) a stream carries at most ceil(new_tokens /
-    stream_batch_tokens) + 1 messages, the final sample included.
+    """Flush a delta message after this many new tokens. Default 64 (the server's
+    `--stream-batch-tokens`). With the time flush disabled (`stream_batch_interval_ms` = 0) a
+    stream carries at most ceil(new_tokens / stream_batch_tokens) + 1 messages, the final sample
+    included; with it, the first tokens of the call also go at once and every time flush may add one.
     """
     stream_batch_interval_ms: _builtins.int
     """Time flush: the first tokens of the call are sent at once, later ones when the oldest unsent

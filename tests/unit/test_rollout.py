@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -443,3 +444,33 @@ def test_an_engine_faster_than_measured_sends_no_more_messages(monkeypatch: pyte
         if batch is not None:
             sizes.append(len(batch.token_ids))
     assert sizes == [1, 16, 16, 16, 16, 16]
+
+
+def test_the_default_batching_sends_the_first_token_then_64_token_messages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At the defaults (64 tokens or 200 ms) an engine faster than 64 tokens per 200 ms is asked for
+    64-token events and a 256-token response takes ceil(256 / 64) + 2 messages with the final
+    sample: the first token alone (TTFT), then one per 64 tokens (the documented bound)."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    options = GenerateOptions()
+    assert options.stream_batch_tokens == 64
+    asked = tokens_per_message(options.stream_batch_tokens, options.stream_batch_interval_s, 0.001)
+    assert asked == 64
+    batcher = _Batcher(options)
+    batcher.engine_batches(asked)
+    sizes = []
+    made = 0
+    while made < 256:
+        n = 1 if made == 0 else min(asked, 256 - made)
+        made += n
+        clock[0] = made * 0.001
+        batch = batcher.add(made - n, [7] * n, [0.0] * n, "")
+        if batch is not None:
+            sizes.append(len(batch.token_ids))
+    last = batcher.flush()
+    if last is not None:
+        sizes.append(len(last.token_ids))
+    assert sizes == [1, 64, 64, 64, 63]
+    assert len(sizes) + 1 <= math.ceil(256 / options.stream_batch_tokens) + 2

@@ -65,7 +65,7 @@ class GenerateOptions:
 
     mask_offpolicy: bool = False
     return_routed_experts: bool = False
-    stream_batch_tokens: int = 16
+    stream_batch_tokens: int = 64
     stream_batch_interval_s: float = 0.2
     final_only: bool = False
     skip_text: bool = False
