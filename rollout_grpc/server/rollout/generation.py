@@ -151,18 +151,28 @@ class _Batcher:
         if not self.enabled:
             return None
         now = time.monotonic()
-        self._open(offset, now)
+        pending = self._tokens or self._text
+        if not pending:
+            self._offset = offset
+            self._since = self._last if self._batched else now
         self._last = now
-        self._tokens.extend(tokens)
-        self._logprobs.extend(logprobs)
-        self._text += text
         if (
             self._first
-            or len(self._tokens) >= self._limit
+            or len(tokens) + len(self._tokens) >= self._limit
             or (self._interval > 0 and now - self._since >= self._interval)
         ):
             self._first = False
+            if not pending:
+                # The usual case once the engine sends a message's tokens per event: the event is
+                # the message, sent without copying it into the batch first.
+                return TokenBatch(tokens, logprobs, offset, text)
+            self._tokens.extend(tokens)
+            self._logprobs.extend(logprobs)
+            self._text += text
             return self.flush()
+        self._tokens.extend(tokens)
+        self._logprobs.extend(logprobs)
+        self._text += text
         return None
 
     def add_text(self, offset: int, text: str) -> None:
