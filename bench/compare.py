@@ -166,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                     row["variant"], row["rep"] = name, rep
                     row["cpu_s_by_process"] = {k: round(v, 2) for k, v in meter.cpu_s.items()}
                     row["wall_s"] = round(run.wall_s, 2)
+                    done = [r for r in run.results if r.messages]
+                    row["messages_per_sample"] = (
+                        round(sum(r.messages for r in done) / len(done), 1) if done else None
+                    )
                     rows.append(row)
                     print(
                         f"{name:14s} rep {rep}: {row['tokens_per_s']:>9,.0f} tok/s  "
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"ttft p50 {row['ttft_p50_ms']:7.1f} ms  "
                         f"svc {row['service_cpu_s_per_mtok'] or 0:6.1f} s/Mtok  rss "
                         f"{row['service_peak_rss_mib'] or 0:5.0f} MiB  other {row['other_load_cores']}  "
+                        f"msgs/sample {row['messages_per_sample']}  "
                         f"cpu s {row['cpu_s_by_process']}",
                         flush=True,
                     )

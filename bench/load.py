@@ -45,6 +45,8 @@ class Result:
     ttft_s: float | None
     tokens: int
     finish: str
+    #: Stream messages received, the final sample included (0 for direct HTTP).
+    messages: int = 0
 
 
 @dataclass(slots=True)
@@ -214,7 +216,9 @@ async def grpc_generate(
     ttft: float | None = None
     final: pb.Sample | None = None
     streamed = 0
+    messages = 0
     async for message in client.generate_stream(*parts, request_id=request_id):
+        messages += 1
         if message.HasField("delta"):
             n = len(message.delta.token_ids)
             if n and ttft is None:
@@ -230,7 +234,7 @@ async def grpc_generate(
         ttft = time.perf_counter() - start
     if len(final.rollout_log_probs) != final.response_length:
         raise RuntimeError("logprobs do not match tokens")
-    return Result(time.perf_counter() - start, ttft, final.response_length, _STATUS[final.status])
+    return Result(time.perf_counter() - start, ttft, final.response_length, _STATUS[final.status], messages)
 
 
 async def run_grpc(
