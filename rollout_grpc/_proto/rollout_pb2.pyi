@@ -1114,7 +1114,9 @@ class GenerateOptions(_message.Message):
     """Time flush: the first tokens of the call are sent at once, later ones when the oldest unsent
     token is this old (milliseconds), even if fewer than `stream_batch_tokens` are pending. Ages
     are checked as tokens arrive. Default 200 (the server's `--stream-batch-interval-ms`). 0
-    disables the time flush (and the immediate first message).
+    disables the time flush (and the immediate first message). The service asks the engine for
+    the tokens of one message per event (`stream_interval`: those made in twice this time, at most
+    `stream_batch_tokens`), so a delta's oldest token can be up to twice this old.
     """
     final_only: _builtins.bool
     """Send no delta messages, only the final sample (fewer messages when the trainer does not stream)."""

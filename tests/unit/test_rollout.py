@@ -385,39 +385,48 @@ async def test_routed_experts_engine_lost_after_tokens_keeps_them_when_no_other_
         (16, 0.2, 0.0235),
         (16, 0.2, 0.049),
         (16, 0.2, 0.0001),
+        (64, 0.2, 0.0033),
+        (64, 0.2, 0.0075),
+        (64, 0.2, 0.011),
+        (64, 0.2, 0.02),
+        (64, 0.2, 0.021),
         (64, 0.2, 0.033),
+        (64, 0.2, 0.3),
         (4, 1.0, 0.011),
     ],
 )
 def test_the_engine_is_asked_for_the_tokens_of_one_stream_message(
     monkeypatch: pytest.MonkeyPatch, limit: int, interval_s: float, gap_s: float
 ) -> None:
-    """Events of `tokens_per_message` tokens leave the batcher as the same messages, at the same
-    times, as events of the tokens made within the time flush (what engines were asked before)."""
+    """Events of `tokens_per_message` tokens: one message each, none above the limit, the oldest
+    token at most two time flushes old, and no more messages than one-token events give."""
 
-    def messages(per_event: int, engine_batch: int) -> list[tuple[float, int]]:
+    def messages(per_event: int, engine_batch: int) -> list[tuple[float, int, float]]:
+        """(when, tokens, age of the oldest token) per message, from the first to the 240th token."""
         clock = [0.0]
         monkeypatch.setattr(time, "monotonic", lambda: clock[0])
         batcher = _Batcher(GenerateOptions(stream_batch_tokens=limit, stream_batch_interval_s=interval_s))
         batcher.engine_batches(engine_batch)
-        out: list[tuple[float, int]] = []
-        made = 0
+        out: list[tuple[float, int, float]] = []
+        made = sent = 0
         while made < 240:  # the first token alone (vLLM sends it at once), then `per_event` each
-            n = 1 if made == 0 else per_event
+            n = 1 if made == 0 else min(per_event, 240 - made)
             made += n
             clock[0] = made * gap_s
             batch = batcher.add(made - n, [7] * n, [0.0] * n, "")
             if batch is not None:
-                out.append((clock[0], len(batch.token_ids)))
+                out.append((clock[0], len(batch.token_ids), clock[0] - (sent + 1) * gap_s))
+                sent += len(batch.token_ids)
         return out
 
-    old = max(1, min(limit, int(interval_s / gap_s)))
     asked = tokens_per_message(limit, interval_s, gap_s)
-    assert asked >= old
-    # Compare the messages both produce up to the last token both have made.
-    fewer, more = messages(asked, asked), messages(old, 1)
-    end = min(fewer[-1][0], more[-1][0])
-    assert [m for m in fewer if m[0] <= end] == [m for m in more if m[0] <= end]
+    assert 1 <= asked <= limit
+    batched, single = messages(asked, asked), messages(1, 1)
+    if asked > 1:  # single tokens are held until the next one arrives after the flush is due
+        assert all(tokens <= asked for _, tokens, _ in batched)
+        assert sum(tokens for _, tokens, _ in batched[1:-1]) == asked * len(batched[1:-1])  # event = message
+    assert max(age for _, _, age in batched) <= 2 * interval_s + 1e-9
+    assert len(batched) <= len(single)
 
 
 def test_without_a_time_flush_or_a_measured_speed_the_engine_batch_is_the_message_or_one() -> None:

@@ -192,29 +192,28 @@ class _Batcher:
 
 
 def tokens_per_message(limit: int, interval_s: float, gap_s: float | None) -> int:
-    """The tokens `_Batcher` puts in one stream message when an engine makes one every `gap_s`
-    seconds, which is what an engine's `stream_interval` should be.
+    """The tokens an engine making one every `gap_s` seconds should send per SSE event
+    (`stream_interval`): one event is then one stream message.
 
-    The batcher flushes at `limit` tokens, or at the first event that arrives `interval_s` after
-    the batch's first event. Events of at most the tokens made in `interval_s` keep the time
-    flush (1 until the engine's speed is measured); the batcher then releases them in groups.
-    Asking the engine for the whole group at once gives the same messages at the same times from
-    fewer SSE events (20 ms/token, 16 tokens or 200 ms: events of 20 tokens instead of two of 10;
-    each event costs the service 25-50 us, bench/profile_notes.md): such an event spans the time
-    flush, and the batcher counts its age from the event before (`_Batcher.engine_batches`). An
-    engine faster than measured sends events sooner, and the batcher holds them as it would
-    single tokens: never more messages than without engine batching.
+    The tokens made in two time flushes, at most `limit`. Such an event spans the time flush when
+    it arrives (the batcher counts a batched event's age from the event before it, when its oldest
+    token was made: `_Batcher.engine_batches`), so it is sent at once: messages every ~2x
+    `interval_s` at most, from one SSE event each (each event and each message cost the service
+    25-200 us, bench/profile_notes.md). Twice, not once: an event of the tokens made within one
+    flush arrives just before the flush is due and waits for the next, so the message carries two
+    events at the same ~2x cadence. The limit caps it: an engine is never asked for more than a message holds. With
+    the old rule (repeat the tokens of one flush until the limit) a 64-token limit asked an engine
+    at 3.3-33 ms/token for up to 120 tokens per event, its oldest token up to 3x the flush old
+    (bench/profile_notes.md, "Fourth pass"). 1 until the engine's speed is measured. An engine
+    faster than measured sends events sooner, and the batcher holds them as it would single
+    tokens: never more messages than without engine batching.
     """
     limit = max(1, limit)
     if interval_s <= 0:
         return limit
     if gap_s is None:
         return 1
-    per_event = max(1, min(limit, int(interval_s / max(gap_s, 1e-6))))
-    events = 1
-    while events * per_event < limit and (events - 1) * per_event * gap_s < interval_s:
-        events += 1
-    return events * per_event
+    return max(1, min(limit, int(2 * interval_s / max(gap_s, 1e-6))))
 
 
 class Rollout:
