@@ -197,16 +197,16 @@ def tokens_per_message(limit: int, interval_s: float, gap_s: float | None) -> in
 
     The tokens made in two time flushes, at most `limit`. Such an event spans the time flush when
     it arrives (the batcher counts a batched event's age from the event before it, when its oldest
-    token was made: `_Batcher.engine_batches`), so it is sent at once: messages every ~2x
-    `interval_s` at most, from one SSE event each (each event and each message cost the service
+    token was made: `_Batcher.engine_batches`), so it is sent at once: messages at most ~2x
+    `interval_s` apart, from one SSE event each (each event and each message cost the service
     25-200 us, bench/profile_notes.md). Twice, not once: an event of the tokens made within one
     flush arrives just before the flush is due and waits for the next, so the message carries two
-    events at the same ~2x cadence. The limit caps it: an engine is never asked for more than a message holds. With
-    the old rule (repeat the tokens of one flush until the limit) a 64-token limit asked an engine
-    at 3.3-33 ms/token for up to 120 tokens per event, its oldest token up to 3x the flush old
-    (bench/profile_notes.md, "Fourth pass"). 1 until the engine's speed is measured. An engine
-    faster than measured sends events sooner, and the batcher holds them as it would single
-    tokens: never more messages than without engine batching.
+    events at the same ~2x cadence. The limit caps it: an engine is never asked for more than a
+    message holds. The old rule (the tokens of one flush, repeated until the limit) asked an engine
+    at 3.3-33 ms/token for up to 120 tokens per event with a 64-token limit, its oldest token up to
+    3x the flush old (bench/profile_notes.md, "Fourth pass"). 1 until the engine's speed is
+    measured. An engine faster than measured sends events sooner, and the batcher holds them as it
+    would single tokens: never more messages than without engine batching.
     """
     limit = max(1, limit)
     if interval_s <= 0:
