@@ -1,0 +1,213 @@
+"""What grpc.aio itself costs a server per streaming call and per message: the floor under the service.
+
+Why: issue 26 asks for <= 5 us of service CPU per streamed token at 20 ms/token and 512 streams,
+and for Abort(all) within 1.5x of the engine's own. Before cutting more of our own code it must be
+known what a server that does *nothing but* grpc.aio costs for the same call shape. This bench
+runs a bare grpc.aio server in its own process: one unary-stream method that reads one request
+and writes `messages` pre-serialized `GenerateResponse` deltas of `tokens_per_message` tokens,
+`interval_ms` apart (asyncio.sleep between writes, as the service is woken between engine
+events), then ends with status OK. No protobuf parsing, no HTTP, no engines, no bookkeeping. The
+client (this process, grpc.aio, `--connections` channels) runs a closed loop of `--concurrency`
+calls and checks that every call got exactly `messages` messages. The server's CPU (psutil, user +
+system, all its threads: the event loop and grpc's completion-queue poller) over the run is the
+floor.
+
+    python -m bench.grpc_floor --concurrency 512 --requests 1024 --messages 17 --interval-ms 300
+    python -m bench.grpc_floor --concurrency 64 --requests 2048 --messages 1 --interval-ms 0
+
+Prints one line per repetition and, with `--tokens-per-sample`, the floor in the unit of
+`docs/benchmarks.md` (service CPU seconds per million tokens of samples that size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import psutil
+
+from rollout_grpc._proto import rollout_pb2 as pb
+
+#: The one method of the bare server (any path will do: nothing routes on it).
+METHOD = "/floor.v1.Floor/Stream"
+#: A request is three little-endian uint32: messages, interval in microseconds, tokens per message.
+_REQUEST = struct.Struct("<III")
+
+
+def delta_payload(tokens: int) -> bytes:
+    """A serialized `GenerateResponse` delta of `tokens` tokens, as the service sends one."""
+    delta = pb.TokenDelta(token_ids=range(1000, 1000 + tokens), logprobs=[-0.5] * tokens, offset=0)
+    return pb.GenerateResponse(delta=delta).SerializeToString()
+
+
+# ------------------------------------------------------------------------------------- the server
+
+
+async def _stream(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> AsyncIterator[bytes]:
+    messages, interval_us, tokens = _REQUEST.unpack(request)
+    payload = delta_payload(tokens)
+    for i in range(messages):
+        if i and interval_us:
+            await asyncio.sleep(interval_us / 1e6)
+        yield payload
+
+
+async def start_server() -> tuple[grpc.aio.Server, int]:
+    """The bare method, served on a free loopback port (returned with the server)."""
+    server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 1 << 20)])
+    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_stream_rpc_method_handler(_stream)
+    service, method = METHOD.rsplit("/", 1)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.strip("/"), {method: handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def serve(port_file: Path) -> None:
+    """Serve until killed; the port number goes to `port_file` (by rename: never read half-written)."""
+    server, port = await start_server()
+    tmp = port_file.with_suffix(".tmp")
+    tmp.write_text(str(port))
+    tmp.rename(port_file)
+    await server.wait_for_termination()
+
+
+# ------------------------------------------------------------------------------------- the client
+
+
+async def run_calls(
+    target: str,
+    concurrency: int,
+    requests: int,
+    messages: int,
+    interval_ms: float,
+    tokens: int,
+    connections: int,
+) -> float:
+    """A closed loop of `requests` calls, `concurrency` at a time; returns the wall time.
+
+    Raises when a call fails or gets another number of messages than asked for.
+    """
+    channels = [
+        grpc.aio.insecure_channel(
+            target, options=[("grpc.channel_id", i), ("grpc.use_local_subchannel_pool", 1)]
+        )
+        for i in range(connections)
+    ]
+    calls: list[grpc.aio.UnaryStreamMultiCallable[bytes, bytes]] = [
+        ch.unary_stream(METHOD) for ch in channels
+    ]
+    request = _REQUEST.pack(messages, int(interval_ms * 1000), tokens)
+    next_index = 0
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < requests:
+            index = next_index
+            next_index += 1
+            got = 0
+            async for _ in calls[index % connections](request):
+                got += 1
+            if got != messages:
+                raise RuntimeError(f"call {index}: {got} messages, asked for {messages}")
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        for ch in channels:
+            await ch.close()
+    return time.perf_counter() - start
+
+
+def _cpu(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # the server child's port file
+    parser.add_argument("--concurrency", type=int, default=512)
+    parser.add_argument("--requests", type=int, default=1024)
+    parser.add_argument("--messages", type=int, default=17, help="messages per call (deltas + final)")
+    parser.add_argument("--interval-ms", type=float, default=300.0, help="between a call's messages")
+    parser.add_argument("--tokens-per-message", type=int, default=16)
+    parser.add_argument("--tokens-per-sample", type=int, default=256, help="for the s/Mtok figure")
+    parser.add_argument("--connections", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.serve:
+        asyncio.run(serve(args.serve))
+        return 0
+    for name in ("concurrency", "requests", "messages", "connections", "reps", "tokens_per_sample"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+
+    with tempfile.TemporaryDirectory(prefix="grpc-floor-") as workdir:
+        port_file = Path(workdir) / "port"
+        child = psutil.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve", str(port_file)])
+        try:
+            deadline = time.monotonic() + 30
+            while not port_file.exists():
+                if child.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the bare grpc.aio server did not start")
+                time.sleep(0.05)
+            target = f"127.0.0.1:{port_file.read_text()}"
+            # Warm-up: connections, the server's first calls.
+            asyncio.run(run_calls(target, 16, 32, 1, 0, args.tokens_per_message, args.connections))
+            per_call: list[float] = []
+            for rep in range(args.reps):
+                before, machine = _cpu(child), psutil.cpu_times()
+                wall = asyncio.run(
+                    run_calls(
+                        target,
+                        args.concurrency,
+                        args.requests,
+                        args.messages,
+                        args.interval_ms,
+                        args.tokens_per_message,
+                        args.connections,
+                    )
+                )
+                server_s = _cpu(child) - before
+                after = psutil.cpu_times()
+                busy = sum(getattr(after, f) - getattr(machine, f) for f in ("user", "system", "nice"))
+                per_call.append(server_s / args.requests)
+                print(
+                    f"rep {rep}: {args.requests} calls x {args.messages} messages in {wall:.2f} s; "
+                    f"server CPU {server_s:.2f} s = {server_s / args.requests * 1e6:,.0f} us/call, "
+                    f"{server_s / (args.requests * args.messages) * 1e6:,.1f} us/message; "
+                    f"machine busy {busy / wall:.2f} cores",
+                    flush=True,
+                )
+        finally:
+            child.terminate()
+            try:
+                child.wait(10)
+            except psutil.TimeoutExpired:
+                child.kill()
+    median = statistics.median(per_call)
+    print(
+        f"median {median * 1e6:,.0f} us of server CPU per call of {args.messages} messages = "
+        f"{median / args.tokens_per_sample * 1e6:.1f} s/Mtok for {args.tokens_per_sample}-token samples "
+        f"(pid {os.getpid()} was the client)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
