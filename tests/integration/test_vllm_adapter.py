@@ -176,3 +176,48 @@ async def test_a_connection_lost_after_the_final_chunk_loses_nothing() -> None:
     async with engine(generate) as url, aiohttp.ClientSession() as session:
         events = await collect(VllmEngine(url, session))
         assert isinstance(events[-1], EngineFinal) and events[-1].weight_spans[0].end == 2
+
+
+async def test_silent_response_head_of_an_unresponsive_engine_is_hung() -> None:
+    """No response head and no answer to /health either: hung, within idle + liveness."""
+    release = asyncio.Event()
+
+    async def generate(_: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response()
+
+    async def health(_: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response()
+
+    async with engine(generate, health) as url, aiohttp.ClientSession() as session:
+        adapter = VllmEngine(url, session, EngineTimeouts(idle=0.2, liveness=0.2))
+        with pytest.raises(EngineHung):
+            await asyncio.wait_for(collect(adapter), 10)
+        release.set()
+
+
+async def test_silent_response_head_of_a_live_engine_keeps_waiting() -> None:
+    """A long prefill holds the response head: while /health answers, the request is kept."""
+    probes = 0
+    probed_twice = asyncio.Event()
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        await probed_twice.wait()  # no head through two idle periods
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(chunk([8], "length"))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def health(_: web.Request) -> web.Response:
+        nonlocal probes
+        probes += 1
+        if probes >= 2:
+            probed_twice.set()
+        return web.Response()
+
+    async with engine(generate, health) as url, aiohttp.ClientSession() as session:
+        adapter = VllmEngine(url, session, EngineTimeouts(idle=0.1))
+        events = await asyncio.wait_for(collect(adapter), 10)
+        assert isinstance(events[-1], EngineFinal) and probes >= 2

@@ -13,11 +13,10 @@ the names gRPC uses), whatever the door: the front door adds its HTTP status.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import enum
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -158,14 +157,12 @@ CURRENT_CALL: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar
 class TimedAdmission(Admission):
     """Admission that writes each generation's queue wait into the current call's record."""
 
-    @contextlib.asynccontextmanager
-    async def slot(self, entry: InFlight) -> AsyncIterator[None]:
+    async def _acquire(self, entry: InFlight) -> None:
         started = time.monotonic()
-        async with super().slot(entry):
-            record = CURRENT_CALL.get()
-            if record is not None:
-                record.queue_wait_s = time.monotonic() - started
-            yield
+        await super()._acquire(entry)
+        record = CURRENT_CALL.get()
+        if record is not None:
+            record.queue_wait_s = time.monotonic() - started
 
 
 def _ms(seconds: float | None) -> float | None:
