@@ -154,10 +154,8 @@ async def test_breaker_cooldown_setting_reaches_the_engine_pool() -> None:
     """`--breaker-cooldown` decides how long an engine that broke a stream stays out of rotation."""
     async with harness("sim", breaker_cooldown_s=0.0) as h:
         h.sims[0].faults.drop_connection = 1
-        # The stream breaks before a token is sent (with the default, 1, the one token sent before
-        # the drop may arrive, and the sample then ends ABORTED with it) and no other engine is
-        # left: UNAVAILABLE, and the engine's breaker is open.
-        h.sims[0].faults.drop_after_tokens = 0
+        # The stream breaks before a token arrives and no other engine is left: UNAVAILABLE, and
+        # the engine's breaker is open.
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await h.client.generate(make_sample([5, 6, 7]), {"max_new_tokens": 50, "ignore_eos": True})
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from types import EllipsisType
 from typing import Any, Final
 
@@ -118,61 +118,6 @@ class IdleWatch:
             self._handle = None
 
 
-class HeadWatch:
-    """Probes the engine while a request waits for its response head, and ends the wait if hung.
-
-    Every `idle` seconds of waiting, `probe` runs in a task of its own (only then: the common
-    call costs one timer); when it raises (`EngineHung`), the waiting task is cancelled and
-    `hung()` returns that error, which the waiter raises instead of the cancellation. An engine
-    that answers the probe keeps the request (it may be paused, or prefilling a long prompt).
-    """
-
-    __slots__ = ("_base", "_error", "_handle", "_idle", "_loop", "_probe", "_probing", "_task")
-
-    def __init__(self, idle: float, probe: Callable[[], Awaitable[None]]) -> None:
-        self._idle = idle
-        self._probe = probe
-        self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("an engine request is sent outside a task")
-        self._task = task
-        self._base = task.cancelling()
-        self._error: Exception | None = None
-        self._probing: asyncio.Task[None] | None = None
-        self._handle: asyncio.TimerHandle | None = self._loop.call_later(idle, self._start_probe)
-
-    def _start_probe(self) -> None:
-        self._handle = None
-        self._probing = self._loop.create_task(self._run_probe())
-
-    async def _run_probe(self) -> None:
-        try:
-            await self._probe()
-        except Exception as exc:
-            self._error = exc
-            self._task.cancel()
-            return
-        finally:
-            self._probing = None
-        self._handle = self._loop.call_later(self._idle, self._start_probe)
-
-    def hung(self) -> Exception | None:
-        """After a CancelledError in the wait: the probe's error when the cancellation was this
-        watch's alone (then absorbed), else None (the caller re-raises)."""
-        if self._error is None or self._task.uncancel() > self._base:
-            return None
-        return self._error
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        if self._probing is not None:
-            self._probing.cancel()
-            self._probing = None
-
-
 class HttpEngine:
     """The transport half of an HTTP engine adapter; a kind's adapter subclasses it.
 
@@ -225,30 +170,16 @@ class HttpEngine:
             headers=JSON_HEADERS,
             timeout=timeout,
         )
-        if not self._timeouts.idle:
-            return await stack.enter_async_context(request)
-        # Awaited in this task, not in a task of its own under `asyncio.wait`: that cost every
-        # call a task, a waiter future and their callbacks (bench/profile_notes.md, fourth pass).
-        # A silent engine is probed beside the wait (`HeadWatch`), which ends it only if hung.
-        watch = HeadWatch(self._timeouts.idle, self._check_alive)
+        task = asyncio.ensure_future(stack.enter_async_context(request))
         try:
-            return await stack.enter_async_context(request)
-        except asyncio.CancelledError:
-            hung = watch.hung()
-            if hung is not None:
-                raise hung from None
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self._timeouts.idle)
+                if done:
+                    return task.result()
+                await self._check_alive()
+        except BaseException:
+            task.cancel()
             raise
-        finally:
-            watch.close()
-
-    async def _open_ok_stream(
-        self, stack: contextlib.AsyncExitStack, body: dict[str, Any]
-    ) -> aiohttp.ClientResponse:
-        """`_open_stream`, and the kind's error (`_http_error`) unless the engine answered 200."""
-        resp = await self._open_stream(stack, body)
-        if resp.status != 200:
-            raise self._http_error(resp.status, await resp.read())
-        return resp
 
     async def _check_alive(self) -> None:
         """After `idle` seconds of silence: keep waiting if the engine answers, else it is hung."""

@@ -13,10 +13,11 @@ the names gRPC uses), whatever the door: the front door adds its HTTP status.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -157,12 +158,14 @@ CURRENT_CALL: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar
 class TimedAdmission(Admission):
     """Admission that writes each generation's queue wait into the current call's record."""
 
-    async def _acquire(self, entry: InFlight) -> None:
+    @contextlib.asynccontextmanager
+    async def slot(self, entry: InFlight) -> AsyncIterator[None]:
         started = time.monotonic()
-        await super()._acquire(entry)
-        record = CURRENT_CALL.get()
-        if record is not None:
-            record.queue_wait_s = time.monotonic() - started
+        async with super().slot(entry):
+            record = CURRENT_CALL.get()
+            if record is not None:
+                record.queue_wait_s = time.monotonic() - started
+            yield
 
 
 def _ms(seconds: float | None) -> float | None:

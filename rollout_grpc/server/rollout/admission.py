@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+from collections.abc import AsyncIterator
 
 from rollout_grpc.server.domain.errors import ResourceExhausted
 from rollout_grpc.server.rollout.inflight import InFlight
@@ -70,15 +72,9 @@ class Admission:
             self._queue.popleft()
             fut.set_result(None)
 
-    def slot(self, entry: InFlight) -> Slot:
-        """Hold one slot for the body of `async with`; raise ResourceExhausted when the queue is full.
-
-        A plain object, not an `asynccontextmanager`: that is an async generator per call, with
-        its hooks and its frame (bench/profile_notes.md, fourth pass)."""
-        return Slot(self, entry)
-
-    async def _acquire(self, entry: InFlight) -> None:
-        """Take a slot, waiting in the queue if need be (what entering `slot` does)."""
+    @contextlib.asynccontextmanager
+    async def slot(self, entry: InFlight) -> AsyncIterator[None]:
+        """Hold one slot for the body; raise ResourceExhausted when the queue is full."""
         if self._queue or not self._take():
             if self.queued >= self._max_queue:
                 raise ResourceExhausted(
@@ -99,23 +95,11 @@ class Admission:
                 raise
             finally:
                 entry.waiter = None
+        try:
+            yield
+        finally:
+            self._release()
 
     def _release(self) -> None:
         self._give_back()
         self._wake()
-
-
-class Slot:
-    """One generation's hold on an admission slot: taken on entering, given back on leaving."""
-
-    __slots__ = ("_admission", "_entry")
-
-    def __init__(self, admission: Admission, entry: InFlight) -> None:
-        self._admission = admission
-        self._entry = entry
-
-    async def __aenter__(self) -> None:
-        await self._admission._acquire(self._entry)
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._admission._release()

@@ -117,7 +117,9 @@ class SglangEngine(HttpEngine):
         finished = False
         try:
             async with contextlib.AsyncExitStack() as stack:
-                resp = await self._open_ok_stream(stack, body)
+                resp = await self._open_stream(stack, body)
+                if resp.status != 200:
+                    raise self._http_error(resp.status, await resp.read())
                 # Closed here, not by the garbage collector (a finalizer task per call).
                 async with contextlib.aclosing(self._events(resp)) as events:
                     async for data in events:

@@ -28,6 +28,7 @@ import base64
 import collections
 import contextlib
 from collections.abc import AsyncIterator, Container, Iterable
+from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any, Final
 
@@ -383,6 +384,14 @@ def parse_chunk(url: str, data: bytes, call: EngineCall) -> list[EngineEvent]:
 # ------------------------------------------------------------------------------------ the adapter
 
 
+@dataclass(slots=True)
+class _Progress:
+    """How far a generate call got: a delta received (the engine holds the media), the final result."""
+
+    produced: bool = False
+    finished: bool = False
+
+
 class VllmEngine(HttpEngine):
     """One vLLM engine (or the simulator, which speaks the same surface): an `EngineAdapter`."""
 
@@ -466,36 +475,43 @@ class VllmEngine(HttpEngine):
         """
         body, hash_only = self.generate_body(call)
         hashes = [it.mm_hash for it in _media(call.features)]
-        # One generator for the call (the SGLang adapter's shape), not a wrapper over a second
-        # one: each async generator costs every call its hooks and every event a hop.
-        produced = finished = False
+        progress = _Progress()
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                resp = await self._open_ok_stream(stack, body)
-                # Closed here, not left to the garbage collector: an async generator abandoned at
-                # [DONE] is finalized through a thread-safe callback, a self-pipe write and a task
-                # of its own, once per call (bench/profile_notes.md, third pass).
-                async with contextlib.aclosing(self._events(resp)) as events:
-                    async for data in events:
-                        if data == DONE:
-                            return
-                        for event in parse_chunk(self.url, data, call):
-                            if not produced and isinstance(event, EngineDelta):
-                                produced = True  # the engine holds the media now
-                                self._remember_media(hashes)
-                            finished = finished or isinstance(event, EngineFinal)
-                            yield event
-                if not finished:
-                    raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
+            async for event in self._stream(body, call, hashes, progress):
+                yield event
         except EngineRequestFailed as exc:
-            if hash_only and not produced:
+            if hash_only and not progress.produced:
                 self.forget_media(hashes)
                 raise MediaCacheMiss(self.url, f"media sent by hash only failed ({exc.message})") from exc
             raise
         except TRANSPORT_ERRORS as exc:
-            if finished:  # the final result arrived; only the usage chunk or [DONE] was lost
+            if progress.finished:  # the final result arrived; only the usage chunk or [DONE] was lost
                 return
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
+
+    async def _stream(
+        self, body: dict[str, Any], call: EngineCall, hashes: list[str], progress: _Progress
+    ) -> AsyncIterator[EngineEvent]:
+        """The events of one generate call, until [DONE] (or the end of the stream after the final)."""
+        async with contextlib.AsyncExitStack() as stack:
+            resp = await self._open_stream(stack, body)
+            if resp.status != 200:
+                raise self._http_error(resp.status, await resp.read())
+            # Closed here, not left to the garbage collector: an async generator abandoned at
+            # [DONE] is finalized through a thread-safe callback, a self-pipe write and a task
+            # of its own, once per call (bench/profile_notes.md, third pass).
+            async with contextlib.aclosing(self._events(resp)) as events:
+                async for data in events:
+                    if data == DONE:
+                        return
+                    for event in parse_chunk(self.url, data, call):
+                        if not progress.produced and isinstance(event, EngineDelta):
+                            progress.produced = True
+                            self._remember_media(hashes)
+                        progress.finished = progress.finished or isinstance(event, EngineFinal)
+                        yield event
+            if not progress.finished:
+                raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
 
     async def health(self, timeout: float = 2.0) -> EngineHealth:
         """GET /health: healthy on 200. A refused connection, silence, a 503 (dead engine) or a
