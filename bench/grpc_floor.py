@@ -33,8 +33,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
-import psutil
 
+from bench import procs
+from bench.run import SystemCpu
 from rollout_grpc._proto import rollout_pb2 as pb
 
 #: The one method of the bare server (any path will do: nothing routes on it).
@@ -131,11 +132,6 @@ async def run_calls(
     return time.perf_counter() - start
 
 
-def _cpu(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return float(times.user + times.system)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -157,21 +153,23 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
 
-    with tempfile.TemporaryDirectory(prefix="grpc-floor-") as workdir:
-        port_file = Path(workdir) / "port"
-        child = psutil.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve", str(port_file)])
-        try:
-            deadline = time.monotonic() + 30
-            while not port_file.exists():
-                if child.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the bare grpc.aio server did not start")
-                time.sleep(0.05)
-            target = f"127.0.0.1:{port_file.read_text()}"
-            # Warm-up: connections, the server's first calls.
-            asyncio.run(run_calls(target, 16, 32, 1, 0, args.tokens_per_message, args.connections))
-            per_call: list[float] = []
-            for rep in range(args.reps):
-                before, machine = _cpu(child), psutil.cpu_times()
+    with (
+        tempfile.TemporaryDirectory(prefix="grpc-floor-") as workdir,
+        procs.Processes(Path(workdir)) as group,
+    ):
+        # The server is a child like the benchmarks' engines and replicas: started, waited for
+        # through its port file and stopped by the group.
+        port_file = procs.fresh_port_file(Path(workdir) / "port")
+        server = group.start(
+            "floor", [sys.executable, "-m", "bench.grpc_floor", "--serve", str(port_file)], cwd=procs.REPO
+        )
+        target = f"127.0.0.1:{procs.read_port_file(port_file, server)}"
+        # Warm-up: connections, the server's first calls.
+        asyncio.run(run_calls(target, 16, 32, 1, 0, args.tokens_per_message, args.connections))
+        per_call: list[float] = []
+        for rep in range(args.reps):
+            machine = SystemCpu()
+            with procs.Meter({"server": server.popen.pid}, interval_s=0.5) as meter:
                 wall = asyncio.run(
                     run_calls(
                         target,
@@ -183,23 +181,15 @@ def main(argv: list[str] | None = None) -> int:
                         args.connections,
                     )
                 )
-                server_s = _cpu(child) - before
-                after = psutil.cpu_times()
-                busy = sum(getattr(after, f) - getattr(machine, f) for f in ("user", "system", "nice"))
-                per_call.append(server_s / args.requests)
-                print(
-                    f"rep {rep}: {args.requests} calls x {args.messages} messages in {wall:.2f} s; "
-                    f"server CPU {server_s:.2f} s = {server_s / args.requests * 1e6:,.0f} us/call, "
-                    f"{server_s / (args.requests * args.messages) * 1e6:,.1f} us/message; "
-                    f"machine busy {busy / wall:.2f} cores",
-                    flush=True,
-                )
-        finally:
-            child.terminate()
-            try:
-                child.wait(10)
-            except psutil.TimeoutExpired:
-                child.kill()
+            server_s = meter.cpu_s["server"]
+            per_call.append(server_s / args.requests)
+            print(
+                f"rep {rep}: {args.requests} calls x {args.messages} messages in {wall:.2f} s; "
+                f"server CPU {server_s:.2f} s = {server_s / args.requests * 1e6:,.0f} us/call, "
+                f"{server_s / (args.requests * args.messages) * 1e6:,.1f} us/message; "
+                f"machine busy {machine.elapsed() / wall:.2f} cores",
+                flush=True,
+            )
     median = statistics.median(per_call)
     print(
         f"median {median * 1e6:,.0f} us of server CPU per call of {args.messages} messages = "
