@@ -661,9 +661,7 @@ class RolloutServer:
         the second once every worker finished the first, docs/workers.md); a second call returns
         at once, as before.
         """
-        if self._finishing:
-            return
-        await self.stop_accepting(grace_s)
+        await self.stop_accepting(grace_s)  # both halves are idempotent
         await self.finish_stop()
 
     async def stop_accepting(self, grace_s: float | None = None, phase_gap_s: float = 0.0) -> None:
