@@ -151,10 +151,8 @@ class _Batcher:
         if not self.enabled:
             return None
         now = time.monotonic()
-        pending = self._tokens or self._text
-        if not pending:
-            self._offset = offset
-            self._since = self._last if self._batched else now
+        pending = bool(self._tokens or self._text)
+        self._open(offset, now)
         self._last = now
         if (
             self._first
