@@ -483,3 +483,25 @@ def test_the_default_batching_sends_the_first_token_then_64_token_messages(
         sizes.append(len(last.token_ids))
     assert sizes == [1, 64, 64, 64, 63]
     assert len(sizes) + 1 <= math.ceil(256 / options.stream_batch_tokens) + 2
+
+
+async def test_an_abort_drain_never_cancels_the_callers_own_wait_between_reads() -> None:
+    """The abort's drain bound interrupts reads of the engine stream only, as the deadline does: a
+    caller busy elsewhere when it expires (here a slow consumer; in the service, a gRPC write) is
+    never cancelled — a CancelledError there ends the RPC without a status and the caller waits
+    forever. Its next read ends the call with the sample."""
+    a = FakeEngine("a", [[tokens(10), tokens(11), HANG]])
+    rollout = make(a, abort_drain_s=0.05)
+    options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0)
+    seen: list[TokenBatch | Sample] = []
+    async for item in rollout.generate(
+        Sample(tokens=list(PROMPT)), SamplingParams(max_new_tokens=6), options, "r"
+    ):
+        seen.append(item)
+        if len(seen) == 1:
+            (entry,) = rollout.registry.select(["r"])[0]
+            entry.request_abort("test")
+            await asyncio.sleep(0.3)  # the fault under test: a consumer slower than the drain
+    final_sample = seen[-1]
+    assert isinstance(final_sample, Sample) and final_sample.status == Status.ABORTED
+    assert final_sample.tokens == [*PROMPT, 10]  # the next read never started

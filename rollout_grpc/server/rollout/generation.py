@@ -501,33 +501,31 @@ class Rollout:
         start = sample.response_length
         speed = _Speed(sample.response_length)
         finals: list[EngineFinal] = []
-        loop = asyncio.get_running_loop()
         stopper = _Stopper()
         unwatch = engine.watch(stopper.engine_dead)
         run.deadline.stopper = stopper
         if run.deadline.reached:
             stopper.request(_Why.DEADLINE)
+        # The drain bound goes through the stopper, never a timeout around the loop: a timeout
+        # cancels the task wherever it is, and between reads that is the caller's gRPC write
+        # (the RPC then ends without a status, and its caller waits forever).
+        entry.on_abort = lambda: stopper.request_later(self.config.abort_drain_s, _Why.ABORT_DRAIN)
+        if entry.abort_requested:  # asked while the call was being prepared
+            entry.on_abort()
         try:
-            async with asyncio.timeout(None) as drain:
-                entry.on_abort = lambda: drain.reschedule(loop.time() + self.config.abort_drain_s)
-                if entry.abort_requested:  # asked while the call was being prepared
-                    entry.on_abort()
-                async for batch in self._consume(
-                    engine, call, sample, entry, batcher, speed, finals, stopper
-                ):
-                    yield batch
-        except TimeoutError as exc:
-            if entry.abort_requested:
-                raise _DrainExpired from exc
-            raise
+            async for batch in self._consume(engine, call, sample, entry, batcher, speed, finals, stopper):
+                yield batch
         except _Interrupted as exc:
             if exc.why is _Why.ENGINE_DEAD:
                 raise EngineHung(
                     engine.url, "a health probe found the engine dead while this stream was silent"
                 ) from None
+            if exc.why is _Why.ABORT_DRAIN:
+                raise _DrainExpired from None
             raise
         finally:
             entry.on_abort = None
+            stopper.close()
             unwatch()
             run.deadline.stopper = None
         if not finals:
@@ -730,6 +728,8 @@ class _Why(enum.Enum):
     ENGINE_DEAD = "engine_dead"
     #: The caller's deadline, less the margin, has come.
     DEADLINE = "deadline"
+    #: An abort was requested `abort_drain_s` ago and the engine has not ended the call.
+    ABORT_DRAIN = "abort_drain"
 
 
 class _Interrupted(Exception):
@@ -741,8 +741,8 @@ class _Interrupted(Exception):
 
 
 class _Stopper:
-    """Ends one engine call from a callback — its engine found dead, the caller's deadline — by
-    interrupting the call's wait for the engine, and only that wait.
+    """Ends one engine call from a callback — its engine found dead, the caller's deadline, an
+    abort's drain bound — by interrupting the call's wait for the engine, and only that wait.
 
     The interruption cancels the reading task (as the adapter's idle watch does) while a read is
     in progress, so the cancellation lands inside the engine stream, which then closes itself
@@ -751,7 +751,7 @@ class _Stopper:
     `check_interrupted` tells this cancellation apart from anyone else's.
     """
 
-    __slots__ = ("_base", "_fired", "_task", "last_event", "reading", "why")
+    __slots__ = ("_base", "_fired", "_task", "_timer", "last_event", "reading", "why")
 
     def __init__(self) -> None:
         task = asyncio.current_task()
@@ -760,6 +760,7 @@ class _Stopper:
         self._task = task
         self._base = 0
         self._fired = False
+        self._timer: asyncio.TimerHandle | None = None
         self.reading = False
         self.why: _Why | None = None
         #: When the call last got an event (or began): a probe started later proves nothing.
@@ -773,6 +774,17 @@ class _Stopper:
         if self.reading:
             self._fired = True
             self._task.cancel()
+
+    def request_later(self, delay: float, why: _Why) -> None:
+        """`request(why)` in `delay` seconds (a second ask keeps the first timer)."""
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(delay, self.request, why)
+
+    def close(self) -> None:
+        """The call ended: a pending `request_later` never fires."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def engine_dead(self, probe_started: float) -> None:
         """`EngineHandle.watch` callback: a probe begun at `probe_started` got no answer. A call
