@@ -91,3 +91,58 @@ def test_engine_calls_are_traced_only_when_their_debug_lines_are_kept() -> None:
     finally:
         structlog.reset_defaults()
     assert engine_calls_logged()  # structlog's default keeps every level
+
+
+class _HealthServer:
+    """An engine's /health on its own thread, answering only once the test's loop is stalled."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.got_request = threading.Event()
+        self.stall_started = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.got_request.set()
+                outer.stall_started.wait(10)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stall_started.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+async def test_a_probe_timed_out_by_a_stalled_event_loop_asks_again() -> None:
+    """After a stall of the replica's loop, a probe's timeout runs before the reply already in the
+    socket is read: that is not an engine's silence, and must not mark a live engine dead."""
+    import time
+
+    def stall() -> None:
+        time.sleep(2 * 0.2 + 1.5)  # the fault: the loop stalls past the probe's timeout
+
+    server = _HealthServer()
+    try:
+        async with aiohttp.ClientSession() as http:
+            client = adapter_factory(http)(server.url)
+            probe = asyncio.ensure_future(client.health(timeout=0.2))
+            assert await asyncio.to_thread(server.got_request.wait, 10)
+            server.stall_started.set()
+            stall()
+            health = await asyncio.wait_for(probe, 10)
+        assert health, health.cause
+    finally:
+        server.close()

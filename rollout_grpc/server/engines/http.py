@@ -26,6 +26,7 @@ from typing import Any, Final
 
 import aiohttp
 import orjson
+import structlog
 
 from rollout_grpc.server.engines.api import (
     HEALTHY,
@@ -43,6 +44,11 @@ DATA: Final = b"data: "
 DONE: Final = b"[DONE]"
 #: aiohttp failures that mean "no (complete) answer from this engine": try another one.
 TRANSPORT_ERRORS: Final = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+#: How much later than twice its timeout a probe may time out before the event loop, not the
+#: engine, is taken to have timed it (`_probe_health`).
+_LOOP_STALL_SLACK_S: Final = 1.0
+
+log = structlog.get_logger(__name__)
 
 
 def take_events(buf: bytearray, scan: int) -> tuple[list[bytes], int]:
@@ -145,12 +151,26 @@ class HttpEngine:
     async def _probe_health(self, path: str, kind: str, timeout: float) -> EngineHealth:
         """GET `path`: healthy on 200. A refused connection, silence, a 503 (dead engine) or a
         server without that route (404/405: not `kind`, probably the wrong port) is unhealthy,
-        with that cause in an operator's words."""
-        try:
-            status, _ = await self._request("GET", path, timeout=timeout)
-        except EngineUnavailable as exc:
-            cause = exc.__cause__
-            return EngineHealth(False, describe_transport_error(cause, timeout) if cause else exc.message)
+        with that cause in an operator's words.
+
+        A probe that timed out long after its timeout was timed by a stalled event loop (this
+        replica's: a long GC pause, a blocking call), not by the engine — after a stall the timer
+        runs before the reply already in the socket is read. That verdict is worthless, and
+        acting on it would fail over every silent stream on a live engine, so the probe is asked
+        once more."""
+        loop = asyncio.get_running_loop()
+        for attempt in (1, 2):
+            started = loop.time()
+            try:
+                status, _ = await self._request("GET", path, timeout=timeout)
+                break
+            except EngineUnavailable as exc:
+                cause = exc.__cause__
+                late = loop.time() - started > 2 * timeout + _LOOP_STALL_SLACK_S
+                if attempt == 1 and isinstance(cause, TimeoutError) and late:
+                    log.warning("health_probe_timed_out_by_a_stalled_loop", engine=self.url, path=path)
+                    continue
+                return EngineHealth(False, describe_transport_error(cause, timeout) if cause else exc.message)
         if status == 200:
             return HEALTHY
         if status in (404, 405):

@@ -304,14 +304,16 @@ class EnginePool:
 
     async def _health_loop(self) -> None:
         while True:
+            await asyncio.sleep(self._health_interval_s)
             try:
                 await self.probe_all()
             except Exception:  # a probe bug must not end health checking
                 log.exception("health_probe_failed")
-            await asyncio.sleep(self._health_interval_s)
 
     def start(self) -> None:
-        """Start periodic health probes."""
+        """Start periodic health probes, the first one interval from now: the caller has just
+        probed every engine (`probe_all`), and a second probe at once only doubles the startup's
+        requests (and puts one in flight as the first calls arrive)."""
         if self._health_task is None:
             self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
 
