@@ -34,8 +34,8 @@ CALLS = 16
 PROMPT = [1, 92, 510, 206, 62, 79, 286, 317, 835, 1301]
 
 
-def _call(target: str) -> grpc.StatusCode:
-    """One Generate; its status code (a refusal must carry the retry hint)."""
+def _call(target: str) -> tuple[grpc.StatusCode, str]:
+    """One Generate; its status code and details (a refusal must carry the retry hint)."""
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.RolloutServiceStub(channel)
         request = pb.GenerateRequest(
@@ -48,9 +48,9 @@ def _call(target: str) -> grpc.StatusCode:
             code: grpc.StatusCode = call.code()
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 assert any(key == "grpc-retry-pushback-ms" for key, _ in call.trailing_metadata() or ())
-            return code
+            return code, call.details() or ""
         assert messages[-1].HasField("sample")
-        return grpc.StatusCode.OK
+        return grpc.StatusCode.OK, ""
 
 
 async def test_calls_held_by_a_stalled_event_loop_are_served_not_cancelled(tmp_path: Path) -> None:
@@ -72,13 +72,14 @@ async def _stall_and_call(engine_url: str) -> None:
             stalled.set()
             time.sleep(STALL_S)  # the fault: a loop too busy to pick up calls
 
-        def callers() -> list[grpc.StatusCode]:
+        def callers() -> list[tuple[grpc.StatusCode, str]]:
             assert stalled.wait(30)
             with ThreadPoolExecutor(CALLS) as pool:
                 return list(pool.map(_call, [target] * CALLS))
 
         results = asyncio.ensure_future(asyncio.to_thread(callers))
         asyncio.get_running_loop().call_soon(stall)
-        codes = await asyncio.wait_for(results, STALL_S + 90)
-        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+        outcomes = await asyncio.wait_for(results, STALL_S + 90)
+        codes = {code for code, _ in outcomes}
+        assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, outcomes
         assert grpc.StatusCode.OK in codes
