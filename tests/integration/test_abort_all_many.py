@@ -18,8 +18,10 @@ from tests.support.service import assert_lossless, start_stream, started
 #: Generations aborted at once (two engines, within the replica's in-flight limit).
 IN_FLIGHT = 1024
 #: Slow enough that 1024 streams in one test process (client, replica and both engines, under
-#: coverage on a loaded CI machine) all start long before they would end: 4 tokens/s per stream.
-SIM: dict[str, object] = {"token_delay_s": 0.25}
+#: coverage on a loaded CI machine) all start long before they would end: 1 token/s per stream.
+#: At 4 tokens/s a slow CI machine's loop was saturated by the ~900 streams already running and
+#: grpc.aio, which takes up one new call per loop turn, took 90 s to start the last hundred.
+SIM: dict[str, object] = {"token_delay_s": 1.0}
 PARAMS: dict[str, object] = {"temperature": 1.0, "max_new_tokens": 2048, "ignore_eos": True}
 #: Batched deltas: one message per token would make the test measure its own client.
 BATCHED: dict[str, object] = {"stream_batch_tokens": 4, "stream_batch_interval_ms": 0}
