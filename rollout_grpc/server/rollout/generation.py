@@ -13,7 +13,8 @@ happens after a failed engine call is decided by `failover.decide` (one table of
 * leaving early (client cancel, deadline) closes the upstream HTTP request, which makes vLLM
   abort the engine-side generation;
 * an abort ends the generation within `RolloutConfig.abort_drain_s` of the request, even if its
-  engine never answers again;
+  engine never answers again (a caller busy with its own await then, e.g. a gRPC write under flow
+  control, is never cancelled: the generation ends at its next read of the engine);
 * a stream on an engine that a health probe finds dead (while the stream was silent) fails over
   at once, not after the adapter's idle timeout (`EngineHandle.watch`);
 * a caller's deadline (`GenerateOptions.deadline`) is met with the sample: shortly before it
