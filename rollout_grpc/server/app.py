@@ -246,10 +246,14 @@ class ServerConfig:
             return self.max_in_flight_per_caller
         return max(1, (self.in_flight_limit() + self.max_queue) // 2)
 
-    def shutdown_bound_s(self, grace_s: float | None = None) -> float:
-        """The longest this replica takes from SIGTERM to exit (bounds.py), hung engines included."""
+    def shutdown_bound_s(self, grace_s: float | None = None, workers: int = 1) -> float:
+        """The longest this replica takes from SIGTERM to exit (bounds.py), hung engines included;
+        `workers`: the processes of `serve --workers N` (1: one process, or one worker's own stop)."""
         return bounds.shutdown_bound_s(
-            self.grace_s if grace_s is None else grace_s, self.control_deadline_s, self.abort_grace_s
+            self.grace_s if grace_s is None else grace_s,
+            self.control_deadline_s,
+            self.abort_grace_s,
+            workers,
         )
 
     def in_flight_limit(self) -> int:

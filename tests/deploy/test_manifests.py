@@ -57,11 +57,14 @@ def test_probes_use_the_health_port_and_the_service_name() -> None:
 
 def test_termination_grace_covers_prestop_and_the_shutdown_bound() -> None:
     """The kubelet's SIGKILL must never come before the replica's own bound (bounds.py), which
-    holds with hung engines: grace, the abort fan-out's deadline, the drain, closing."""
-    grace = float(container_args()["--grace"])
+    holds with hung engines: the workers' first drain phase, grace, the abort fan-out's deadline,
+    the drain, closing."""
+    args = container_args()
+    grace = float(args["--grace"])
+    workers = int(args["--workers"])
     prestop = number("seconds")
-    needed = prestop + ServerConfig(engines=[], grace_s=grace).shutdown_bound_s()
-    assert needed == prestop + bounds.shutdown_bound_s(grace)
+    needed = prestop + ServerConfig(engines=[], grace_s=grace).shutdown_bound_s(workers=workers)
+    assert needed == prestop + bounds.shutdown_bound_s(grace, workers=workers)
     assert number("terminationGracePeriodSeconds") >= needed
 
 

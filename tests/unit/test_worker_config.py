@@ -49,3 +49,13 @@ def test_the_default_worker_count_follows_a_cgroup_cpu_quota(tmp_path: Path) -> 
     path.write_text("max 100000\n")
     assert cgroup_cpus(str(path)) is None
     assert cgroup_cpus(str(tmp_path / "missing")) is None
+
+
+def test_the_shutdown_bound_of_workers_includes_the_drains_first_phase() -> None:
+    """With `--workers N` every worker first stops accepting (one control deadline at most, when a
+    worker does not answer), then runs one process's stop: the replica's bound is both."""
+    config = ServerConfig(engines=[], grace_s=60.0, control_deadline_s=4.0)
+    one = config.shutdown_bound_s()
+    assert config.shutdown_bound_s(workers=1) == one
+    assert config.shutdown_bound_s(workers=2) == one + 4.0
+    assert config.shutdown_bound_s(grace_s=0.0, workers=3) == one - 60.0 + 4.0

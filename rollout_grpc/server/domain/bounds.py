@@ -10,9 +10,9 @@
   with its sample (ABORTED, every token kept) `deadline_margin_s(...)` before that deadline, so
   the caller gets its tokens instead of DEADLINE_EXCEEDED, whatever the engines do.
 
-`shutdown_bound_s(grace)` is the longest a replica takes from SIGTERM to exit, hung engines
-included; a pod's `terminationGracePeriodSeconds` must be at least its preStop sleep plus this
-(checked by tests/deploy/test_manifests.py).
+`shutdown_bound_s(grace, workers=N)` is the longest a replica takes from SIGTERM to exit, hung
+engines included; a pod's `terminationGracePeriodSeconds` must be at least its preStop sleep plus
+this (checked by tests/deploy/test_manifests.py).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ def shutdown_bound_s(
     grace_s: float,
     control_deadline_s: float = CONTROL_DEADLINE_S,
     abort_drain_s: float = SHUTDOWN_ABORT_DRAIN_S,
+    workers: int = 1,
 ) -> float:
-    """Seconds from SIGTERM to exit at most: grace, abort fan-out, drain, close."""
-    return grace_s + control_deadline_s + abort_drain_s + SHUTDOWN_CLOSE_S
+    """Seconds from SIGTERM to exit at most: grace, abort fan-out, drain, close. With `workers` > 1
+    the drain's first phase comes first (every worker stops accepting before any says NOT_SERVING,
+    docs/workers.md): milliseconds, but one control deadline when a worker does not answer."""
+    first_phase = control_deadline_s if workers > 1 else 0.0
+    return first_phase + grace_s + control_deadline_s + abort_drain_s + SHUTDOWN_CLOSE_S

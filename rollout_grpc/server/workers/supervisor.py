@@ -349,6 +349,7 @@ class Supervisor:
         for worker in linked:
             assert worker.link is not None
             worker.link.send({handshake.DRAIN: handshake.FINISH})
+        # Phase 1 is behind us: from here each worker's own (one-process) bound applies.
         bound = self.config.shutdown_bound_s() + KILL_MARGIN_S
         waits = [w.process.wait() for w in self._workers]
         try:
