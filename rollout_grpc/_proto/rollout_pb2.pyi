@@ -1381,7 +1381,10 @@ class AbortResponse(_message.Message):
     UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     ENGINE_ERRORS_FIELD_NUMBER: _builtins.int
     aborted: _builtins.int
-    """Generations of this replica that were in flight and are being ended as ABORTED."""
+    """Generations of this replica that were in flight and are being ended as ABORTED. One whose
+    engine finished it at the same moment (its final result already on the way) still ends with
+    its own status (COMPLETED, TRUNCATED), so the ABORTED samples can be fewer than this.
+    """
     @_builtins.property
     def unknown_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requested ids that were not in flight on this replica (possibly served by another replica, to
