@@ -1387,8 +1387,9 @@ class AbortResponse(_message.Message):
     """
     @_builtins.property
     def unknown_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Requested ids that were not in flight on this replica (possibly served by another replica, to
-        which the abort was forwarded when peers are configured, or already finished).
+        """Requested ids that nobody this abort reached had in flight: not this replica (nor its
+        workers), and, with peers configured (the abort is forwarded to them), no peer that answered
+        (a peer that did not answer clears none). Already finished, or never started.
         """
 
     @_builtins.property

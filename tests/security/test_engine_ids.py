@@ -113,7 +113,7 @@ async def test_an_admins_abort_by_id_reaches_the_other_replica_through_the_peers
         far = start_stream(alice, "far-1", BOUNDED)
         await started(far)
         response = await admin.abort(request_ids=["far-1"])
-        assert response.aborted == 1 and list(response.unknown_request_ids) == ["far-1"]
+        assert response.aborted == 1 and not response.unknown_request_ids  # the peer knew it
         sample = await far.task
         assert sample.status == pb.SAMPLE_STATUS_ABORTED
         assert_lossless(far, sample)

@@ -74,6 +74,16 @@ class AbortResult:
     engine_errors: list[tuple[str, str]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class ForwardedAbort:
+    """What other processes did with a forwarded abort (peer replicas, sibling workers): how many
+    generations they aborted, and which of the asked request ids they had in flight (so that the
+    forwarding replica reports as unknown only the ids nobody knew)."""
+
+    aborted: int = 0
+    found_request_ids: set[str] = field(default_factory=set)
+
+
 @dataclass(frozen=True, slots=True)
 class AbortScope:
     """What a forwarded abort targets on a peer: one of ids, session, group or everything of
@@ -249,7 +259,7 @@ class Control:
         *,
         deadline_s: float = CONTROL_DEADLINE_S,
         resume_attempts: int = 3,
-        peer_abort: Callable[[AbortScope], Awaitable[int]] | None = None,
+        peer_abort: Callable[[AbortScope], Awaitable[ForwardedAbort]] | None = None,
     ) -> None:
         self._pool = pool
         self._registry = registry
@@ -518,7 +528,9 @@ class Control:
             )
             result.engine_errors.extend(outcome.errors)
         if unknown and self._peer_abort is not None:
-            result.aborted += await self._peer_abort(AbortScope(owner=owner, request_ids=tuple(unknown)))
+            peers = await self._peer_abort(AbortScope(owner=owner, request_ids=tuple(unknown)))
+            result.aborted += peers.aborted
+            result.unknown_request_ids = [rid for rid in unknown if rid not in peers.found_request_ids]
         return result
 
     async def abort_matching(
@@ -532,7 +544,7 @@ class Control:
         result = await self.abort_entries(entries)
         if self._peer_abort is not None:
             scope = AbortScope(owner=owner, session_id=session_id, group_index=group_index)
-            result.aborted += await self._peer_abort(scope)
+            result.aborted += (await self._peer_abort(scope)).aborted
         return result
 
     async def abort_mine(self) -> AbortResult:
@@ -546,7 +558,7 @@ class Control:
         owner = current_caller().identity
         result = await self._abort_owner(owner)
         if self._peer_abort is not None:
-            result.aborted += await self._peer_abort(AbortScope(owner=owner, all_of_owner=True))
+            result.aborted += (await self._peer_abort(AbortScope(owner=owner, all_of_owner=True))).aborted
         log.info("abort_mine", owner=owner, aborted=result.aborted, engine_errors=len(result.engine_errors))
         return result
 

@@ -28,8 +28,15 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.identity import current_caller
 from rollout_grpc.server.front.grpc.service import RolloutServicer
-from rollout_grpc.server.rollout.control import PAUSE_MODES, AbortResult, AbortScope, Control, FleetResult
-from rollout_grpc.server.workers.siblings import SiblingAbort, Siblings
+from rollout_grpc.server.rollout.control import (
+    PAUSE_MODES,
+    AbortResult,
+    AbortScope,
+    Control,
+    FleetResult,
+    ForwardedAbort,
+)
+from rollout_grpc.server.workers.siblings import Siblings
 
 Context = grpc.aio.ServicerContext[Any, Any]
 #: The worker that runs the OpenAI front door and holds the recorded sessions.
@@ -43,9 +50,9 @@ class WorkerControl(Control):
 
     siblings: Siblings | None = None
 
-    async def _siblings_abort(self, scope: AbortScope) -> SiblingAbort:
+    async def _siblings_abort(self, scope: AbortScope) -> ForwardedAbort:
         if self.siblings is None:
-            return SiblingAbort()
+            return ForwardedAbort()
         return await self.siblings.abort(scope)
 
     async def abort_all(self) -> AbortResult:

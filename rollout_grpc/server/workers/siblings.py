@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 import grpc
@@ -20,20 +19,12 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.domain.identity import Caller
 from rollout_grpc.server.front.grpc.replica import abort_request
-from rollout_grpc.server.rollout.control import AbortScope
+from rollout_grpc.server.rollout.control import AbortScope, ForwardedAbort
 from rollout_grpc.server.workers.handshake import SIBLING_METADATA_KEY, WorkerSpec
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class SiblingAbort:
-    """What the siblings aborted: how many generations, and which of the asked ids they knew."""
-
-    aborted: int = 0
-    found_request_ids: set[str] = field(default_factory=set)
 
 
 class Siblings:
@@ -72,7 +63,7 @@ class Siblings:
                 answered.append((index, result))
         return answered
 
-    async def abort(self, scope: AbortScope) -> SiblingAbort:
+    async def abort(self, scope: AbortScope) -> ForwardedAbort:
         """Abort `scope` on every sibling; what they aborted and which ids they knew."""
         request = pb.AbortSiblingRequest(abort=abort_request(scope))
         answers: list[tuple[int, pb.AbortSiblingResponse]] = await self._each(
@@ -81,7 +72,7 @@ class Siblings:
                 request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True
             ),
         )
-        outcome = SiblingAbort()
+        outcome = ForwardedAbort()
         for _, answer in answers:
             outcome.aborted += answer.result.aborted
             outcome.found_request_ids.update(answer.result.found_request_ids)

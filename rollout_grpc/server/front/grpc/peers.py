@@ -26,7 +26,7 @@ import structlog
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.front.grpc.replica import abort_request
-from rollout_grpc.server.rollout.control import AbortScope
+from rollout_grpc.server.rollout.control import AbortScope, ForwardedAbort
 
 log = structlog.get_logger(__name__)
 
@@ -116,8 +116,9 @@ class PeerAborter:
             self._channels[target] = channel
         return pb_grpc.ReplicaServiceStub(channel)
 
-    async def abort(self, scope: AbortScope) -> int:
-        """Ask every peer to abort its local generations in `scope`; returns how many they ended."""
+    async def abort(self, scope: AbortScope) -> ForwardedAbort:
+        """Ask every peer to abort its local generations in `scope`: how many they ended, and which
+        of the asked ids they had in flight."""
         request = abort_request(scope)
         targets = await self._targets()
         # The generated stub is typed for both sync and aio channels; on an aio channel it awaits.
@@ -129,13 +130,14 @@ class PeerAborter:
             for t in targets
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        aborted = 0
+        outcome = ForwardedAbort()
         for target, result in zip(targets, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("peer_abort_failed", peer=target, error=str(result))
             else:
-                aborted += result.aborted
-        return aborted
+                outcome.aborted += result.aborted
+                outcome.found_request_ids.update(result.found_request_ids)
+        return outcome
 
     async def close(self) -> None:
         """Close the channels."""
