@@ -167,11 +167,7 @@ class _FaultPlan:
     def check(self, request: web.Request, n_tokens: int) -> None:
         if 0 <= self.drop_after <= n_tokens:
             if request.transport is not None:
-                # close, not abort: the chunks written so far still go out, then a FIN, as when an
-                # engine process dies. abort() discarded what was still buffered and sent an RST,
-                # which also drops what the receiver had not read yet: the client then lost
-                # tokens the simulator counted as sent (on a loaded machine).
-                request.transport.close()
+                request.transport.abort()
             raise _Dropped
         if 0 <= self.stream_error_after <= n_tokens:
             raise _StreamFault
