@@ -45,12 +45,14 @@ from typing import Any
 
 import psutil
 
-from bench import load, procs
+from bench import grpc_floor, load, procs
 from bench.compare import Variant, parse_variant
 from bench.run import ABORT_TOKEN_DELAY_MS, SystemCpu
 
 #: Tokens each generation may make: far more than it makes before the abort.
 MAX_TOKENS = 2048
+#: The path of `--floor`: a bare grpc.aio server whose held streams one call ends (bench/grpc_floor.py).
+FLOOR = "grpc.aio floor"
 
 
 @contextlib.contextmanager
@@ -77,6 +79,8 @@ def measure(
     try:
         if name == "direct":
             return asyncio.run(load.abort_direct(engines, n, MAX_TOKENS, seed))
+        if name == FLOOR:
+            return asyncio.run(grpc_floor.abort_floor(targets[name], n, connections))
         return asyncio.run(load.abort_grpc(targets[name], n, MAX_TOKENS, seed, connections))
     except Exception as exc:
         print(f"{name} n={n}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
@@ -119,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight", type=int, action="append", default=None, help="default 256 and 1024")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--busy", action="store_true", help="spin another process on a core meanwhile")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help=f"add the path {FLOOR!r}: a bare grpc.aio server (no engines, no service code) whose "
+        "streams each sent a message and all end at one call, the least an Abort(all) through "
+        "grpc.aio can take",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every repetition here")
     parser.add_argument(
         "--connections",
@@ -147,6 +158,16 @@ def main(argv: list[str] | None = None) -> int:
                 targets[v.name] = service.target
                 service_pids[v.name] = [service.proc.pid]
             names = ["direct"] + [v.name for v in variants]
+            if args.floor:
+                port_file = procs.fresh_port_file(workdir / "floor.port")
+                floor = group.start(
+                    "floor",
+                    [sys.executable, "-m", "bench.grpc_floor", "--serve", str(port_file)],
+                    cwd=procs.REPO,
+                )
+                targets[FLOOR] = f"127.0.0.1:{procs.read_port_file(port_file, floor)}"
+                service_pids[FLOOR] = [floor.popen.pid]
+                names.append(FLOOR)
             for name in names:  # warm-up: connections, imports, first-call paths
                 measure(name, engines, targets, 32, -1, connections.get(name, 1))
                 time.sleep(0.5)
@@ -182,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                         row["other_load_outside_cores"] = round(max(0.0, outside) / max(wall, 1e-9), 2)
                         rows.append(row)
                         print(
-                            f"{name:10s} n={n:5d} rep {rep}: call {result.call_s * 1000:7.1f} ms  "
+                            f"{name:14s} n={n:5d} rep {rep}: call {result.call_s * 1000:7.1f} ms  "
                             f"last {result.last_delivery_s * 1000:7.1f} ms  "
                             f"p50 {result.p50_delivery_s * 1000:7.1f} ms  "
                             f"aborted {result.aborted}/{n}  machine busy {row['other_load_cores']} cores  "

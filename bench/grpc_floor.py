@@ -30,18 +30,23 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from bench import procs
+from bench import load, procs
 from bench.run import SystemCpu
 from rollout_grpc._proto import rollout_pb2 as pb
 
-#: The one method of the bare server (any path will do: nothing routes on it).
+#: The bare server's streaming method (any path will do: nothing routes on it).
 METHOD = "/floor.v1.Floor/Stream"
-#: A request is three little-endian uint32: messages, interval in microseconds, tokens per message.
-_REQUEST = struct.Struct("<III")
+#: Streams that send one delta, then wait until `RELEASE_METHOD` is called and end with a sample.
+HELD_METHOD = "/floor.v1.Floor/Held"
+RELEASE_METHOD = "/floor.v1.Floor/Release"
+#: A request is four little-endian uint32: messages, interval in microseconds, tokens per message,
+#: and the alignment quantum in microseconds (0: none).
+_REQUEST = struct.Struct("<IIII")
 
 
 def delta_payload(tokens: int) -> bytes:
@@ -54,21 +59,64 @@ def delta_payload(tokens: int) -> bytes:
 
 
 async def _stream(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> AsyncIterator[bytes]:
-    messages, interval_us, tokens = _REQUEST.unpack(request)
+    messages, interval_us, tokens, quantum_us = _REQUEST.unpack(request)
     payload = delta_payload(tokens)
+    loop = asyncio.get_running_loop()
+    quantum = quantum_us / 1e6
     for i in range(messages):
         if i and interval_us:
-            await asyncio.sleep(interval_us / 1e6)
+            if quantum:
+                # Wake at the last multiple of the quantum before the interval is up: every call's
+                # timer due in one quantum fires in the same loop turn, so their writes go out
+                # together (each gap is up to one quantum shorter than the interval).
+                now = loop.time()
+                await asyncio.sleep((now + interval_us / 1e6) // quantum * quantum - now)
+            else:
+                await asyncio.sleep(interval_us / 1e6)
         yield payload
 
 
+class _Held:
+    """Streams that wait for one release, as generations wait for an Abort(all): the abort floor."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.waiting = 0
+        #: What a held stream ends with: an ABORTED sample of two tokens, pre-serialized.
+        sample = pb.Sample(status=pb.SAMPLE_STATUS_ABORTED, tokens=[1, 2, 3], response_length=2)
+        self.final = pb.GenerateResponse(sample=sample).SerializeToString()
+
+    async def stream(
+        self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        release = self.release  # a stream waits for the release after which it started
+        self.waiting += 1
+        try:
+            yield delta_payload(1)
+            await release.wait()
+        finally:
+            self.waiting -= 1
+        yield self.final
+
+    async def release_all(self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        """End every held stream; answers how many were held (uint32)."""
+        count = self.waiting
+        self.release.set()
+        self.release = asyncio.Event()
+        return struct.pack("<I", count)
+
+
 async def start_server() -> tuple[grpc.aio.Server, int]:
-    """The bare method, served on a free loopback port (returned with the server)."""
+    """The bare methods, served on a free loopback port (returned with the server)."""
     server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 1 << 20)])
-    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_stream_rpc_method_handler(_stream)
-    service, method = METHOD.rsplit("/", 1)
+    held = _Held()
+    handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
+        METHOD.rsplit("/", 1)[1]: grpc.unary_stream_rpc_method_handler(_stream),
+        HELD_METHOD.rsplit("/", 1)[1]: grpc.unary_stream_rpc_method_handler(held.stream),
+        RELEASE_METHOD.rsplit("/", 1)[1]: grpc.unary_unary_rpc_method_handler(held.release_all),
+    }
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.strip("/"), {method: handler}),)
+        (grpc.method_handlers_generic_handler(METHOD.rsplit("/", 1)[0].strip("/"), handlers),)
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -87,6 +135,17 @@ async def serve(port_file: Path) -> None:
 # ------------------------------------------------------------------------------------- the client
 
 
+@dataclass(frozen=True, slots=True)
+class FloorRun:
+    """One closed loop of calls: its wall time and each call's time to its first message."""
+
+    wall_s: float
+    first_message_s: list[float]  # sorted
+
+    def first_message_percentile(self, q: float) -> float:
+        return self.first_message_s[min(len(self.first_message_s) - 1, int(q * len(self.first_message_s)))]
+
+
 async def run_calls(
     target: str,
     concurrency: int,
@@ -95,8 +154,9 @@ async def run_calls(
     interval_ms: float,
     tokens: int,
     connections: int,
-) -> float:
-    """A closed loop of `requests` calls, `concurrency` at a time; returns the wall time.
+    align_ms: float = 0.0,
+) -> FloorRun:
+    """A closed loop of `requests` calls, `concurrency` at a time.
 
     Raises when a call fails or gets another number of messages than asked for.
     """
@@ -109,7 +169,7 @@ async def run_calls(
     calls: list[grpc.aio.UnaryStreamMultiCallable[bytes, bytes]] = [
         ch.unary_stream(METHOD) for ch in channels
     ]
-    request = _REQUEST.pack(messages, int(interval_ms * 1000), tokens)
+    request = _REQUEST.pack(messages, int(interval_ms * 1000), tokens, int(align_ms * 1000))
     next_index = 0
 
     async def worker() -> None:
@@ -118,18 +178,68 @@ async def run_calls(
             index = next_index
             next_index += 1
             got = 0
+            began = time.perf_counter()
             async for _ in calls[index % connections](request):
+                if not got:
+                    first.append(time.perf_counter() - began)
                 got += 1
             if got != messages:
                 raise RuntimeError(f"call {index}: {got} messages, asked for {messages}")
 
+    first: list[float] = []
     start = time.perf_counter()
     try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
         for ch in channels:
             await ch.close()
-    return time.perf_counter() - start
+    return FloorRun(time.perf_counter() - start, sorted(first))
+
+
+async def abort_floor(target: str, in_flight: int, connections: int = 1) -> load.AbortResult:
+    """`in_flight` held streams, each past its first message, then one release: the time from the
+    release call to the last stream's end, as `bench.abort_all` times the service's Abort(all)."""
+    channels = [
+        grpc.aio.insecure_channel(
+            target, options=[("grpc.channel_id", i), ("grpc.use_local_subchannel_pool", 1)]
+        )
+        for i in range(connections)
+    ]
+    held_calls: list[grpc.aio.UnaryStreamMultiCallable[bytes, bytes]] = [
+        ch.unary_stream(HELD_METHOD) for ch in channels
+    ]
+    release: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channels[0].unary_unary(RELEASE_METHOD)
+    started = asyncio.Event()
+    count = 0
+    done_at: list[float] = []
+
+    async def one(index: int) -> str:
+        nonlocal count
+        got = 0
+        async for _ in held_calls[index % connections](b""):
+            got += 1
+            if got == 1:
+                count += 1
+                if count == in_flight:
+                    started.set()
+        done_at.append(time.perf_counter())
+        return "aborted" if got == 2 else f"{got} messages"
+
+    tasks = [asyncio.create_task(one(i)) for i in range(in_flight)]
+    try:
+        await asyncio.wait_for(started.wait(), 60.0)
+        t0 = time.perf_counter()
+        held = struct.unpack("<I", await release(b"", timeout=60.0))[0]
+        call = time.perf_counter() - t0
+        finishes = await asyncio.wait_for(asyncio.gather(*tasks), 60.0)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for ch in channels:
+            await ch.close()
+    if held != in_flight:
+        raise RuntimeError(f"the release found {held} held streams, expected {in_flight}")
+    return load.abort_result(in_flight, t0, call, done_at, finishes, "aborted")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=17, help="messages per call (deltas + final)")
     parser.add_argument("--interval-ms", type=float, default=300.0, help="between a call's messages")
     parser.add_argument("--tokens-per-message", type=int, default=16)
+    parser.add_argument(
+        "--align-ms",
+        type=float,
+        default=0.0,
+        help="wake each call's next write at a multiple of this many ms (0: each call's own phase)",
+    )
     parser.add_argument("--tokens-per-sample", type=int, default=256, help="for the s/Mtok figure")
     parser.add_argument("--connections", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
@@ -170,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             machine = SystemCpu()
             with procs.Meter({"server": server.popen.pid}, interval_s=0.5) as meter:
-                wall = asyncio.run(
+                run = asyncio.run(
                     run_calls(
                         target,
                         args.concurrency,
@@ -179,14 +295,18 @@ def main(argv: list[str] | None = None) -> int:
                         args.interval_ms,
                         args.tokens_per_message,
                         args.connections,
+                        args.align_ms,
                     )
                 )
+            wall = run.wall_s
             server_s = meter.cpu_s["server"]
             per_call.append(server_s / args.requests)
             print(
                 f"rep {rep}: {args.requests} calls x {args.messages} messages in {wall:.2f} s; "
                 f"server CPU {server_s:.2f} s = {server_s / args.requests * 1e6:,.0f} us/call, "
                 f"{server_s / (args.requests * args.messages) * 1e6:,.1f} us/message; "
+                f"first message p50 {run.first_message_percentile(0.5) * 1000:.1f} ms, "
+                f"p99 {run.first_message_percentile(0.99) * 1000:.1f} ms; "
                 f"machine busy {machine.elapsed() / wall:.2f} cores",
                 flush=True,
             )

@@ -310,7 +310,7 @@ async def abort_grpc(
         finally:
             for task in tasks:
                 task.cancel()
-    return _abort_result(in_flight, t0, call, done_at, [r.finish for r in results], "SAMPLE_STATUS_ABORTED")
+    return abort_result(in_flight, t0, call, done_at, [r.finish for r in results], "SAMPLE_STATUS_ABORTED")
 
 
 async def abort_direct(engines: list[str], in_flight: int, max_tokens: int, seed: int) -> AbortResult:
@@ -353,10 +353,10 @@ async def abort_direct(engines: list[str], in_flight: int, max_tokens: int, seed
         finally:
             for task in tasks:
                 task.cancel()
-    return _abort_result(in_flight, t0, call, done_at, [r.finish for r in results], "abort")
+    return abort_result(in_flight, t0, call, done_at, [r.finish for r in results], "abort")
 
 
-def _abort_result(
+def abort_result(
     in_flight: int, t0: float, call: float, done_at: list[float], finishes: list[str], aborted_name: str
 ) -> AbortResult:
     delays = sorted(t - t0 for t in done_at)

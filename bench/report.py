@@ -22,8 +22,15 @@ COLORS = {
     "nginx x2": "#55a868",
     "service final_only": "#c44e52",
     "service text mode": "#8172b3",
+    "floor": "#937860",
 }
 PROFILE_NOTES = Path(__file__).resolve().parent / "profile_notes.md"
+#: The abort-all table's rows (the `path` of a row in `benchmarks.json`).
+ABORT_PATHS = {
+    "direct": "direct `/pause?mode=abort` + `/resume`",
+    "service": "service `Abort(all)`",
+    "floor": "floor: bare grpc.aio, held streams ended by one call",
+}
 
 
 def _sorted_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -75,19 +82,25 @@ def cpu_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def abort_table(aborts: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| in flight | path | call returned ms | last ABORTED sample ms | p50 delivery ms | aborted |",
-        "| ---: | --- | ---: | ---: | ---: | ---: |",
+        "| in flight | path | call returned ms | last ABORTED sample ms | vs direct | p50 delivery ms "
+        "| aborted |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    direct = {
+        row["in_flight"]: row["last_delivery_s"]
+        for row in aborts
+        if row["path"] == "direct" and "error" not in row
+    }
     for row in aborts:
         if "error" in row:
-            out.append(f"| {row['in_flight']} | {row['path']} | failed: {row['error'][:120]} | | | |")
+            out.append(f"| {row['in_flight']} | {row['path']} | failed: {row['error'][:120]} | | | | |")
             continue
-        label = (
-            "service `Abort(all)`" if row["path"] == "service" else "direct `/pause?mode=abort` + `/resume`"
-        )
+        label = ABORT_PATHS.get(row["path"], row["path"])
+        base = direct.get(row["in_flight"])
+        ratio = num(row["last_delivery_s"] / base if base else None, ".2f")
         out.append(
             f"| {row['in_flight']} | {label} | {row['call_s'] * 1000:,.1f} "
-            f"| {row['last_delivery_s'] * 1000:,.1f} "
+            f"| {row['last_delivery_s'] * 1000:,.1f} | {ratio} "
             f"| {row['p50_delivery_s'] * 1000:,.1f} | {row['aborted']}/{row['in_flight']} |"
         )
     return out
@@ -208,7 +221,11 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             f"Engines at {settings['abort_token_delay_ms']:g} ms per token; every generation has produced "
             "tokens before the abort. Times from the abort call to the call's return and to the last "
             "generation ending with an aborted sample (service: status ABORTED with its tokens; direct: "
-            "the final SSE chunk with `finish_reason: abort`).",
+            "the final SSE chunk with `finish_reason: abort`). **floor**: a bare grpc.aio server in its "
+            "own process (`bench/grpc_floor.py`: no engines, no HTTP, no service code) whose streams "
+            "each sent one message and then all end with a two-token ABORTED sample when one call "
+            "releases them, read by a bare grpc.aio client: what ending that many streams costs "
+            "grpc.aio itself.",
             "",
             *abort_table(results["abort"]),
             "",
@@ -273,9 +290,11 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     aborts = [a for a in results.get("abort") or [] if "error" not in a]
     if aborts:
         counts = sorted({a["in_flight"] for a in aborts})
-        for j, name in enumerate(("direct", "service")):
+        paths = [p for p in ("direct", "service", "floor") if any(a["path"] == p for a in aborts)]
+        width = 0.8 / len(paths)
+        for j, name in enumerate(paths):
             xs = [
-                i + (j - 0.5) * 0.35
+                i + (j - (len(paths) - 1) / 2) * width
                 for i, n in enumerate(counts)
                 for a in aborts
                 if a["in_flight"] == n and a["path"] == name
@@ -286,8 +305,12 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
                 for a in aborts
                 if a["in_flight"] == n and a["path"] == name
             ]
-            label = "service Abort(all)" if name == "service" else "direct pause(abort)+resume"
-            ax.bar(xs, ys, 0.35, label=label, color=COLORS[name])
+            label = {
+                "service": "service Abort(all)",
+                "direct": "direct pause(abort)+resume",
+                "floor": "bare grpc.aio (floor)",
+            }[name]
+            ax.bar(xs, ys, width, label=label, color=COLORS[name])
         ax.set_xticks(range(len(counts)), [f"{n} in flight" for n in counts], fontsize=8)
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)

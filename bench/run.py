@@ -385,17 +385,32 @@ def nginx_available() -> str | None:
 # ----------------------------------------------------------------------------------- abort
 
 
+def start_floor(group: procs.Processes) -> str:
+    """The bare grpc.aio server of `bench.grpc_floor` (no engines, no service code); its target."""
+    port_file = procs.fresh_port_file(group.workdir / "floor.port")
+    floor = group.start(
+        "floor", [sys.executable, "-m", "bench.grpc_floor", "--serve", str(port_file)], cwd=procs.REPO
+    )
+    return f"127.0.0.1:{procs.read_port_file(port_file, floor)}"
+
+
 def run_aborts(group: procs.Processes, quick: bool) -> list[dict[str, Any]]:
-    """Abort-all latency, service vs direct pause+resume, on slow engines."""
+    """Abort-all latency, service vs direct pause+resume, on slow engines; and the floor: a bare
+    grpc.aio server ending as many held streams at one call (what grpc.aio alone needs)."""
+    from bench import grpc_floor  # it imports this module (SystemCpu)
+
     fleet = start_fleet(group, ABORT_TOKEN_DELAY_MS, False, "abort")
+    floor_target = start_floor(group)
     out = []
     for n in (256,) if quick else ABORT_IN_FLIGHT:
-        for path in ("direct", "service"):
+        for path in ("direct", "service", "floor"):
             try:
                 if path == "direct":
                     result = asyncio.run(load.abort_direct(fleet.engines, n, 2048, n))
-                else:
+                elif path == "service":
                     result = asyncio.run(load.abort_grpc(fleet.service_target, n, 2048, n))
+                else:
+                    result = asyncio.run(grpc_floor.abort_floor(floor_target, n))
             except Exception as exc:  # record and go on: one flaky row must not lose the whole run
                 print(f"  abort-all {n} in flight {path} failed: {exc!r}"[:500], flush=True)
                 out.append({"path": path, "in_flight": n, "error": f"{type(exc).__name__}: {exc}"[:500]})
