@@ -154,8 +154,10 @@ async def test_breaker_cooldown_setting_reaches_the_engine_pool() -> None:
     """`--breaker-cooldown` decides how long an engine that broke a stream stays out of rotation."""
     async with harness("sim", breaker_cooldown_s=0.0) as h:
         h.sims[0].faults.drop_connection = 1
+        h.sims[0].faults.drop_after_tokens = 0
         # The stream breaks before a token arrives and no other engine is left: UNAVAILABLE, and
-        # the engine's breaker is open.
+        # the engine's breaker is open. (With the default, one token, the sample keeps that token
+        # and ends ABORTED: the reader now hands out a chunk that came just before the break.)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await h.client.generate(make_sample([5, 6, 7]), {"max_new_tokens": 50, "ignore_eos": True})
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

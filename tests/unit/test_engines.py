@@ -146,3 +146,62 @@ async def test_a_probe_timed_out_by_a_stalled_event_loop_asks_again() -> None:
         assert health, health.cause
     finally:
         server.close()
+
+
+async def _sse_server_that_breaks(go: asyncio.Event, chunk: bytes) -> tuple[asyncio.Server, int]:
+    """An HTTP server that answers a streaming head, then, once `go` is set, one chunk of `chunk`
+    and its connection's end (FIN) without the body's last chunk: a broken SSE body."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        await writer.drain()
+        await go.wait()
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_data_received_just_before_the_connection_broke_is_still_read() -> None:
+    """aiohttp raises a broken body's error before handing out what it had buffered; the engine
+    reader hands it out first (the engine made those tokens), then raises."""
+    from rollout_grpc.server.engines.http import HttpEngine
+
+    event = b'{"choices": [{"index": 0, "token_ids": [7, 8]}]}'
+
+    async def scenario() -> list[bytes]:
+        go = asyncio.Event()
+        server, port = await _sse_server_that_breaks(go, b"data: " + event + b"\n\ndata: {\"trunc")
+        got: list[bytes] = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                engine = HttpEngine(f"http://127.0.0.1:{port}", session)
+                async with session.post(engine.url + "/generate", json={}) as resp:
+                    broken = asyncio.Event()
+                    assert resp.connection is not None and resp.connection.protocol is not None
+                    protocol = resp.connection.protocol
+                    connection_lost = protocol.connection_lost
+
+                    def note_break(exc: BaseException | None) -> None:
+                        connection_lost(exc)
+                        broken.set()
+
+                    protocol.connection_lost = note_break  # type: ignore[method-assign]
+                    go.set()
+                    # Both the chunk and the connection's end are processed before the first read,
+                    # as on a busy replica.
+                    await broken.wait()
+                    assert resp.content.exception() is not None
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        async for payload in engine._events(resp):
+                            got.append(payload)
+        finally:
+            server.close()
+            await server.wait_closed()
+        return got
+
+    assert asyncio.run(scenario()) == [event]  # the complete event; the torn one after it is not
