@@ -135,6 +135,16 @@ async def serve(port_file: Path) -> None:
 # ------------------------------------------------------------------------------------- the client
 
 
+def _channels(target: str, connections: int) -> list[grpc.aio.Channel]:
+    """`connections` channels that do not share a connection (each its own subchannel pool)."""
+    return [
+        grpc.aio.insecure_channel(
+            target, options=[("grpc.channel_id", i), ("grpc.use_local_subchannel_pool", 1)]
+        )
+        for i in range(connections)
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class FloorRun:
     """One closed loop of calls: its wall time and each call's time to its first message."""
@@ -160,12 +170,7 @@ async def run_calls(
 
     Raises when a call fails or gets another number of messages than asked for.
     """
-    channels = [
-        grpc.aio.insecure_channel(
-            target, options=[("grpc.channel_id", i), ("grpc.use_local_subchannel_pool", 1)]
-        )
-        for i in range(connections)
-    ]
+    channels = _channels(target, connections)
     calls: list[grpc.aio.UnaryStreamMultiCallable[bytes, bytes]] = [
         ch.unary_stream(METHOD) for ch in channels
     ]
@@ -199,12 +204,7 @@ async def run_calls(
 async def abort_floor(target: str, in_flight: int, connections: int = 1) -> load.AbortResult:
     """`in_flight` held streams, each past its first message, then one release: the time from the
     release call to the last stream's end, as `bench.abort_all` times the service's Abort(all)."""
-    channels = [
-        grpc.aio.insecure_channel(
-            target, options=[("grpc.channel_id", i), ("grpc.use_local_subchannel_pool", 1)]
-        )
-        for i in range(connections)
-    ]
+    channels = _channels(target, connections)
     held_calls: list[grpc.aio.UnaryStreamMultiCallable[bytes, bytes]] = [
         ch.unary_stream(HELD_METHOD) for ch in channels
     ]
