@@ -175,7 +175,7 @@ def test_data_received_just_before_the_connection_broke_is_still_read() -> None:
 
     async def scenario() -> list[bytes]:
         go = asyncio.Event()
-        server, port = await _sse_server_that_breaks(go, b"data: " + event + b"\n\ndata: {\"trunc")
+        server, port = await _sse_server_that_breaks(go, b"data: " + event + b'\n\ndata: {"trunc')
         got: list[bytes] = []
         try:
             async with aiohttp.ClientSession() as session:
