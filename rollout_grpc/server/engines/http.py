@@ -84,7 +84,7 @@ def received_before_the_break(content: aiohttp.StreamReader) -> bytes:
     data = b"".join(buffer)[offset if isinstance(offset, int) else 0 :]
     buffer.clear()
     if isinstance(offset, int):
-        content._buffer_offset = 0  # type: ignore[attr-defined]
+        content._buffer_offset = 0
     return data
 
 
