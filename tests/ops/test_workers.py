@@ -185,6 +185,28 @@ async def test_get_trajectory_on_another_worker_asks_worker_0(
         await by_worker[1].get_trajectory("no-such-session")
 
 
+async def test_get_trajectory_on_another_worker_waits_for_a_running_turn_as_worker_0_does(
+    procs: Processes, tmp_path: Path
+) -> None:
+    """GetTrajectory waits for a running turn (recorded whole or not at all) on every worker: the
+    forward to worker 0 runs on the caller's deadline, not the short control deadline."""
+    replica = start_replica(procs, tmp_path, *SIM, "--openai-port", "0", "--control-deadline", "0.5")
+    base = f"http://127.0.0.1:{replica.ports['openai']}/sessions/traj-running/v1"
+    async with aiohttp.ClientSession() as http, clients_by_worker(replica.target, 2) as by_worker:
+        async with http.get(f"{base}/models") as models:
+            model = (await models.json())["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        async with http.post(f"{base}/chat/completions", json={**body, "max_tokens": 2}) as reply:
+            assert reply.status == 200, await reply.text()
+        # 60 tokens at 20 ms each: the turn runs for over a second after its first chunk.
+        long_turn = {**body, "max_tokens": 60, "stream": True}
+        async with http.post(f"{base}/chat/completions", json=long_turn) as reply:
+            assert reply.status == 200, await reply.text()
+            assert (await reply.content.readline()).startswith(b"data: ")  # the turn is running
+            trajectory = await by_worker[1].get_trajectory("traj-running", timeout=60)
+    assert [len(turn.response_token_ids) for turn in trajectory.turns] == [2, 60]
+
+
 async def test_one_metrics_scrape_shows_every_worker(
     replica: Replica, by_worker: dict[int, AsyncRolloutClient]
 ) -> None:

@@ -23,6 +23,7 @@ import asyncio
 from typing import Any
 
 import grpc
+import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.domain.errors import InvalidArgument
@@ -37,6 +38,8 @@ from rollout_grpc.server.rollout.control import (
     ForwardedAbort,
 )
 from rollout_grpc.server.workers.siblings import Siblings
+
+log = structlog.get_logger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 #: The worker that runs the OpenAI front door and holds the recorded sessions.
@@ -153,6 +156,32 @@ async def _no_loads() -> list[pb.SiblingLoadResponse]:
     return []
 
 
+#: Codes of a SiblingTrajectory that did not reach worker 0's servicer (gRPC's text, not worker 0's).
+_UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
+_UNREACHED_MESSAGE = (
+    "worker 0 of this replica, which records the front door's sessions, did not answer; retry"
+)
+#: Trailers of worker 0's status that the caller needs: the rich status and the retry pushback.
+_FORWARDED_TRAILERS = frozenset({"grpc-status-details-bin", "grpc-retry-pushback-ms"})
+
+
+def forwarded_status(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, Any], ...]]:
+    """What the caller gets for worker 0's failed SiblingTrajectory: (code, details, trailers).
+
+    Worker 0's own answers pass whole, with the trailers that carry the rich status (a field
+    violation, a retry delay). A failure to reach it at all (UNAVAILABLE, UNKNOWN, CANCELLED) has
+    gRPC's transport text, which names the internal socket: the caller gets a message of ours.
+    """
+    code = exc.code()
+    if code in _UNREACHED:
+        log.warning("sibling_trajectory_failed", code=code.name, error=exc.details())
+        return grpc.StatusCode.UNAVAILABLE, _UNREACHED_MESSAGE, ()
+    trailers = tuple(
+        (key, value) for key, value in (exc.trailing_metadata() or ()) if key in _FORWARDED_TRAILERS
+    )
+    return code, exc.details() or "", trailers
+
+
 class WorkerRolloutServicer(RolloutServicer):
     """RolloutService of a worker: GetTrajectory from worker 0, the worker count in GetServerInfo."""
 
@@ -187,9 +216,11 @@ class WorkerRolloutServicer(RolloutServicer):
         if not request.session_id:
             raise InvalidArgument("session_id", "must not be empty")
         try:
-            return await self.siblings.trajectory(FRONT_DOOR_WORKER, request, current_caller())
+            return await self.siblings.trajectory(
+                FRONT_DOOR_WORKER, request, current_caller(), timeout_s=context.time_remaining()
+            )
         except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "")
+            await context.abort(*forwarded_status(exc))
             raise
 
     async def local_trajectory(
