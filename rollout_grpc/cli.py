@@ -142,9 +142,7 @@ def _worker_count(args: argparse.Namespace) -> int:
 
     if args.workers is None:
         return default_workers()
-    if args.workers < 1:
-        raise SystemExit(f"rollout-grpc serve: --workers must be at least 1, got {args.workers}")
-    return int(args.workers)
+    return int(args.workers)  # at least 1 (settings.AT_LEAST_ONE)
 
 
 async def _supervise(

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import difflib
 import enum
+import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -500,11 +501,71 @@ def _field_default(path: str) -> Any:
     return None if f.default is dataclasses.MISSING else f.default
 
 
+#: Numeric flags whose value must be at least 1: a count of 0 would leave the service unable to
+#: work at all (no generation admitted, no engine attempt, no room in a message).
+AT_LEAST_ONE: Final = frozenset(
+    {
+        "--workers",
+        "--server-concurrency",
+        "--rollout-num-gpus",
+        "--rollout-num-gpus-per-engine",
+        "--max-engine-attempts",
+        "--stream-batch-tokens",
+        "--max-receive-message-mb",
+        "--max-send-message-mb",
+        "--max-control-request-bytes",
+    }
+)
+#: Numeric flags whose value must be above 0: deadlines, timeouts and intervals, where 0 would
+#: expire at once or spin. (Rates and bursts take 0: their help says what it means.)
+ABOVE_ZERO: Final = frozenset(
+    {
+        "--control-deadline",
+        "--health-interval",
+        "--engine-connect-timeout",
+        "--engine-idle-timeout",
+        "--keepalive-time",
+        "--openai-body-timeout",
+        "--max-unrequested-time",
+    }
+)
+#: Port flags: 0 (any free port) to 65535.
+PORTS: Final = frozenset({"--port", "--health-port", "--metrics-port", "--openai-port"})
+_MAX_PORT: Final = 65535
+
+
+def _in_range(flag: Flag, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` (int or float) that also refuses what no flag means: NaN, infinities, negative
+    values, and the flag's own bounds (`AT_LEAST_ONE`, `ABOVE_ZERO`, `PORTS`); the message says
+    what is allowed (argparse prefixes the flag, `_convert` the source)."""
+
+    def convert(text: str) -> Any:
+        value = parse(text)  # a ValueError: argparse's "invalid int value: 'abc'"
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text.strip()!r}")
+        if flag.name in AT_LEAST_ONE and value < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1, got {value:g}")
+        if flag.name in ABOVE_ZERO and value <= 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {value:g}")
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must not be negative, got {value:g}")
+        if flag.name in PORTS and value > _MAX_PORT:
+            raise argparse.ArgumentTypeError(
+                f"must be a port, 0-{_MAX_PORT} (0: any free port), got {value:g}"
+            )
+        return value
+
+    convert.__name__ = parse.__name__  # argparse names the type in "invalid int value"
+    return convert
+
+
 def _flag_type(flag: Flag) -> Callable[[str], Any]:
     if flag.type is not None:
-        return flag.type
-    annotation = str(_field(flag.field).type).replace(" | None", "")
-    return _TYPES.get(annotation, str)  # an enum (DriftPolicy) is parsed as its value, then to_field
+        parse = flag.type
+    else:
+        annotation = str(_field(flag.field).type).replace(" | None", "")
+        parse = _TYPES.get(annotation, str)  # an enum (DriftPolicy) is parsed as its value, then to_field
+    return _in_range(flag, parse) if parse in (int, float) else parse
 
 
 def flag_default(flag: Flag) -> Any:

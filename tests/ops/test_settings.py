@@ -150,6 +150,62 @@ def test_bad_values_are_named(
     assert needle in capsys.readouterr().err
 
 
+def test_every_bounded_flag_is_a_numeric_flag() -> None:
+    numeric = {
+        f.name
+        for f in settings.FLAGS
+        if f.kind == "value" and settings._flag_type(f).__name__ in ("int", "float")
+    }
+    bounded = settings.AT_LEAST_ONE | settings.ABOVE_ZERO | settings.PORTS
+    assert bounded - numeric == set()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--grace", "nan", "must be a finite number, got 'nan'"),
+        ("--control-deadline", "inf", "must be a finite number, got 'inf'"),
+        ("--max-queue", "-1", "must not be negative, got -1"),
+        ("--sim-token-delay-ms", "-0.5", "must not be negative, got -0.5"),
+        ("--control-deadline", "0", "must be greater than 0, got 0"),
+        ("--engine-idle-timeout", "0", "must be greater than 0, got 0"),
+        ("--stream-batch-tokens", "0", "must be at least 1, got 0"),
+        ("--server-concurrency", "0", "must be at least 1, got 0"),
+        ("--workers", "0", "must be at least 1, got 0"),
+        ("--port", "65536", "must be a port, 0-65535 (0: any free port), got 65536"),
+        ("--openai-port", "-1", "must not be negative, got -1"),
+    ],
+)
+def test_numbers_no_flag_means_are_refused_from_every_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    """A value outside a flag's range is one error naming the flag and its source, before anything
+    starts (a server default of 0 tokens per message would fail every caller's Generate)."""
+    by_name = {f.name: f for f in settings.FLAGS}
+    with pytest.raises(SystemExit):
+        _parse([flag, value])
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse([], {by_name[flag].env: value})
+    assert f"environment {by_name[flag].env}: {flag}: {message}" in capsys.readouterr().err
+    path = tmp_path / "c.toml"
+    path.write_text(f'{flag.removeprefix("--")} = "{value}"\n')
+    with pytest.raises(SystemExit):
+        _parse(["--config", str(path)])
+    assert f"{flag}: {message}" in capsys.readouterr().err
+
+
+def test_the_edges_of_each_range_are_accepted() -> None:
+    args = _parse(
+        [
+            *("--port", "65535", "--health-port", "0", "--grace", "0", "--stream-batch-tokens", "1"),
+            *("--control-deadline", "0.01", "--max-queue", "0", "--workers", "1"),
+        ]
+    )
+    assert (args.port, args.health_port, args.grace, args.stream_batch_tokens) == (65535, 0, 0.0, 1)
+    assert (args.control_deadline, args.max_queue, args.workers) == (0.01, 0, 1)
+
+
 async def test_breaker_cooldown_setting_reaches_the_engine_pool() -> None:
     """`--breaker-cooldown` decides how long an engine that broke a stream stays out of rotation."""
     async with harness("sim", breaker_cooldown_s=0.0) as h:
