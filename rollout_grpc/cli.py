@@ -18,6 +18,7 @@ import structlog
 
 from rollout_grpc import __version__, logs, settings
 from rollout_grpc import info as info_command
+from rollout_grpc.argtypes import number
 from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.server.exposure import ExposureRefused
 from rollout_grpc.server.ports import PortUnavailable
@@ -224,9 +225,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "print a table and exit (0 when the trainer contract holds). What `make run` runs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    demo.add_argument("--prompts", type=int, default=8, help="prompt groups to generate")
-    demo.add_argument("--samples-per-prompt", type=int, default=4, help="samples per prompt group")
-    demo.add_argument("--max-new-tokens", type=int, default=128, help="token budget of each sample")
+    at_least_one = number(int, low=1)
+    demo.add_argument("--prompts", type=at_least_one, default=8, help="prompt groups to generate")
+    demo.add_argument("--samples-per-prompt", type=at_least_one, default=4, help="samples per prompt group")
+    demo.add_argument("--max-new-tokens", type=at_least_one, default=128, help="token budget of each sample")
     demo.add_argument("--progress", action="store_true", help="show a progress bar (tqdm)")
     demo.add_argument(
         "--sim-sglang",

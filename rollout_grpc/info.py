@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.argtypes import number
 from rollout_grpc.client.credentials import ClientSecurity
 
 ENV_PREFIX = "ROLLOUT_GRPC_INFO_"
@@ -126,7 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser, default_target: str) -> None:
         help=f"replica address host:port [{ENV_PREFIX}TARGET]",
     )
     parser.add_argument("--json", action="store_true", help="print GetServerInfo as JSON instead")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    parser.add_argument(
+        "--timeout", type=number(float, above=True), default=10.0, help="seconds to wait for the answer"
+    )
     parser.add_argument(
         "--tls",
         action="store_true",

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import difflib
 import enum
-import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any, Final, NoReturn
 from urllib.parse import urlsplit
 
+from rollout_grpc.argtypes import MAX_PORT
+from rollout_grpc.argtypes import number as ranged_number
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.domain.model import GenerateOptions
 from rollout_grpc.server.front.openai.server import FrontDoorConfig
@@ -531,32 +532,18 @@ ABOVE_ZERO: Final = frozenset(
 )
 #: Port flags: 0 (any free port) to 65535.
 PORTS: Final = frozenset({"--port", "--health-port", "--metrics-port", "--openai-port"})
-_MAX_PORT: Final = 65535
 
 
 def _in_range(flag: Flag, parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """`parse` (int or float) that also refuses what no flag means: NaN, infinities, negative
-    values, and the flag's own bounds (`AT_LEAST_ONE`, `ABOVE_ZERO`, `PORTS`); the message says
-    what is allowed (argparse prefixes the flag, `_convert` the source)."""
-
-    def convert(text: str) -> Any:
-        value = parse(text)  # a ValueError: argparse's "invalid int value: 'abc'"
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text.strip()!r}")
-        if flag.name in AT_LEAST_ONE and value < 1:
-            raise argparse.ArgumentTypeError(f"must be at least 1, got {value:g}")
-        if flag.name in ABOVE_ZERO and value <= 0:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {value:g}")
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must not be negative, got {value:g}")
-        if flag.name in PORTS and value > _MAX_PORT:
-            raise argparse.ArgumentTypeError(
-                f"must be a port, 0-{_MAX_PORT} (0: any free port), got {value:g}"
-            )
-        return value
-
-    convert.__name__ = parse.__name__  # argparse names the type in "invalid int value"
-    return convert
+    values, and the flag's own bounds (`AT_LEAST_ONE`, `ABOVE_ZERO`, `PORTS`); argparse prefixes
+    the message with the flag, `_convert` with the source."""
+    return ranged_number(
+        parse,
+        low=1 if flag.name in AT_LEAST_ONE else 0,
+        above=flag.name in ABOVE_ZERO,
+        high=MAX_PORT if flag.name in PORTS else None,
+    )
 
 
 def _flag_type(flag: Flag) -> Callable[[str], Any]:

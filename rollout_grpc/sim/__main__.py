@@ -14,9 +14,15 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from rollout_grpc.argtypes import number, port
+
 from .app import AppExtension
 from .config import SGLangOptions, SimConfig
 from .engine import SimEngine
+from .vocab import MIN_VOCAB_SIZE
+
+POSITIVE_INT = number(int, low=1)
+NON_NEGATIVE = number(float)
 
 
 def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentParser:
@@ -26,33 +32,49 @@ def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentP
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind the HTTP port to")
-    p.add_argument("--port", type=int, default=0, help="HTTP port (0 = any free port; see --port-file)")
+    p.add_argument("--port", type=port, default=0, help="HTTP port (0 = any free port; see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here")
     p.add_argument("--model", default="sim-llama", help="served model name")
     p.add_argument(
         "--model-root", default=None, help="`root` reported by /v1/models (default: sim-models/<model>)"
     )
-    p.add_argument("--vocab-size", type=int, default=2048, help="vocabulary size (token ids 0 .. N-1)")
     p.add_argument(
-        "--max-model-len", type=int, default=4096, help="prompt + output tokens per request, as vLLM's flag"
+        "--vocab-size",
+        type=number(int, low=MIN_VOCAB_SIZE),
+        default=2048,
+        help="vocabulary size (token ids 0 .. N-1)",
     )
     p.add_argument(
-        "--token-delay-ms", type=float, default=0.0, help="delay between later tokens (0 = flat out)"
+        "--max-model-len",
+        type=POSITIVE_INT,
+        default=4096,
+        help="prompt + output tokens per request, as vLLM's flag",
     )
-    p.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token of a request")
-    p.add_argument("--seed", type=int, default=0, help="sampling stream for unseeded requests")
-    p.add_argument("--model-seed", type=int, default=0, help="the toy model's weights")
+    p.add_argument(
+        "--token-delay-ms", type=NON_NEGATIVE, default=0.0, help="delay between later tokens (0 = flat out)"
+    )
+    p.add_argument(
+        "--ttft-ms", type=NON_NEGATIVE, default=0.0, help="delay before the first token of a request"
+    )
+    p.add_argument("--seed", type=number(int), default=0, help="sampling stream for unseeded requests")
+    p.add_argument("--model-seed", type=number(int), default=0, help="the toy model's weights")
     p.add_argument(
         "--eos-probability",
-        type=float,
+        type=number(float, high=1),
         default=0.01,
         help="per-step chance that EOS becomes the likely next token (0 = never stop early)",
     )
     p.add_argument(
-        "--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for, as vLLM's flag"
+        "--max-logprobs",
+        type=number(int),
+        default=20,
+        help="most top logprobs a request may ask for, as vLLM's flag",
     )
     p.add_argument(
-        "--max-num-seqs", type=int, default=256, help="upper bound of a request's `n`, as vLLM's flag"
+        "--max-num-seqs",
+        type=POSITIVE_INT,
+        default=256,
+        help="upper bound of a request's `n`, as vLLM's flag",
     )
     p.add_argument("--no-dev-mode", action="store_true", help="as without VLLM_SERVER_DEV_MODE=1")
     p.add_argument("--no-scale-out", action="store_true", help="as without --enable-scale-out")
@@ -70,9 +92,13 @@ def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentP
     p.add_argument(
         "--moe", action="store_true", help="return routed experts (--enable-return-routed-experts)"
     )
-    p.add_argument("--moe-layers", type=int, default=2, help="MoE layers of the toy model (with --moe)")
-    p.add_argument("--moe-experts", type=int, default=0, help="0 = dense (8 when --moe)")
-    p.add_argument("--moe-topk", type=int, default=2, help="experts per token and layer (with --moe)")
+    p.add_argument(
+        "--moe-layers", type=POSITIVE_INT, default=2, help="MoE layers of the toy model (with --moe)"
+    )
+    p.add_argument("--moe-experts", type=number(int), default=0, help="0 = dense (8 when --moe)")
+    p.add_argument(
+        "--moe-topk", type=POSITIVE_INT, default=2, help="experts per token and layer (with --moe)"
+    )
     p.add_argument("--multimodal", action="store_true", help="a Qwen2-VL-like model")
     p.add_argument("--dead", action="store_true", help="start with /health answering 503")
     sg = p.add_argument_group("SGLang personality (--kind sglang)")
@@ -92,7 +118,7 @@ def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentP
     )
     sg.add_argument(
         "--stream-interval",
-        type=int,
+        type=POSITIVE_INT,
         default=1,
         help="SGLang's --stream-interval: tokens between stream chunks unless the request sets one",
     )

@@ -32,6 +32,8 @@ VISION_END_ID = 5
 IMAGE_PAD_ID = 6
 VIDEO_PAD_ID = 7
 NUM_SPECIAL = len(SPECIAL_TOKENS)
+#: The smallest vocabulary: the special tokens and one token per byte.
+MIN_VOCAB_SIZE = NUM_SPECIAL + 256
 BYTE_OFFSET = NUM_SPECIAL
 
 
@@ -204,8 +206,8 @@ class Vocab:
     """
 
     def __init__(self, vocab_size: int = 2048) -> None:
-        if vocab_size < NUM_SPECIAL + 256:
-            raise ValueError(f"vocab_size must be at least {NUM_SPECIAL + 256}, got {vocab_size}")
+        if vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
         self.size = vocab_size
         table: list[bytes] = [s.encode() for s in SPECIAL_TOKENS]
         table.extend(bytes([b]) for b in range(256))

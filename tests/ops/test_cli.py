@@ -117,6 +117,42 @@ def test_every_subcommand_and_flag_has_help() -> None:
     assert "--logprobs-mode" in tree["rollout-grpc sim"].format_help()
 
 
+def test_every_numeric_flag_of_every_command_has_a_range() -> None:
+    """A bare `type=int` or `float` takes -5 for a port and nan for a timeout (`argtypes.number`)."""
+    parser, _ = cli.build_parser()
+    bare = [
+        f"{path} {'/'.join(action.option_strings)}"
+        for path, node in _parsers(parser, "rollout-grpc")
+        for action in node._actions
+        if action.type in (int, float) and action.choices is None
+    ]
+    assert not bare, f"numeric flags without a range: {bare}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["info", "--timeout", "-1"], "argument --timeout: must be greater than 0, got -1"),
+        (["info", "--timeout", "nan"], "argument --timeout: must be a finite number, got 'nan'"),
+        (["demo", "--prompts", "0"], "argument --prompts: must be at least 1, got 0"),
+        (["demo", "--max-new-tokens", "-1"], "argument --max-new-tokens: must be at least 1, got -1"),
+        (["sim", "--port", "99999"], "argument --port: must be at most 65535, got 99999"),
+        (["sim", "--eos-probability", "2"], "argument --eos-probability: must be at most 1, got 2"),
+        (["sim", "--vocab-size", "8"], "argument --vocab-size: must be at least 264, got 8"),
+        (["sim", "--token-delay-ms", "-5"], "argument --token-delay-ms: must not be negative, got -5"),
+    ],
+)
+def test_numbers_out_of_range_are_one_line_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: `info --timeout -1` reported the replica DEADLINE_EXCEEDED, `demo --prompts 0` ran
+    nothing and said ok, `sim --port 99999` ended in a traceback."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_version_flag_prints_the_package_version() -> None:
     result = subprocess.run(
         [*replica_command(), "--version"], capture_output=True, text=True, timeout=60, check=True

@@ -172,7 +172,7 @@ def test_every_bounded_flag_is_a_numeric_flag() -> None:
         ("--stream-batch-tokens", "0", "must be at least 1, got 0"),
         ("--server-concurrency", "0", "must be at least 1, got 0"),
         ("--workers", "0", "must be at least 1, got 0"),
-        ("--port", "65536", "must be a port, 0-65535 (0: any free port), got 65536"),
+        ("--port", "65536", "must be at most 65535, got 65536"),
         ("--openai-port", "-1", "must not be negative, got -1"),
     ],
 )
