@@ -28,13 +28,14 @@ def number(
         value = parse(text)  # a ValueError: argparse's "invalid int value: 'abc'"
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text.strip()!r}")
+        got = f"got {value:g}" if isinstance(value, float) else f"got {value}"
         if above and value <= low:
-            raise argparse.ArgumentTypeError(f"must be greater than {low:g}, got {value:g}")
+            raise argparse.ArgumentTypeError(f"must be greater than {low:g}, {got}")
         if value < low:
             wanted = "must not be negative" if low == 0 else f"must be at least {low:g}"
-            raise argparse.ArgumentTypeError(f"{wanted}, got {value:g}")
+            raise argparse.ArgumentTypeError(f"{wanted}, {got}")
         if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"must be at most {high:g}, got {value:g}")
+            raise argparse.ArgumentTypeError(f"must be at most {high:g}, {got}")
         return value
 
     convert.__name__ = parse.__name__  # argparse names the type in "invalid int value"

@@ -19,6 +19,7 @@ from rollout_grpc.client.channel import (
     build_request,
     channel_options,
     check_connections,
+    check_target,
     connection_options,
     is_batch,
     resolve_timeout,
@@ -112,7 +113,7 @@ class AsyncRolloutClient:
         )
         self._metadata = self._security.metadata()
         self._credentials = self._security.channel_credentials()
-        self._target = target
+        self._target = check_target(target) if channel is None else target
         self._options = channel_options([*self._security.channel_options(), *options], retry)
         self._default_timeout = timeout
         self._given = (channel, async_stub(channel)) if channel is not None else None

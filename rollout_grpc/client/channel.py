@@ -83,6 +83,36 @@ def connection_options(options: Sequence[tuple[str, Any]], index: int) -> list[t
     return [*options, ("grpc.use_local_subchannel_pool", 1), ("rollout.connection_index", index)]
 
 
+#: URL schemes people paste where a gRPC target belongs (gRPC would try to resolve them as a host
+#: name and answer UNAVAILABLE "Misformatted domain name" at the first call).
+_URL_SCHEMES = ("http", "https", "grpc", "grpcs")
+#: gRPC's own name schemes ("dns:///host:port", "unix:/path", ...): passed as they are.
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
+
+
+def check_target(target: str) -> str:
+    """`target` as a gRPC target (surrounding whitespace dropped), or ValueError saying what is
+    wrong: a URL (`http://host:port`) instead of `host:port`, a port that is not a number or not
+    0-65535. Checked when the client is made: gRPC itself only fails the first call, after its
+    retries and deadline, with a resolver message that does not say what to write instead."""
+    if not isinstance(target, str) or not target.strip():
+        raise ValueError(f"target must be a gRPC target such as 'host:port', got {target!r}")
+    text = target.strip()
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() in _URL_SCHEMES:
+        hint = " (and tls=True)" if scheme.lower() in ("https", "grpcs") else ""
+        raise ValueError(
+            f"target {target!r} is a URL; a gRPC target is host:port: {rest.rstrip('/')!r}{hint}"
+        )
+    if text.startswith(_GRPC_SCHEMES):
+        return text
+    host, colon, port = text.rpartition(":")
+    has_port = colon and not host.endswith(":")  # a bare IPv6 address ("::1") has no port
+    if has_port and (not port.isdigit() or int(port) > 65535):
+        raise ValueError(f"target {target!r}: the port must be a number 0-65535, got {port!r}")
+    return text
+
+
 def check_connections(connections: int) -> int:
     """`connections` validated: at least 1 (ValueError naming the argument otherwise)."""
     if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:

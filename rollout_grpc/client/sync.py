@@ -18,6 +18,7 @@ from rollout_grpc.client.channel import (
     build_request,
     channel_options,
     check_connections,
+    check_target,
     connection_options,
     is_batch,
     resolve_timeout,
@@ -65,6 +66,7 @@ class RolloutClient:
         and gRPC retries of refused calls honouring the server's pushback (None disables); TLS,
         mTLS and token options as in `AsyncRolloutClient`; `connections` too (TCP connections
         that calls are spread over round-robin, for a `serve --workers N` replica)."""
+        target = check_target(target)
         security = ClientSecurity(tls, root_certificates, certificate_chain, private_key, token, server_name)
         self._metadata = security.metadata()
         options = channel_options([*security.channel_options(), *options], retry)
