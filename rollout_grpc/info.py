@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.argtypes import number
+from rollout_grpc.client.channel import check_target
 from rollout_grpc.client.credentials import ClientSecurity
 
 ENV_PREFIX = "ROLLOUT_GRPC_INFO_"
@@ -196,7 +197,7 @@ def fetch(
     """GetServerInfo and the health status of the rollout service on `target`."""
     security = security or ClientSecurity()
     metadata = security.metadata()
-    with _channel(target, security) as channel:
+    with _channel(check_target(target), security) as channel:
         info = pb_grpc.RolloutServiceStub(channel).GetServerInfo(
             pb.GetServerInfoRequest(), timeout=timeout, metadata=metadata
         )
@@ -208,6 +209,19 @@ def fetch(
         except grpc.RpcError as exc:
             health = f"unknown ({exc.code().name})"
     return info, health
+
+
+def _hint(exc: grpc.RpcError) -> str:
+    """What a failure says about the port that was asked (the usual mistake: another port of the
+    replica, its health, metrics or OpenAI port, or an engine's)."""
+    details = exc.details() or ""
+    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            " (a gRPC server without RolloutService answers here: the replica's health port? ask its --port)"
+        )
+    if "http1.x server" in details or "HTTP/1" in details:
+        return " (an HTTP/1 server answers here: an engine, or the replica's metrics or OpenAI port? ask its --port)"
+    return ""
 
 
 def run_info(
@@ -223,7 +237,8 @@ def run_info(
     try:
         info, health = fetch(target, timeout, security)
     except grpc.RpcError as exc:
-        print(f"rollout-grpc info: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = _hint(exc)
+        print(f"rollout-grpc info: {target}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as exc:  # an unreadable certificate, key or token file
         print(f"rollout-grpc info: {exc}", file=sys.stderr)

@@ -89,6 +89,25 @@ def test_info_on_an_unreachable_target_exits_2(capsys: pytest.CaptureFixture[str
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
+async def test_info_on_another_port_of_the_replica_says_which_port_to_ask(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The usual mistakes: the health port (gRPC without RolloutService), an engine's HTTP port,
+    a URL. Each is exit 2 with one line that says what it is and what to ask instead."""
+    async with harness("sim", sim_count=1) as h:
+        health = f"127.0.0.1:{h.server.health_port}"
+        engine = h.sims[0].url.removeprefix("http://")
+        codes = [await asyncio.to_thread(run_info, t, timeout=5.0) for t in (health, engine, h.sims[0].url)]
+    err = capsys.readouterr().err.splitlines()
+    assert codes == [2, 2, 2]
+    assert "UNIMPLEMENTED" in err[0] and "the replica's health port? ask its --port" in err[0]
+    assert "an HTTP/1 server answers here" in err[1]
+    assert (
+        err[2]
+        == f"rollout-grpc info: target {h.sims[0].url!r} is a URL; a gRPC target is host:port: {engine!r}"
+    )
+
+
 def _parsers(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:
     """`parser` and every parser below it, each with its command path."""
     yield path, parser
