@@ -216,12 +216,12 @@ def _hint(exc: grpc.RpcError) -> str:
     replica, its health, metrics or OpenAI port, or an engine's)."""
     details = exc.details() or ""
     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-        return (
-            " (a gRPC server without RolloutService answers here: the replica's health port? ask its --port)"
-        )
-    if "http1.x server" in details or "HTTP/1" in details:
-        return " (an HTTP/1 server answers here: an engine, or the replica's metrics or OpenAI port? ask its --port)"
-    return ""
+        what = "a gRPC server without RolloutService answers here: the replica's health port?"
+    elif "http1.x server" in details or "HTTP/1" in details:
+        what = "an HTTP/1 server answers here: an engine, or the replica's metrics or OpenAI port?"
+    else:
+        return ""
+    return f" ({what} ask its --port)"
 
 
 def run_info(
