@@ -242,3 +242,23 @@ async def test_the_render_rpc_is_held_to_the_same_prompt_cap() -> None:
             assert field_violation(err.value) == where
             assert "max_prompt_chars=1000" in (err.value.details() or "")
         assert len((await client.render(text="z" * 100)).token_ids) > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("stream", "yes", "stream: must be a boolean, got 'yes'"),
+        ("stream", 1, "stream: must be a boolean, got 1"),
+        ("max_tokens", 1e9, "max_tokens: must be an integer, got 1000000000.0"),
+        ("temperature", "hot", "temperature: must be a number, got 'hot'"),
+    ],
+)
+async def test_a_value_of_the_wrong_type_is_a_400_naming_the_field(
+    field: str, value: Any, message: str
+) -> None:
+    """`"stream": "yes"` used to stream (any truthy value did); type errors said "must be a int"."""
+    async with front_door() as server:
+        body = {**TURN, "messages": [{"role": "user", "content": "hi"}], field: value}
+        status, answer = await post(server, orjson.dumps(body))
+    assert status == 400
+    assert assert_openai_error(answer, 400, field) == message

@@ -117,7 +117,8 @@ def _number(body: dict[str, Any], key: str, kind: type[int] | type[float]) -> An
         or not isinstance(value, int | float)
         or (kind is int and isinstance(value, float))
     ):
-        raise OpenAIError(400, f"{key}: must be a {kind.__name__}", key)
+        wanted = "an integer" if kind is int else "a number"
+        raise OpenAIError(400, f"{key}: must be {wanted}, got {value!r}", key)
     return kind(value)
 
 

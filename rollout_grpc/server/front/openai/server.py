@@ -247,6 +247,8 @@ class OpenAIFrontDoor:
                 )
             if body.get("n") not in (None, 1):
                 raise OpenAIError(400, "n: only n=1 is supported", "n")
+            if not isinstance(body.get("stream", False), bool | None):  # "yes" is not a stream
+                raise OpenAIError(400, f"stream: must be a boolean, got {body['stream']!r}", "stream")
             session_id = (
                 request.match_info.get("session_id")
                 or request.headers.get(SESSION_HEADER)
