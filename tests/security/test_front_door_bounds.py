@@ -262,3 +262,23 @@ async def test_a_value_of_the_wrong_type_is_a_400_naming_the_field(
         status, answer = await post(server, orjson.dumps(body))
     assert status == 400
     assert assert_openai_error(answer, 400, field) == message
+
+
+async def test_a_request_without_a_model_is_answered_with_the_served_models_name() -> None:
+    """OpenAI's responses always name the model; without `model` in the request they said ""."""
+    async with front_door() as server:
+        status, answer = await post(server, hello())
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                chat_url(server),
+                json={**TURN, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+            ) as resp,
+        ):
+            chunks = [
+                orjson.loads(line.removeprefix(b"data: "))
+                for line in (await resp.read()).splitlines()
+                if line.startswith(b"data: {")
+            ]
+    assert status == 200 and answer["model"] == "sim-llama"
+    assert chunks and {chunk["model"] for chunk in chunks} == {"sim-llama"}

@@ -307,6 +307,7 @@ class OpenAIFrontDoor:
     ) -> web.StreamResponse:
         model = str(body.get("model") or "")
         prompt_ids, new_sample, drift = await self._prompt(session, messages, body, model)
+        shown_model = model or self._served_model()
         prev_len = 0 if new_sample else len(session.tokens())
         options = GenerateOptions(
             stream_batch_tokens=self.config.stream_batch_tokens,
@@ -329,7 +330,7 @@ class OpenAIFrontDoor:
         first = await anext(events)
         if body.get("stream"):
             response, final = await self._stream(
-                request, body, events, first, chat_id, created, model, use_tools, session.session_id
+                request, body, events, first, chat_id, created, shown_model, use_tools, session.session_id
             )
         else:
             final = first if isinstance(first, Sample) else await _last(events)
@@ -338,7 +339,9 @@ class OpenAIFrontDoor:
         turn = self._record(session, messages, request_id, prompt_ids, final, parsed, new_sample, drift)
         if response is not None:
             return response
-        return self._completion(body, chat_id, created, model, turn, parsed, session.session_id, request_id)
+        return self._completion(
+            body, chat_id, created, shown_model, turn, parsed, session.session_id, request_id
+        )
 
     async def _prompt(
         self, session: Session, messages: list[dict[str, Any]], body: dict[str, Any], model: str
@@ -380,6 +383,14 @@ class OpenAIFrontDoor:
                 "follow; use the split drift policy (ServerConfig.openai.drift_policy)"
             )
         return answered[len(asked) :], full[len(answered) :]
+
+    def _served_model(self) -> str:
+        """The engines' served model name, for a response whose request named none (OpenAI's
+        responses always name the model; the fleet serves one)."""
+        for engine in self._pool.engines:
+            if engine.capabilities is not None and engine.capabilities.model:
+                return engine.capabilities.model
+        return ""
 
     async def _render(
         self,
