@@ -104,7 +104,11 @@ async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> i
             config = settings.server_config(args, engines, simulated=bool(args.sim), kinds=kinds)
         except settings.SettingsError as exc:
             raise SystemExit(f"rollout-grpc serve: {exc}") from None
-        server = RolloutServer(config)
+        try:
+            config.tls()  # TLS flags that do not go together
+            server = RolloutServer(config)  # an unusable tokens file
+        except ValueError as exc:
+            raise SystemExit(f"rollout-grpc serve: {exc}") from None
         try:
             await server.start()
         except ExposureRefused as exc:  # refused before anything was opened or bound

@@ -37,6 +37,7 @@ from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.domain.model import GenerateOptions
 from rollout_grpc.server.front.openai.server import FrontDoorConfig
 from rollout_grpc.server.front.openai.tools import PARSERS
+from rollout_grpc.server.rewards import allowlist as reward_allowlist
 
 ENV_PREFIX: Final = "ROLLOUT_GRPC_"
 
@@ -193,6 +194,14 @@ def _engine_argument(text: str) -> str:
     return text.strip()
 
 
+def _reward_prefix(text: str) -> str:
+    """A `--reward-url` value: scheme://host[:port][/path] (ArgumentTypeError saying what is not)."""
+    problem = reward_allowlist.prefix_problem(text.strip())
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text.strip()
+
+
 FLAGS: Final[tuple[Flag, ...]] = (
     Flag(
         "--engine",
@@ -205,9 +214,12 @@ FLAGS: Final[tuple[Flag, ...]] = (
     ),
     Flag(
         "--reward-url",
-        "URL prefix a RolloutStep's remote reward may use (repeatable; none given: any URL)",
+        "URL prefix a RolloutStep's remote reward may use: the same scheme, host and port, a path at "
+        "or under it (repeatable; none given: any http(s) URL)",
         "reward_urls",
         kind="list",
+        type=_reward_prefix,
+        metavar="URL",
     ),
     Flag("--engines-file", "file with one engine URL per line (# comments); re-read on SIGHUP", type=str),
     Flag(

@@ -577,6 +577,30 @@ async def test_a_replica_that_shuts_down_mid_step_returns_the_groups_with_their_
     assert list(run.summary.unstarted_group_indexes) == [2]
 
 
+@pytest.mark.parametrize("trick", ["userinfo", "longer port"])
+async def test_a_pinned_reward_prefix_is_no_string_prefix(trick: str) -> None:
+    """`--reward-url http://127.0.0.1:1` pins the reward server at port 1: a URL that merely starts
+    with that text reaches another server (the samples go to whoever runs it), and is refused
+    before any request leaves the replica."""
+    async with RewardServer() as rm:
+        port = int(rm.url.split(":")[2].split("/")[0])
+        pinned, url = {
+            "userinfo": ("http://127.0.0.1:1", f"http://127.0.0.1:1@127.0.0.1:{port}/rm"),
+            "longer port": (f"http://127.0.0.1:{str(port)[:-1]}", rm.url),
+        }[trick]
+        async with harness("sim", reward_urls=[pinned]) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await run_step(
+                    h,
+                    [(prompt(0), 0)],
+                    n_samples_per_prompt=2,
+                    params=SHORT,
+                    reward={"kind": "REWARD_KIND_REMOTE", "url": url},
+                )
+        assert field_violation(err.value) == "reward.url"
+        assert rm.probes == 0 and not rm.requests, "the URL is refused before it is probed"
+
+
 async def test_a_replica_can_pin_remote_rewards_to_its_own_reward_servers() -> None:
     async with harness("sim", reward_urls=["http://127.0.0.1:1/"]) as h, RewardServer() as rm:
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -195,6 +195,16 @@ def test_numbers_no_flag_means_are_refused_from_every_source(
     assert f"{flag}: {message}" in capsys.readouterr().err
 
 
+def test_a_reward_url_prefix_must_be_an_http_origin(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--reward-url", "ftp://rm.example"])
+    assert (
+        "argument --reward-url: 'ftp://rm.example': must be an http(s) URL with a host"
+        in capsys.readouterr().err
+    )
+    assert _parse(["--reward-url", "http://rm:8000/score"]).reward_url == ["http://rm:8000/score"]
+
+
 def test_the_edges_of_each_range_are_accepted() -> None:
     args = _parse(
         [
@@ -357,3 +367,29 @@ def test_the_sglang_prefix_reaches_the_server_config_from_flag_variable_and_file
     assert config.sglang_experts_topk == 8
     from_env = settings.engine_list(_parse([], {"ROLLOUT_GRPC_ENGINE": "sglang+http://sgl-env:30000"}))
     assert settings.engine_kinds(from_env) == {"http://sgl-env:30000": "sglang"}
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--auth-tokens-file", "/nonexistent/tokens"], "auth tokens file /nonexistent/tokens: No such file"),
+        (["--tls-cert", "/nonexistent/cert.pem"], "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_an_unusable_security_file_or_flag_stops_serve_in_one_line(
+    workers: str, flags: list[str], line: str
+) -> None:
+    """They ended `serve --workers 1` in a traceback (a missing tokens file with any worker count)."""
+    env = {k: v for k, v in child_env().items() if not k.startswith("ROLLOUT_GRPC_")}
+    result = subprocess.run(
+        [*replica_command(), "serve", "--sim", "1", "--port", "0", "--workers", workers, *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(f"rollout-grpc serve: {line}"), result.stderr

@@ -102,6 +102,8 @@ class TokenStore:
             stamp = self._file_stamp()
             entries = parse_tokens(self._path.read_text(), str(self._path))
         except (OSError, TokenFileError) as exc:
+            if strict and isinstance(exc, OSError):  # at start: one line naming the file, no traceback
+                raise TokenFileError(f"auth tokens file {self._path}: {exc.strerror or exc}") from None
             if strict:
                 raise
             log.error("auth_tokens_reload_failed", path=str(self._path), error=str(exc), action="kept")

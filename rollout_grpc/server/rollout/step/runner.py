@@ -30,6 +30,7 @@ from rollout_grpc.server.domain import sample_ops
 from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, RolloutError
 from rollout_grpc.server.domain.identity import ANONYMOUS, current_caller
 from rollout_grpc.server.domain.model import Finish, Sample, SamplingParams, Status
+from rollout_grpc.server.rewards import allowlist as reward_urls
 from rollout_grpc.server.rewards.api import (
     RewardConfig,
     RewardFailed,
@@ -221,11 +222,7 @@ class StepRunner:
                         f"group {group.group_index} is also in your buffer (continue_buffered)",
                     )
         url = spec.reward.url
-        if (
-            spec.reward.kind is RewardKind.REMOTE
-            and self._reward_urls
-            and not url.startswith(self._reward_urls)
-        ):
+        if spec.reward.kind is RewardKind.REMOTE and not reward_urls.allowed(url, self._reward_urls):
             raise InvalidArgument(
                 "reward.url", f"{url!r} is not a reward URL this replica allows (--reward-url)"
             )
