@@ -35,6 +35,7 @@ from rollout_grpc.argtypes import MAX_PORT
 from rollout_grpc.argtypes import number as ranged_number
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.domain.model import GenerateOptions
+from rollout_grpc.server.front.grpc.peers import peer_problem
 from rollout_grpc.server.front.openai.server import FrontDoorConfig
 from rollout_grpc.server.front.openai.tools import PARSERS
 from rollout_grpc.server.rewards import allowlist as reward_allowlist
@@ -194,6 +195,14 @@ def _engine_argument(text: str) -> str:
     return text.strip()
 
 
+def _peer_argument(text: str) -> str:
+    """A `--peer` value: host:port or dns:///name:port (ArgumentTypeError saying what is not)."""
+    problem = peer_problem(text.strip())
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text.strip()
+
+
 def _reward_prefix(text: str) -> str:
     """A `--reward-url` value: scheme://host[:port][/path] (ArgumentTypeError saying what is not)."""
     problem = reward_allowlist.prefix_problem(text.strip())
@@ -342,6 +351,8 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "another replica (host:port), or dns:///name:port resolved to every replica at each abort",
         "peers",
         kind="list",
+        type=_peer_argument,
+        metavar="ADDRESS",
     ),
     Flag("--max-images", "images per Render request", "max_images"),
     Flag(

@@ -205,6 +205,28 @@ def test_a_reward_url_prefix_must_be_an_http_origin(capsys: pytest.CaptureFixtur
     assert _parse(["--reward-url", "http://rm:8000/score"]).reward_url == ["http://rm:8000/score"]
 
 
+@pytest.mark.parametrize(
+    ("peer", "problem"),
+    [
+        ("nonsense", "a peer is host:port or dns:///name:port"),
+        ("dns:///rollout-headless", "a peer is host:port or dns:///name:port"),
+        ("http://10.0.0.2:50051", "a peer is host:port or dns:///name:port"),
+        ("10.0.0.2:99999", "the port must be a number 1-65535, got '99999'"),
+    ],
+)
+def test_a_peer_must_be_an_address_with_a_port(
+    peer: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A peer without a port was dialed at 443, and `dns:///name` failed every forwarded abort."""
+    with pytest.raises(SystemExit):
+        _parse(["--peer", peer])
+    assert f"argument --peer: {peer!r}: {problem}" in capsys.readouterr().err
+    assert _parse(["--peer", "dns:///rollout-headless:50051", "--peer", "[::1]:50051"]).peer == [
+        "dns:///rollout-headless:50051",
+        "[::1]:50051",
+    ]
+
+
 def test_the_edges_of_each_range_are_accepted() -> None:
     args = _parse(
         [

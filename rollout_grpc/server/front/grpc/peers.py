@@ -49,6 +49,18 @@ def _split(target: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def peer_problem(peer: str) -> str | None:
+    """Why `peer` is not `host:port` or `dns:///name:port`, or None (checked at start: a peer
+    without a port would be dialed at gRPC's default 443, or fail every abort it is asked for)."""
+    address = peer.removeprefix(DNS_PREFIX)
+    host, colon, port = address.rpartition(":")
+    if "://" in address or "/" in address or not colon or not host.strip("[]") or host.endswith(":"):
+        return f"{peer!r}: a peer is host:port or dns:///name:port"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{peer!r}: the port must be a number 1-65535, got {port!r}"
+    return None
+
+
 class PeerAborter:
     """gRPC channels to the peer replicas, opened on first use and kept.
 
