@@ -317,9 +317,8 @@ async def test_bad_input_is_refused_before_anything_generates(
     assert sum(s.stats.generate_requests for s in h.sims) == 0
 
 
-async def test_an_unreachable_reward_url_fails_the_probe(h: Harness) -> None:
-    async with RewardServer() as rm:
-        url = rm.url
+async def refused_remote_reward_step(h: Harness, url: str) -> grpc.aio.AioRpcError:
+    """The error of a one-group step (2 samples) scored by the REMOTE reward at `url`."""
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await run_step(
             h,
@@ -328,8 +327,15 @@ async def test_an_unreachable_reward_url_fails_the_probe(h: Harness) -> None:
             params=SHORT,
             reward={"kind": "REWARD_KIND_REMOTE", "url": url},
         )
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "reward" in (err.value.details() or "")
+    return err.value
+
+
+async def test_an_unreachable_reward_url_fails_the_probe(h: Harness) -> None:
+    async with RewardServer() as rm:
+        url = rm.url
+    error = await refused_remote_reward_step(h, url)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "reward" in (error.details() or "")
 
 
 def versioned(index: int, version: str, done: int = 290) -> list[pb.Sample]:
@@ -589,27 +595,12 @@ async def test_a_pinned_reward_prefix_is_no_string_prefix(trick: str) -> None:
             "longer port": (f"http://127.0.0.1:{str(port)[:-1]}", rm.url),
         }[trick]
         async with harness("sim", reward_urls=[pinned]) as h:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await run_step(
-                    h,
-                    [(prompt(0), 0)],
-                    n_samples_per_prompt=2,
-                    params=SHORT,
-                    reward={"kind": "REWARD_KIND_REMOTE", "url": url},
-                )
-        assert field_violation(err.value) == "reward.url"
+            error = await refused_remote_reward_step(h, url)
+        assert field_violation(error) == "reward.url"
         assert rm.probes == 0 and not rm.requests, "the URL is refused before it is probed"
 
 
 async def test_a_replica_can_pin_remote_rewards_to_its_own_reward_servers() -> None:
     async with harness("sim", reward_urls=["http://127.0.0.1:1/"]) as h, RewardServer() as rm:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await run_step(
-                h,
-                [(prompt(0), 0)],
-                n_samples_per_prompt=2,
-                params=SHORT,
-                reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url},
-            )
-        assert field_violation(err.value) == "reward.url"
+        assert field_violation(await refused_remote_reward_step(h, rm.url)) == "reward.url"
         assert rm.probes == 0 and not rm.requests, "the URL is refused before it is probed"
