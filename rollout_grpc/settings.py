@@ -195,20 +195,22 @@ def _engine_argument(text: str) -> str:
     return text.strip()
 
 
-def _peer_argument(text: str) -> str:
-    """A `--peer` value: host:port or dns:///name:port (ArgumentTypeError saying what is not)."""
-    problem = peer_problem(text.strip())
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return text.strip()
+def _checked(problem_of: Callable[[str], str | None]) -> Callable[[str], str]:
+    """An argparse type: the stripped value, or ArgumentTypeError with what `problem_of` found."""
+
+    def argument(text: str) -> str:
+        problem = problem_of(text.strip())
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return text.strip()
+
+    return argument
 
 
-def _reward_prefix(text: str) -> str:
-    """A `--reward-url` value: scheme://host[:port][/path] (ArgumentTypeError saying what is not)."""
-    problem = reward_allowlist.prefix_problem(text.strip())
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return text.strip()
+#: `--peer`: host:port or dns:///name:port.
+_peer_argument = _checked(peer_problem)
+#: `--reward-url`: scheme://host[:port][/path].
+_reward_prefix = _checked(reward_allowlist.prefix_problem)
 
 
 FLAGS: Final[tuple[Flag, ...]] = (

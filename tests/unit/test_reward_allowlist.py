@@ -32,6 +32,7 @@ def test_urls_at_or_under_a_prefix_are_allowed(url: str) -> None:
         "http://rm:80001/score",  # a longer port (not a port either)
         "http://rm:800/score",
         "http://rm/score",  # port 80
+        "http://rm:0/score",
         "https://rm:8000/score",  # another scheme
         "https://scores.example/api/v10",  # not at a `/` boundary
         "https://scores.example/api/v1/../../admin",

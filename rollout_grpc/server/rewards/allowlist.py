@@ -18,7 +18,8 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 def _origin(parts: SplitResult) -> tuple[str, str, int | None]:
     """(scheme, host, port) with the scheme's default port filled in; ValueError on a bad port."""
     scheme = parts.scheme.lower()
-    return scheme, parts.hostname or "", parts.port or _DEFAULT_PORTS.get(scheme)
+    port = parts.port  # before the default: an explicit `:0` is port 0, not 80
+    return scheme, parts.hostname or "", port if port is not None else _DEFAULT_PORTS.get(scheme)
 
 
 def prefix_problem(prefix: str) -> str | None:
