@@ -232,6 +232,21 @@ FLAGS: Final[tuple[Flag, ...]] = (
         type=_reward_prefix,
         metavar="URL",
     ),
+    Flag(
+        "--rule-reward-processes",
+        "child processes computing rule rewards (MATH, EXACT_MATCH) per replica process",
+        "rule_reward_processes",
+    ),
+    Flag(
+        "--rule-reward-timeout-s",
+        "seconds one rule reward may compute before its child process is killed (a reward failure)",
+        "rule_reward_timeout_s",
+    ),
+    Flag(
+        "--rule-reward-memory-mb",
+        "address-space limit of one rule-reward child process, MiB (over it: a reward failure)",
+        "rule_reward_memory_mb",
+    ),
     Flag("--engines-file", "file with one engine URL per line (# comments); re-read on SIGHUP", type=str),
     Flag(
         "--sim",

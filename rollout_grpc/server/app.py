@@ -19,6 +19,7 @@ that backlog is sized from admission (`ServerConfig.pending_calls_limit`).
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from rollout_grpc.server.observe.httplog import engine_call_logging, engine_call
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import registry as rewards_registry
+from rollout_grpc.server.rewards.processes import ProcessLimits, RuleProcesses
 from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
@@ -130,6 +132,11 @@ class ServerConfig:
     #: URL prefixes a RolloutStep's REMOTE reward may POST to (empty: any). A reward URL makes the
     #: replica send requests where the caller says: pin it to the reward servers you run.
     reward_urls: list[str] = field(default_factory=list)
+    #: Rule rewards (MATH, EXACT_MATCH) run in this many child processes per replica process, each
+    #: call killed past the time limit, each child capped in address space (rewards/processes.py).
+    rule_reward_processes: int = 2
+    rule_reward_timeout_s: float = 10.0
+    rule_reward_memory_mb: int = 1024
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
     # --- security (docs/security.md) ---
@@ -364,6 +371,8 @@ class RolloutServer:
         self.facade: RolloutFacade
         #: RolloutStep runs (None until the servicer is built).
         self.steps: StepRunner | None = None
+        #: The child processes of rule rewards (started on the first MATH/EXACT_MATCH reward).
+        self.rule_processes: RuleProcesses | None = None
         self.peers: PeerAborter | None = None
         self.trajectories = TrajectoryStore()
         self.front_door: OpenAIFrontDoor | None = None
@@ -517,8 +526,14 @@ class RolloutServer:
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
         #: RolloutStep: reward models are built per step from the registry of reward kinds.
+        self.rule_processes = rewards_registry.rule_processes(
+            ProcessLimits(cfg.rule_reward_processes, cfg.rule_reward_timeout_s, cfg.rule_reward_memory_mb)
+        )
         steps = self.steps = StepRunner(
-            self.rollout, self.control.abort_ids, rewards_registry.build, reward_urls=cfg.reward_urls
+            self.rollout,
+            self.control.abort_ids,
+            functools.partial(rewards_registry.build, rules=self.rule_processes),
+            reward_urls=cfg.reward_urls,
         )
         self.facade = RolloutFacade(
             self.rollout,
@@ -732,6 +747,8 @@ class RolloutServer:
             self._tracer_provider.force_flush()
         await self.pool.stop()
         await self.control.close()
+        if self.rule_processes is not None:
+            await self.rule_processes.close()
         if self.peers is not None:
             await self.peers.close()
         if self._session is not None:

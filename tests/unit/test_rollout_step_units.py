@@ -10,8 +10,10 @@ from rollout_grpc.server.domain.identity import Caller, Role, reset_caller, set_
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, Status
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.rewards.api import RewardFailed, RewardRequest, RewardResult
+from rollout_grpc.server.rewards.processes import ProcessLimits
+from rollout_grpc.server.rewards.registry import rule_processes
 from rollout_grpc.server.rewards.remote import read_reward
-from rollout_grpc.server.rewards.rules import ExactMatchReward, MathReward, exact_answer
+from rollout_grpc.server.rewards.rules import ExactMatchReward, MathReward, exact_answer, math_value
 from rollout_grpc.server.rollout.admission import Admission
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
@@ -92,21 +94,61 @@ def test_anything_else_is_an_explicit_failure_never_zero(answer: object) -> None
         ("(3, -1)", "The intersection point is \\boxed{(3,-1)}.", 1.0),
     ],
 )
-async def test_math_verify_checks_answer_equivalence(label: str, response: str, reward: float) -> None:
-    outcome = await MathReward().score(RewardRequest(prompt="", response=response, label=label))
-    assert outcome == RewardResult(reward)
+def test_math_verify_checks_answer_equivalence(label: str, response: str, reward: float) -> None:
+    assert math_value(label, response) == reward
 
 
-async def test_a_rule_reward_without_a_label_fails_explicitly() -> None:
-    outcome = await MathReward().score(RewardRequest(prompt="", response="\\boxed{1}", label=""))
-    assert isinstance(outcome, RewardFailed) and "label" in outcome.reason
+async def test_rule_rewards_run_in_a_child_process() -> None:
+    rules = rule_processes()
+    try:
+        outcome = await MathReward(rules).score(
+            RewardRequest(prompt="", response="\\boxed{0.5}", label="1/2")
+        )
+        assert outcome == RewardResult(1.0)
+        assert rules.started == 1  # the same child serves the next call
+        outcome = await MathReward(rules).score(RewardRequest(prompt="", response="\\boxed{1}", label=""))
+        assert isinstance(outcome, RewardFailed) and "label" in outcome.reason
+        reward = ExactMatchReward(rules)
+        assert exact_answer("first \\boxed{1} then \\boxed{2} ") == "2"
+        assert await reward.score(RewardRequest("", " Paris ", "Paris")) == RewardResult(1.0)
+        assert await reward.score(RewardRequest("", "so \\boxed{Rome}", "Paris")) == RewardResult(0.0)
+        assert rules.started == 1
+    finally:
+        await rules.close()
+    assert rules.started == 0
+    assert isinstance(await ExactMatchReward(rules).score(RewardRequest("", "a", "a")), RewardFailed)
 
 
-async def test_exact_match_compares_the_last_boxed_answer() -> None:
-    assert exact_answer("first \\boxed{1} then \\boxed{2} ") == "2"
-    reward = ExactMatchReward()
-    assert await reward.score(RewardRequest("", " Paris ", "Paris")) == RewardResult(1.0)
-    assert await reward.score(RewardRequest("", "so \\boxed{Rome}", "Paris")) == RewardResult(0.0)
+async def test_a_rule_reward_over_its_time_limit_is_killed_and_replaced() -> None:
+    """The issue's freeze: `9^{9^{9^{9}}}` computes for minutes holding Python's lock."""
+    rules = rule_processes(ProcessLimits(processes=1, timeout_s=1.0))
+    try:
+        huge = RewardRequest(prompt="", response="\\boxed{5}", label="9^{9^{9^{9}}}")
+        outcome = await MathReward(rules).score(huge)
+        assert isinstance(outcome, RewardFailed)
+        assert "time limit of 1 s" in outcome.reason and "--rule-reward-timeout-s" in outcome.reason
+        assert rules.killed == 1
+        # A fresh child answers the next call.
+        ok = await MathReward(rules).score(RewardRequest(prompt="", response="\\boxed{2}", label="2"))
+        assert ok == RewardResult(1.0)
+    finally:
+        await rules.close()
+
+
+def allocate(label: str, response: str) -> float:
+    """A rule that allocates `label` MiB (runs in the child)."""
+    return float(len(bytearray(int(label) << 20)))
+
+
+async def test_a_rule_reward_over_its_memory_limit_fails_naming_it() -> None:
+    rules = rule_processes(ProcessLimits(processes=1, timeout_s=60.0, memory_mb=400))
+    try:
+        outcome = await rules.run(allocate, "600", "")
+        assert isinstance(outcome, RewardFailed), outcome
+        assert "memory limit of 400 MiB" in outcome.reason and "--rule-reward-memory-mb" in outcome.reason
+        assert await rules.run(allocate, "10", "") == RewardResult(float(10 << 20))  # a fresh child
+    finally:
+        await rules.close()
 
 
 async def test_a_generate_of_the_caller_during_its_abort_window_ends_aborted_without_an_engine_call() -> None:

@@ -2,27 +2,39 @@
 
 from __future__ import annotations
 
+import math
 from urllib.parse import urlsplit
 
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.rewards.api import RewardConfig, RewardKind, RewardModel
+from rollout_grpc.server.rewards.processes import ProcessLimits, RuleProcesses
 from rollout_grpc.server.rewards.remote import RemoteReward
-from rollout_grpc.server.rewards.rules import ExactMatchReward, MathReward
+from rollout_grpc.server.rewards.rules import ExactMatchReward, MathReward, math_value
 
 
-def build(config: RewardConfig) -> RewardModel | None:
-    """The reward model of `config` (None for no reward); INVALID_ARGUMENT naming a bad field."""
+def rule_processes(limits: ProcessLimits | None = None) -> RuleProcesses:
+    """The bounded child processes of this replica process's rule rewards (started lazily; each
+    child imports math-verify before its memory cap, so the first MATH call is not slowed)."""
+    return RuleProcesses(limits, warm=math_value)
+
+
+def build(config: RewardConfig, rules: RuleProcesses) -> RewardModel | None:
+    """The reward model of `config` (None for no reward); INVALID_ARGUMENT naming a bad field.
+
+    `rules` runs the rule kinds (MATH, EXACT_MATCH) in bounded child processes.
+    """
+    # NaN compares false with everything (it meant "no timeout"), inf failed every reward at once.
+    if not math.isfinite(config.timeout_s) or config.timeout_s <= 0:
+        raise InvalidArgument("reward.timeout_s", f"must be a positive finite number, got {config.timeout_s}")
     if config.kind is RewardKind.NONE:
         return None
     if config.kind is RewardKind.MATH:
-        return MathReward()
+        return MathReward(rules)
     if config.kind is RewardKind.EXACT_MATCH:
-        return ExactMatchReward()
+        return ExactMatchReward(rules)
     parts = urlsplit(config.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise InvalidArgument("reward.url", f"must be an http(s) URL for a REMOTE reward; got {config.url!r}")
-    if config.timeout_s <= 0:
-        raise InvalidArgument("reward.timeout_s", f"must be positive, got {config.timeout_s}")
     if config.max_retries < 0:
         raise InvalidArgument("reward.max_retries", f"must be non-negative, got {config.max_retries}")
     if config.max_concurrency < 1:

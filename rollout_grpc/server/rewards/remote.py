@@ -7,6 +7,13 @@ per sample. Requests are bounded (`max_concurrency`), each attempt has a timeout
 succeed on a second try (connection failures, timeouts, 429 and 5xx) is retried with exponential
 backoff; anything else is the sample's `RewardFailed` with the reason. Nothing here raises for
 one sample's failure.
+
+What a reward server can do to the replica and its caller is bounded (docs/security.md "Reward
+servers"): a reply is read up to `MAX_REPLY_BYTES` and no further (a 512 MiB answer took a worker
+to 1.7 GB), a probe answer up to `MAX_PROBE_BYTES`; redirects are never followed (a redirect would
+send the prompt, response and label to a host outside `--reward-url`); a reward's detail goes back
+to the caller only up to `MAX_DETAIL_BYTES` of JSON, and a failure reason (which quotes at most
+`MAX_BODY_EXCERPT` bytes of an error body) is at most `MAX_FAILURE_CHARS` characters.
 """
 
 from __future__ import annotations
@@ -29,6 +36,17 @@ from rollout_grpc.server.rewards.api import (
 
 #: Seconds the start-of-step probe may take.
 PROBE_TIMEOUT_S = 5.0
+#: Bytes of one reward reply (one sample's, or a whole group's) read at most; over it the
+#: sample's (or the group's) reward fails naming the cap. 1 MiB is 16 KiB per sample of a 64-group.
+MAX_REPLY_BYTES = 1 << 20
+#: Bytes of a probe answer read at most (any answer proves the URL reachable; the rest is unread).
+MAX_PROBE_BYTES = 64 << 10
+#: Bytes of JSON of one reward detail returned to the caller as `Sample.reward_detail`.
+MAX_DETAIL_BYTES = 16 << 10
+#: Bytes of an error answer's body quoted in a failure reason.
+MAX_BODY_EXCERPT = 128
+#: Characters of a `reward_failure` reason.
+MAX_FAILURE_CHARS = 512
 
 
 class _Retryable(Exception):
@@ -47,8 +65,43 @@ def read_reward(answer: object, key: str) -> RewardOutcome:
         value = answer.get(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             return RewardFailed(f"the reward model's answer has no finite number under {key!r}")
-        return RewardResult(float(value), dict(answer))
+        return RewardResult(float(value), _bounded_detail(answer, key, float(value)))
     return RewardFailed(f"the reward model answered {type(answer).__name__}, not a number or an object")
+
+
+def _bounded_detail(answer: Mapping[str, object], key: str, value: float) -> dict[str, object]:
+    """The answer as the sample's detail, or the reward and a note when its JSON is over
+    `MAX_DETAIL_BYTES` (the reward stands; only the detail is left out, and the caller is told)."""
+    size = len(json.dumps(answer, default=str))
+    if size <= MAX_DETAIL_BYTES:
+        return dict(answer)
+    note = f"the reward server's answer was {size} bytes of JSON, over the {MAX_DETAIL_BYTES} byte bound"
+    return {key: value, "detail_omitted": note}
+
+
+def _excerpt(body: bytes) -> str:
+    """The start of an error body for a failure reason (bounded, escaped)."""
+    more = "..." if len(body) > MAX_BODY_EXCERPT else ""
+    return f"{body[:MAX_BODY_EXCERPT]!r}{more}"
+
+
+async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes | None:
+    """The body, or None once it is over `cap` bytes (reading stops there; the connection is
+    closed rather than drained)."""
+    if response.content_length is not None and response.content_length > cap:
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(64 << 10):
+        body += chunk
+        if len(body) > cap:
+            return None
+    return bytes(body)
+
+
+def _redirect(status: int) -> str | None:
+    if 300 <= status < 400:
+        return f"HTTP {status}: redirects are not followed (the reward URL must answer itself)"
+    return None
 
 
 class RemoteReward:
@@ -70,11 +123,14 @@ class RemoteReward:
         """Any HTTP answer proves the URL reachable (a remote_rm server may refuse GET)."""
         try:
             async with self._http().get(
-                self._config.url, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+                self._config.url, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S), allow_redirects=False
             ) as response:
-                await response.read()
+                await read_capped(response, MAX_PROBE_BYTES)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise RewardUnavailable(f"reward model {self._config.url} does not answer: {exc!r}") from exc
+        redirect = _redirect(response.status)
+        if redirect is not None:
+            raise RewardUnavailable(f"reward model {self._config.url}: {redirect}")
 
     async def _post(self, payload: Mapping[str, object]) -> object:
         """One POST with retries; the decoded JSON answer, or RewardFailed's reason as an exception."""
@@ -86,16 +142,27 @@ class RemoteReward:
                 await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
                 delay *= 2
             try:
-                async with self._limit, self._http().post(config.url, json=payload) as response:
-                    body = await response.read()
+                async with (
+                    self._limit,
+                    self._http().post(config.url, json=payload, allow_redirects=False) as response,
+                ):
+                    redirect = _redirect(response.status)
+                    if redirect is not None:
+                        raise ValueError(redirect)
+                    body = await read_capped(response, MAX_REPLY_BYTES)
+                    if body is None:
+                        raise ValueError(
+                            f"HTTP {response.status}: the answer is over the {MAX_REPLY_BYTES} byte cap "
+                            "(reading stopped there)"
+                        )
                     if response.status == 429 or response.status >= 500:
                         raise _Retryable(f"HTTP {response.status}")
                     if response.status >= 400:
-                        raise ValueError(f"HTTP {response.status}: {body[:200]!r}")
+                        raise ValueError(f"HTTP {response.status}: {_excerpt(body)}")
                     try:
                         return json.loads(body)
                     except ValueError:
-                        raise ValueError(f"the answer is not JSON: {body[:200]!r}") from None
+                        raise ValueError(f"the answer is not JSON: {_excerpt(body)}") from None
             except (_Retryable, aiohttp.ClientError, TimeoutError) as exc:
                 last = str(exc) or type(exc).__name__
         raise ValueError(f"{last} after {config.max_retries + 1} attempts")
@@ -105,7 +172,7 @@ class RemoteReward:
         try:
             answer = await self._post(payload)
         except ValueError as exc:
-            return RewardFailed(f"reward model {self._config.url}: {exc}")
+            return RewardFailed(f"reward model {self._config.url}: {exc}"[:MAX_FAILURE_CHARS])
         return read_reward(answer, self._config.reward_key)
 
     async def score_group(self, requests: Sequence[RewardRequest]) -> list[RewardOutcome]:
@@ -117,7 +184,9 @@ class RemoteReward:
         try:
             answer = await self._post(payload)
         except ValueError as exc:
-            return [RewardFailed(f"reward model {self._config.url}: {exc}")] * len(requests)
+            return [RewardFailed(f"reward model {self._config.url}: {exc}"[:MAX_FAILURE_CHARS])] * len(
+                requests
+            )
         if not isinstance(answer, list) or len(answer) != len(requests):
             got = len(answer) if isinstance(answer, list) else type(answer).__name__
             return [

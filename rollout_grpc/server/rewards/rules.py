@@ -2,9 +2,12 @@
 
 `MathReward` uses the `math-verify` library (HuggingFace): the label and the response are parsed
 into sympy expressions (the response's last `\\boxed{}` or last expression wins) and compared for
-equivalence, so `\\frac{1}{2}` and `0.5` agree where a string comparison would not. Parsing runs
-in a worker thread (sympy can take long on adversarial input) with math-verify's own signal
-timeouts off, since signals only work on the main thread.
+equivalence, so `\\frac{1}{2}` and `0.5` agree where a string comparison would not.
+
+Both rules run on strings a caller chose, so both run in a child process with a time and a memory
+limit (`processes.RuleProcesses`): a label such as `9^{9^{9^{9}}}` makes sympy compute a huge
+power inside one C call that holds Python's lock, which froze the whole replica when it ran in a
+thread. math-verify's own signal timeouts stay off (the child's limit is the one that holds).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import asyncio
 import re
 from collections.abc import Sequence
 
-from rollout_grpc.server.rewards.api import RewardFailed, RewardOutcome, RewardRequest, RewardResult
+from rollout_grpc.server.rewards.api import RewardFailed, RewardOutcome, RewardRequest
+from rollout_grpc.server.rewards.processes import Rule, RuleProcesses
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
 
@@ -37,22 +41,31 @@ def exact_answer(response: str) -> str:
     return (boxed[-1] if boxed else response).strip()
 
 
+def math_value(label: str, response: str) -> float:
+    """1.0 when the response's answer equals `label` mathematically, else 0.0 (runs in a child)."""
+    return 1.0 if math_equal(label, response) else 0.0
+
+
+def exact_value(label: str, response: str) -> float:
+    """1.0 when the response's answer is the stripped label, else 0.0 (runs in a child)."""
+    return 1.0 if exact_answer(response) == label.strip() else 0.0
+
+
 class _RuleReward:
-    """Common shape: a pure function of (label, response) run per sample."""
+    """Common shape: a pure function of (label, response) run per sample in a bounded child."""
+
+    rule: Rule
+
+    def __init__(self, processes: RuleProcesses) -> None:
+        self._processes = processes
 
     async def probe(self) -> None:
         return None
 
-    def _value(self, request: RewardRequest) -> float:
-        raise NotImplementedError
-
     async def score(self, request: RewardRequest) -> RewardOutcome:
         if not request.label:
             return RewardFailed("no label to compare the answer with (PromptGroup.label is empty)")
-        try:
-            return RewardResult(await asyncio.to_thread(self._value, request))
-        except Exception as exc:  # a parser bug on odd input is one sample's failure
-            return RewardFailed(f"could not check the answer: {exc!r}"[:300])
+        return await self._processes.run(type(self).rule, request.label, request.response)
 
     async def score_group(self, requests: Sequence[RewardRequest]) -> list[RewardOutcome]:
         return list(await asyncio.gather(*(self.score(r) for r in requests)))
@@ -64,12 +77,10 @@ class _RuleReward:
 class MathReward(_RuleReward):
     """1.0 when the answer is equivalent to the label, else 0.0 (math-verify)."""
 
-    def _value(self, request: RewardRequest) -> float:
-        return 1.0 if math_equal(request.label, request.response) else 0.0
+    rule = staticmethod(math_value)
 
 
 class ExactMatchReward(_RuleReward):
     """1.0 when the answer (last `\\boxed{}` or the stripped response) equals the stripped label."""
 
-    def _value(self, request: RewardRequest) -> float:
-        return 1.0 if exact_answer(request.response) == request.label.strip() else 0.0
+    rule = staticmethod(exact_value)
