@@ -247,6 +247,16 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "address-space limit of one rule-reward child process, MiB (over it: a reward failure)",
         "rule_reward_memory_mb",
     ),
+    Flag(
+        "--step-buffer-mb-per-caller",
+        "estimated MiB of RolloutStep groups one caller may keep buffered (over it: handed back)",
+        "step_buffer_mb_per_caller",
+    ),
+    Flag(
+        "--step-buffer-mb",
+        "estimated MiB of RolloutStep groups buffered for all callers of one replica process",
+        "step_buffer_mb",
+    ),
     Flag("--engines-file", "file with one engine URL per line (# comments); re-read on SIGHUP", type=str),
     Flag(
         "--sim",

@@ -2852,6 +2852,7 @@ class StepSummary(_message.Message):
     UNSTARTED_GROUP_INDEXES_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     MAX_VERSION_LAG_FIELD_NUMBER: _builtins.int
+    LOST_GROUP_INDEXES_FIELD_NUMBER: _builtins.int
     accepted: _builtins.int
     """Groups accepted."""
     target_reached: _builtins.bool
@@ -2870,6 +2871,14 @@ class StepSummary(_message.Message):
     def progress(self) -> Global___StepProgress:
         """The final counters."""
 
+    @_builtins.property
+    def lost_group_indexes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Groups of an earlier step of this caller that was left mid-step (so its groups in flight were
+        to be buffered) which did not fit in the buffer's group or byte caps: their generated tokens
+        were not kept; start them again from their prompts. Each is reported once, here, on the
+        caller's next step that ends on this replica.
+        """
+
     def __init__(
         self,
         *,
@@ -2880,10 +2889,11 @@ class StepSummary(_message.Message):
         unstarted_group_indexes: _abc.Iterable[_builtins.int] | None = ...,
         progress: Global___StepProgress | None = ...,
         max_version_lag: _builtins.int = ...,
+        lost_group_indexes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "buffered", b"buffered", "max_version_lag", b"max_version_lag", "progress", b"progress", "reason", b"reason", "target_reached", b"target_reached", "unstarted_group_indexes", b"unstarted_group_indexes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "buffered", b"buffered", "lost_group_indexes", b"lost_group_indexes", "max_version_lag", b"max_version_lag", "progress", b"progress", "reason", b"reason", "target_reached", b"target_reached", "unstarted_group_indexes", b"unstarted_group_indexes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -60,6 +60,7 @@ from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
+from rollout_grpc.server.rollout.step.buffer import StepBuffers
 from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
@@ -137,6 +138,9 @@ class ServerConfig:
     rule_reward_processes: int = 2
     rule_reward_timeout_s: float = 10.0
     rule_reward_memory_mb: int = 1024
+    #: RolloutStep buffers (leftovers=BUFFER, abandoned steps), estimated MiB per caller and in all.
+    step_buffer_mb_per_caller: int = 256
+    step_buffer_mb: int = 512
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
     # --- security (docs/security.md) ---
@@ -534,6 +538,10 @@ class RolloutServer:
             self.control.abort_ids,
             functools.partial(rewards_registry.build, rules=self.rule_processes),
             reward_urls=cfg.reward_urls,
+            buffers=StepBuffers(
+                max_bytes_per_owner=cfg.step_buffer_mb_per_caller << 20,
+                max_bytes_total=cfg.step_buffer_mb << 20,
+            ),
         )
         self.facade = RolloutFacade(
             self.rollout,

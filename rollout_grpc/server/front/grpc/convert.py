@@ -323,11 +323,50 @@ def _enum(table: dict[Any, Any], value: int, field: str) -> Any:
         raise InvalidArgument(field, f"unknown value {value}") from None
 
 
+#: The fields of a Sample the domain holds itself (and `sample_to_pb` rewrites): a step's origin
+#: message leaves them out.
+_GENERATED_FIELDS = frozenset(
+    {
+        "tokens",
+        "response",
+        "loss_mask",
+        "rollout_log_probs",
+        "rollout_top_logprobs",
+        "routed_experts",
+        "multimodal_features",
+        "engine_attempts",
+        "weight_versions",
+        "prompt",
+    }
+)
+
+
+def step_origin(msg: pb.Sample) -> pb.Sample:
+    """A new message with the fields of `msg` the domain does not hold (metadata, index, ...).
+
+    A step keeps each sample's origin for as long as the group lives (in the buffer, for steps to
+    come). Keeping a sub-message of the request would keep the whole request's memory alive (its
+    arena) and every token twice; this copy holds only what the domain never reads.
+    """
+    out = pb.Sample()
+    for descriptor, value in msg.ListFields():
+        if descriptor.name in _GENERATED_FIELDS:
+            continue
+        target = getattr(out, descriptor.name)
+        if descriptor.is_repeated:
+            target.extend(value)
+        elif descriptor.message_type is not None:
+            target.CopyFrom(value)
+        else:
+            setattr(out, descriptor.name, value)
+    return out
+
+
 def _step_sample_from_pb(msg: pb.Sample) -> step.StepSample:
     return step.StepSample(
         sample_from_pb(msg),
         msg.index,
-        origin=msg,
+        origin=step_origin(msg),
         reward=msg.reward if msg.HasField("reward") else None,
         start_step_id=msg.start_step_id,
     )
@@ -348,7 +387,7 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         step.PromptGroup(
             group_index=g.group_index,
             prompt=sample_from_pb(g.prompt),
-            origin=g.prompt,
+            origin=step_origin(g.prompt),
             prompt_index=g.prompt.index,
             label=g.label,
             partial=[_step_sample_from_pb(p) for p in g.partial],
@@ -427,5 +466,6 @@ def step_event_to_pb(event: StepEvent) -> pb.RolloutStepResponse:
         summary.buffered = event.buffered
         summary.unstarted_group_indexes[:] = event.unstarted
         summary.max_version_lag = event.max_version_lag
+        summary.lost_group_indexes[:] = event.lost
         _progress_to_pb(event.progress, summary.progress)
     return response

@@ -43,6 +43,7 @@ from rollout_grpc.server.facade.calls import CallRecord, Door
 from rollout_grpc.server.facade.door import CallBook
 from rollout_grpc.server.front.grpc import redaction, status, wire
 from rollout_grpc.server.front.grpc.decoding import Undecodable
+from rollout_grpc.server.rollout.step.spec import MAX_GROUPS
 from rollout_grpc.server.security.auth import AuthConfig, Presented, Refused, authenticate, authorize
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
@@ -119,7 +120,11 @@ def _check_render(limits: RequestLimits, request: pb.RenderRequest) -> None:
 def _check_step(limits: RequestLimits, request: pb.RolloutStepRequest) -> None:
     """A rollout step is held to the caps of each of its Generates."""
     limits.check_stop(request.sampling_params.stop, "sampling_params.stop")
+    if len(request.groups) > MAX_GROUPS:  # before the loop below walks them
+        raise InvalidArgument("groups", f"at most {MAX_GROUPS} groups per step, got {len(request.groups)}")
     for i, group in enumerate(request.groups):
+        if group.prompt.HasField("prompt"):
+            limits.check_prompt(f"groups[{i}].prompt.prompt", len(group.prompt.prompt))
         for j, sample in enumerate([group.prompt, *group.partial]):
             if sample.HasField("metadata"):
                 where = f"groups[{i}].prompt" if j == 0 else f"groups[{i}].partial[{j - 1}]"

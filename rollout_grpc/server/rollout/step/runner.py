@@ -44,6 +44,7 @@ from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.step import filters
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
 from rollout_grpc.server.rollout.step.spec import (
+    UNKNOWN_CONTEXT_TOKENS,
     FilterKind,
     Leftovers,
     OnRewardFailure,
@@ -51,9 +52,11 @@ from rollout_grpc.server.rollout.step.spec import (
     Outcome,
     PromptGroup,
     RewardScope,
+    StepCounts,
     StepSample,
     StepSpec,
     check,
+    check_counts,
 )
 from rollout_grpc.server.rollout.step.versions import VersionOrder
 
@@ -107,6 +110,8 @@ class Summary:
     unstarted: list[int]
     progress: Progress
     max_version_lag: int
+    #: Groups of this caller's earlier, abandoned step that did not fit in its buffer.
+    lost: list[int] = field(default_factory=list)
 
 
 StepEvent = SampleEnded | GroupEnded | Progress | Summary
@@ -202,6 +207,24 @@ class StepRunner:
         async for event in step.events():
             yield event
 
+    def precheck(self, counts: StepCounts) -> None:
+        """The checks that need only the request's counts, made by the front door on the wire
+        message before it converts anything (INVALID_ARGUMENT naming the field)."""
+        owner = current_caller().identity
+        check_counts(counts, self.buffers.count(owner))
+        self._check_share(counts, owner)
+
+    def prompt_token_limit(self) -> int:
+        """The most tokens a step's prompt (or partial sample) may hold: the largest
+        `max_model_len` an engine reports (a longer prompt cannot run anywhere), or
+        `UNKNOWN_CONTEXT_TOKENS` when none does."""
+        lengths = [
+            e.capabilities.max_model_len
+            for e in self._rollout.pool.engines
+            if e.capabilities is not None and e.capabilities.max_model_len
+        ]
+        return max(lengths) if lengths else UNKNOWN_CONTEXT_TOKENS
+
     def _check(self, spec: StepSpec, owner: str) -> None:
         """Every check made before anything is generated (INVALID_ARGUMENT naming the field)."""
         check(spec, self.buffers.count(owner))
@@ -212,7 +235,7 @@ class StepRunner:
                 )
             if spec.n_samples_per_prompt < 2:
                 raise InvalidArgument("filter.kind", "REWARD_NONZERO_STD needs n_samples_per_prompt >= 2")
-        self._check_share(spec, owner)
+        self._check_share(StepCounts.of(spec), owner)
         if spec.continue_buffered:
             buffered = self.buffers.indexes(owner)
             for i, group in enumerate(spec.groups):
@@ -227,17 +250,18 @@ class StepRunner:
                 "reward.url", f"{url!r} is not a reward URL this replica allows (--reward-url)"
             )
 
-    def _check_share(self, spec: StepSpec, owner: str) -> None:
+    def _check_share(self, counts: StepCounts, owner: str) -> None:
         """A step whose groups in flight need more generations than the caller may hold would fail
         its groups one by one on the per-caller cap: refuse it up front instead."""
         cap = self._rollout.registry.per_owner_limit
         if cap is None or owner == ANONYMOUS.identity:
             return
-        groups = spec.max_groups_in_flight or spec.target_groups or len(spec.groups)
-        if groups * spec.n_samples_per_prompt > cap:
+        groups = counts.max_groups_in_flight or counts.target_groups or counts.groups
+        n = counts.n_samples_per_prompt
+        if groups * n > cap:
             raise InvalidArgument(
                 "max_groups_in_flight",
-                f"{groups} groups of {spec.n_samples_per_prompt} samples exceed this caller's share of "
+                f"{groups} groups of {n} samples exceed this caller's share of "
                 f"{cap} generations in flight (max_in_flight_per_caller); lower max_groups_in_flight",
             )
 
@@ -381,7 +405,7 @@ class _Step:
                 return GroupEnded(
                     group.group_index, Outcome.BUFFERED, reason, run.items, self._lags(run.items)
                 )
-            reason += "; the buffer is full, returned instead"
+            reason += f"; {self.runner.buffers.full_reason(self.owner)}, returned instead"
         return GroupEnded(group.group_index, Outcome.ABORTED, reason, run.items, self._lags(run.items))
 
     def _aborted_from_outside(self) -> bool:
@@ -430,7 +454,15 @@ class _Step:
             )
         rejected = self.runner.buffers.put(self.owner, groups)
         if rejected:
-            log.error("step_buffer_full", owner=self.owner, lost_groups=[g.group_index for g in rejected])
+            # The caller is gone: its next step's summary names these groups (lost_group_indexes).
+            lost = [g.group_index for g in rejected]
+            self.runner.buffers.note_lost(self.owner, lost)
+            log.error(
+                "step_buffer_full",
+                owner=self.owner,
+                lost_groups=lost,
+                why=self.runner.buffers.full_reason(self.owner),
+            )
         if self.model is not None:
             await self.model.close()
 
@@ -438,7 +470,10 @@ class _Step:
         # Groups taken from the buffer and never started go back to it; fresh ones are listed.
         back = [g for g, _ in self.queue if id(g) in self.from_buffer]
         if back:
-            self.runner.buffers.put(self.owner, back)
+            # They came out of this caller's buffer, so they fit back unless another step of the
+            # caller filled it meanwhile: those are reported like an abandoned step's overflow.
+            rejected = self.runner.buffers.put(self.owner, back)
+            self.runner.buffers.note_lost(self.owner, [g.group_index for g in rejected])
         unstarted = [g.group_index for g, _ in self.queue if id(g) not in self.from_buffer]
         reached = self.progress.accepted >= self.target
         reason = self.stop_reason or ("the target was reached" if reached else "no prompt groups left")
@@ -450,6 +485,7 @@ class _Step:
             unstarted=unstarted,
             progress=self._progress(),
             max_version_lag=self.max_lag,
+            lost=self.runner.buffers.take_lost(self.owner),
         )
 
     def _progress(self) -> Progress:

@@ -19,6 +19,9 @@ from rollout_grpc.server.rewards.api import RewardConfig
 MAX_SAMPLES_PER_PROMPT = 64
 #: Most prompt groups one step may carry.
 MAX_GROUPS = 100_000
+#: The longest prompt (and partial sample) in tokens a step takes when no engine reports its
+#: `max_model_len` (with one, that is the bound): each started sample holds its own token list.
+UNKNOWN_CONTEXT_TOKENS = 1 << 18
 
 
 class RewardScope(enum.Enum):
@@ -123,40 +126,62 @@ class StepSpec:
     stream_samples: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class StepCounts:
+    """The counts of a step request, read from the wire message before anything is converted: a
+    step of 100,000 groups was converted (2-4 s of the event loop) before it was refused."""
+
+    n_samples_per_prompt: int
+    groups: int
+    target_groups: int = 0
+    max_groups_in_flight: int = 0
+    continue_buffered: bool = False
+
+    @classmethod
+    def of(cls, spec: StepSpec) -> StepCounts:
+        return cls(
+            spec.n_samples_per_prompt,
+            len(spec.groups),
+            spec.target_groups,
+            spec.max_groups_in_flight,
+            spec.continue_buffered,
+        )
+
+
 def check(spec: StepSpec, buffered: int) -> None:
     """Refuse a step that cannot run, naming the field (before anything generates).
 
     `buffered` is how many groups the caller has buffered (they count toward the supply when
     `continue_buffered`).
     """
-    n = spec.n_samples_per_prompt
+    check_counts(StepCounts.of(spec), buffered)
+    _check_bounds(spec, spec.n_samples_per_prompt)
+
+
+def check_counts(counts: StepCounts, buffered: int) -> None:
+    """The checks that need only counts: samples per prompt, groups, target and supply."""
+    n = counts.n_samples_per_prompt
     if not 1 <= n <= MAX_SAMPLES_PER_PROMPT:
         raise InvalidArgument("n_samples_per_prompt", f"must be 1 to {MAX_SAMPLES_PER_PROMPT}, got {n}")
-    _check_supply(spec, buffered)
-    _check_bounds(spec, n)
-
-
-def _check_supply(spec: StepSpec, buffered: int) -> None:
-    """Enough groups (given or buffered) for the target."""
-    supply = len(spec.groups) + (buffered if spec.continue_buffered else 0)
-    if len(spec.groups) > MAX_GROUPS:
-        raise InvalidArgument("groups", f"at most {MAX_GROUPS} groups per step, got {len(spec.groups)}")
+    supply = counts.groups + (buffered if counts.continue_buffered else 0)
+    if counts.groups > MAX_GROUPS:
+        raise InvalidArgument("groups", f"at most {MAX_GROUPS} groups per step, got {counts.groups}")
     if supply == 0:
         raise InvalidArgument("groups", "must hold at least one prompt group (none given, none buffered)")
-    if spec.target_groups < 0:
-        raise InvalidArgument("target_groups", f"must be non-negative, got {spec.target_groups}")
-    if spec.target_groups > supply:
+    if counts.target_groups < 0:
+        raise InvalidArgument("target_groups", f"must be non-negative, got {counts.target_groups}")
+    if counts.target_groups > supply:
         raise InvalidArgument(
-            "target_groups", f"asks for {spec.target_groups} groups but only {supply} are given or buffered"
+            "target_groups", f"asks for {counts.target_groups} groups but only {supply} are given or buffered"
+        )
+    if counts.max_groups_in_flight < 0:
+        raise InvalidArgument(
+            "max_groups_in_flight", f"must be non-negative, got {counts.max_groups_in_flight}"
         )
 
 
 def _check_bounds(spec: StepSpec, n: int) -> None:
     """Non-negative bounds, a seed that does not overflow, well-formed groups."""
-    if spec.max_groups_in_flight < 0:
-        raise InvalidArgument(
-            "max_groups_in_flight", f"must be non-negative, got {spec.max_groups_in_flight}"
-        )
     if spec.max_staleness is not None and spec.max_staleness < 0:
         raise InvalidArgument("max_staleness", f"must be non-negative, got {spec.max_staleness}")
     if spec.epsilon < 0:
