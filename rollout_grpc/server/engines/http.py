@@ -51,16 +51,31 @@ _LOOP_STALL_SLACK_S: Final = 1.0
 log = structlog.get_logger(__name__)
 
 
+_SPACE: Final = frozenset(b" \t\r\n\x0b\x0c")
+
+
 def take_events(buf: bytearray, scan: int) -> tuple[list[bytes], int]:
     """The `data:` payloads of the complete lines at the front of `buf`, which are removed from it,
-    and where the next search for a line end starts (lines are not split by length)."""
+    and where the next search for a line end starts (lines are not split by length).
+
+    Each payload is copied out of `buf` once, its surrounding whitespace trimmed by index: three
+    copies of a 250 MiB event (slice, bytes, strip) held the replica's event loop 4-7 s, long
+    enough for every other stream and the health probes to stall.
+    """
     events: list[bytes] = []
     start = 0
     while (end := buf.find(b"\n", scan)) >= 0:
-        line = bytes(buf[start:end]).rstrip(b"\r")
+        first, last = start, end
         start = scan = end + 1
-        if line.startswith(DATA):
-            events.append(line[len(DATA) :].strip())
+        if not buf.startswith(DATA, first, last):
+            continue
+        first += len(DATA)
+        while first < last and buf[first] in _SPACE:
+            first += 1
+        while last > first and buf[last - 1] in _SPACE:
+            last -= 1
+        with memoryview(buf) as view, view[first:last] as payload:
+            events.append(bytes(payload))
     if start:
         del buf[:start]
     return events, len(buf)
