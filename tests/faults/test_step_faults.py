@@ -7,6 +7,7 @@ duplicated between the abort and the continuation. Each fault adds a row to the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -160,3 +161,51 @@ async def test_engines_drop_connections_mid_step(record: Record) -> None:
         assert len(outcomes) == 4
         attempts = [len(s.engine_attempts) for g in groups for s in g.samples]
         assert all(n <= 2 for n in attempts) and any(n == 2 for n in attempts), attempts
+
+
+async def test_a_rule_reward_that_never_ends_while_other_callers_stream(record: Record) -> None:
+    """A MATH label whose comparison computes for minutes (`9^{9^{9^{9}}}`): its child process is
+    killed at the time limit; the Generates streamed meanwhile lose nothing (before, the comparison
+    held Python's lock and every RPC of the replica stopped)."""
+    async with (
+        sim_engines(1, **SIM) as sims,
+        running_server([s.url for s in sims], health_interval_s=60.0, rule_reward_timeout_s=20.0) as server,
+        AsyncRolloutClient(f"127.0.0.1:{server.port}") as client,
+    ):
+        ref = (await consume(client, "reference", TOKENS)).response
+        done = pb.Sample(
+            tokens=[*PROMPT, *ref[:1]],
+            response_length=1,
+            loss_mask=[1],
+            rollout_log_probs=[-1.0],
+            response="\\boxed{5}",
+            status=pb.SAMPLE_STATUS_COMPLETED,
+        )
+        group = pb.PromptGroup(
+            prompt=make_sample(PROMPT), group_index=0, label="9^{9^{9^{9}}}", partial=[done]
+        )
+        results: list[pb.GroupResult] = []
+        scoring = asyncio.Event()
+
+        async def run_step() -> None:
+            async for event in client.rollout_step(
+                [group],
+                n_samples_per_prompt=1,
+                reward={"kind": "REWARD_KIND_MATH", "on_failure": "REWARD_FAILURE_POLICY_DROP_GROUP"},
+                stream_samples=True,
+                timeout=120,
+            ):
+                if event.WhichOneof("event") == "sample":
+                    scoring.set()
+                elif event.WhichOneof("event") == "group":
+                    results.append(event.group)
+
+        stepping = asyncio.create_task(run_step())
+        await scoring.wait()
+        outcomes = await asyncio.gather(*(consume(client, f"during-{i}", TOKENS) for i in range(4)))
+        assert not results, "the streams ended while the reward was still being computed"
+        record("RolloutStep: a rule reward computes past its time limit", list(outcomes), ref)
+        await stepping
+        [result] = results
+        assert result.outcome == pb.GROUP_OUTCOME_FAILED
+        assert "time limit of 20 s" in result.samples[0].reward_failure
