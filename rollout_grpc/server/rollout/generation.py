@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,9 +268,19 @@ class Rollout:
     # ----------------------------------------------------------------------------- generate
 
     async def generate(
-        self, sample: Sample, params: SamplingParams, options: GenerateOptions, request_id: str
+        self,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        request_id: str,
+        on_first_token: Callable[[], None] | None = None,
     ) -> AsyncIterator[TokenBatch | Sample]:
-        """Yield token batches, then the final sample (always last, exactly once)."""
+        """Yield token batches, then the final sample (always last, exactly once).
+
+        `on_first_token` is called once, when the first token of this Generate arrives from an
+        engine, whatever the caller asked for: a `final_only` caller gets no batch to time, and its
+        time to first token is still the engine's (the latency metrics are read from this).
+        """
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another replica")
         sample_ops.check_input(sample)
@@ -294,7 +304,7 @@ class Rollout:
         try:
             try:
                 async with self.admission.slot(entry):
-                    async for batch in self._run(sample, params, options, entry, deadline):
+                    async for batch in self._run(sample, params, options, entry, deadline, on_first_token):
                         yield batch
             except AbortedWhileQueued:
                 sample_ops.finish(sample, Finish.ABORT, Status.ABORTED, deadline.reason)
@@ -313,10 +323,11 @@ class Rollout:
         options: GenerateOptions,
         entry: InFlight,
         deadline: _CallerDeadline,
+        on_first_token: Callable[[], None] | None = None,
     ) -> AsyncIterator[TokenBatch]:
         """The engine calls of one generation: call, and on failure do what `failover.decide` says."""
         batcher = _Batcher(options)
-        run = _RunState(call_offset=sample.response_length, deadline=deadline)
+        run = _RunState(call_offset=sample.response_length, deadline=deadline, on_first_token=on_first_token)
         while not entry.abort_requested and not deadline.reached:
             engine = self._pick(sample, options, run)
             run.decision, run.error = None, None
@@ -514,7 +525,9 @@ class Rollout:
         if entry.abort_requested:  # asked while the call was being prepared
             entry.on_abort()
         try:
-            async for batch in self._consume(engine, call, sample, entry, batcher, speed, finals, stopper):
+            async for batch in self._consume(
+                engine, call, sample, entry, run, batcher, speed, finals, stopper
+            ):
                 yield batch
         except _Interrupted as exc:
             if exc.why is _Why.ENGINE_DEAD:
@@ -540,6 +553,7 @@ class Rollout:
         call: EngineCall,
         sample: Sample,
         entry: InFlight,
+        run: _RunState,
         batcher: _Batcher,
         speed: _Speed,
         finals: list[EngineFinal],
@@ -568,6 +582,8 @@ class Rollout:
                 if isinstance(event, EngineDelta):
                     self._on_engine_started(engine, entry)
                     speed.first(sample.response_length + len(event.token_ids), bool(event.token_ids))
+                    if event.token_ids and run.on_first_token is not None:
+                        run.first_token()
                     batch = self._apply_delta(sample, event, batcher)
                     if batch is not None:
                         yield batch
@@ -698,6 +714,14 @@ class _RunState:
     #: What the last failed call decided (None after a call that ended normally) and its error.
     decision: Decision | None = None
     error: EngineError | None = None
+    #: Called once, when the engine's first token of this Generate arrives (then cleared).
+    on_first_token: Callable[[], None] | None = None
+
+    def first_token(self) -> None:
+        """The first token arrived: tell the observer once."""
+        notify, self.on_first_token = self.on_first_token, None
+        if notify is not None:
+            notify()
 
 
 class _Speed:
