@@ -322,6 +322,13 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "deadline_margin_s",
     ),
     Flag(
+        "--deadline-abort-lead",
+        "at most this many seconds before that (10 %% of the caller's time, at least 50 ms, if "
+        "less) the engine call is aborted upstream, so the engine's final chunk with every token "
+        "arrives before the sample is sent; 0 sends the abort only at the margin",
+        "deadline_abort_lead_s",
+    ),
+    Flag(
         "--no-engine-stream-interval",
         "never ask engines for stream_interval batching (for engines that reject it)",
         "engine_stream_interval",

@@ -120,6 +120,10 @@ class ServerConfig:
     #: Most seconds before a caller's deadline that a generation ends with its sample (ABORTED,
     #: every token kept); 10 % of the caller's time when that is less (bounds.py).
     deadline_margin_s: float = bounds.DEADLINE_MARGIN_S
+    #: Most seconds before that the engine call is aborted upstream so that the engine's final
+    #: chunk (every token it made) arrives in time; 10 % of the caller's time, at least 50 ms,
+    #: when that is less (bounds.py, rollout/deadline.py).
+    deadline_abort_lead_s: float = bounds.DEADLINE_ABORT_LEAD_S
     engine_stream_interval: bool = True
     max_receive_message_mb: int = 64
     max_send_message_mb: int = 256
@@ -501,6 +505,7 @@ class RolloutServer:
                 max_engine_attempts=cfg.max_engine_attempts,
                 engine_stream_interval=cfg.engine_stream_interval,
                 deadline_margin_s=cfg.deadline_margin_s,
+                deadline_abort_lead_s=cfg.deadline_abort_lead_s,
             ),
         )
         if cfg.peers:
