@@ -249,6 +249,17 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "metrics (label `worker`), the in-flight limit is shared, the queue divided (docs/workers.md)",
         type=int,
     ),
+    Flag(
+        "--worker-restarts",
+        "a worker that dies is replaced (after 0.5 s, 1 s, 2 s, ... at most 10 s) up to this many "
+        "times within --worker-restart-window; one more death stops the replica (exit 1)",
+        "worker_restarts",
+    ),
+    Flag(
+        "--worker-restart-window",
+        "seconds over which --worker-restarts counts the replacements of dead workers",
+        "worker_restart_window_s",
+    ),
     Flag("--sim-token-delay-ms", "per-token delay of the simulated engines", type=float, default=0.0),
     Flag("--host", "address to bind the gRPC (and health and metrics) ports to", "host"),
     Flag("--port", "gRPC port (0 = any free port)", "port"),

@@ -221,6 +221,10 @@ class ServerConfig:
     #: Bind the gRPC port with SO_REUSEPORT: only a worker, whose supervisor reserved the port
     #: (workers/reservation.py), ever sets it; a replica of its own keeps a busy port an error.
     reuse_port: bool = False
+    #: Replacements of dead workers the supervisor makes within `worker_restart_window_s` before it
+    #: stops the replica (exit 1); each after an exponential back-off (workers/supervisor.py).
+    worker_restarts: int = 5
+    worker_restart_window_s: float = 60.0
 
     def tls(self) -> TlsConfig | None:
         """The TLS settings, or None for plaintext; a key without a certificate is a config error."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollout_grpc.server.rollout.inflight import InFlight
-from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots, create_slots
+from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots, create_slots, reclaim_slots
 
 
 @pytest.fixture
@@ -56,6 +56,25 @@ def test_a_sibling_that_found_no_slot_is_woken_until_its_queue_is_empty(slots: l
     one.notify()
     zero.notify()
     assert not _woken(zero) and not _woken(one)
+
+
+def test_the_slots_of_a_dead_worker_are_reclaimed_and_its_siblings_woken(tmp_path: Path) -> None:
+    """A worker killed with slots taken never gives them back: the supervisor does, before the
+    replacement starts, so the replica's limit is whole again and a waiting sibling starts."""
+    create_slots(str(tmp_path), 3, 2)
+    zero, one = (SharedSlots(str(tmp_path), i, 2) for i in range(2))
+    try:
+        assert one.try_take() and one.try_take() and zero.try_take()
+        assert not zero.try_take() and zero.waiting(0)  # the limit is full; worker 0 waits
+        one.give_back()  # worker 1 gave one back, then died holding the other
+        one.close()
+        assert reclaim_slots(str(tmp_path), 1, 2) == 1
+        assert zero.counts() == (1, 3)
+        assert _woken(zero)
+        assert zero.try_take() and zero.try_take() and not zero.try_take()
+        assert reclaim_slots(str(tmp_path), 1, 2) == 0  # nothing twice
+    finally:
+        zero.close()
 
 
 def test_a_resize_wakes_every_sibling(slots: list[SharedSlots]) -> None:
