@@ -15,6 +15,7 @@ import pytest
 
 from rollout_grpc.server.rollout.inflight import InFlight
 from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots, create_slots, reclaim_slots
+from rollout_grpc.server.workers.supervisor import RestartPolicy
 
 
 @pytest.fixture
@@ -113,3 +114,10 @@ async def test_a_queued_generation_on_worker_1_starts_when_worker_0_frees_the_sl
     assert not one.waiting(1)  # its queue is empty again
     assert zero.counts() == (0, 1)
     loop.remove_reader(one.wake_socket.fileno())
+
+
+def test_dead_workers_are_replaced_with_back_off_until_the_cap_per_window() -> None:
+    policy = RestartPolicy(max_restarts=3, window_s=60.0, delay_s=0.5, delay_cap_s=1.5)
+    assert [policy.next_delay(t) for t in (0.0, 1.0, 2.0)] == [0.5, 1.0, 1.5]  # doubled, capped
+    assert policy.next_delay(3.0) is None  # a 4th death within the window: the replica stops
+    assert policy.next_delay(61.5) == 1.0  # two deaths left the window: this is the 2nd in it
