@@ -274,6 +274,17 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "metrics (label `worker`), the in-flight limit is shared, the queue divided (docs/workers.md)",
         type=int,
     ),
+    Flag(
+        "--worker-restarts",
+        "a worker that dies is replaced (after 0.5 s, 1 s, 2 s, ... at most 10 s) up to this many "
+        "times within --worker-restart-window; one more death stops the replica (exit 1)",
+        "worker_restarts",
+    ),
+    Flag(
+        "--worker-restart-window",
+        "seconds over which --worker-restarts counts the replacements of dead workers",
+        "worker_restart_window_s",
+    ),
     Flag("--sim-token-delay-ms", "per-token delay of the simulated engines", type=float, default=0.0),
     Flag("--host", "address to bind the gRPC (and health and metrics) ports to", "host"),
     Flag("--port", "gRPC port (0 = any free port)", "port"),
@@ -345,6 +356,13 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "at most this many seconds before a caller's deadline (10 %% of its time if less) a "
         "generation ends with its sample, ABORTED with every token",
         "deadline_margin_s",
+    ),
+    Flag(
+        "--deadline-abort-lead",
+        "at most this many seconds before that (10 %% of the caller's time, at least 50 ms, if "
+        "less) the engine call is aborted upstream, so the engine's final chunk with every token "
+        "arrives before the sample is sent; 0 sends the abort only at the margin",
+        "deadline_abort_lead_s",
     ),
     Flag(
         "--no-engine-stream-interval",

@@ -123,6 +123,10 @@ class ServerConfig:
     #: Most seconds before a caller's deadline that a generation ends with its sample (ABORTED,
     #: every token kept); 10 % of the caller's time when that is less (bounds.py).
     deadline_margin_s: float = bounds.DEADLINE_MARGIN_S
+    #: Most seconds before that the engine call is aborted upstream so that the engine's final
+    #: chunk (every token it made) arrives in time; 10 % of the caller's time, at least 50 ms,
+    #: when that is less (bounds.py, rollout/deadline.py).
+    deadline_abort_lead_s: float = bounds.DEADLINE_ABORT_LEAD_S
     engine_stream_interval: bool = True
     max_receive_message_mb: int = 64
     max_send_message_mb: int = 256
@@ -228,6 +232,10 @@ class ServerConfig:
     #: Bind the gRPC port with SO_REUSEPORT: only a worker, whose supervisor reserved the port
     #: (workers/reservation.py), ever sets it; a replica of its own keeps a busy port an error.
     reuse_port: bool = False
+    #: Replacements of dead workers the supervisor makes within `worker_restart_window_s` before it
+    #: stops the replica (exit 1); each after an exponential back-off (workers/supervisor.py).
+    worker_restarts: int = 5
+    worker_restart_window_s: float = 60.0
 
     def tls(self) -> TlsConfig | None:
         """The TLS settings, or None for plaintext; a key without a certificate is a config error."""
@@ -514,6 +522,7 @@ class RolloutServer:
                 max_engine_attempts=cfg.max_engine_attempts,
                 engine_stream_interval=cfg.engine_stream_interval,
                 deadline_margin_s=cfg.deadline_margin_s,
+                deadline_abort_lead_s=cfg.deadline_abort_lead_s,
             ),
         )
         if cfg.peers:

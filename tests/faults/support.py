@@ -43,6 +43,9 @@ class Outcome:
     error: grpc.aio.AioRpcError | None = None
     finals: int = 0
     first: asyncio.Event = field(default_factory=asyncio.Event)
+    #: A `final_only` caller (it streams nothing): the tokens the engine says it generated for it
+    #: stand where the streamed deltas would (the final sample must hold every one of them).
+    engine_made: int | None = None
 
     @property
     def response(self) -> list[int]:
@@ -97,30 +100,48 @@ def tokens_lost(out: Outcome, reference: list[int]) -> int:
     sample departs from the reference. A clean error before any token loses nothing.
     """
     if out.final is None:
-        return len(out.streamed)
+        return len(out.streamed) if out.engine_made is None else out.engine_made
     response = out.response
-    missing = max(0, len(out.streamed) - len(response))
+    seen = len(out.streamed) if out.engine_made is None else out.engine_made
+    missing = max(0, seen - len(response))
     differing = sum(1 for a, b in zip(response, reference, strict=False) if a != b)
     extra = max(0, len(response) - len(reference))
     return missing + differing + extra
 
 
+def _final_mismatch(out: Outcome) -> str | None:
+    """The final sample lacks what the caller saw (deltas) or the engine made (`final_only`)."""
+    assert out.final is not None
+    if out.engine_made is not None:
+        missing = out.engine_made - out.final.response_length
+        return f"{missing} of the engine's {out.engine_made} tokens missing" if missing > 0 else None
+    return "final sample != concatenated deltas" if out.response != out.streamed else None
+
+
+def _without_sample(out: Outcome) -> str | None:
+    """What is wrong with a stream that ended without a final sample, or None (a clean error)."""
+    if out.error is None:
+        return "no final sample and no error"
+    if out.streamed:
+        return f"{len(out.streamed)} tokens streamed, then {out.error.code().name} without a sample"
+    if out.engine_made:
+        return f"{out.engine_made} tokens generated, then {out.error.code().name} without a sample"
+    if out.error.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        return f"unclean error {out.error.code().name}: {out.error.details()}"
+    return None
+
+
 def problem(out: Outcome, reference: list[int]) -> str | None:
     """What breaks the contract for one stream, or None."""
     if out.final is None:
-        if out.error is None:
-            return "no final sample and no error"
-        if out.streamed:
-            return f"{len(out.streamed)} tokens streamed, then {out.error.code().name} without a sample"
-        if out.error.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-            return f"unclean error {out.error.code().name}: {out.error.details()}"
-        return None
+        return _without_sample(out)
     if out.finals != 1:
         return f"{out.finals} final samples"
     if out.error is not None:
         return f"error after the final sample: {out.error.code().name}"
-    if out.response != out.streamed:
-        return "final sample != concatenated deltas"
+    mismatch = _final_mismatch(out)
+    if mismatch:
+        return mismatch
     if list(out.final.tokens[: len(PROMPT)]) != PROMPT:
         return "the prompt changed"
     lost = tokens_lost(out, reference)

@@ -100,6 +100,33 @@ async def first_delta(call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.Gene
                 return
 
 
+async def test_final_only_time_to_first_token_is_the_engines_first_token(slow: Harness) -> None:
+    """A `final_only` Generate streams nothing, yet its TTFT is the engine's first token: the
+    simulator spends `token_delay_s` on every token after the first, so the end comes at least
+    (tokens - 1) x delay after it. (Before: TTFT was taken at the final sample, so TTFT = latency
+    and TPOT = 0 on the main path, and the dashboard plotted both.)"""
+    h = slow
+    port = h.server.metrics_port
+    assert port
+    tokens = 40
+    delay = h.sims[0].config.token_delay_s
+    engine_time = (tokens - 1) * delay  # the simulator's own floor for the time after the first token
+    ended = Ended(h)
+    req = request(tokens, "final-only-ttft")
+    req.options.final_only = True
+    messages = [m async for m in stub(h).Generate(req)]
+    assert [m.HasField("sample") for m in messages] == [True]  # no delta: nothing streamed
+    assert messages[0].sample.response_length == tokens
+    (record,) = await ended.wait(1)
+    assert record.ttft_s is not None
+    # Half the engine's floor, so a loaded machine reading the first chunk late still passes.
+    assert record.ttft_s < record.duration_s - engine_time / 2, (record.ttft_s, record.duration_s)
+    samples = await scrape(port)
+    assert value(samples, "rollout_grpc_time_to_first_token_seconds_sum") == pytest.approx(record.ttft_s)
+    tpot = value(samples, "rollout_grpc_time_per_output_token_seconds_sum")
+    assert tpot >= delay / 2, tpot  # per token, at least half the simulator's delay
+
+
 async def test_metrics_move_with_generations_refusals_aborts_and_pauses(slow: Harness) -> None:
     h = slow
     port = h.server.metrics_port

@@ -8,6 +8,7 @@ seen to act on the generations of the other.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import subprocess
@@ -279,14 +280,65 @@ async def test_sigterm_stops_gracefully_and_streams_end_with_their_samples(
     assert await asyncio.to_thread(replica.proc.popen.wait, 60) == 0
 
 
-async def test_a_worker_that_dies_stops_the_replica_with_a_non_zero_exit(
+def port_file_pids(tmp_path: Path) -> list[int]:
+    """The worker pids the supervisor's port file names now (rewritten after a replacement)."""
+    try:
+        return list(json.loads((tmp_path / "replica.ports.json").read_text())["worker_pids"])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+async def test_a_killed_worker_is_replaced_while_the_other_keeps_serving(
     procs: Processes, tmp_path: Path
 ) -> None:
-    replica = start_replica(procs, tmp_path, *SIM)
+    """kill -9 of a worker (issue 34 item 11): its streams end UNAVAILABLE (the connection is
+    gone with the process); the other worker's stream goes on and it answers new Generates
+    meanwhile; the slot the dead worker held in the shared in-flight limit is given back; a new
+    worker with the same index serves again. (Before: the supervisor stopped the whole replica.)"""
+    replica = start_replica(procs, tmp_path, *SIM, *SMALL)
+    survivor_pid, victim_pid = replica.ports["worker_pids"]
+    async with clients_by_worker(replica.target, 2) as by_index:
+        # The replica's whole in-flight limit (2): one stream on each worker.
+        on_survivor, on_victim = Streams(by_index[0]), Streams(by_index[1])
+        on_survivor.start(1, "keeps")
+        on_victim.start(1, "dies")
+        await on_survivor.running()
+        await on_victim.running()
+        signal_pid(victim_pid, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as killed:
+            await on_victim.finals()
+        assert killed.value.code() == grpc.StatusCode.UNAVAILABLE, killed.value
+        # The survivor answers at once, and its new stream runs in the slot the dead worker held
+        # (without the reclaim it would queue behind the long stream).
+        extra = Streams(by_index[0])
+        extra.start(1, "after-the-kill")
+        await extra.running()
+        await until("the supervisor replaced worker 1", lambda: victim_pid not in port_file_pids(tmp_path))
+        pids = port_file_pids(tmp_path)
+        assert pids[0] == survivor_pid and pids[1] != victim_pid
+        assert replica.proc.popen.poll() is None
+        await by_index[0].abort(all=True)
+        finals = [*await on_survivor.finals(), *await extra.finals()]
+        assert _statuses(finals) == [pb.SAMPLE_STATUS_ABORTED] * 2
+    # The replacement serves: a connection reaches worker 1 again, and a Generate there completes.
+    async with clients_by_worker(replica.target, 2) as again:
+        done = await again[1].generate(make_sample([1, 2, 3, 4]), {"max_new_tokens": 4, "ignore_eos": True})
+        assert done.response_length == 4
+    log = replica.proc.log_text()
+    assert '"worker_exited"' in log and '"worker_restarted"' in log and '"worker_slots_reclaimed"' in log
+
+
+async def test_a_worker_that_keeps_dying_stops_the_replica_with_a_clear_line(
+    procs: Processes, tmp_path: Path
+) -> None:
+    """Past --worker-restarts replacements within the window the replica stops (exit 1)."""
+    replica = start_replica(procs, tmp_path, *SIM, "--worker-restarts", "1", "--worker-restart-window", "600")
     survivor, victim = replica.ports["worker_pids"]
     signal_pid(victim, signal.SIGKILL)
+    await until("the supervisor replaced worker 1", lambda: victim not in port_file_pids(tmp_path))
+    signal_pid(port_file_pids(tmp_path)[1], signal.SIGKILL)
     assert await asyncio.to_thread(replica.proc.popen.wait, 60) == 1
-    assert '"worker_exited"' in replica.proc.log_text()
+    assert '"worker_restart_limit"' in replica.proc.log_text()
     with pytest.raises(ProcessLookupError):
         signal_pid(survivor, 0)
 

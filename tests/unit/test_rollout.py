@@ -263,6 +263,19 @@ async def test_a_callers_deadline_ends_a_hung_stream_with_its_tokens_before_it_e
     assert handle is not None and handle.healthy  # a slow engine is not blamed for a deadline
 
 
+async def test_a_callers_deadline_aborts_the_engine_call_upstream_before_the_sample_is_due() -> None:
+    """The engine gets an abort for the call (its final chunk would bring buffered tokens); one
+    that never answers it still loses the caller nothing past the stop point."""
+    a = FakeEngine("a", [[tokens(10, 11), HANG]])
+    rollout = make(a, deadline_margin_s=1.0)
+    deadline = time.monotonic() + 0.5  # abort at 0.5 - 50 ms - 50 ms, stop at 0.5 - 50 ms
+    _, sample = await asyncio.wait_for(run(rollout, deadline=deadline), 5)
+    assert time.monotonic() < deadline
+    assert sample.status == Status.ABORTED and sample.tokens == [*PROMPT, 10, 11]
+    (call,) = a.calls
+    assert a.aborted == [a.engine_request_id(call.call_id)]
+
+
 async def test_a_callers_deadline_ends_a_queued_generation_before_it_expires() -> None:
     a = FakeEngine("a", [[tokens(10), HANG]])
     by_url = {"a": a}

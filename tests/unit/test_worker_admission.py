@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from rollout_grpc.server.rollout.inflight import InFlight
-from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots, create_slots
+from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots, create_slots, reclaim_slots
+from rollout_grpc.server.workers.supervisor import RestartPolicy
 
 
 @pytest.fixture
@@ -58,6 +59,25 @@ def test_a_sibling_that_found_no_slot_is_woken_until_its_queue_is_empty(slots: l
     assert not _woken(zero) and not _woken(one)
 
 
+def test_the_slots_of_a_dead_worker_are_reclaimed_and_its_siblings_woken(tmp_path: Path) -> None:
+    """A worker killed with slots taken never gives them back: the supervisor does, before the
+    replacement starts, so the replica's limit is whole again and a waiting sibling starts."""
+    create_slots(str(tmp_path), 3, 2)
+    zero, one = (SharedSlots(str(tmp_path), i, 2) for i in range(2))
+    try:
+        assert one.try_take() and one.try_take() and zero.try_take()
+        assert not zero.try_take() and zero.waiting(0)  # the limit is full; worker 0 waits
+        one.give_back()  # worker 1 gave one back, then died holding the other
+        one.close()
+        assert reclaim_slots(str(tmp_path), 1, 2) == 1
+        assert zero.counts() == (1, 3)
+        assert _woken(zero)
+        assert zero.try_take() and zero.try_take() and not zero.try_take()
+        assert reclaim_slots(str(tmp_path), 1, 2) == 0  # nothing twice
+    finally:
+        zero.close()
+
+
 def test_a_resize_wakes_every_sibling(slots: list[SharedSlots]) -> None:
     zero, one = slots
     admission = SharedAdmission(zero, 1, 4)
@@ -94,3 +114,10 @@ async def test_a_queued_generation_on_worker_1_starts_when_worker_0_frees_the_sl
     assert not one.waiting(1)  # its queue is empty again
     assert zero.counts() == (0, 1)
     loop.remove_reader(one.wake_socket.fileno())
+
+
+def test_dead_workers_are_replaced_with_back_off_until_the_cap_per_window() -> None:
+    policy = RestartPolicy(max_restarts=3, window_s=60.0, delay_s=0.5, delay_cap_s=1.5)
+    assert [policy.next_delay(t) for t in (0.0, 1.0, 2.0)] == [0.5, 1.0, 1.5]  # doubled, capped
+    assert policy.next_delay(3.0) is None  # a 4th death within the window: the replica stops
+    assert policy.next_delay(61.5) == 1.0  # two deaths left the window: this is the 2nd in it

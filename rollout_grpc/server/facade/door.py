@@ -104,7 +104,10 @@ class RolloutFacade:
         record.group_index = sample.group_index
         record.prior_response_length = sample.response_length
         record.prior_attempts = len(sample.engine_attempts)
-        async for event in self._rollout.generate(sample, params, options, request_id):
+        # The time to first token is the engine's first token, whatever the caller asked for (a
+        # `final_only` caller gets no batch, and its TTFT would be its whole latency).
+        events = self._rollout.generate(sample, params, options, request_id, on_first_token=record.mark_token)
+        async for event in events:
             if type(event) is TokenBatch:
                 if record.ttft_s is None and event.token_ids:
                     record.mark_token()

@@ -101,7 +101,7 @@ class Metrics:
         )
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
-            "Generate: time from the call's start to its first token.",
+            "Generate: time from the call's start to the engine's first token (final_only calls too).",
             buckets=_TTFT_BUCKETS,
             registry=r,
         )

@@ -17,8 +17,10 @@ happens after a failed engine call is decided by `failover.decide` (one table of
   control, is never cancelled: the generation ends at its next read of the engine);
 * a stream on an engine that a health probe finds dead (while the stream was silent) fails over
   at once, not after the adapter's idle timeout (`EngineHandle.watch`);
-* a caller's deadline (`GenerateOptions.deadline`) is met with the sample: shortly before it
-  (`bounds.deadline_margin_s`) the generation ends ABORTED with every token produced so far.
+* a caller's deadline (`GenerateOptions.deadline`) is met with the sample: shortly before it the
+  engine call is aborted upstream, so the engine's final chunk brings every token it made, and
+  by `bounds.deadline_margin_s` before it the generation ends ABORTED with every token received
+  (`deadline.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +66,7 @@ from rollout_grpc.server.engines.api import (
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
 from rollout_grpc.server.rollout.admission import Admission
 from rollout_grpc.server.rollout.call_ids import CallIds
+from rollout_grpc.server.rollout.deadline import CallerDeadline
 from rollout_grpc.server.rollout.inflight import AbortedWhileQueued, InFlight, InFlightRegistry
 from rollout_grpc.server.rollout.owner_abort import OwnerAborts
 
@@ -96,6 +99,9 @@ class RolloutConfig:
     #: Most seconds before a caller's deadline that its sample is sent (10 % of the caller's time
     #: when that is less): see `bounds.deadline_margin_s`.
     deadline_margin_s: float = bounds.DEADLINE_MARGIN_S
+    #: Most seconds before that the engine call is aborted upstream, so that the engine's final
+    #: chunk arrives in time: see `bounds.deadline_abort_lead_s` and `deadline.py`.
+    deadline_abort_lead_s: float = bounds.DEADLINE_ABORT_LEAD_S
 
 
 class _Batcher:
@@ -268,9 +274,19 @@ class Rollout:
     # ----------------------------------------------------------------------------- generate
 
     async def generate(
-        self, sample: Sample, params: SamplingParams, options: GenerateOptions, request_id: str
+        self,
+        sample: Sample,
+        params: SamplingParams,
+        options: GenerateOptions,
+        request_id: str,
+        on_first_token: Callable[[], None] | None = None,
     ) -> AsyncIterator[TokenBatch | Sample]:
-        """Yield token batches, then the final sample (always last, exactly once)."""
+        """Yield token batches, then the final sample (always last, exactly once).
+
+        `on_first_token` is called once, when the first token of this Generate arrives from an
+        engine, whatever the caller asked for: a `final_only` caller gets no batch to time, and its
+        time to first token is still the engine's (the latency metrics are read from this).
+        """
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another replica")
         sample_ops.check_input(sample)
@@ -290,11 +306,13 @@ class Rollout:
             yield sample
             return
         entry = self.registry.register(request_id, sample.session_id, sample.group_index)
-        deadline = _CallerDeadline(options.deadline, self.config.deadline_margin_s, entry)
+        deadline = CallerDeadline(
+            options.deadline, entry, self.config.deadline_margin_s, self.config.deadline_abort_lead_s
+        )
         try:
             try:
                 async with self.admission.slot(entry):
-                    async for batch in self._run(sample, params, options, entry, deadline):
+                    async for batch in self._run(sample, params, options, entry, deadline, on_first_token):
                         yield batch
             except AbortedWhileQueued:
                 sample_ops.finish(sample, Finish.ABORT, Status.ABORTED, deadline.reason)
@@ -312,12 +330,13 @@ class Rollout:
         params: SamplingParams,
         options: GenerateOptions,
         entry: InFlight,
-        deadline: _CallerDeadline,
+        deadline: CallerDeadline,
+        on_first_token: Callable[[], None] | None = None,
     ) -> AsyncIterator[TokenBatch]:
         """The engine calls of one generation: call, and on failure do what `failover.decide` says."""
         batcher = _Batcher(options)
-        run = _RunState(call_offset=sample.response_length, deadline=deadline)
-        while not entry.abort_requested and not deadline.reached:
+        run = _RunState(call_offset=sample.response_length, deadline=deadline, on_first_token=on_first_token)
+        while not entry.abort_requested and not deadline.abort_due:
             engine = self._pick(sample, options, run)
             run.decision, run.error = None, None
             if engine is None:
@@ -329,6 +348,7 @@ class Rollout:
                     yield batch
             decision = run.decision
             if decision is None:
+                _blame_the_deadline(sample, entry, deadline)
                 break  # the call ended normally
             if decision.action is Action.RAISE:
                 unusable = self.pool.unusable_reasons() if engine is None else []
@@ -504,9 +524,7 @@ class Rollout:
         finals: list[EngineFinal] = []
         stopper = _Stopper()
         unwatch = engine.watch(stopper.engine_dead)
-        run.deadline.stopper = stopper
-        if run.deadline.reached:
-            stopper.request(_Why.DEADLINE)
+        run.deadline.attach(_DeadlineAbort(engine, entry, stopper))
         # The drain bound goes through the stopper, never a timeout around the loop: a timeout
         # cancels the task wherever it is, and between reads that is the caller's gRPC write
         # (the RPC then ends without a status, and its caller waits forever).
@@ -514,7 +532,9 @@ class Rollout:
         if entry.abort_requested:  # asked while the call was being prepared
             entry.on_abort()
         try:
-            async for batch in self._consume(engine, call, sample, entry, batcher, speed, finals, stopper):
+            async for batch in self._consume(
+                engine, call, sample, entry, run, batcher, speed, finals, stopper
+            ):
                 yield batch
         except _Interrupted as exc:
             if exc.why is _Why.ENGINE_DEAD:
@@ -528,7 +548,7 @@ class Rollout:
             entry.on_abort = None
             stopper.close()
             unwatch()
-            run.deadline.stopper = None
+            run.deadline.detach()
         if not finals:
             raise EngineUnavailable(engine.url, "the stream ended without a final result")
         speed.report(engine, sample.response_length)
@@ -540,6 +560,7 @@ class Rollout:
         call: EngineCall,
         sample: Sample,
         entry: InFlight,
+        run: _RunState,
         batcher: _Batcher,
         speed: _Speed,
         finals: list[EngineFinal],
@@ -566,8 +587,10 @@ class Rollout:
                     stopper.reading = False
                 stopper.last_event = time.monotonic()
                 if isinstance(event, EngineDelta):
-                    self._on_engine_started(engine, entry)
+                    self._on_engine_started(engine, entry, run)
                     speed.first(sample.response_length + len(event.token_ids), bool(event.token_ids))
+                    if event.token_ids and run.on_first_token is not None:
+                        run.first_token()
                     batch = self._apply_delta(sample, event, batcher)
                     if batch is not None:
                         yield batch
@@ -580,10 +603,10 @@ class Rollout:
             if aclose is not None:
                 await aclose()
 
-    def _on_engine_started(self, engine: EngineHandle, entry: InFlight) -> None:
+    def _on_engine_started(self, engine: EngineHandle, entry: InFlight, run: _RunState) -> None:
         if not entry.engine_started:
             entry.engine_started = True
-            if entry.abort_requested:
+            if entry.abort_requested or run.deadline.abort_due:
                 # The abort may have reached the engine before the request did: send it again.
                 _spawn_detached(_quiet_abort(engine, entry.engine_request_ids[-1:]))
 
@@ -687,8 +710,8 @@ class _RunState:
     """The failover bookkeeping of one Generate."""
 
     call_offset: int
-    #: The caller's deadline (its engine call registers a `_Stopper` there while it runs).
-    deadline: _CallerDeadline
+    #: The caller's deadline (its engine call registers there while it runs).
+    deadline: CallerDeadline
     attempts: int = 0
     request_failures: int = 0
     media_resent: bool = False
@@ -698,6 +721,14 @@ class _RunState:
     #: What the last failed call decided (None after a call that ended normally) and its error.
     decision: Decision | None = None
     error: EngineError | None = None
+    #: Called once, when the engine's first token of this Generate arrives (then cleared).
+    on_first_token: Callable[[], None] | None = None
+
+    def first_token(self) -> None:
+        """The first token arrived: tell the observer once."""
+        notify, self.on_first_token = self.on_first_token, None
+        if notify is not None:
+            notify()
 
 
 class _Speed:
@@ -811,44 +842,33 @@ class _Stopper:
             raise _Interrupted(self.why)
 
 
-class _CallerDeadline:
-    """The caller's deadline less the margin; when it comes, the generation ends with its sample.
+class _DeadlineAbort:
+    """What the caller's deadline does to one engine call (`deadline.DeadlineCall`): abort it on its
+    engine (the engine then ends it with its final chunk, every token in it), and later stop
+    reading whatever the engine does (`_Stopper`, ended as `CallFailure.DEADLINE`)."""
 
-    A timer (one per generation that has a deadline): a generation still queued for admission
-    leaves the queue (ABORTED, nothing generated); one in an engine call has the call ended
-    (`_Stopper`), and the failover policy finishes it ABORTED with its tokens; between calls, the
-    loop sees `reached` and finishes.
-    """
+    __slots__ = ("_engine", "_entry", "_stopper")
 
-    __slots__ = ("_entry", "_handle", "reached", "stopper")
-
-    reason = "the caller's deadline is about to expire"
-
-    def __init__(self, deadline: float | None, margin_cap_s: float, entry: InFlight) -> None:
+    def __init__(self, engine: EngineHandle, entry: InFlight, stopper: _Stopper) -> None:
+        self._engine = engine
         self._entry = entry
-        self._handle: asyncio.TimerHandle | None = None
-        self.reached = False
-        #: The engine call in progress, if any.
-        self.stopper: _Stopper | None = None
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            loop = asyncio.get_running_loop()
-            at = loop.time() + left - bounds.deadline_margin_s(left, margin_cap_s)
-            self._handle = loop.call_at(at, self._reach)
+        self._stopper = stopper
 
-    def _reach(self) -> None:
-        self._handle = None
-        self.reached = True
-        waiter = self._entry.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(AbortedWhileQueued())
-        if self.stopper is not None:
-            self.stopper.request(_Why.DEADLINE)
+    def abort_upstream(self) -> None:
+        # The call's id; if the engine has not seen the request yet, its first chunk sends the
+        # abort again (`_on_engine_started`).
+        _spawn_detached(_quiet_abort(self._engine, self._entry.engine_request_ids[-1:]))
 
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+    def stop(self) -> None:
+        self._stopper.request(_Why.DEADLINE)
+
+
+def _blame_the_deadline(sample: Sample, entry: InFlight, deadline: CallerDeadline) -> None:
+    """An engine call that ended ABORTED after the deadline's upstream abort (and no one else's)
+    says why, as a sample ended at the stop point does."""
+    ours = deadline.abort_due and not entry.abort_requested
+    if ours and sample.status is Status.ABORTED and not sample.failure_reason:
+        sample.failure_reason = deadline.reason
 
 
 #: Neutral finish -> (finish reason, sample status).

@@ -15,6 +15,12 @@ given back after that section sees the flag, and one given back before it was fr
 and clears, itself, once its queue is empty. Without the flags every generation that ended sent a
 datagram to every sibling and woke its event loop for nothing whenever nobody was queued, the usual
 case below the limit.
+
+After the flags, one `held` count per worker: the slots that worker holds, changed in the same
+locked sections as `running`. A worker killed with slots taken (SIGKILL, OOM) cannot give them
+back; the supervisor, before it starts the replacement, takes them off `running`
+(`reclaim_slots`) and wakes the waiting siblings, so the replica's limit is not lowered for good
+by a crash.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from pathlib import Path
 
 from rollout_grpc.server.facade.calls import TimedAdmission
 
-#: `running`, `limit` as two signed 64-bit integers; then one 64-bit `waiting` flag per worker.
+#: `running`, `limit` as two signed 64-bit integers; then one 64-bit `waiting` flag per worker,
+#: then one 64-bit `held` count per worker.
 LAYOUT = struct.Struct("qq")
 FLAG = struct.Struct("q")
 SLOTS_FILE = "admission"
@@ -40,12 +47,53 @@ SLOTS_FILE = "admission"
 def create_slots(run_dir: str, limit: int, workers: int) -> None:
     """The shared counter file (the supervisor writes it before any worker starts)."""
     path = Path(run_dir) / SLOTS_FILE
-    path.write_bytes(LAYOUT.pack(0, max(1, limit)) + FLAG.pack(0) * workers)
+    path.write_bytes(LAYOUT.pack(0, max(1, limit)) + FLAG.pack(0) * (2 * workers))
     path.chmod(0o600)
 
 
 def _flag_offset(index: int) -> int:
     return LAYOUT.size + FLAG.size * index
+
+
+def _held_offset(index: int, workers: int) -> int:
+    return _flag_offset(workers) + FLAG.size * index
+
+
+def _file_size(workers: int) -> int:
+    return _held_offset(workers, workers)
+
+
+def _add_held(mapping: mmap.mmap, index: int, workers: int, delta: int) -> None:
+    offset = _held_offset(index, workers)
+    (held,) = FLAG.unpack_from(mapping, offset)
+    FLAG.pack_into(mapping, offset, max(0, held + delta))
+
+
+def reclaim_slots(run_dir: str, index: int, workers: int) -> int:
+    """Give back every slot worker `index` held when it died, clear its waiting flag and wake every
+    other worker (a slot may be free now); the number of slots given back. The supervisor calls
+    this once the worker has exited and before its replacement starts."""
+    fd = os.open(Path(run_dir) / SLOTS_FILE, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, _file_size(workers)) as mapping:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                running, limit = LAYOUT.unpack_from(mapping)
+                (held,) = FLAG.unpack_from(mapping, _held_offset(index, workers))
+                LAYOUT.pack_into(mapping, 0, max(0, running - held), limit)
+                FLAG.pack_into(mapping, _held_offset(index, workers), 0)
+                FLAG.pack_into(mapping, _flag_offset(index), 0)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        sender.setblocking(False)
+        for other in range(workers):
+            if other != index:
+                with contextlib.suppress(BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+                    sender.sendto(b"w", wake_path(run_dir, other))
+    return int(held)
 
 
 def wake_path(run_dir: str, index: int) -> str:
@@ -58,8 +106,9 @@ class SharedSlots:
 
     def __init__(self, run_dir: str, index: int, workers: int) -> None:
         self._fd = os.open(Path(run_dir) / SLOTS_FILE, os.O_RDWR)
-        self._map = mmap.mmap(self._fd, _flag_offset(workers))
+        self._map = mmap.mmap(self._fd, _file_size(workers))
         self._index = index
+        self._workers = workers
         self._waiting = False  # this worker's flag, as last written
         self._others = [(i, wake_path(run_dir, i)) for i in range(workers) if i != index]
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -87,6 +136,7 @@ class SharedSlots:
                     self._waiting = True
                 return False
             LAYOUT.pack_into(self._map, 0, running + 1, limit)
+            _add_held(self._map, self._index, self._workers, 1)
             return True
 
     def stop_waiting(self) -> None:
@@ -104,6 +154,7 @@ class SharedSlots:
         with self._locked():
             running, limit = LAYOUT.unpack_from(self._map)
             LAYOUT.pack_into(self._map, 0, max(0, running - 1), limit)
+            _add_held(self._map, self._index, self._workers, -1)
 
     def set_limit(self, limit: int) -> None:
         """The replica's limit after an engines reload (every worker sets the same value)."""

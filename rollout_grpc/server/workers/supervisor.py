@@ -15,9 +15,14 @@ In steady state it only waits: for a signal, a worker's exit, or the listener re
   bound; workers still running past it (plus a margin) are killed. So worker 0's health port
   never says NOT_SERVING while a sibling still accepts calls. Exit 0.
 * SIGHUP: forwarded; every worker re-reads the engines file and the tokens file.
-* A worker that exits unexpectedly: the others are stopped (gracefully, as at SIGTERM) and the
-  supervisor exits 1 — a replica with a missing worker would silently lose its share of the port's
-  connections and of the admission limit, so it is restarted whole by whatever runs it.
+* A worker that exits unexpectedly (a crash, SIGKILL, the OOM killer) is replaced: the others
+  keep serving; the slots the dead worker held in the shared in-flight limit are given back
+  (`admission.reclaim_slots`), its stale sockets removed, and a new worker with the same index
+  starts after an exponential back-off (`RestartPolicy`: 0.5 s, 1 s, 2 s, ... at most 10 s). More
+  than `--worker-restarts` replacements within `--worker-restart-window` seconds means the worker
+  cannot stay up (a bad engine list, a broken node): the supervisor then logs
+  `worker_restart_limit`, stops the others gracefully and exits 1, to be restarted whole by
+  whatever runs it. What a client of the dead worker sees: docs/workers.md.
 """
 
 from __future__ import annotations
@@ -32,16 +37,19 @@ import signal
 import socket
 import sys
 import tempfile
+import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.ports import PortUnavailable
 from rollout_grpc.server.workers import handshake
-from rollout_grpc.server.workers.admission import create_slots
+from rollout_grpc.server.workers.admission import create_slots, reclaim_slots
 from rollout_grpc.server.workers.handshake import WorkerSpec
 from rollout_grpc.server.workers.metrics import MergedMetricsEndpoint, WorkerScraper
 from rollout_grpc.server.workers.reservation import PortReservation, foreign_listeners
@@ -54,6 +62,39 @@ LISTENER_CHECK_S = 10.0
 KILL_MARGIN_S = 5.0
 #: Longest a unix socket path may be (sun_path).
 MAX_SOCKET_PATH = 107
+
+
+#: Replacements of dead workers allowed within `RESTART_WINDOW_S` before the replica stops.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+#: The first replacement's delay, doubled for each replacement in the window, at most the cap.
+RESTART_DELAY_S = 0.5
+RESTART_DELAY_CAP_S = 10.0
+
+
+@dataclass
+class RestartPolicy:
+    """When to replace a dead worker: exponential back-off, and a cap on replacements per window.
+
+    The back-off keeps a worker that dies at once (a poisoned config, an engine that crashes it)
+    from spinning; the cap turns a worker that cannot stay up into one visible failure of the
+    replica instead of endless restarts.
+    """
+
+    max_restarts: int = MAX_RESTARTS
+    window_s: float = RESTART_WINDOW_S
+    delay_s: float = RESTART_DELAY_S
+    delay_cap_s: float = RESTART_DELAY_CAP_S
+    _times: deque[float] = field(default_factory=deque)
+
+    def next_delay(self, now: float) -> float | None:
+        """Seconds to wait before the next replacement, or None when the cap is reached."""
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return None
+        self._times.append(now)
+        return min(self.delay_cap_s, self.delay_s * 2.0 ** (len(self._times) - 1))
 
 
 class SupervisorError(Exception):
@@ -109,6 +150,7 @@ class Supervisor:
         *,
         simulated: bool,
         port_file: str | None = None,
+        restarts: RestartPolicy | None = None,
     ) -> None:
         self.config = config
         self.workers = workers
@@ -123,6 +165,8 @@ class Supervisor:
         self._run_dir = ""
         self._stop = asyncio.Event()
         self._listeners: list[asyncio.Task[None]] = []
+        self._specs: list[WorkerSpec] = []
+        self.restarts = restarts or RestartPolicy(config.worker_restarts, config.worker_restart_window_s)
 
     def _command(self) -> list[str]:
         return [sys.executable, "-m", "rollout_grpc._entry", "serve", *self.serve_argv]
@@ -191,6 +235,7 @@ class Supervisor:
             )
             for i in range(self.workers)
         ]
+        self._specs = specs
         if len(specs[-1].sibling_socket(self.workers - 1)) > MAX_SOCKET_PATH:
             raise SupervisorError(f"the run directory {run_dir} is too long for unix sockets (set TMPDIR)")
         loop = asyncio.get_running_loop()
@@ -205,32 +250,112 @@ class Supervisor:
             await self._stop_workers()
             await self._close()
             raise
-        exits = {asyncio.ensure_future(w.process.wait()): w for w in self._workers}
         stopping = asyncio.ensure_future(stop.wait())
         checks = asyncio.ensure_future(self._check_listeners_forever())
         try:
-            done, _ = await asyncio.wait([stopping, *exits], return_when=asyncio.FIRST_COMPLETED)
+            code = await self._supervise(stopping)
         finally:
             checks.cancel()
-        code = 0
-        if stopping not in done:
-            for task in done:
-                worker = exits[task]
-                log.error(
-                    "worker_exited",
-                    worker=worker.index,
-                    pid=worker.process.pid,
-                    code=task.result(),
-                    action="stopping the other workers; the replica exits 1",
-                )
-            code = 1
-        else:
+        if code == 0:
             log.info("shutdown_requested", workers=self.workers)
         stopping.cancel()
         await self._stop_workers()
         await self._close()
         log.info("stopped", workers=self.workers)
         return code
+
+    async def _supervise(self, stopping: asyncio.Future[Any]) -> int:
+        """Until a stop is requested (0) or a dead worker cannot be replaced (1): replace every
+        worker that exits."""
+        while True:
+            exits: dict[asyncio.Future[Any], _Worker] = {
+                asyncio.ensure_future(w.process.wait()): w for w in self._workers
+            }
+            waits: list[asyncio.Future[Any]] = [stopping, *exits]
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in exits:
+                    task.cancel()
+            if stopping in done:
+                return 0
+            for task in done:
+                if not await self._replace(exits[task], stopping):
+                    return 0 if stopping.done() else 1
+
+    async def _replace(self, dead: _Worker, stopping: asyncio.Future[Any]) -> bool:
+        """Replace the dead worker (again, with back-off, if the replacement fails to start); False
+        when the restart cap is reached or a stop was requested meanwhile."""
+        code = dead.process.returncode
+        self._retire(dead)
+        while True:
+            delay = self.restarts.next_delay(time.monotonic())
+            if delay is None:
+                log.error(
+                    "worker_restart_limit",
+                    worker=dead.index,
+                    pid=dead.process.pid,
+                    code=code,
+                    restarts=self.restarts.max_restarts,
+                    window_s=self.restarts.window_s,
+                    action="a worker keeps dying: stopping the other workers; the replica exits 1",
+                )
+                return False
+            log.error(
+                "worker_exited",
+                worker=dead.index,
+                pid=dead.process.pid,
+                code=code,
+                action=f"replacing it in {delay:g} s; the other workers keep serving",
+            )
+            try:
+                await asyncio.wait_for(asyncio.shield(stopping), delay)
+                return False  # a stop was requested during the back-off
+            except TimeoutError:
+                pass
+            try:
+                worker = await self._respawn(dead.index, stopping)
+            except SupervisorError as exc:
+                log.error("worker_restart_failed", worker=dead.index, error=str(exc))
+                failed = self._workers[dead.index]
+                code = await failed.process.wait()
+                self._retire(failed)
+                continue
+            if worker is None:
+                return False
+            log.info(
+                "worker_restarted", worker=worker.index, pid=worker.process.pid, replaced_pid=dead.process.pid
+            )
+            self._write_port_file()
+            return True
+
+    def _retire(self, dead: _Worker) -> None:
+        """Forget a dead worker's state: its slots in the shared limit, its sockets, its link."""
+        given_back = reclaim_slots(self._run_dir, dead.index, self.workers)
+        if given_back:
+            log.warning("worker_slots_reclaimed", worker=dead.index, slots=given_back)
+        if dead.link is not None:
+            dead.link.close()
+        dead.channel.close()
+        spec = self._specs[dead.index]
+        for path in (spec.sibling_socket(dead.index), str(Path(self._run_dir) / f"wake-{dead.index}")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    async def _respawn(self, index: int, stopping: asyncio.Future[Any]) -> _Worker | None:
+        """A new worker in slot `index`, ready and linked; None when a stop came first."""
+        worker = await self._spawn(self._specs[index])
+        self._workers[index] = worker
+        ready: asyncio.Future[Any] = asyncio.ensure_future(self._await_ready(worker))
+        await asyncio.wait([ready, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            # The drain that follows stops this worker as any other not yet ready.
+            ready.cancel()
+            return None
+        ready.result()  # SupervisorError when it failed
+        worker.link = await handshake.DrainLink.open(worker.channel)
+        self._listeners.append(asyncio.ensure_future(self._listen(worker, worker.link)))
+        return worker
 
     async def _start(self, specs: list[WorkerSpec]) -> None:
         waits = [asyncio.ensure_future(self._await_ready(w)) for w in self._workers]
@@ -279,25 +404,31 @@ class Supervisor:
             # The replica's one limit, counted by the workers together (admission.py).
             in_flight_limit=cfg.in_flight_limit(),
         )
-        if self.port_file:
-            tmp = self.port_file + ".tmp"
-            Path(tmp).write_text(
-                json.dumps(
-                    {
-                        "grpc": self.port,
-                        "health": first.get("health_port"),
-                        "openai": first.get("openai_port"),
-                        "metrics": self.metrics_port,
-                        "engines": list(cfg.engines),
-                        "workers": self.workers,
-                        "worker_pids": pids,
-                        "supervisor_pid": os.getpid(),
-                        # The 0700 directory of the workers' sockets (reaching them needs the secret).
-                        "run_dir": self._run_dir,
-                    }
-                )
+        self._write_port_file()
+
+    def _write_port_file(self) -> None:
+        """`--port-file` (again after a worker was replaced: its pid, and worker 0's side ports)."""
+        if not self.port_file:
+            return
+        first = self._workers[0].ready
+        tmp = self.port_file + ".tmp"
+        Path(tmp).write_text(
+            json.dumps(
+                {
+                    "grpc": self.port,
+                    "health": first.get("health_port"),
+                    "openai": first.get("openai_port"),
+                    "metrics": self.metrics_port,
+                    "engines": list(self.config.engines),
+                    "workers": self.workers,
+                    "worker_pids": [w.process.pid for w in self._workers],
+                    "supervisor_pid": os.getpid(),
+                    # The 0700 directory of the workers' sockets (reaching them needs the secret).
+                    "run_dir": self._run_dir,
+                }
             )
-            os.replace(tmp, self.port_file)
+        )
+        os.replace(tmp, self.port_file)
 
     async def _check_listeners_forever(self) -> None:
         """Every LISTENER_CHECK_S: log and count listeners on the port that are not the workers'."""
