@@ -25,10 +25,10 @@ import grpc
 from google.protobuf import json_format, wrappers_pb2
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.argtypes import number
 from rollout_grpc.client.channel import check_target
 from rollout_grpc.client.credentials import ClientSecurity
+from rollout_grpc.client.stubs import sync_stub
 
 ENV_PREFIX = "ROLLOUT_GRPC_INFO_"
 
@@ -221,9 +221,9 @@ def fetch(
     security = security or ClientSecurity()
     metadata = security.metadata()
     with _channel(check_target(target), security) as channel:
-        info = pb_grpc.RolloutServiceStub(channel).GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout, metadata=metadata
-        )
+        # The client's stub, not the generated one: that passes `_registered_method`, which the
+        # oldest grpcio the client supports (1.62) refuses.
+        info = sync_stub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout, metadata=metadata)
         health = _health(channel, timeout)
     return info, health
 

@@ -495,7 +495,14 @@ FLAGS: Final[tuple[Flag, ...]] = (
     Flag("--control-burst", "control RPC burst per caller", "control_burst"),
     Flag("--port-file", "write {grpc, health, openai, metrics, engines} as JSON here once serving", type=str),
     Flag("--log-level", "debug adds one line per engine HTTP call", type=str, default="info"),
-    Flag("--log-format", "log line format", type=str, default="json", choices=("json", "console")),
+    Flag(
+        "--log-format",
+        "log line format: json (one JSON object a line), console (readable), auto (console when "
+        "standard error is a terminal, json otherwise)",
+        type=str,
+        default="auto",
+        choices=("auto", "json", "console"),
+    ),
 )
 
 #: The sections of `serve --help` (title, flags): 77 flags in one list were hard to read. Every flag
