@@ -5,7 +5,7 @@ later with a traceback, or runs and does nothing. A flag typed with `number(int,
 while the command line is read, with argparse's one line naming the flag and what it allows.
 
 `CommandParser` is argparse without prefix matching (`serve --engines URL` was read as
-`--engines-file URL`) and with errors as one line (argparse printed the whole usage first, 40 lines
+`--engines-file URL`) and with errors as one line (argparse printed the whole usage first, 70 lines
 for `serve`, above the line that says what is wrong).
 """
 
@@ -91,8 +91,8 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def unrecognized_message(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
-    """ "unrecognized arguments: ...", with the closest flag of `parser` when the first unknown flag
-    looks like a misspelt or shortened one (`--engines` for `--engine`, `--tim` for `--timeout`)."""
+    """The error for arguments no flag of `parser` took, with the closest flag when the first unknown
+    one looks misspelt or shortened (`--engines` for `--engine`, `--tim` for `--timeout`)."""
     message = f"unrecognized arguments: {' '.join(extras)}"
     flags = sorted(s for s in parser._option_string_actions if s.startswith("--"))
     unknown = next((e.split("=", 1)[0] for e in extras if e.startswith("--")), None)
