@@ -1,4 +1,8 @@
-"""The `rollout-grpc` console script: a one-line error, not a traceback, when the server cannot run here."""
+"""The `rollout-grpc` console script.
+
+It must start in the client-only install (`pip install rollout-grpc`, no `server` extra, Python
+3.10-3.13): `--help`, `--version` and `info` need only the client's dependencies; the server
+commands check the server environment first and say what to install (`rollout_grpc.cli`)."""
 
 from __future__ import annotations
 
@@ -7,12 +11,7 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Check the server environment, then run `rollout_grpc.cli`."""
-    try:
-        import rollout_grpc.server  # noqa: F401  (runs the environment check)
-    except RuntimeError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    """Run `rollout_grpc.cli`."""
     from rollout_grpc.cli import main as cli_main
 
     return cli_main(argv)

@@ -5,228 +5,85 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
-import os
-import signal
-import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-import structlog
-
-from rollout_grpc import __version__, logs, settings
+from rollout_grpc import __version__
 from rollout_grpc import info as info_command
-from rollout_grpc.argtypes import number
-from rollout_grpc.server.app import RolloutServer
-from rollout_grpc.server.exposure import ExposureRefused
-from rollout_grpc.server.ports import PortUnavailable
+from rollout_grpc.argtypes import CommandParser, number
 
-log = structlog.get_logger("rollout_grpc.cli")
+#: The commands that run server code (aiohttp, structlog, ...): the `server` extra on Python 3.11.
+#: The others (`--help`, `--version`, `info`) need only the client's dependencies, so that the
+#: client-only install (`pip install rollout-grpc`) can inspect a replica.
+SERVER_COMMANDS = ("serve", "sim", "demo")
 
+#: The address of a replica on this host started with `serve`'s default port (ServerConfig.port;
+#: tests/ops/test_cli.py checks that they agree, as this module may not import the server).
+LOCAL_TARGET = "127.0.0.1:50051"
 
-@contextlib.asynccontextmanager
-async def _engines(
-    args: argparse.Namespace, given: list[settings.EngineURL]
-) -> AsyncIterator[tuple[list[str], dict[str, str]]]:
-    """The engine URLs and the kinds of those that are not vLLM: the given ones, or (only with
-    --sim N) simulated vLLM engines in this process."""
-    urls = [engine.url for engine in given]
-    if args.engines_file and not urls:
-        # Never fall back to toy engines in a deployment whose engine list came out empty.
-        raise SystemExit(f"rollout-grpc: {args.engines_file} lists no engine URL")
-    if urls and args.sim:
-        raise SystemExit("rollout-grpc: give engines (--engine/--engines-file) or --sim N, not both")
-    if urls:
-        yield urls, settings.engine_kinds(given)
-        return
-    if not args.sim:
-        raise SystemExit(
-            "rollout-grpc serve: no engine given. Pass --engine URL (repeatable) or --engines-file FILE "
-            "(or ROLLOUT_GRPC_ENGINE / ROLLOUT_GRPC_ENGINES_FILE); --sim N runs N simulated engines "
-            "for demos and tests"
-        )
-    from rollout_grpc.sim import SimConfig, SimEngine
-
-    async with contextlib.AsyncExitStack() as stack:
-        sims = [
-            await stack.enter_async_context(
-                # Configured as the README says to start vLLM (processed logprobs).
-                SimEngine(
-                    SimConfig(
-                        token_delay_s=args.sim_token_delay_ms / 1000,
-                        seed=i,
-                        logprobs_mode="processed_logprobs",
-                    )
-                )
-            )
-            for i in range(args.sim)
-        ]
-        log.warning(
-            "simulated_engines",
-            engines=[s.url for s in sims],
-            note="SIMULATED ENGINES (--sim): toy tokens, not a model; never train on them",
-        )
-        yield [s.url for s in sims], {}
+_SERVE_DESCRIPTION = (
+    "Run one service replica. Every flag can also come from the environment (ROLLOUT_GRPC_<FLAG>) "
+    "or a TOML file (--config); precedence: flag > environment > config file > default."
+)
+_SIM_DESCRIPTION = "A simulated vLLM or SGLang engine (HTTP) for tests: toy tokens, real API."
+_DEMO_DESCRIPTION = (
+    "Start two simulated engines and a replica in this process, generate with over-sampling "
+    "(abort-all once half the samples are done), continue the aborted samples, print a table and "
+    "exit (0 when the trainer contract holds). What `make run` runs."
+)
 
 
-def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
-    """SIGHUP: re-read the engines file; new engines join, missing ones drain and leave, and the
-    admission limit follows. Without an engines file there is nothing to reload: log and serve on
-    (SIGHUP's default action would kill the replica and cut every stream without its sample)."""
-    if not args.engines_file:
-        log.info("sighup_engines_unchanged", reason="no --engines-file to reload")
-        return
-    try:
-        engines = settings.engine_list(args)
-    except settings.SettingsError as exc:
-        # An unreadable file or a bad line (named by its number): the replica serves on as it was.
-        log.error(
-            "engines_file_invalid", path=args.engines_file, error=str(exc), action="kept the current engines"
-        )
-        return
-    if not engines:
-        log.error("engines_file_empty", path=args.engines_file, action="kept the current engines")
-        return
-    server.reload_engines([engine.url for engine in engines], settings.engine_kinds(engines))
-
-
-def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
-    """SIGHUP: re-read the engines file (when given) and the tokens file."""
-    _reload_engines(server, args)
-    server.reload_credentials()
-
-
-async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> int:
-    async with _engines(args, given) as (engines, kinds):
-        try:
-            config = settings.server_config(args, engines, simulated=bool(args.sim), kinds=kinds)
-        except settings.SettingsError as exc:
-            raise SystemExit(f"rollout-grpc serve: {exc}") from None
-        try:
-            config.tls()  # TLS flags that do not go together
-            server = RolloutServer(config)  # an unusable tokens file
-        except ValueError as exc:
-            raise SystemExit(f"rollout-grpc serve: {exc}") from None
-        try:
-            await server.start()
-        except ExposureRefused as exc:  # refused before anything was opened or bound
-            raise SystemExit(f"rollout-grpc serve: {exc}") from None
-        except PortUnavailable as exc:
-            await server.stop()
-            raise SystemExit(f"rollout-grpc serve: {exc}") from None
-        if args.port_file:
-            tmp = args.port_file + ".tmp"
-            Path(tmp).write_text(
-                json.dumps(
-                    {
-                        "grpc": server.port,
-                        "health": server.health_port,
-                        "openai": server.openai_port,
-                        "metrics": server.metrics_port,
-                        "engines": engines,
-                    }
-                )
-            )
-            os.replace(tmp, args.port_file)
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: _on_sighup(server, args))
-        await stop.wait()
-        log.info("shutdown_requested")
-        await server.stop()
-    return 0
-
-
-def _worker_count(args: argparse.Namespace) -> int:
-    """`--workers`, or the cores this process may run on."""
-    from rollout_grpc.server.workers.supervisor import default_workers
-
-    if args.workers is None:
-        return default_workers()
-    return int(args.workers)  # at least 1 (settings.AT_LEAST_ONE)
-
-
-async def _supervise(
-    args: argparse.Namespace, given: list[settings.EngineURL], argv: list[str], workers: int
-) -> int:
-    """`serve --workers N` (N > 1): this process supervises N workers on one port (docs/workers.md)."""
-    from rollout_grpc.server.workers.supervisor import Supervisor, SupervisorError
-
-    async with _engines(args, given) as (engines, kinds):
-        try:
-            config = settings.server_config(args, engines, simulated=bool(args.sim), kinds=kinds)
-        except settings.SettingsError as exc:
-            raise SystemExit(f"rollout-grpc serve: {exc}") from None
-        supervisor = Supervisor(config, workers, argv, simulated=bool(args.sim), port_file=args.port_file)
-        try:
-            return await supervisor.run()
-        except SupervisorError as exc:
-            raise SystemExit(f"rollout-grpc serve: {exc}") from None
-
-
-async def _serve_worker(args: argparse.Namespace, channel: socket.socket) -> int:
-    """One worker of a `serve --workers N` supervisor (workers/worker.py)."""
-    from rollout_grpc.server.workers import handshake
-    from rollout_grpc.server.workers.worker import WorkerServer, serve_worker, worker_config
-
-    spec = handshake.read_spec(channel)
-    structlog.contextvars.bind_contextvars(worker=spec.index)
-    try:
-        config = settings.server_config(args, spec.engines, simulated=spec.simulated, kinds=spec.engine_kinds)
-        server = WorkerServer(worker_config(config, spec), spec)
-    except (settings.SettingsError, ValueError) as exc:
-        channel.sendall(handshake.encode({"error": str(exc)}))
-        return 1
-    return await serve_worker(server, channel, lambda: _on_sighup(server, args))
-
-
-def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+def build_parser(*, server: bool = True) -> tuple[CommandParser, CommandParser]:
     """The whole command tree and its `serve` parser (which `settings.parse_serve_args` layers
     environment and config file values into). `sim` carries the simulator's own flags so that
     `rollout-grpc sim --help` and the help test see them, although `main` hands `sim` argv to the
-    simulator's parser directly."""
-    from rollout_grpc.sim.__main__ import build_parser as sim_parser
+    simulator's parser directly.
 
-    parser = argparse.ArgumentParser(prog="rollout-grpc", description=__doc__)
+    `server=False` builds the tree without the flags of `serve` and `sim`, which are defined by
+    server modules: what `--help`, `--version` and `info` need, with the client's dependencies."""
+    parser = CommandParser(prog="rollout-grpc", description=__doc__)
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Not `required=True`: argparse would then report a missing command before an unknown flag
+    # (`rollout-grpc --vers`: "the following arguments are required: command"); `main` checks it.
+    sub = parser.add_subparsers(dest="command", metavar="{serve,sim,info,demo}")
     serve = sub.add_parser(
         "serve",
         help="run one service replica",
-        description="Run one service replica. Every flag can also come from the environment "
-        f"({settings.ENV_PREFIX}<FLAG>) or a TOML file (--config); precedence: flag > environment "
-        "> config file > default.",
+        # argparse's generated usage lists all 77 flags (70 lines above the first section).
+        usage="%(prog)s (--engine URL ... | --engines-file FILE | --sim N) [options]",
+        description=_SERVE_DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    settings.add_serve_arguments(serve)
-    simulator = sim_parser("rollout-grpc sim")
-    sub.add_parser(
-        "sim",
-        help="run one simulated engine, vLLM or (--kind sglang) SGLang (see `rollout-grpc sim --help`)",
-        description=simulator.description,
-        parents=[simulator],
-        add_help=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    sim_help = "run one simulated engine, vLLM or (--kind sglang) SGLang (see `rollout-grpc sim --help`)"
+    if server:
+        from rollout_grpc import settings
+        from rollout_grpc.sim.__main__ import build_parser as sim_parser
+
+        settings.add_serve_arguments(serve)
+        simulator = sim_parser("rollout-grpc sim")
+        sub.add_parser(
+            "sim",
+            help=sim_help,
+            description=simulator.description,
+            parents=[simulator],
+            add_help=False,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    else:
+        sub.add_parser("sim", help=sim_help, description=_SIM_DESCRIPTION)
     info = sub.add_parser(
         "info",
         help="show a replica and its engines (GetServerInfo) as a table",
         description=info_command.DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    info_command.add_arguments(info, default_target=settings.local_target())
+    info_command.add_arguments(info, default_target=LOCAL_TARGET)
     demo = sub.add_parser(
         "demo",
         help="start a replica on simulated engines and run a demo rollout",
-        description="Start two simulated engines and a replica in this process, generate with "
-        "over-sampling (abort-all once half the samples are done), continue the aborted samples, "
-        "print a table and exit (0 when the trainer contract holds). What `make run` runs.",
+        description=_DEMO_DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     at_least_one = number(int, low=1)
@@ -245,44 +102,43 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return parser, serve
 
 
+def _server_problem(command: str) -> str | None:
+    """Why `command` cannot run in this interpreter (no `server` extra, another Python), or None.
+
+    Importing `rollout_grpc.server` runs its environment check (server/environment.py), which
+    names every missing dependency and the install command."""
+    try:
+        import rollout_grpc.server  # noqa: F401
+    except RuntimeError as exc:
+        return f"rollout-grpc {command}: {exc}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `rollout-grpc` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sim"]:
+    command = argv[0] if argv else ""
+    if command in SERVER_COMMANDS:
+        problem = _server_problem(command)
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            return 2
+    if command == "sim":
         from rollout_grpc.sim.__main__ import main as sim_main
 
         sim_main(argv[1:], prog="rollout-grpc sim")
         return 0
-    parser, serve = build_parser()
-    if argv[:1] == ["serve"]:
+    if command == "serve":
+        from rollout_grpc import serve_command, settings
+
+        _, serve = build_parser()
         args = settings.parse_serve_args(serve, argv[1:])
         args.command = "serve"
-    else:
-        args = parser.parse_args(argv)
-    if args.command == "serve":
-        try:
-            given = settings.engine_list(args)
-        except settings.SettingsError as exc:
-            print(f"rollout-grpc serve: error: {exc}", file=sys.stderr)
-            return 2
-        logs.configure(args.log_level, args.log_format)
-        from rollout_grpc.server.workers.handshake import worker_socket
-
-        channel = worker_socket()
-        if channel is not None:  # started by a `serve --workers N` supervisor
-            return asyncio.run(_serve_worker(args, channel))
-        for unknown in settings.unknown_variables(os.environ):
-            log.warning(
-                "environment_variable_ignored",
-                variable=unknown.name,
-                did_you_mean=unknown.meant,
-                flag=unknown.flag,
-                message=str(unknown),
-            )
-        workers = _worker_count(args)
-        if workers > 1:
-            return asyncio.run(_supervise(args, given, argv[1:], workers))
-        return asyncio.run(_serve(args, given))
+        return serve_command.run(args, argv[1:])
+    parser, _ = build_parser(server=False)  # serve and sim were handed over above
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error("no command given: serve, sim, info or demo")
     if args.command == "info":
         try:
             security = info_command.security_from_args(args)
@@ -290,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"rollout-grpc info: {exc}", file=sys.stderr)
             return 2
         return info_command.run_info(args.target, as_json=args.json, timeout=args.timeout, security=security)
+    from rollout_grpc import logs
     from rollout_grpc.demo import run_demo
 
     logs.configure("warning", "console")

@@ -90,6 +90,22 @@ def phases(
     ]
 
 
+def abort_summary(replica_aborted: int, round1: list[pb.Sample]) -> str:
+    """The footer's line about the abort, counted from the samples as the table is.
+
+    The replica's count (`AbortResponse.aborted`) includes generations whose engine finished them
+    at the moment of the abort: they come back COMPLETED or TRUNCATED, not ABORTED
+    (proto/rollout.proto).
+    The footer printed that count, so it could say 14 where the table said 13."""
+    ended = sum(1 for s in round1 if s.status == pb.SAMPLE_STATUS_ABORTED)
+    line = f"abort-all ended {ended} in-flight generations as ABORTED"
+    if replica_aborted != ended:
+        late = replica_aborted - ended
+        line += f" (the replica was ending {replica_aborted}; {late} finished at that moment"
+        line += " with their own status)"
+    return f"{line}; {ended} continued with their remaining budget."
+
+
 async def run_demo(
     prompts: int, samples_per_prompt: int, max_new_tokens: int, progress: bool = False, sim_sglang: int = 0
 ) -> int:
@@ -166,10 +182,7 @@ async def run_demo(
     exact = all(
         s.response_length == max_new_tokens for s in final.values() if s.status == pb.SAMPLE_STATUS_TRUNCATED
     )
-    print(
-        f"\nabort-all ended {aborted.aborted} in-flight generations; "
-        f"{len(pending)} continued with their remaining budget."
-    )
+    print(f"\n{abort_summary(aborted.aborted, round1)}")
     print(
         f"trainer contract (len(loss_mask) == response_length == len(logprobs)): {'ok' if ok else 'BROKEN'}"
     )

@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
-from google.protobuf import json_format
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from google.protobuf import json_format, wrappers_pb2
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.argtypes import number
 from rollout_grpc.client.channel import check_target
 from rollout_grpc.client.credentials import ClientSecurity
+from rollout_grpc.client.stubs import sync_stub
 
 ENV_PREFIX = "ROLLOUT_GRPC_INFO_"
 
@@ -41,6 +40,30 @@ DESCRIPTION = (
 )
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+
+#: The standard health service's Check method (grpc/health/v1/health.proto).
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+#: HealthCheckResponse.ServingStatus by number.
+SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def _health(channel: grpc.Channel, timeout: float) -> str:
+    """The ServingStatus name of the rollout service from the standard health service.
+
+    Without grpcio-health-checking's classes: that package is a server dependency, and `info` runs
+    in the client-only install (tests/client/test_cli.py). The two health messages have the wire
+    format of protobuf's own wrappers: HealthCheckRequest is `string service = 1` (StringValue),
+    HealthCheckResponse is `ServingStatus status = 1`, an enum, encoded as an int32 (Int32Value)."""
+    check = channel.unary_unary(
+        HEALTH_CHECK,
+        request_serializer=wrappers_pb2.StringValue.SerializeToString,
+        response_deserializer=wrappers_pb2.Int32Value.FromString,
+    )
+    try:
+        reply = check(wrappers_pb2.StringValue(value=SERVICE_NAME), timeout=timeout)
+    except grpc.RpcError as exc:
+        return f"unknown ({exc.code().name})"
+    return SERVING_STATUS.get(reply.value, f"status {reply.value}")
 
 
 def _yes(flag: bool) -> str:
@@ -198,17 +221,21 @@ def fetch(
     security = security or ClientSecurity()
     metadata = security.metadata()
     with _channel(check_target(target), security) as channel:
-        info = pb_grpc.RolloutServiceStub(channel).GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout, metadata=metadata
-        )
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
-            )
-            health = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        except grpc.RpcError as exc:
-            health = f"unknown ({exc.code().name})"
+        # The client's stub, not the generated one: that passes `_registered_method`, which the
+        # oldest grpcio the client supports (1.62) refuses.
+        info = sync_stub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout, metadata=metadata)
+        health = _health(channel, timeout)
     return info, health
+
+
+def _as_dict(info: pb.GetServerInfoResponse) -> dict[str, Any]:
+    """GetServerInfo as JSON, fields at their defaults included. protobuf renamed the option in 26.0
+    (5.26 in Python), and the client supports protobuf 4.21 and later (pyproject.toml)."""
+    try:
+        return json_format.MessageToDict(info, always_print_fields_with_no_presence=True)
+    except TypeError:  # protobuf before 5.26
+        old: dict[str, Any] = json_format.MessageToDict(info, including_default_value_fields=True)  # type: ignore[call-arg]
+        return old
 
 
 def _hint(exc: grpc.RpcError) -> str:
@@ -245,7 +272,7 @@ def run_info(
         return 2
     code = 0 if health == "SERVING" else 1
     if as_json:
-        body: dict[str, Any] = json_format.MessageToDict(info, always_print_fields_with_no_presence=True)
+        body = _as_dict(info)
         text = json.dumps(body | {"health": health}, indent=2)
     else:
         text = render(info, health, target)

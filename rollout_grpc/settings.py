@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Final, NoReturn
 from urllib.parse import urlsplit
 
-from rollout_grpc.argtypes import MAX_PORT
+from rollout_grpc.argtypes import MAX_PORT, unrecognized_message
 from rollout_grpc.argtypes import number as ranged_number
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.domain.model import GenerateOptions
@@ -538,8 +538,120 @@ FLAGS: Final[tuple[Flag, ...]] = (
     Flag("--control-burst", "control RPC burst per caller", "control_burst"),
     Flag("--port-file", "write {grpc, health, openai, metrics, engines} as JSON here once serving", type=str),
     Flag("--log-level", "debug adds one line per engine HTTP call", type=str, default="info"),
-    Flag("--log-format", "log line format", type=str, default="json", choices=("json", "console")),
+    Flag(
+        "--log-format",
+        "log line format: json (one JSON object a line), console (readable), auto (console when "
+        "standard error is a terminal, json otherwise)",
+        type=str,
+        default="auto",
+        choices=("auto", "json", "console"),
+    ),
 )
+
+#: The sections of `serve --help` (title, flags): 77 flags in one list were hard to read. Every flag
+#: of FLAGS and `--config` sit in exactly one (tests/ops/test_cli.py); a flag missing here is listed
+#: under `UNGROUPED`, which that test refuses. The order within a section is that of FLAGS.
+FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
+    ("configuration", ("--config", "--port-file")),
+    (
+        "engines",
+        (
+            "--engine",
+            "--engines-file",
+            "--sim",
+            "--sim-token-delay-ms",
+            "--raw-logprobs",
+            "--sglang-experts-topk",
+            "--health-interval",
+            "--breaker-cooldown",
+            "--engine-connect-timeout",
+            "--engine-read-timeout",
+            "--engine-idle-timeout",
+            "--max-engine-attempts",
+            "--no-engine-stream-interval",
+        ),
+    ),
+    (
+        "network",
+        (
+            "--host",
+            "--port",
+            "--health-port",
+            "--peer",
+            "--max-receive-message-mb",
+            "--max-send-message-mb",
+            "--max-connection-age",
+            "--max-connection-age-grace",
+            "--keepalive-time",
+            "--max-unrequested-time",
+            "--max-pending-calls",
+        ),
+    ),
+    (
+        "TLS and authentication (docs/security.md)",
+        (
+            "--tls-cert",
+            "--tls-key",
+            "--tls-client-ca",
+            "--health-plaintext",
+            "--auth-tokens-file",
+            "--mtls-role",
+            "--insecure-trusted-network",
+            "--peer-token-file",
+            "--peer-ca",
+            "--peer-tls-name",
+            "--no-reflection",
+            "--reflection-open",
+            "--auth-failure-rate",
+            "--auth-failure-burst",
+            "--refusal-audit-rate",
+            "--refusal-audit-burst",
+        ),
+    ),
+    (
+        "admission and control",
+        (
+            "--server-concurrency",
+            "--rollout-num-gpus",
+            "--rollout-num-gpus-per-engine",
+            "--max-queue",
+            "--retry-after",
+            "--max-in-flight-per-caller",
+            "--control-rate",
+            "--control-burst",
+            "--control-deadline",
+        ),
+    ),
+    (
+        "request bounds",
+        (
+            "--max-images",
+            "--max-image-pixels",
+            "--max-image-bytes",
+            "--max-abort-ids",
+            "--max-metadata-bytes",
+            "--max-stop-strings",
+            "--max-stop-string-chars",
+            "--max-chat-template-kwargs-bytes",
+            "--max-prompt-chars",
+            "--max-control-request-bytes",
+        ),
+    ),
+    ("streaming and deadlines", ("--deadline-margin", "--stream-batch-tokens", "--stream-batch-interval-ms")),
+    ("RolloutStep and rewards (docs/rollout-step.md)", ("--reward-url",)),
+    (
+        "OpenAI front door (docs/agentic.md)",
+        ("--openai-port", "--openai-tool-parser", "--openai-body-timeout", "--openai-drift-policy"),
+    ),
+    ("workers and shutdown (docs/workers.md)", ("--workers", "--grace", "--abort-grace")),
+    (
+        "observability (docs/operations.md)",
+        ("--metrics-port", "--metrics-engine-urls", "--otlp-endpoint", "--log-level", "--log-format"),
+    ),
+)
+#: The `serve --help` section of a flag missing from FLAG_GROUPS (listed, never hidden).
+UNGROUPED: Final = "other (not in settings.FLAG_GROUPS)"
+
 
 _TYPES: Final[dict[str, Callable[[str], Any]]] = {
     "int": int,
@@ -651,20 +763,31 @@ class _ListAction(argparse.Action):
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every flag of FLAGS (and --config) to `parser`, defaults shown in --help."""
-    parser.add_argument(
+    """Add every flag of FLAGS (and --config) to `parser` in the sections of FLAG_GROUPS, defaults
+    shown in --help."""
+    sections = {title: parser.add_argument_group(title) for title, _ in FLAG_GROUPS}
+    section_of = {name: sections[title] for title, names in FLAG_GROUPS for name in names}
+
+    def section(name: str) -> argparse._ArgumentGroup:
+        if name not in section_of:
+            section_of[name] = sections.get(UNGROUPED) or parser.add_argument_group(UNGROUPED)
+            sections[UNGROUPED] = section_of[name]
+        return section_of[name]
+
+    section("--config").add_argument(
         "--config",
         help=f"TOML file of flag values (keys are flag names); env {ENV_PREFIX}CONFIG",
         default=None,
     )
     for flag in FLAGS:
+        group = section(flag.name)
         names = (flag.name, *flag.aliases)
         text = f"{flag.help} [env {flag.env}]"
         default = flag_default(flag)
         if flag.kind in ("switch", "off-switch"):
-            parser.add_argument(*names, dest=flag.dest, action="store_true", default=default, help=text)
+            group.add_argument(*names, dest=flag.dest, action="store_true", default=default, help=text)
         elif flag.kind == "list":
-            parser.add_argument(
+            group.add_argument(
                 *names,
                 dest=flag.dest,
                 action=_ListAction,
@@ -674,7 +797,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                 help=text,
             )
         else:
-            parser.add_argument(
+            group.add_argument(
                 *names,
                 dest=flag.dest,
                 type=_flag_type(flag),
@@ -794,7 +917,8 @@ def parse_serve_args(
 ) -> argparse.Namespace:
     """Parse `serve` arguments with precedence flag > environment > config file > default."""
     env = os.environ if environ is None else environ
-    pre = argparse.ArgumentParser(add_help=False)
+    # No prefix matching here either: `--conf x` must not be read as `--config x`.
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     config_path = known.config or env.get(ENV_PREFIX + "CONFIG")
@@ -814,7 +938,7 @@ def parse_serve_args(
     except argparse.ArgumentError as exc:
         _fail(parser, str(exc))
     if extra:
-        _fail(parser, f"unrecognized arguments: {' '.join(extra)}")
+        _fail(parser, unrecognized_message(parser, extra))
     return args
 
 
@@ -854,11 +978,6 @@ def engine_list(args: argparse.Namespace) -> list[EngineURL]:
 def engine_kinds(engines: list[EngineURL]) -> dict[str, str]:
     """URL -> kind of the engines that are not vLLM (`ServerConfig.engine_kinds`)."""
     return {e.url: e.kind.value for e in engines if e.kind is not EngineKind.VLLM}
-
-
-def local_target() -> str:
-    """The address of a replica on this host started with the default `--port`."""
-    return f"127.0.0.1:{_field_default('port')}"
 
 
 def server_config(

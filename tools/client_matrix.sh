@@ -72,7 +72,8 @@ print(f"python {sys.version.split()[0]} protobuf {p.__version__} grpcio {grpc.__
   if "$venv/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("aiohttp") is None)'; then
     echo "FAIL: the client install holds aiohttp (a server dependency)"; return 1
   fi
-  # The console script exists in a client-only install; `serve` must say what to install.
+  # The console script exists in a client-only install; `serve` must say what to install (and
+  # tests/client/test_cli.py checks that --help, --version and info work there).
   if serve_out=$("$venv/bin/rollout-grpc" serve 2>&1) || [[ "$serve_out" != *"rollout-grpc[server]"* ]]; then
     echo "FAIL: rollout-grpc serve without the server extra did not explain itself: $serve_out"; return 1
   fi

@@ -289,13 +289,17 @@ class RolloutClient:
             response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Resume", response, raise_on_engine_errors)
 
-    def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
-        """The replica's view of its engines."""
+    def get_server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
+        """GetServerInfo: the replica's view of its engines. Named after the RPC as every other
+        method is (`get_trajectory` calls GetTrajectory); `server_info` is the same method."""
         with raising_rollout_errors():
             response: pb.GetServerInfoResponse = self._stub.GetServerInfo(
                 pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
             )
         return response
+
+    #: The same method as `get_server_info` (its earlier name; kept, not deprecated).
+    server_info = get_server_info
 
     def render(
         self,

@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from rollout_grpc.argtypes import number, port
+from rollout_grpc.argtypes import CommandParser, number, port
 
 from .app import AppExtension
 from .config import SGLangOptions, SimConfig
@@ -25,8 +25,8 @@ POSITIVE_INT = number(int, low=1)
 NON_NEGATIVE = number(float)
 
 
-def build_parser(prog: str = "python -m rollout_grpc.sim") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser(prog: str = "python -m rollout_grpc.sim") -> CommandParser:
+    p = CommandParser(
         prog=prog,
         description="A simulated vLLM 0.32 or SGLang engine (HTTP) for tests: toy tokens, real API.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

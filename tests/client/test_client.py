@@ -129,6 +129,20 @@ def test_sync_client_batches_and_default_deadline(target: str) -> None:
         _ended_by_the_deadline(late)
 
 
+async def test_get_server_info_is_named_after_its_rpc_and_server_info_is_the_same_method(target: str) -> None:
+    """Every method is named after its RPC (`get_trajectory`: GetTrajectory) but GetServerInfo's was
+    `server_info`; `get_server_info` is the name now, `server_info` stays as the same method."""
+    assert RolloutClient.server_info is RolloutClient.get_server_info
+    assert AsyncRolloutClient.server_info is AsyncRolloutClient.get_server_info
+    with RolloutClient(target, timeout=30) as blocking:
+        assert blocking.get_server_info().engines
+        version = blocking.get_server_info().version
+        assert blocking.server_info().version == version == rollout_grpc.__version__
+    async with AsyncRolloutClient(target, timeout=30) as client:
+        info = await client.get_server_info(timeout=10)
+        assert info.engines and info.version == rollout_grpc.__version__
+
+
 async def test_unspecified_status_means_pending(target: str) -> None:
     """What every other language sends for a new sample (proto3's zero) generates."""
     async with AsyncRolloutClient(target) as client:

@@ -43,7 +43,8 @@ def blocking(client: RolloutClient, ids: list[int], grid: np.ndarray) -> None:
     assert_type(client.abort(all=True), pb.AbortResponse)
     assert_type(client.pause("abort"), pb.PauseResponse)
     assert_type(client.resume("v2"), pb.ResumeResponse)
-    assert_type(client.server_info(), pb.GetServerInfoResponse)
+    assert_type(client.get_server_info(), pb.GetServerInfoResponse)
+    assert_type(client.server_info(), pb.GetServerInfoResponse)  # the alias
     assert_type(client.render(text="hi"), pb.RenderResponse)
     assert_type(client.get_trajectory("s"), pb.GetTrajectoryResponse)
 
@@ -55,7 +56,8 @@ async def asynchronous(client: AsyncRolloutClient, ids: list[int]) -> None:
     assert_type(await client.abort(all=True), pb.AbortResponse)
     assert_type(await client.pause("abort"), pb.PauseResponse)
     assert_type(await client.resume("v2"), pb.ResumeResponse)
-    assert_type(await client.server_info(), pb.GetServerInfoResponse)
+    assert_type(await client.get_server_info(), pb.GetServerInfoResponse)
+    assert_type(await client.server_info(), pb.GetServerInfoResponse)  # the alias
     assert_type(await client.render(text="hi"), pb.RenderResponse)
     assert_type(await client.get_trajectory("s"), pb.GetTrajectoryResponse)
 

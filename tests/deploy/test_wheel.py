@@ -6,8 +6,10 @@ their stubs, `py.typed`). Then a fresh virtualenv with only that wheel (no `[ser
 test runner runs tests/client the way tools/client_matrix.sh does: the replica comes from
 tests/client/conftest.py (tools/serve_sim.sh on the dev virtualenv's interpreter), and
 `ROLLOUT_CLIENT_SITE` makes that conftest fail the session unless `rollout_grpc` was imported from
-the new virtualenv's site-packages rather than from the checkout. pip's cache is reused, so the
-only network use is the package index's metadata (and files the cache does not have yet).
+the new virtualenv's site-packages rather than from the checkout. tests/client/test_cli.py runs the
+installed console script there: `--help`, `--version` and `info` on the client's dependencies
+alone. pip's cache is reused, so the only network use is the package index's metadata (and files
+the cache does not have yet).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc import __version__
 from rollout_grpc.client import RolloutClient, make_sample, pb
+from tests.support.processes import REPO
 
 pytestmark = pytest.mark.image
 
@@ -170,6 +172,37 @@ def running(tmp_path: Path) -> Iterator[Running]:
         if proc is not None:
             stop(proc, server)
         subprocess.run([tool, "rm", name], capture_output=True, timeout=120, check=False)
+
+
+def image_megabytes(reference: str) -> float:
+    """The image's size as `buildah images` reports it ("353 MB")."""
+    proc = subprocess.run(
+        [buildah(), "images", "--format", "{{.Size}}", reference],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    number, unit = proc.stdout.split()
+    return float(number) * {"kB": 1e-3, "MB": 1.0, "GB": 1e3}[unit]
+
+
+def test_the_build_leaves_no_unnamed_image_and_the_size_is_the_documented_one() -> None:
+    """Before, each build left its build stage as an unnamed 471 MB image (`--layers`), a rebuild
+    left the image it replaced, and the image was 427 MB where deploy/README.md said about 340."""
+    image_config()  # skips without the image
+    dangling = subprocess.run(
+        [buildah(), "images", "--filter", "dangling=true", "--format", "{{.ID}} {{.Size}}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split("\n")
+    assert not [line for line in dangling if line.strip()], f"unnamed images left by the build: {dangling}"
+    documented = re.search(r"The image is (\d+) MB", (REPO / "deploy" / "README.md").read_text())
+    assert documented, "deploy/README.md states no measured image size"
+    # The same dependency versions give the same size; a few MB of slack for a patch release.
+    assert image_megabytes(IMAGE) <= int(documented.group(1)) * 1.03
 
 
 def test_the_image_is_configured_for_the_deployment() -> None:

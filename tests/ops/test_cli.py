@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_grpc import __version__, cli
+from rollout_grpc import __version__, cli, settings
 from rollout_grpc.info import run_info
 from rollout_grpc.server.app import ServerConfig
 from tests.harness import harness
@@ -172,6 +172,69 @@ def test_numbers_out_of_range_are_one_line_naming_the_flag(
     assert message in capsys.readouterr().err
 
 
+def test_no_command_takes_a_shortened_flag() -> None:
+    """argparse's prefix matching read `serve --engines URL` as `--engines-file URL`; subparsers do
+    not inherit `allow_abbrev=False` from their parent, so each parser of the tree is checked."""
+    parser, _ = cli.build_parser()
+    abbreviating = [path for path, node in _parsers(parser, "rollout-grpc") if node.allow_abbrev]
+    assert not abbreviating, f"parsers that match flag prefixes: {abbreviating}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Before: read as --engines-file, then "engines file http://x:1: No such file or directory".
+        (
+            ["serve", "--engines", "http://x:1"],
+            "unrecognized arguments: --engines http://x:1; did you mean --engine?",
+        ),
+        # Before: "ambiguous option: --max could match ..." under 70 lines of usage.
+        (["serve", "--max", "3"], "unrecognized arguments: --max 3"),
+        # Before: taken as --config by the pre-parser that finds the config file.
+        (
+            ["serve", "--conf", "x.toml", "--sim", "1"],
+            "unrecognized arguments: --conf x.toml; did you mean --config?",
+        ),
+        # Before: taken as --timeout.
+        (["info", "--tim", "3"], "unrecognized arguments: --tim 3; did you mean --timeout?"),
+        (["demo", "--prompt", "3"], "unrecognized arguments: --prompt 3; did you mean --prompts?"),
+        (["sim", "--por", "3"], "unrecognized arguments: --por 3; did you mean --port?"),
+        # Before: "the following arguments are required: command", not naming the flag.
+        (["--vers"], "unrecognized arguments: --vers; did you mean --version?"),
+        ([], "no command given: serve, sim, info or demo"),
+    ],
+)
+def test_an_unknown_or_shortened_flag_is_one_line_naming_it(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.splitlines()) == 1, err  # no usage block above it
+
+
+def test_every_serve_flag_sits_in_a_named_section_of_its_help() -> None:
+    """`serve --help` listed 77 flags in one section; each now sits in one of settings.FLAG_GROUPS."""
+    _, serve = cli.build_parser()
+    titles = [title for title, _ in settings.FLAG_GROUPS]
+    section_of = {
+        option: group.title
+        for group in serve._action_groups
+        for action in group._group_actions
+        for option in action.option_strings
+    }
+    flags = ["--config", *(flag.name for flag in settings.FLAGS)]
+    outside = [flag for flag in flags if section_of[flag] not in titles]
+    assert not outside, f"serve flags outside the named sections: {outside}"
+    listed = [name for _, names in settings.FLAG_GROUPS for name in names]
+    assert sorted(listed) == sorted(flags), "FLAG_GROUPS must name every serve flag exactly once"
+    help_text = serve.format_help()
+    assert all(f"\n{title}:\n" in help_text for title in titles)
+    assert len(help_text.split("\n\n")[0].splitlines()) == 1  # the usage line, not 70 lines of flags
+
+
 def test_version_flag_prints_the_package_version() -> None:
     result = subprocess.run(
         [*replica_command(), "--version"], capture_output=True, text=True, timeout=60, check=True
@@ -182,7 +245,8 @@ def test_version_flag_prints_the_package_version() -> None:
 def test_info_targets_the_local_replica_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ROLLOUT_GRPC_INFO_TARGET", raising=False)
     parser, _ = cli.build_parser()
-    assert parser.parse_args(["info"]).target == f"127.0.0.1:{ServerConfig(engines=[]).port}"
+    assert f"127.0.0.1:{ServerConfig(engines=[]).port}" == cli.LOCAL_TARGET
+    assert parser.parse_args(["info"]).target == cli.LOCAL_TARGET
     monkeypatch.setenv("ROLLOUT_GRPC_INFO_TARGET", "10.0.0.7:6000")
     parser, _ = cli.build_parser()
     assert parser.parse_args(["info"]).target == "10.0.0.7:6000"

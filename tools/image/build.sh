@@ -9,8 +9,8 @@
 #    has it (`buildah rmi localhost/rollout-grpc-base:bookworm-py3.11` to rebuild it).
 # 2. A wheelhouse: the wheel of dist/ and its [server] dependencies at the versions of the dev
 #    virtualenv (binary wheels, from pip's cache when it has them) in .cache/image/context/dist.
-# 3. buildah build (chroot isolation, layer cache) with pip offline (--no-index) into IMAGE
-#    (default localhost/rollout-grpc:VERSION).
+# 3. buildah build (chroot isolation, no layer cache: no build-stage image is left behind) with pip
+#    offline (--no-index) into IMAGE (default localhost/rollout-grpc:VERSION); prints its size.
 # Needs buildah, and mmdebstrap for the local base (Debian: apt-get install buildah mmdebstrap);
 # runs as root (buildah's storage in /var/lib/containers). Prints how long each step took.
 set -euo pipefail
@@ -86,7 +86,18 @@ cp "$WHEEL" "$CONTEXT/dist/"
 echo "image: wheelhouse ($(find "$CONTEXT/dist" -name '*.whl' | wc -l) wheels) in $(seconds_since "$start") s"
 
 start=$(date +%s)
-buildah build --quiet --isolation chroot --layers \
+# The image IMAGE names now: the rebuild takes its name, and it would be left behind unnamed.
+previous="$(buildah images --quiet --no-trunc "$IMAGE" 2>/dev/null || true)"
+# Without --layers: a layer cache would keep the build stage as an image of its own (471 MB: the
+# base, the wheelhouse and the venv) after every build, and the install step reruns whenever the
+# wheel changes anyway. The base image above is the part worth keeping.
+buildah build --quiet --isolation chroot \
   --build-arg "BASE=$BASE" --build-arg PIP_INSTALL_OPTS=--no-index \
   -f Containerfile -t "$IMAGE" "$CONTEXT" >/dev/null
 echo "image: $IMAGE built in $(seconds_since "$start") s (total $(seconds_since "$total") s)"
+current="$(buildah images --quiet --no-trunc "$IMAGE")"
+if [[ -n "$previous" && "$previous" != "$current" ]]; then
+  # Kept only while a container still uses it (`buildah rmi` refuses then).
+  buildah rmi "$previous" >/dev/null 2>&1 || echo "image: the previous $IMAGE ($previous) is still in use; kept"
+fi
+echo "image: $IMAGE is $(buildah images --format '{{.Size}}' "$IMAGE")"
