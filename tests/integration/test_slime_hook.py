@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from PIL import Image
 
+from rollout_grpc.client import UnavailableError
 from rollout_grpc.integrations import slime
 from tests.client.slime_scenarios import SCENARIOS, SLIME_PARAMS, slime_args
 from tests.client.slime_types import Sample
@@ -53,7 +54,13 @@ async def test_image_sample_generates_aborts_and_continues(
             await asyncio.sleep(0.005)
         # Abort(all) pauses the engines in abort mode, which clears vLLM's multimodal cache: the
         # continuation must still generate (the service resends the image's tensors).
-        await slime.abort_all(args)
+        try:
+            await slime.abort_all(args)
+        except UnavailableError as exc:
+            # The contract when an engine's pause does not confirm in time (vLLM pauses between
+            # engine steps; docs/engines.md): an answer before the caller's deadline naming the
+            # engine, never DEADLINE_EXCEEDED; the stream still ends ABORTED with its tokens.
+            assert h.server.config.engines[0] in str(exc) and "/pause?mode=abort" in str(exc), str(exc)
         first = await asyncio.wait_for(task, 30)
         assert first.status is Sample.Status.ABORTED and first.tokens
         before = list(first.tokens)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -134,10 +135,33 @@ class VllmServer:
         self._write_pidfile()
         try:
             self._wait_healthy(begin + timeout_s)
+            self._warm_up_logprobs(begin + timeout_s)
         except BaseException:
             self.stop()
             raise
         self.started_s = time.monotonic() - begin
+
+    def _warm_up_logprobs(self, deadline: float) -> None:
+        """Generate two tokens with logprobs once, before any test runs.
+
+        vLLM's sampler computes token ranks with a `torch.compile`d function
+        (`vllm/v1/sample/ops/logprobs.py: batched_count_greater_than`, inductor on CPU, even with
+        `--enforce-eager`), compiled in the first engine step that returns logprobs: a C++ build on
+        a loaded machine takes seconds to tens of seconds. A `/pause` is an engine-core utility
+        call run between steps, so an Abort(all) sent during that first step waited for the
+        compile (py-spy: EngineCore in `EngineCore.step -> sample_tokens`, the worker in
+        `Sampler.gather_logprobs -> torch._inductor ... VecISA._probe_load`); the tier's image
+        test then missed its deadline. The warm-up pays the compile at start, outside any test.
+        """
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=30) as response:
+            model = json.loads(response.read())["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": "warm up", "max_tokens": 2, "logprobs": 1}).encode()
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=max(1.0, deadline - time.monotonic())) as response:
+            if response.status != 200:
+                raise VllmStartError(f"vLLM {self.kind} warm-up answered {response.status}")
 
     def _wait_healthy(self, deadline: float) -> None:
         assert self.process is not None

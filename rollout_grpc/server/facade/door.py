@@ -135,8 +135,9 @@ class RolloutFacade:
 
     # ----------------------------------------------------------------------------- control
 
-    async def abort_all(self, record: CallRecord) -> AbortResult:
-        result = await self._control.abort_all()
+    async def abort_all(self, record: CallRecord, caller_deadline: float | None = None) -> AbortResult:
+        """Abort(all) (`Control.abort_all`), answered before `caller_deadline` (`time.monotonic()`)."""
+        result = await self._control.abort_all(caller_deadline=caller_deadline)
         record.result = result
         return result
 

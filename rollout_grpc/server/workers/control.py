@@ -58,7 +58,7 @@ class WorkerControl(Control):
             return ForwardedAbort()
         return await self.siblings.abort(scope)
 
-    async def abort_all(self) -> AbortResult:
+    async def abort_all(self, *, caller_deadline: float | None = None) -> AbortResult:
         if not current_caller().is_admin:
             return await super().abort_all()  # refused there, before anything happens
         siblings = asyncio.ensure_future(self._siblings_abort(AbortScope(owner=None, everything=True)))
@@ -68,7 +68,7 @@ class WorkerControl(Control):
         # that a stuck sibling cannot hold the engines' pause back.
         await asyncio.wait({siblings}, timeout=SIBLING_MARK_WAIT_S)
         try:
-            result = await super().abort_all()
+            result = await super().abort_all(caller_deadline=caller_deadline)
         finally:
             outcome = await siblings
         result.aborted += outcome.aborted

@@ -48,6 +48,12 @@ def check_request_id(request_id: str, field: str) -> None:
         raise InvalidArgument(field, f"{REQUEST_ID_RULE}; got {request_id[:64]!r}")
 
 
+def _caller_deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
+    """When the caller stops waiting, on the `time.monotonic()` clock (None: no deadline)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
 _PAUSE_MODES = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
 
 
@@ -114,7 +120,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         record.abort_target = target or "none"
         if target is None:
             raise InvalidArgument("target", "set one of all, mine, request_ids, session_id, group_index")
-        result = await self._abort_target(request, record, target)
+        result = await self._abort_target(request, record, target, _caller_deadline(context))
         response = pb.AbortResponse(
             aborted=result.aborted,
             unknown_request_ids=result.unknown_request_ids,
@@ -124,8 +130,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             redaction.redact_engine_errors(list(response.engine_errors))
         return response
 
-    async def _abort_target(self, request: pb.AbortRequest, record: CallRecord, target: str) -> AbortResult:
-        """Run the abort the request's target names."""
+    async def _abort_target(
+        self, request: pb.AbortRequest, record: CallRecord, target: str, caller_deadline: float | None
+    ) -> AbortResult:
+        """Run the abort the request's target names (Abort(all) answers before `caller_deadline`)."""
         if target == "mine":
             if not request.mine:
                 raise InvalidArgument("mine", "must be true when it is the target")
@@ -133,7 +141,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         elif target == "all":
             if not request.all:
                 raise InvalidArgument("all", "must be true when it is the target")
-            result = await self._facade.abort_all(record)
+            result = await self._facade.abort_all(record, caller_deadline)
         elif target == "request_ids":
             for i, rid in enumerate(request.request_ids.ids):
                 if rid:  # empty ids are refused as a whole by Control.abort_ids
