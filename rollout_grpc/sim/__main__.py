@@ -122,6 +122,16 @@ def build_parser(prog: str = "python -m rollout_grpc.sim") -> CommandParser:
         default=1,
         help="SGLang's --stream-interval: tokens between stream chunks unless the request sets one",
     )
+    sg.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="SGLang's flag: sampling_seed is used (without it SGLang ignores the seed)",
+    )
+    sg.add_argument(
+        "--processor-keeps-input-ids",
+        action="store_true",
+        help="model a multimodal processor that keeps input_ids (default: decoded and tokenized again)",
+    )
     return p
 
 
@@ -154,6 +164,8 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         incremental_streaming_output=a.incremental_streaming_output,
         weight_version=a.weight_version,
         stream_interval=a.stream_interval,
+        enable_deterministic_inference=a.enable_deterministic_inference,
+        processor_keeps_input_ids=a.processor_keeps_input_ids,
     )
     return cfg
 

@@ -130,6 +130,12 @@ class SGLangOptions:
     * ``stream_interval`` (``--stream-interval``): tokens between stream chunks when the request does
       not set ``sampling_params.stream_interval``.
     * ``version``: what ``/get_server_info`` reports as the SGLang version.
+    * ``enable_deterministic_inference`` (``--enable-deterministic-inference``): ``sampling_seed`` is
+      used (42 when a request sets none); off (SGLang's default) it is ignored and sampling is
+      random (``sampling/sampling_batch_info.py`` 157-172 of SGLang 0.5.23).
+    * ``processor_keeps_input_ids``: the multimodal processor keeps ``input_ids`` as sent (SGLang's
+      ``prefer_tokenized_input`` processors); off, ids sent with images are decoded to text and
+      tokenized again, as most of SGLang 0.5.23's processors do.
 
     ``SimConfig.return_routed_experts`` is ``--enable-return-routed-experts``,
     ``SimConfig.tokens_only`` is ``--skip-tokenizer-init`` and ``SimConfig.max_model_len`` the
@@ -140,6 +146,8 @@ class SGLangOptions:
     weight_version: str = "default"
     stream_interval: int = 1
     version: str = "0.0.0-sim"
+    enable_deterministic_inference: bool = False
+    processor_keeps_input_ids: bool = False
 
 
 @dataclass

@@ -94,6 +94,9 @@ class EngineRequest:
         self.created = time.time()
         self.admitted = False
         self.aborted = False
+        #: SGLang's ``req.to_finish``: aborted after its next forward pass (which still appends a
+        #: token), not at once; a request frozen by a pause never takes that pass.
+        self.to_finish = False
         self.forward_passes = 0
         self.wake = asyncio.Event()
         self.done = asyncio.Event()
@@ -113,6 +116,15 @@ class EngineRequest:
         s = self._sleeper
         if s is not None and not s.done():
             s.set_result(None)
+
+    def finish_after_next_pass(self) -> None:
+        """Abort at the end of the next forward pass (SGLang's scheduler-side abort)."""
+        if self.done.is_set() or self.aborted:
+            return
+        self.to_finish = True
+        s = self._sleeper
+        if s is not None and not s.done():
+            s.set_result(None)  # the next pass comes now, not after the token delay
 
     def wait_tokens(self, k: int) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -327,6 +339,10 @@ class EngineCore:
                         produced += 1
                 req.forward_passes += 1
                 self.stats.generation_tokens_total += produced
+                if req.to_finish:
+                    req.aborted = True
+                    for s in seqs:
+                        s.abort(force=True)  # the abort wins over a stop met in the same pass
                 if req._token_waiters:
                     req._notify_tokens()
                 if all(s.finish_reason is not None for s in seqs):

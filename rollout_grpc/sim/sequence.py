@@ -276,8 +276,9 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def abort(self) -> None:
-        if self.finish_reason is None:
+    def abort(self, *, force: bool = False) -> None:
+        """End as aborted; ``force`` also overrides a finish met in the same step."""
+        if self.finish_reason is None or force:
             self.finish_reason, self.stop_reason = "abort", None
 
     # ------------------------------------------------------------------ text

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from rollout_grpc.client import image_part, make_sample, pb
+from rollout_grpc.sim.config import SGLangOptions
 from tests.harness import Harness, harness
 from tests.support.multimodal import chat, png, sample_from, vl
 from tests.support.service import PROMPT, assert_lossless, field_violation, start_stream, started
@@ -203,10 +204,7 @@ async def test_media_go_by_hash_once_sent_and_are_resent_after_eviction() -> Non
         assert "render" in str(info.value.details())
 
 
-async def test_an_image_sample_generates_and_continues_on_sglang() -> None:
-    """SGLang takes images, not rendered tensors: a sample whose media item carries its image as a
-    `data:` URI generates through the replica (the engine expands the placeholder itself, to the
-    sample's own run) and an aborted one continues to exactly its budget with the same image."""
+def _sglang_image_sample() -> tuple[pb.Sample, list[int], bytes]:
     image = b"data:image/png;base64," + base64.b64encode(png())
     tokens = [*PROMPT[:2], 6, 6, 6, 6, *PROMPT[2:]]  # one 56x56 image: 4 placeholder tokens (id 6)
     sample = make_sample(tokens)
@@ -217,8 +215,19 @@ async def test_an_image_sample_generates_and_continues_on_sglang() -> None:
         placeholder_token_id=6,
     )
     sample.multimodal_features.modalities.add(modality="image", items=[item])
+    return sample, tokens, image
+
+
+async def test_an_image_sample_generates_and_continues_on_sglang() -> None:
+    """SGLang takes images, not rendered tensors: a sample whose media item carries its image as a
+    `data:` URI generates through the replica (the engine expands the placeholder itself, to the
+    sample's own run) and an aborted one continues to exactly its budget with the same image —
+    on an SGLang whose processor keeps the ids it is sent (kimi, deepseek, Qwen-VL's fast path)."""
+    sample, tokens, image = _sglang_image_sample()
     params: dict[str, object] = {"temperature": 0.0, "max_new_tokens": 300, "ignore_eos": True}
-    async with harness("sim-sglang", sim_config={"multimodal": True, "token_delay_s": 0.002}) as h:
+    keeps_ids = SGLangOptions(processor_keeps_input_ids=True)
+    sim_config = {"multimodal": True, "token_delay_s": 0.002, "sglang": keeps_ids}
+    async with harness("sim-sglang", sim_config=sim_config) as h:
         stream = start_stream(h.client, "image", params, sample=sample)
         await started(stream)
         await h.client.abort(request_ids=["image"])
@@ -231,3 +240,16 @@ async def test_an_image_sample_generates_and_continues_on_sglang() -> None:
     assert list(done.tokens[: len(aborted.tokens)]) == list(aborted.tokens)
     assert len(bodies) == 2 and all(b["image_data"] == [image.decode()] for b in bodies)
     assert [b["input_ids"].count(6) for b in bodies] == [1, 1]  # one placeholder per image
+
+
+async def test_an_image_sample_re_tokenized_by_sglang_fails_loudly_naming_the_prompt() -> None:
+    """SGLang 0.5.23's default multimodal processors decode input_ids to text and tokenize again
+    (base_processor.py 1293-1309): the engine would run other ids than the sample's with no
+    error. The adapter compares the engine's `prompt_token_ids` and refuses the sample."""
+    sample, _, _ = _sglang_image_sample()
+    params: dict[str, object] = {"temperature": 0.0, "max_new_tokens": 8}
+    async with harness("sim-sglang", sim_config={"multimodal": True}) as h:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.client.generate(sample, params)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "another prompt than the sample's" in str(err.value.details())

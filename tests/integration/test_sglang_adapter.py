@@ -53,10 +53,14 @@ def call(rid: str = "r", attempt: int = 0, max_tokens: int | None = 8, **kw: Any
 
 @contextlib.asynccontextmanager
 async def sglang(
-    incremental: bool = False, topk: int | None = None, **config: Any
+    incremental: bool = False,
+    topk: int | None = None,
+    sglang_options: SGLangOptions | None = None,
+    **config: Any,
 ) -> AsyncIterator[tuple[SimEngine, SglangEngine]]:
     config.setdefault("eos_probability", 0.0)
-    cfg = SimConfig(kind="sglang", sglang=SGLangOptions(incremental_streaming_output=incremental), **config)
+    options = sglang_options or SGLangOptions(incremental_streaming_output=incremental)
+    cfg = SimConfig(kind="sglang", sglang=options, **config)
     async with SimEngine(cfg) as sim, aiohttp.ClientSession() as http:
         yield sim, SglangEngine(sim.url, http, experts_topk=topk)
 

@@ -99,7 +99,7 @@ async def continue_generation(request: web.Request) -> web.StreamResponse:
         _field(body, "torch_empty_cache", bool, True)
     except (SGLangError, SGLangValidationError) as e:
         return _error_response(e)
-    _state(request).resume()
+    await _state(request).resume()
     return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 

@@ -54,6 +54,7 @@ def server_args(core: EngineCore) -> dict[str, Any]:
         "enable_return_routed_experts": routed,
         "incremental_streaming_output": cfg.sglang.incremental_streaming_output,
         "stream_interval": cfg.sglang.stream_interval,
+        "enable_deterministic_inference": cfg.sglang.enable_deterministic_inference,
         "allow_auto_truncate": False,
         "weight_version": core.version,
         "tp_size": 1,

@@ -8,7 +8,11 @@
   through SGLang's handler into the flat OpenAI-style ``ErrorResponse``
   ``{"object":"error","message":…,"type":"Bad Request","param":null,"code":400}``.
 
-Adapters must accept both, so the simulator produces both and never the vLLM envelope.
+* The JSON contract gate of SGLang 0.5.23 (``entrypoints/http_server.py`` 937-939) refuses a body
+  the schema rejects (an unknown ``sampling_params`` key, a wrong type) with status 400 and a
+  **bare string**: ``{"error": "unknown field `k`, expected one of …"}``, streaming or not.
+
+Adapters must accept all three, so the simulator produces both and never the vLLM envelope.
 """
 
 from __future__ import annotations
@@ -56,3 +60,14 @@ class SGLangValidationError(Exception):
             {"object": "error", "message": self.message, "type": "Bad Request", "param": None, "code": 400},
             status=400,
         )
+
+
+class SGLangContractError(Exception):
+    """The contract gate's refusal: 400 ``{"error": "<text>"}``, before any stream opens."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def response(self) -> web.Response:
+        return json_response({"error": self.message}, status=400)

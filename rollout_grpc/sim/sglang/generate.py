@@ -21,11 +21,12 @@ from ..core import CORE_KEY, EngineCore, EngineRequest
 from ..errors import ApiError
 from ..generate import SSE_CT, _Dropped, _FaultPlan, _StreamFault, run_to_end
 from ..moe import routed_experts
+from ..params import ToySampling
 from ..request import parse_json_bytes
 from ..responses import DONE
 from ..sequence import Sequence
-from .errors import SGLangError, SGLangValidationError
-from .output import OutputSpec, encode_int32_b64, meta_info, output_object
+from .errors import SGLangContractError, SGLangError, SGLangValidationError
+from .output import OutputSpec, encode_int32_b64, meta_info, output_object, queued_abort_meta
 from .prepare import Prompt, input_logprobs, prepare_prompt
 from .request import SGLangRequest, parse_generate
 from .state import SGLANG_KEY, SGLangState
@@ -72,6 +73,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             stats.hung += 1
             core.notify()
             await asyncio.Event().wait()  # until the client leaves or the engine stops
+        _seed(core, p)
         spec = _spec(core, state, g, prompt)
         if g.return_logprob:
             p.logprobs = g.top_logprobs_num + 1 if g.top_logprobs_num > 0 else 0
@@ -89,7 +91,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         if g.stream:
             return await _stream(request, core, state, g, spec, ereq, plan)
         return await _nonstream(request, core, state, spec, ereq, plan)
-    except SGLangValidationError as e:
+    except (SGLangValidationError, SGLangContractError) as e:
         stats.generate_rejected += 1
         return e.response()
     except SGLangError as e:
@@ -100,6 +102,20 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     finally:
         core.load -= 1
         core.notify()
+
+
+#: The seed SGLang's deterministic mode uses when a request sets none
+#: (``sampling/sampling_batch_info.py`` 157-172).
+DETERMINISTIC_DEFAULT_SEED = 42
+
+
+def _seed(core: EngineCore, p: ToySampling) -> None:
+    """``sampling_seed`` is read only with ``--enable-deterministic-inference`` (then a request
+    without one samples with 42); otherwise it is ignored and sampling is random."""
+    if core.config.sglang.enable_deterministic_inference:
+        p.seed = DETERMINISTIC_DEFAULT_SEED if p.seed is None else p.seed
+    else:
+        p.seed = None
 
 
 def _spec(core: EngineCore, state: SGLangState, g: SGLangRequest, prompt: Prompt) -> OutputSpec:
@@ -123,6 +139,7 @@ def _spec(core: EngineCore, state: SGLangState, g: SGLangRequest, prompt: Prompt
         prompt_token_ids=g.return_prompt_token_ids,
         want_text=not core.config.tokens_only,
         routed_start=g.routed_experts_start_len if g.return_routed_experts else None,
+        stream=g.stream,
     )
 
 
@@ -167,6 +184,8 @@ def _object(
     started: float,
 ) -> bytes:
     fin = seq.finish_reason is not None
+    if fin and spec.rid in state.queued_aborts:
+        return orjson.dumps(_queued_abort(core, spec, seq, start=start, started=started))
     meta = meta_info(
         spec,
         seq,
@@ -177,6 +196,27 @@ def _object(
         e2e_latency=time.monotonic() - started if fin else None,
     )
     return orjson.dumps(output_object(spec, text, seq.token_ids[start:], meta))
+
+
+def _queued_abort(
+    core: EngineCore, spec: OutputSpec, seq: Sequence, *, start: int, started: float
+) -> dict[str, object]:
+    """The tokenizer's own output for a request popped from the waiting queue
+    (``_handle_abort_req``, TM:3577-3640): the full text, the reduced ``meta_info`` with every
+    logprob since the start, and in incremental streaming (``start > 0`` or the option) only the
+    **last** token id while ``completion_tokens`` counts all of them."""
+    incremental = core.config.sglang.incremental_streaming_output and spec.stream
+    ids = seq.token_ids
+    out_ids = ids[-1:] if incremental else list(ids)
+    meta = queued_abort_meta(spec, seq, version=core.version, e2e_latency=time.monotonic() - started)
+    out: dict[str, object] = {}
+    if spec.want_text:
+        out["text"] = seq.text
+    out["output_ids"] = out_ids
+    out["meta_info"] = meta
+    if spec.prompt_token_ids:
+        out["prompt_token_ids"] = spec.prompt_ids
+    return out
 
 
 def _error_frame(
@@ -199,7 +239,7 @@ def _error_frame(
 
 
 def _finish(state: SGLangState, spec: OutputSpec, ereq: EngineRequest) -> None:
-    state.retractions.pop(spec.rid, None)
+    state.forget(spec.rid)
     state.remember(spec.prompt_ids + ereq.seqs[0].token_ids)
 
 
@@ -214,6 +254,8 @@ async def _nonstream(
     started = time.monotonic()
     try:
         await run_to_end(request, core, ereq, plan)
+        seq = ereq.seqs[0]
+        body = _object(core, state, spec, seq, text=seq.text, start=0, started=started)
     except _Dropped:
         return web.Response(status=200)
     except _StreamFault:
@@ -223,8 +265,6 @@ async def _nonstream(
         raise
     finally:
         _finish(state, spec, ereq)
-    seq = ereq.seqs[0]
-    body = _object(core, state, spec, seq, text=seq.text, start=0, started=started)
     return web.Response(body=body, content_type="application/json")
 
 

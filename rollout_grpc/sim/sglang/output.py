@@ -18,6 +18,8 @@ import numpy as np
 from ..sequence import Sequence, TokenLogprob
 from ..vocab import EOS_ID, Vocab
 
+#: ``_handle_abort_req``'s message for a request popped from the waiting queue (TM:3595).
+QUEUED_ABORT_MESSAGE = "Abort in waiting queue"
 ABORT_FINISH = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
@@ -79,6 +81,8 @@ class OutputSpec:
     want_text: bool
     #: ``routed_experts_start_len`` when the request asked for routed experts, else ``None``.
     routed_start: int | None
+    #: The request streams (incremental streaming only changes streamed outputs).
+    stream: bool = False
 
 
 def meta_info(
@@ -121,6 +125,31 @@ def meta_info(
         m["routed_experts"] = routed_experts
     if e2e_latency is not None:
         m["e2e_latency"] = e2e_latency
+    return m
+
+
+def queued_abort_meta(spec: OutputSpec, seq: Sequence, *, version: str, e2e_latency: float) -> dict[str, Any]:
+    """``meta_info`` of a request aborted in the waiting queue, built by the tokenizer itself
+    (``_handle_abort_req``, TM:3596-3631): no ``prompt_tokens``, ``cached_tokens`` or
+    ``routed_experts``; the logprob lists whole (not sliced, even when streaming incrementally)."""
+    m: dict[str, Any] = {
+        "id": spec.rid,
+        "finish_reason": {"type": "abort", "message": QUEUED_ABORT_MESSAGE},
+        "weight_version": version,
+        "e2e_latency": e2e_latency,
+    }
+    spans = weight_version_spans(seq, version)
+    m["weight_versions"] = spans
+    m["weight_version"] = spans[-1]["version"]
+    if spec.return_logprob:
+        entries = seq.logprobs or []
+        m["input_token_logprobs"] = spec.input_logprobs
+        m["output_token_logprobs"] = logprob_triples(entries, spec.logprob_vocab)
+        m["output_token_logprobs_length"] = len(entries)
+        if spec.top_logprobs_num > 0:
+            m["input_top_logprobs"] = spec.input_top_logprobs
+            m["output_top_logprobs"] = top_triples(entries, spec.top_logprobs_num, spec.logprob_vocab)
+    m["completion_tokens"] = len(seq.token_ids)
     return m
 
 

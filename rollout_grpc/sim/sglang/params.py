@@ -5,7 +5,10 @@ simulator's shared ``ToySampling``, with SGLang's defaults and ``verify`` messag
 The differences from vLLM that a client trips over are kept: ``max_new_tokens`` defaults to 128
 (explicit ``null`` = up to the context), ``top_k`` ``-1`` disables and ``0`` is an error, a
 temperature below 1e-6 means greedy, ``skip_special_tokens`` defaults to true, ``no_stop_trim``
-keeps the stop text, and **an unknown key is an error** (``SamplingParams(**kwargs)`` raises).
+keeps the stop text, and **an unknown key is an error**: SGLang 0.5.23's JSON contract gate
+(``entrypoints/http_server.py`` 937-939, ``api/v1/api_types.py`` 97-108 and 1256-1320) answers 400
+with the bare-string envelope ``{"error": "unknown field `k`, expected one of …"}``, before any
+stream opens.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..params import ToySampling
-from .errors import SGLangError
+from .errors import SGLangContractError, SGLangError
 
 DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_BELOW = 1e-6
@@ -35,7 +38,49 @@ _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", 
 _OTHER = ("stop", "stop_token_ids", "logit_bias")
 #: Keys SGLang accepts that constrain decoding in ways a toy model cannot honour; the simulator
 #: rejects them rather than silently ignoring them.
-UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "custom_params", "beam_width")
+UNSUPPORTED = (
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "stop_regex",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
+)
+#: The contract's ``SamplingParams`` fields, in its order (``api/v1/api_types.py`` 1256): what
+#: the unknown-field message lists.
+CONTRACT_FIELDS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
+)
 KNOWN = frozenset((*_FLOATS, *_INTS, *_OPT_INTS, *_BOOLS, *_OTHER, *UNSUPPORTED))
 
 
@@ -66,7 +111,8 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SGLangSampling:
         raise SGLangError(f"sampling_params must be an object, got {raw!r}.")
     unknown = [k for k in raw if k not in KNOWN]
     if unknown:
-        raise SGLangError(f"SamplingParams.__init__() got an unexpected keyword argument '{unknown[0]}'")
+        listed = ", ".join(f"`{f}`" for f in CONTRACT_FIELDS)
+        raise SGLangContractError(f"unknown field `{unknown[0]}`, expected one of {listed}")
     for name in UNSUPPORTED:
         if raw.get(name) is not None:
             raise SGLangError(f"sampling_params.{name} is not supported by the simulated engine.")

@@ -2,7 +2,10 @@
 ``TokenizerManager`` checks (vocabulary, context length, routed-experts start) and the prompt
 logprobs asked for with ``logprob_start_len`` (``docs/sglang-http-api.md`` §2, §9).
 
-Images take the toy path of the vLLM personality's ``content_parts``: each image replaces the
+With images, the ids are decoded and tokenized again first (``retokenize``), unless the server
+models a processor that keeps them (``SGLangOptions.processor_keeps_input_ids``: kimi_k25,
+kimi_k3, deepseek_v41, or Qwen-VL's cached fast path). Images then take the toy path of the vLLM
+personality's ``content_parts``: each image replaces the
 next single ``<|image_pad|>`` of the prompt with its placeholder run, so the output depends on the
 image; SGLang's processor does the same expansion on the chat-templated text slime sends.
 """
@@ -23,6 +26,15 @@ from ..logprobs import prompt_rows
 from ..vocab import IMAGE_PAD_ID, Vocab
 from .errors import SGLangError
 from .request import SGLangRequest
+
+
+def retokenize(vocab: Vocab, ids: list[int]) -> list[int]:
+    """What SGLang's multimodal processors do with ``input_ids`` unless they set
+    ``prefer_tokenized_input``: the ids are the processor's "text", which
+    ``BaseMultimodalProcessor.load_mm_data`` decodes to a string and tokenizes again
+    (``managers/tokenizer_manager.py`` 1177-1182, ``multimodal/processors/base_processor.py``
+    1293-1309). A non-canonical split of the same text comes back canonical: other ids."""
+    return vocab.encode(vocab.decode(ids))
 
 
 @dataclass(slots=True)
@@ -64,6 +76,8 @@ async def prepare_prompt(core: EngineCore, g: SGLangRequest) -> Prompt:
             raise SGLangError(
                 f"Image count {len(g.image_data)} exceeds limit {cfg.limit_images} per request."
             )
+        if g.input_ids is not None and not cfg.sglang.processor_keeps_input_ids:
+            ids = retokenize(core.vocab, ids)
         try:
             media = [await _image_bytes(i) for i in g.image_data]
             pads = ids.count(IMAGE_PAD_ID)

@@ -1,23 +1,38 @@
 """The SGLang engine adapter: `/generate` (SSE), abort, pause/continue, weight versions, health, info.
 
 The only server module (with its siblings `wire`, `stream`, `experts`, `info`) that knows SGLang's
-HTTP surface, as read from SGLang's source at the commits of docs/sglang-http-api.md — verified
-against that reading and the simulator (`rollout_grpc/sim/sglang/`), not against a running SGLang.
+HTTP surface, as read from SGLang 0.5.23's released source (docs/sglang-http-api.md gives file and
+line) — verified against that reading and the simulator (`rollout_grpc/sim/sglang/`); the device
+check (`tools/sglang/device_check.sh`) runs it against a real SGLang where a GPU is present.
 The transport (one shared session, SSE splitting, the idle probe) is `engines/http.HttpEngine`.
 
 How the domain's operations map (docs/engines.md has the side-by-side table):
 
 * abort by id: `POST /abort_request {"rid"}` per engine rid (rids are prefix-free, `wire`);
-  abort-all is the domain's pause(abort) + resume: `/pause_generation {"mode": "abort"}` then
-  `/continue_generation`. Aborted calls end normally with every token (`finish_reason.type` abort).
+  abort-all is the domain's pause(abort) + resume. Aborted calls end normally with every token
+  (`finish_reason.type` abort), including SGLang's waiting-queue abort echo (`stream`).
 * pause modes: `abort` -> `abort`, `keep` -> `in_place` (KV kept, resumes exactly). `wait` has no
-  SGLang mode (each of SGLang's freezes or aborts running requests), so it is emulated: this
-  adapter holds its new calls, polls `/v1/loads` until nothing runs or waits, then pauses
-  `in_place` (which holds everyone's new calls until continue). Other clients' calls that arrive
-  during the drain are not held by that emulation.
+  SGLang mode (each of SGLang's freezes or aborts running requests), so it is emulated: poll
+  `/v1/loads` until nothing runs or waits, then pause `in_place`.
+* **An abort pause never follows an `in_place` pause directly.** SGLang's abort pause waits, under
+  the lock `/continue_generation` also takes, until no request is in flight; a request frozen
+  `in_place` never takes the forward pass that would end it, so the engine would be wedged until
+  restarted (0.5.23 TM:2267-2286, SCH:2034, SB:2011). Over an `in_place` pause this adapter sends
+  `/abort_request {"abort_all": true}` (the frozen requests are marked), `/continue_generation`
+  (they take that pass and end ABORTED with their tokens), then `/pause_generation {"mode":
+  "abort"}` (anything that started meanwhile), as `_abort_over_in_place` says.
+* **This adapter holds its own new calls while it has the engine paused** (any mode), instead of
+  letting SGLang hold them: SGLang registers a held call's rid before its pause gate, so an
+  abort by rid of it is lost and marks the rid so every later abort of it is ignored (TM:926,
+  938, 2241-2253). A held call aborted here (by rid, or by pause(abort)) ends at once, ABORTED
+  with no tokens, without ever reaching the engine. Calls of other clients are still held by
+  SGLang, and a call already on the wire when the pause lands can still be held there.
 * `is_paused`: SGLang has no route that reports a pause, so this is what this adapter last did.
 * `/update_weight_version` aborts every request in flight unless told not to: it is always sent
   with `abort_all_requests: false` (the domain relabels, it never aborts by relabelling).
+* Each call is checked against `/server_info` (`info.ServerFacts`, read by `capabilities`): a
+  seeded call on an engine without `--enable-deterministic-inference` is refused (SGLang would
+  ignore the seed), and under `--raw-logprobs refuse` so is a truncating one (`info`).
 * render: SGLang has no render route (the doc lists none): FAILED_PRECONDITION, saying so.
 """
 
@@ -43,8 +58,11 @@ from rollout_grpc.server.engines.api import (
     EngineFinal,
     EngineHealth,
     EngineMalformed,
+    EngineRejected,
     EngineTimeouts,
     EngineUnavailable,
+    EngineUsage,
+    FinishKind,
     Rendered,
     ServedModel,
 )
@@ -89,9 +107,15 @@ class SglangEngine(HttpEngine):
         #: The model's `num_experts_per_tok`, which shapes SGLang's raw routing bytes (R3).
         self.experts_topk = experts_topk
         self._paused = False
-        #: Cleared while a `wait` pause drains the engine: this adapter's new calls wait on it.
+        #: SGLang's pause mode this adapter last set (`in_place`, `abort`), None when running.
+        self._engine_mode: str | None = None
+        #: Cleared while this adapter pauses the engine: its new calls wait on it (held here).
         self._open = asyncio.Event()
         self._open.set()
+        #: Engine rid -> set when the held call is aborted (it then ends without being sent).
+        self._held: dict[str, asyncio.Event] = {}
+        #: What `/server_info` said, for the per-call checks (None until `capabilities` ran).
+        self._facts: info.ServerFacts | None = None
 
     def control_route(self, action: ControlAction) -> str:
         return CONTROL_ROUTES[action]
@@ -112,7 +136,11 @@ class SglangEngine(HttpEngine):
         later, `create_abort_task`), and the rid of a failover call differs, so nothing collides.
         """
         body = wire.generate_body(self.url, call)
-        await self._open.wait()
+        self._check_call(call)
+        if not self._open.is_set() and await self._held_then_aborted(wire.engine_request_id(call.call_id)):
+            yield EngineUsage(len(call.prompt_token_ids), 0)
+            yield EngineFinal(FinishKind.ABORT)
+            return
         reader = ChunkReader(self.url, call, self.experts_topk)
         finished = False
         try:
@@ -134,6 +162,31 @@ class SglangEngine(HttpEngine):
             if finished:  # the final output arrived; only [DONE] was lost
                 return
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
+
+    def _check_call(self, call: EngineCall) -> None:
+        """Refuse what this engine would silently change (`info.ServerFacts`)."""
+        facts = self._facts
+        if facts is None:
+            return
+        if call.sampling.seed is not None and facts.deterministic is False:
+            raise EngineRejected(self.url, info.seed_refusal(self.url), "seed")
+        knob = wire.truncating_knob(call)
+        if knob is not None and facts.raw_logprobs == "refuse":
+            raise EngineRejected(self.url, info.truncation_refusal(self.url, knob), knob)
+
+    async def _held_then_aborted(self, rid: str) -> bool:
+        """Hold a new call while this adapter has the engine paused; True when it was aborted
+        meanwhile (it must then end without reaching the engine)."""
+        aborted = self._held.setdefault(rid, asyncio.Event())
+        opened = asyncio.ensure_future(self._open.wait())
+        stopped = asyncio.ensure_future(aborted.wait())
+        try:
+            await asyncio.wait((opened, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            opened.cancel()
+            stopped.cancel()
+            self._held.pop(rid, None)
+        return aborted.is_set()
 
     def _parse(self, reader: ChunkReader, data: bytes) -> list[EngineEvent]:
         """One SSE payload, taken whole or not at all."""
@@ -159,26 +212,50 @@ class SglangEngine(HttpEngine):
         return await self._probe_health("/health", "an SGLang server", timeout)
 
     async def abort_requests(self, engine_request_ids: list[str]) -> None:
-        """POST /abort_request {"rid"} for each engine rid (SGLang takes one rid per call)."""
-        await asyncio.gather(
-            *(self._json("POST", "/abort_request", json_body={"rid": rid}) for rid in engine_request_ids)
-        )
+        """POST /abort_request {"rid"} for each engine rid (SGLang takes one rid per call); a call
+        this adapter holds is ended here instead (an abort sent for it would be lost)."""
+        sent = []
+        for rid in engine_request_ids:
+            held = self._held.get(rid)
+            if held is not None:
+                held.set()
+            else:
+                sent.append(rid)
+        await asyncio.gather(*(self._json("POST", "/abort_request", json_body={"rid": rid}) for rid in sent))
 
     async def pause(self, mode: str, timeout: float | EllipsisType | None = ...) -> None:
-        """POST /pause_generation in SGLang's mode for `mode` (`wait` drains first, emulated)."""
+        """POST /pause_generation in SGLang's mode for `mode` (`wait` drains first, emulated);
+        an abort pause over this adapter's `in_place` pause is `_abort_over_in_place`."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"unknown pause mode {mode!r}")
+        self._open.clear()
         try:
             if mode == "wait":
-                self._open.clear()
                 await self._drain(None if timeout is ... else timeout)
+            if mode == "abort" and self._engine_mode == "in_place":
+                await self._abort_over_in_place(timeout)
             await self._json(
                 "POST", "/pause_generation", json_body={"mode": PAUSE_MODES[mode]}, timeout=timeout
             )
         except BaseException:
-            self._open.set()
+            if not self._paused:
+                self._open.set()
             raise
         self._paused = True
+        self._engine_mode = PAUSE_MODES[mode]
+        if mode == "abort":
+            for held in self._held.values():
+                held.set()
+
+    async def _abort_over_in_place(self, timeout: float | EllipsisType | None) -> None:
+        """Make an abort pause safe on an engine frozen `in_place`: mark every request aborted
+        (`abort_all`, which also pops the waiting queue), then continue, so the frozen requests
+        take the one forward pass that ends them, ABORTED with their tokens. The abort pause the
+        caller sends next then finds nothing frozen and ends (it also aborts whatever other
+        clients' calls started in between)."""
+        await self._json("POST", "/abort_request", json_body={"abort_all": True}, timeout=timeout)
+        await self._json("POST", "/continue_generation", json_body={}, timeout=timeout)
+        self._engine_mode = None
 
     async def _drain(self, timeout: float | None) -> None:
         """Poll `/v1/loads` until the engine runs and queues nothing (within `timeout`)."""
@@ -206,6 +283,7 @@ class SglangEngine(HttpEngine):
         """POST /continue_generation (idempotent); this adapter's held calls go on too."""
         await self._json("POST", "/continue_generation", json_body={})
         self._paused = False
+        self._engine_mode = None
         self._open.set()
 
     async def is_paused(self) -> bool:
@@ -240,9 +318,9 @@ class SglangEngine(HttpEngine):
         ]
 
     async def capabilities(self, raw_logprobs: str) -> EngineCapabilities:
-        """`info.check`. `raw_logprobs` does not apply: SGLang has no logprobs-mode setting to
-        check (whether its logprobs reflect temperature is unverified, docs/sglang-http-api.md)."""
-        return await info.check(self)
+        """`info.check`; keeps the facts each call is checked against (`_check_call`)."""
+        caps, self._facts = await info.check(self, raw_logprobs)
+        return caps
 
     # ----------------------------------------------------------------------------- render
 

@@ -6,7 +6,20 @@ Reads `/v1/models` (served name and `max_model_len`, the reliable context length
 
 * `enable_return_routed_experts`: R3 is returned (with the request flag the adapter sends);
 * `skip_tokenizer_init`: no text and no stop strings (a warning: token-only rollouts still work);
-* `served_model_name`, `context_length` where `/v1/models` does not say.
+* `served_model_name`, `context_length` where `/v1/models` does not say;
+* `enable_deterministic_inference`: without it SGLang **ignores `sampling_seed`** (0.5.23
+  `sampling/sampling_batch_info.py` 157-172 builds the seed tensor only in that mode), so the
+  adapter refuses a seeded call on such an engine (`SEED_FLAG` named) and this warns;
+* `incremental_streaming_output`: without it every stream chunk repeats all ids and logprobs so
+  far (O(n^2) bytes: ~1.1 GB of JSON for one 8k-token rollout), a warning naming `STREAM_FLAG`.
+
+Logprobs: SGLang has no logprobs-mode setting. By default it returns `log_softmax(logits / T)`,
+temperature-scaled but **not renormalised after top-p/top-k/min-p** (0.5.23
+`layers/sampler.py` 192-198, 271-323), which is vLLM's `processed_logprobs` whenever no truncation
+applies; with the environment variable `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which `/server_info`
+does not show, they are raw. The capabilities report `LOGPROBS_MODE` and the same `--raw-logprobs`
+policy as vLLM's holds: `warn` warns; `refuse` makes the adapter refuse a call whose sampling
+truncates (its logprobs would not be those of the distribution sampled), naming the knob.
 
 SGLang reports neither an MoE flag nor the model's `num_experts_per_tok`; the raw int32 routing
 carries no shape, so R3 also needs this replica's `--sglang-experts-topk`. An engine with routing
@@ -16,10 +29,19 @@ None of vLLM's problems exist here (no scale-out or development router to turn o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from rollout_grpc.server.engines.api import EngineCapabilities, EngineRejected, ServedModel
 
+#: SGLang's logprob definition, as reported in `EngineCapabilities.logprobs_mode`.
+LOGPROBS_MODE: Final = "temperature_scaled_logprobs"
+#: The SGLang server flag without which `sampling_seed` is ignored.
+SEED_FLAG: Final = "--enable-deterministic-inference"
+#: The SGLang server flag that makes stream chunks deltas instead of everything so far.
+STREAM_FLAG: Final = "--incremental-streaming-output"
+#: The environment variable that makes SGLang's logprobs raw (invisible in `/server_info`).
+ORIGINAL_LOGPROB_ENV: Final = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 #: The SGLang server flag that makes it return routed experts (R3).
 ROUTED_EXPERTS_FLAG: Final = "--enable-return-routed-experts"
 #: This replica's flag that gives the top-k SGLang's raw routing bytes are shaped with.
@@ -51,7 +73,53 @@ def _int(value: Any) -> int | None:
     return value if type(value) is int else None
 
 
-def classify(info: dict[str, Any], models: list[ServedModel], experts_topk: int | None) -> EngineCapabilities:
+def _bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFacts:
+    """What the adapter checks each call against; None where the engine did not say (an older
+    build): nothing is refused on a fact that is not known."""
+
+    #: `enable_deterministic_inference`: False means `sampling_seed` is ignored.
+    deterministic: bool | None = None
+    #: `incremental_streaming_output`: False means cumulative (O(n^2)) streams.
+    incremental: bool | None = None
+    #: The replica's `--raw-logprobs` policy (`refuse` or `warn`).
+    raw_logprobs: str = "warn"
+
+
+def facts(info: dict[str, Any], raw_logprobs: str) -> ServerFacts:
+    """The per-call facts of a `/server_info` body."""
+    return ServerFacts(
+        deterministic=_bool(info.get("enable_deterministic_inference")),
+        incremental=_bool(info.get("incremental_streaming_output")),
+        raw_logprobs=raw_logprobs,
+    )
+
+
+def seed_refusal(url: str) -> str:
+    """Why a seeded call is refused on an engine that ignores seeds."""
+    return (
+        f"engine {url} is SGLang without {SEED_FLAG}, which ignores sampling_seed (sampling would "
+        f"not be reproducible): restart SGLang with {SEED_FLAG}, or send no seed"
+    )
+
+
+def truncation_refusal(url: str, knob: str) -> str:
+    """Why a truncating call is refused under `--raw-logprobs refuse`."""
+    return (
+        f"engine {url} is SGLang, whose logprobs are temperature-scaled but not renormalised after "
+        f"{knob}, so they would not be those of the distribution sampled; this replica runs with "
+        "--raw-logprobs refuse: send the call without it, use a vLLM engine with --logprobs-mode "
+        "processed_logprobs, or run this replica with --raw-logprobs warn"
+    )
+
+
+def classify(
+    info: dict[str, Any], models: list[ServedModel], experts_topk: int | None, raw_logprobs: str = "warn"
+) -> EngineCapabilities:
     """Capabilities and warnings from the probe results (pure, for tests)."""
     routed = info.get("enable_return_routed_experts")
     routed = routed if isinstance(routed, bool) else None
@@ -61,6 +129,7 @@ def classify(info: dict[str, Any], models: list[ServedModel], experts_topk: int 
     caps = EngineCapabilities(
         model=model,
         max_model_len=length if length is not None else _int(info.get("context_length")),
+        logprobs_mode=LOGPROBS_MODE,
         # Routing is captured only on MoE models; a dense engine says nothing either way.
         is_moe=True if routed else None,
         routed_experts=routed and bool(experts_topk) if routed is not None else None,
@@ -75,11 +144,33 @@ def classify(info: dict[str, Any], models: list[ServedModel], experts_topk: int 
         caps.warnings.append(
             "the engine runs with --skip-tokenizer-init: no text and no stop strings (token ids only)"
         )
+    known = facts(info, raw_logprobs)
+    if known.deterministic is False:
+        caps.warnings.append(
+            f"the engine runs without {SEED_FLAG}, so SGLang ignores sampling_seed: calls with a seed "
+            f"are refused on it; restart SGLang with {SEED_FLAG} for reproducible sampling"
+        )
+    if known.incremental is False:
+        caps.warnings.append(
+            f"the engine streams cumulatively (no {STREAM_FLAG}): every chunk repeats all ids and "
+            "logprobs so far, O(n^2) bytes (about 1.1 GB of JSON for one 8k-token rollout); restart "
+            f"SGLang with {STREAM_FLAG}"
+        )
+    truncation = (
+        "calls with top_p, top_k or min_p are refused (--raw-logprobs refuse)"
+        if raw_logprobs == "refuse"
+        else "they differ from vLLM's processed_logprobs whenever top_p, top_k or min_p truncate"
+    )
+    caps.warnings.append(
+        "SGLang returns temperature-scaled logprobs, not renormalised after top-p/top-k/min-p: "
+        f"{truncation}; they are raw if the engine runs with {ORIGINAL_LOGPROB_ENV}=1, which "
+        "/server_info does not show: keep that variable unset"
+    )
     return caps
 
 
-async def check(client: SglangEngine) -> EngineCapabilities:
-    """Probe one SGLang engine and classify it (`SglangEngine.capabilities`)."""
+async def check(client: SglangEngine, raw_logprobs: str) -> tuple[EngineCapabilities, ServerFacts]:
+    """Probe one SGLang engine: its capabilities and the facts each call is checked against."""
     models = await client.models()
     info = await read_server_info(client)
-    return classify(info, models, client.experts_topk)
+    return classify(info, models, client.experts_topk, raw_logprobs), facts(info, raw_logprobs)

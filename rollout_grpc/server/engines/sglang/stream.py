@@ -8,6 +8,20 @@ asking the server: a chunk is a delta when the tokens seen so far plus its ids m
 `completion_tokens`, and a repetition when its ids alone do (with nothing seen yet, both read the
 same). The reader turns either into deltas, checks every logprob triple against its token and
 ends with `EngineUsage` and one `EngineFinal` from the final `meta_info`.
+
+Two of SGLang 0.5.23's outputs need more (docs/sglang-http-api.md §3.5):
+
+* **The waiting-queue abort echo.** A request aborted while in SGLang's waiting queue (retracted
+  under KV pressure, or by a `retract` pause) ends with an output the tokenizer builds itself
+  (`_handle_abort_req`, TM:3577-3640): its `meta_info` has no `prompt_tokens`, `cached_tokens` or
+  `routed_experts`, its logprob list is whole, and under `--incremental-streaming-output` its
+  `output_ids` is only the **last** id while `completion_tokens` counts all. The reader takes the
+  missing tokens from the logprob triples (each names its token) and keeps the prompt and cache
+  counts the earlier chunks reported, so the call ends ABORTED with every token.
+* **The prompt the engine really ran.** Every output's `prompt_tokens` must equal the sample's
+  prompt, and with images (`return_prompt_token_ids`) so must every id: SGLang's multimodal
+  processors mostly decode ids to text and tokenize again, which can give other ids with no
+  error. A difference fails the call (`EngineRejected` on `prompt`) before any token is used.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from rollout_grpc.server.engines.api import (
     EngineError,
     EngineEvent,
     EngineFinal,
+    EngineRejected,
     EngineUsage,
     FinishKind,
 )
@@ -121,6 +136,14 @@ class ChunkReader:
         #: Tokens delivered so far, and the length of the text they decoded to.
         self.seen = 0
         self.text_len = 0
+        #: The last `prompt_tokens` / `cached_tokens` reported (the queued-abort echo has neither).
+        self.prompt_tokens: int | None = None
+        self.cached_tokens = 0
+        #: The sample's prompt as sent (the domain extends its list as tokens arrive).
+        self.prompt_len = len(call.prompt_token_ids)
+        self.prompt_ids = list(call.prompt_token_ids) if call.features else None
+        #: Whether the engine's prompt ids were compared with the sample's.
+        self.prompt_checked = False
 
     def read(self, chunk: Any) -> list[EngineEvent]:
         """One parsed SSE payload (or the non-streaming body) as events; ValueError when unusable."""
@@ -129,11 +152,13 @@ class ChunkReader:
         if "error" in chunk:
             raise self._error(chunk["error"])
         meta = chunk["meta_info"]
+        self._check_prompt(chunk, meta)
         ids = _ints(chunk.get("output_ids") or [], "output_ids")
         total = _count(meta.get("completion_tokens"), "completion_tokens")
         cumulative = total is not None and self.seen and len(ids) == total
         if total is not None and not cumulative and self.seen + len(ids) != total:
-            raise ValueError(f"{len(ids)} output ids after {self.seen} do not make {total} tokens")
+            ids = self._queued_abort_ids(meta, ids, total)
+            cumulative = True
         new = ids[self.seen :] if cumulative else ids
         delta = EngineDelta(token_ids=new)
         if new:
@@ -153,8 +178,68 @@ class ChunkReader:
             events += self._final(meta, finish)
         return events
 
+    def _check_prompt(self, chunk: dict[str, Any], meta: dict[str, Any]) -> None:
+        """The engine's prompt is the sample's: `prompt_tokens` on every output that has it, and
+        every id once when the output carries `prompt_token_ids` (asked for with images)."""
+        prompt = _count(meta.get("prompt_tokens"), "prompt_tokens")
+        if prompt is not None:
+            if prompt != self.prompt_len:
+                detail = f"{prompt} prompt tokens on the engine, {self.prompt_len} in the sample"
+                raise self._prompt_differs(detail)
+            self.prompt_tokens = prompt
+            self.cached_tokens = _count(meta.get("cached_tokens"), "cached_tokens") or 0
+        engine_ids = chunk.get("prompt_token_ids")
+        sample = self.prompt_ids
+        if engine_ids is None or sample is None or self.prompt_checked:
+            return
+        engine_ids = _ints(engine_ids, "prompt_token_ids")
+        if engine_ids != sample:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(engine_ids, sample, strict=False)) if a != b),
+                min(len(engine_ids), len(sample)),
+            )
+            got = engine_ids[at] if at < len(engine_ids) else "nothing"
+            want = sample[at] if at < len(sample) else "nothing"
+            raise self._prompt_differs(
+                f"prompt position {at} is {got} on the engine and {want} in the sample "
+                f"({len(engine_ids)} vs {len(sample)} tokens)"
+            )
+        self.prompt_checked = True
+
+    def _prompt_differs(self, detail: str) -> EngineRejected:
+        return EngineRejected(
+            self.url,
+            f"the engine ran another prompt than the sample's: {detail}. SGLang's multimodal "
+            "processors decode input_ids to text and tokenize again unless the model's processor "
+            "keeps ids (docs/sglang-http-api.md §9): the samples would be off-policy",
+            "prompt",
+        )
+
+    def _queued_abort_ids(self, meta: dict[str, Any], ids: list[int], total: int) -> list[int]:
+        """Every output id of the waiting-queue abort echo, from its whole logprob list (its
+        `output_ids` is only the last id when streaming incrementally); ValueError for any other
+        chunk whose ids do not add up."""
+        finish = meta.get("finish_reason")
+        triples = meta.get("output_token_logprobs")
+        if not (
+            isinstance(finish, dict)
+            and finish.get("type") == "abort"
+            and total >= self.seen
+            and isinstance(triples, list)
+            and len(triples) == total
+        ):
+            raise ValueError(f"{len(ids)} output ids after {self.seen} do not make {total} tokens")
+        named = [t[1] if isinstance(t, list) and len(t) >= 2 else None for t in triples]
+        every = _ints(named, "logprob token id")
+        if ids and every[-len(ids) :] != ids:
+            raise ValueError(f"the abort's output ids {ids[:8]} are not the end of its logprob tokens")
+        return every
+
     def _error(self, error: object) -> EngineError:
-        """An in-stream `{"error": {"message"}}`: SGLang's `ValueError`, a 400 unless a code says."""
+        """An in-stream `{"error": {"message"}}`: SGLang's `ValueError`, a 400 unless a code says
+        (a bare string is the contract gate's 400)."""
+        if isinstance(error, str):
+            return rejection(self.url, 400, error or "error event")
         if not isinstance(error, dict):
             return rejection(self.url, 500, f"error event: {error}")
         code = error.get("code")
@@ -169,8 +254,10 @@ class ChunkReader:
         if kind is FinishKind.ABORT and type(status) is int and status >= 400:
             # A scheduler-side error reported as an abort (docs/sglang-http-api.md §3.1).
             raise rejection(self.url, status, str(finish.get("message") or "aborted by the engine"))
-        prompt = _count(meta.get("prompt_tokens"), "prompt_tokens") or 0
-        cached = _count(meta.get("cached_tokens"), "cached_tokens") or 0
+        # The queued-abort echo reports neither: keep what the earlier outputs said (the sample's
+        # prompt when none came, as nothing contradicted it).
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else self.prompt_len
+        cached = self.cached_tokens
         final = EngineFinal(
             finish=kind,
             stop_reason=self._stop_reason(finish) if kind is FinishKind.STOP else None,

@@ -1,9 +1,10 @@
 """SGLang's request side: engine request ids, the `/generate` body and the error envelopes.
 
-Read from SGLang's source (docs/sglang-http-api.md, commit 001067f), not from a running SGLang.
+Read from SGLang 0.5.23's released source (docs/sglang-http-api.md), not from a running SGLang.
 Three facts of that surface shape this module:
 
-* **Unknown `sampling_params` keys are errors** (`SamplingParams(**kwargs)` raises), so every
+* **Unknown `sampling_params` keys are errors** (the contract gate answers 400 `{"error":
+  "unknown field `k`, …"}`, http_server.py 937-939), so every
   neutral knob is translated through `SAMPLING_NAMES`; a knob missing there is refused as the
   caller's error naming it (`EngineRejected` with the knob's neutral name), never dropped or sent.
 * **Defaults differ from vLLM's**: `max_new_tokens` defaults to 128 (an explicit null means "up to
@@ -58,6 +59,8 @@ _NEUTRAL: Final = {
 _LEADING_KEY = re.compile(r"^(?:sampling_params\.)?([a-z_]+)\b")
 _BODY_FIELD = re.compile(r"body\.(?:sampling_params\.)?([a-z_]+)")
 _UNEXPECTED_KEY = re.compile(r"unexpected keyword argument '([a-z_]+)'")
+#: The contract gate's serde-style messages (`unknown field `k`, expected one of …`).
+_UNKNOWN_FIELD = re.compile(r"^unknown field `([a-z_]+)`")
 #: Messages about the prompt (`input_ids cannot be empty.`, too long, out of vocabulary).
 _PROMPT_WORDS: Final = ("The input ", "input_ids", "Either text, input_ids")
 
@@ -125,12 +128,31 @@ def collapse_media(
     return ids, images
 
 
+def truncating_knob(call: EngineCall) -> str | None:
+    """The sampling knob that truncates the distribution before sampling (SGLang's logprobs are
+    not renormalised after it), or None."""
+    p = call.sampling
+    if p.top_p is not None and p.top_p < 1.0:
+        return "top_p"
+    if p.top_k is not None and p.top_k > 0:
+        return "top_k"
+    if p.min_p is not None and p.min_p > 0.0:
+        return "min_p"
+    return None
+
+
 def generate_body(url: str, call: EngineCall) -> dict[str, Any]:
-    """The `/generate` body of one call (one prompt, one sample, always streamed with logprobs)."""
+    """The `/generate` body of one call (one prompt, one sample, always streamed with logprobs).
+
+    With images, `return_prompt_token_ids` asks for the ids the engine really runs: most SGLang
+    multimodal processors decode `input_ids` to text and tokenize again (docs/sglang-http-api.md
+    §9), and `stream.ChunkReader` fails the call loudly when those differ from the sample's.
+    """
     input_ids = call.prompt_token_ids
     body: dict[str, Any] = {"rid": engine_request_id(call.call_id)}
     if call.features:
         input_ids, body["image_data"] = collapse_media(input_ids, call.features, url)
+        body["return_prompt_token_ids"] = True
     body["input_ids"] = input_ids
     body["sampling_params"] = sampling_params(call, url)
     body["return_logprob"] = True
@@ -149,7 +171,7 @@ def neutral_param(message: str) -> str | None:
     SGLang's errors carry no `param`: `verify` messages start with the key (`top_p must be in
     (0, 1], got 2.0.`), FastAPI's name `body.<field>`, `SamplingParams(**kwargs)` quotes the key.
     """
-    for pattern in (_UNEXPECTED_KEY, _BODY_FIELD):
+    for pattern in (_UNKNOWN_FIELD, _UNEXPECTED_KEY, _BODY_FIELD):
         found = pattern.search(message)
         if found:
             return _NEUTRAL.get(found.group(1), found.group(1))
@@ -162,8 +184,9 @@ def neutral_param(message: str) -> str | None:
 
 
 def error_message(body: bytes) -> str:
-    """The message of either SGLang envelope (`{"error":{"message"}}` or the flat
-    `{"object":"error","message"}`), FastAPI's `{"detail"}`, or the body's text."""
+    """The message of any SGLang envelope (`{"error":{"message"}}`, the contract gate's
+    `{"error": "<text>"}`, the flat `{"object":"error","message"}`), FastAPI's `{"detail"}`, or
+    the body's text."""
     try:
         parsed = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
@@ -172,6 +195,8 @@ def error_message(body: bytes) -> str:
         error = parsed.get("error")
         if isinstance(error, dict):
             return str(error.get("message", ""))
+        if isinstance(error, str):
+            return error
         for key in ("message", "detail"):
             if isinstance(parsed.get(key), str):
                 return str(parsed[key])
