@@ -213,6 +213,14 @@ _peer_argument = _checked(peer_problem)
 _reward_prefix = _checked(reward_allowlist.prefix_problem)
 
 
+def _weights_prefix(text: str) -> str:
+    """`--weights-path-prefix`: an absolute, normal directory path."""
+    path = text.strip().rstrip("/") or "/"
+    if not path.startswith("/") or os.path.normpath(path) != path:
+        raise argparse.ArgumentTypeError(f"must be an absolute, normal directory path; got {text!r}")
+    return path
+
+
 FLAGS: Final[tuple[Flag, ...]] = (
     Flag(
         "--engine",
@@ -493,6 +501,21 @@ FLAGS: Final[tuple[Flag, ...]] = (
     ),
     Flag("--control-rate", "Abort/Pause/Resume per second per caller (0 = unlimited)", "control_rate_per_s"),
     Flag("--control-burst", "control RPC burst per caller", "control_burst"),
+    # Weight updates (UpdateWeights; docs/engines.md "Weight updates").
+    Flag(
+        "--weights-path-prefix",
+        "directory under which UpdateWeights may name checkpoints for the engines to load "
+        "(repeatable; none given: checkpoint updates are refused)",
+        "weights_path_prefixes",
+        kind="list",
+        type=_weights_prefix,
+        metavar="DIR",
+    ),
+    Flag(
+        "--weights-load-timeout",
+        "seconds one engine may take to load a checkpoint in UpdateWeights",
+        "weights_load_timeout_s",
+    ),
     Flag("--port-file", "write {grpc, health, openai, metrics, engines} as JSON here once serving", type=str),
     Flag("--log-level", "debug adds one line per engine HTTP call", type=str, default="info"),
     Flag("--log-format", "log line format", type=str, default="json", choices=("json", "console")),

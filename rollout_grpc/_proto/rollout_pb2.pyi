@@ -1548,6 +1548,159 @@ class ResumeResponse(_message.Message):
 Global___ResumeResponse: _TypeAlias = ResumeResponse  # noqa: Y015
 
 @_typing.final
+class CheckpointSource(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    Weight updates
+    ---------------------------------------------------------------------------------------------
+
+    A checkpoint directory on storage that every engine, and the replica, can read.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """Absolute, normal path (no `.`, `..` or `//`) under one of the replica's
+    `--weights-path-prefix` directories, holding the model's safetensors files. The replica checks
+    the files (headers, sizes) before pausing any engine: a load that fails on vLLM 0.32 leaves
+    that engine without weights.
+    """
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointSource: _TypeAlias = CheckpointSource  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsRequest(_message.Message):
+    """Asks for one fleet-wide weight update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    PAUSE_MODE_FIELD_NUMBER: _builtins.int
+    ALL_AT_ONCE_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.str
+    """The label tokens generated on the new weights carry (`Sample.weight_versions`). Required, at
+    most 256 printable characters. It must not go backwards: not a label the engines in rotation
+    carry, nor one this replica set before, and, when both labels are decimal integers, greater
+    than the current one. Repeating the last update (same label, same source) is a retry.
+    """
+    pause_mode: Global___PauseMode.ValueType
+    """How in-flight generations are treated while the engines load, as in `Pause`. Required."""
+    all_at_once: _builtins.bool
+    """Load on every engine at once. By default one engine loads first and the others only if it
+    succeeded, so that weights the engines refuse cost one engine, not the fleet.
+    """
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointSource:
+        """Load a checkpoint directory in place on every engine (vLLM `reload_weights`, SGLang
+        `/update_weights_from_disk`).
+        """
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___CheckpointSource | None = ...,
+        weight_version: _builtins.str = ...,
+        pause_mode: Global___PauseMode.ValueType = ...,
+        all_at_once: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_at_once", b"all_at_once", "checkpoint", b"checkpoint", "pause_mode", b"pause_mode", "source", b"source", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["checkpoint"]  # noqa: Y015
+    _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
+
+Global___UpdateWeightsRequest: _TypeAlias = UpdateWeightsRequest  # noqa: Y015
+
+@_typing.final
+class EngineWeightOutcome(_message.Message):
+    """What an update did on one engine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    UPDATED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """The engine's base URL."""
+    updated: _builtins.bool
+    """Loaded and labelled: the engine serves the new version and is in rotation."""
+    error: _builtins.str
+    """Why not, when not updated (the step and the engine's own cause)."""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        updated: _builtins.bool = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "updated", b"updated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineWeightOutcome: _TypeAlias = EngineWeightOutcome  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsResponse(_message.Message):
+    """The outcome of a successful UpdateWeights (a failed one reports the same in its status message)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    PREVIOUS_VERSIONS_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    PAUSED_SECONDS_FIELD_NUMBER: _builtins.int
+    LOAD_SECONDS_FIELD_NUMBER: _builtins.int
+    RETRY_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.str
+    """The version every engine in rotation now serves."""
+    paused_seconds: _builtins.float
+    """Seconds from the first pause to the last resume: how long the fleet did not generate."""
+    load_seconds: _builtins.float
+    """Seconds the loads took (the slowest engine; a staged update adds the first engine's load)."""
+    retry: _builtins.bool
+    """True when this call repeated the last update and loaded only the engines that had missed it."""
+    @_builtins.property
+    def previous_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The distinct labels the engines in rotation carried before."""
+
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineWeightOutcome]:
+        """One entry per engine the update acted on."""
+
+    def __init__(
+        self,
+        *,
+        weight_version: _builtins.str = ...,
+        previous_versions: _abc.Iterable[_builtins.str] | None = ...,
+        engines: _abc.Iterable[Global___EngineWeightOutcome] | None = ...,
+        paused_seconds: _builtins.float = ...,
+        load_seconds: _builtins.float = ...,
+        retry: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "load_seconds", b"load_seconds", "paused_seconds", b"paused_seconds", "previous_versions", b"previous_versions", "retry", b"retry", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
+
+@_typing.final
 class GetServerInfoRequest(_message.Message):
     """---------------------------------------------------------------------------------------------
     Server info

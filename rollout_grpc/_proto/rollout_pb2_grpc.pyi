@@ -76,6 +76,18 @@ class RolloutServiceStub:
     """Pauses generation on every engine (for a weight update). See `PauseMode`. Admin role only."""
     Resume: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ResumeRequest, _rollout_pb2.ResumeResponse]
     """Optionally sets a new weight version on every engine, then resumes them. Admin role only."""
+    UpdateWeights: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.UpdateWeightsRequest, _rollout_pb2.UpdateWeightsResponse]
+    """Moves new weights to every engine as one serialised operation: pauses every engine in the
+    given mode, loads the weights, labels them with `weight_version` and resumes. After it returns
+    OK every engine in rotation serves the new weights under the new label. An engine that was not
+    paused, did not load or was not labelled is taken out of rotation (no new generations until a
+    later update loads on it) and the call fails with UNAVAILABLE naming each engine and cause;
+    repeating the same call loads on those engines only. Errors before any engine is touched:
+    INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
+    `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
+    not check out, a version that goes backwards, another update in progress). Admin role only.
+    docs/engines.md "Weight updates".
+    """
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetServerInfoRequest, _rollout_pb2.GetServerInfoResponse]
     """Reports the engines this replica uses, their health, paused state and weight version (engine
     URLs only to the admin role).
@@ -139,6 +151,18 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """Pauses generation on every engine (for a weight update). See `PauseMode`. Admin role only."""
     Resume: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ResumeRequest, _rollout_pb2.ResumeResponse]  # type: ignore[assignment]
     """Optionally sets a new weight version on every engine, then resumes them. Admin role only."""
+    UpdateWeights: _aio.UnaryUnaryMultiCallable[_rollout_pb2.UpdateWeightsRequest, _rollout_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
+    """Moves new weights to every engine as one serialised operation: pauses every engine in the
+    given mode, loads the weights, labels them with `weight_version` and resumes. After it returns
+    OK every engine in rotation serves the new weights under the new label. An engine that was not
+    paused, did not load or was not labelled is taken out of rotation (no new generations until a
+    later update loads on it) and the call fails with UNAVAILABLE naming each engine and cause;
+    repeating the same call loads on those engines only. Errors before any engine is touched:
+    INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
+    `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
+    not check out, a version that goes backwards, another update in progress). Admin role only.
+    docs/engines.md "Weight updates".
+    """
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetServerInfoRequest, _rollout_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Reports the engines this replica uses, their health, paused state and weight version (engine
     URLs only to the admin role).
@@ -223,6 +247,24 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.ResumeResponse, _abc.Awaitable[_rollout_pb2.ResumeResponse]]:
         """Optionally sets a new weight version on every engine, then resumes them. Admin role only."""
+
+    @_abc_1.abstractmethod
+    def UpdateWeights(
+        self,
+        request: _rollout_pb2.UpdateWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.UpdateWeightsResponse, _abc.Awaitable[_rollout_pb2.UpdateWeightsResponse]]:
+        """Moves new weights to every engine as one serialised operation: pauses every engine in the
+        given mode, loads the weights, labels them with `weight_version` and resumes. After it returns
+        OK every engine in rotation serves the new weights under the new label. An engine that was not
+        paused, did not load or was not labelled is taken out of rotation (no new generations until a
+        later update loads on it) and the call fails with UNAVAILABLE naming each engine and cause;
+        repeating the same call loads on those engines only. Errors before any engine is touched:
+        INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
+        `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
+        not check out, a version that goes backwards, another update in progress). Admin role only.
+        docs/engines.md "Weight updates".
+        """
 
     @_abc_1.abstractmethod
     def GetServerInfo(

@@ -210,6 +210,20 @@ def resume_request(weight_version: str | None) -> pb.ResumeRequest:
     return request
 
 
+def update_weights_request(
+    checkpoint: str, weight_version: str, *, pause_mode: str = "keep", all_at_once: bool = False
+) -> pb.UpdateWeightsRequest:
+    """An UpdateWeightsRequest loading the checkpoint directory `checkpoint` as `weight_version`."""
+    if pause_mode not in _PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {pause_mode!r}")
+    return pb.UpdateWeightsRequest(
+        checkpoint=pb.CheckpointSource(path=checkpoint),
+        weight_version=weight_version,
+        pause_mode=_PAUSE_MODES[pause_mode],
+        all_at_once=all_at_once,
+    )
+
+
 def render_request(
     messages: Sequence[Mapping[str, Any]] | None,
     *,

@@ -35,6 +35,7 @@ from rollout_grpc.client.samples import (
     pause_request,
     render_request,
     resume_request,
+    update_weights_request,
 )
 from rollout_grpc.client.step import GroupLike, StepProgressBar, step_request
 from rollout_grpc.client.stubs import sync_stub
@@ -288,6 +289,31 @@ class RolloutClient:
         with raising_rollout_errors():
             response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Resume", response, raise_on_engine_errors)
+
+    def update_weights(
+        self,
+        checkpoint: str,
+        weight_version: str,
+        *,
+        pause_mode: str = "keep",
+        all_at_once: bool = False,
+        timeout: float | None = None,
+    ) -> pb.UpdateWeightsResponse:
+        """Move every engine to the checkpoint directory `checkpoint` (shared storage under the
+        replica's `--weights-path-prefix`), labelled `weight_version`: one serialised, fleet-wide
+        pause (`pause_mode`, as `pause`) -> load -> label -> resume (docs/engines.md "Weight
+        updates"). Raises `RolloutError` subclasses: unavailable when some engine did not take it
+        (named in the message; repeating the same call loads on those engines), failed precondition
+        for a version that goes backwards or another update in progress. No timeout by default: a
+        load takes as long as the checkpoint does."""
+        request = update_weights_request(
+            checkpoint, weight_version, pause_mode=pause_mode, all_at_once=all_at_once
+        )
+        with raising_rollout_errors():
+            response: pb.UpdateWeightsResponse = self._stub.UpdateWeights(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        return response
 
     def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""

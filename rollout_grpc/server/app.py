@@ -59,6 +59,7 @@ from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.rollout.step.runner import StepRunner
+from rollout_grpc.server.rollout.weights import DEFAULT_LOAD_TIMEOUT_S, WeightUpdates
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
@@ -130,6 +131,10 @@ class ServerConfig:
     #: URL prefixes a RolloutStep's REMOTE reward may POST to (empty: any). A reward URL makes the
     #: replica send requests where the caller says: pin it to the reward servers you run.
     reward_urls: list[str] = field(default_factory=list)
+    #: Directories UpdateWeights may name checkpoints under (`--weights-path-prefix`; empty: off).
+    weights_path_prefixes: list[str] = field(default_factory=list)
+    #: Seconds one engine may take to load a checkpoint (`--weights-load-timeout`).
+    weights_load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
     # --- security (docs/security.md) ---
@@ -361,6 +366,7 @@ class RolloutServer:
         self.auth = self._auth_config(config)
         self.rollout: Rollout
         self.control: Control
+        self.weights: WeightUpdates
         self.facade: RolloutFacade
         #: RolloutStep runs (None until the servicer is built).
         self.steps: StepRunner | None = None
@@ -520,6 +526,13 @@ class RolloutServer:
         steps = self.steps = StepRunner(
             self.rollout, self.control.abort_ids, rewards_registry.build, reward_urls=cfg.reward_urls
         )
+        self.weights = WeightUpdates(
+            self.pool,
+            self.control,
+            path_prefixes=cfg.weights_path_prefixes,
+            load_timeout_s=cfg.weights_load_timeout_s,
+            deadline_s=cfg.control_deadline_s,
+        )
         self.facade = RolloutFacade(
             self.rollout,
             self.control,
@@ -527,6 +540,7 @@ class RolloutServer:
             trajectories=self.trajectories,
             calls=self.calls,
             steps=steps,
+            weights=self.weights,
         )
         return self.servicer_class(self.facade, cfg.default_options, simulated_engines=cfg.simulated_engines)
 
@@ -731,6 +745,7 @@ class RolloutServer:
         if self._tracer_provider is not None and hasattr(self._tracer_provider, "force_flush"):
             self._tracer_provider.force_flush()
         await self.pool.stop()
+        await self.weights.close()
         await self.control.close()
         if self.peers is not None:
             await self.peers.close()

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from . import chat, control, discovery, fidelity, render
+from . import chat, control, discovery, fidelity, render, weights
 from .config import SimConfig
 from .core import CORE_KEY, EngineCore
 from .errors import SCALE_OUT_DISABLED, ApiError, not_found_route
@@ -117,6 +117,7 @@ def create_app(
         ("GET", "/weight_info", control.weight_info),
         ("POST", "/reset_mm_cache", control.reset_mm_cache),
         ("GET", "/server_info", control.server_info),
+        ("POST", "/collective_rpc", weights.collective_rpc),
     ]
     for method, path, handler in dev:
         r.add_route(method, path, _dev(handler))

@@ -5,7 +5,8 @@ The service (``rollout_grpc/server``) reaches an engine only through ``/health``
 ``/weight_info``, ``/inference/v1/generate``, ``/inference/v1/abort_requests`` and the two render
 routes. The routes here are the rest of vLLM 0.32's surface that a token-in/token-out client could
 meet: liveness and version, load and Prometheus metrics, the tokenizer, sleep/wake, the prefix and
-encoder cache resets, ``collective_rpc`` and the weight-transfer stubs (``/reset_mm_cache`` stays in
+encoder cache resets and the weight-transfer stubs (``/collective_rpc``, which the service calls
+to reload weights, is in ``weights.py``) (``/reset_mm_cache`` stays in
 ``control.py``: the service's multimodal tests evict the engine's cache with it). They are not
 used by the service; they stay so that ``rollout-grpc sim`` answers every route a vLLM client may
 probe with vLLM's exact body, and so that ``tests/sim`` (recorded bodies) and the live conformance
@@ -23,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .control import json_or_none, query_mode
+from .control import query_mode
 from .core import CORE_KEY, EngineCore
 from .errors import ApiError, bad_request, json_response, validation_error
 from .request import read_json_body
@@ -63,7 +64,6 @@ def add_routes(router: web.UrlDispatcher, *, dev: Wrap) -> None:
         ("POST", "/wake_up", wake_up),
         ("GET", "/is_sleeping", is_sleeping),
         ("POST", "/release_kv_cache_memory", release_kv_cache_memory),
-        ("POST", "/collective_rpc", collective_rpc),
         ("POST", "/init_weight_transfer_engine", weight_transfer_unconfigured),
         ("POST", "/start_weight_update", weight_transfer_unconfigured),
         ("POST", "/update_weights", weight_transfer_unconfigured),
@@ -231,19 +231,6 @@ async def is_sleeping(request: web.Request) -> web.StreamResponse:
 
 async def release_kv_cache_memory(request: web.Request) -> web.StreamResponse:
     return json_response({"status": "kv_cache_released"})
-
-
-async def collective_rpc(request: web.Request) -> web.StreamResponse:
-    body = await json_or_none(request)
-    method = body.get("method") if isinstance(body, dict) else None
-    if method == "check_health":
-        return json_response({"results": [None]})
-    msg = (
-        "Call to collective_rpc method failed: Worker failed with error "
-        f"''SimWorker' object has no attribute '{method}'', "
-        "please check the stack trace above for the root cause"
-    )
-    return ApiError(500, msg, "InternalServerError").response()
 
 
 async def weight_transfer_unconfigured(request: web.Request) -> web.StreamResponse:

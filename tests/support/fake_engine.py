@@ -26,6 +26,7 @@ from rollout_grpc.server.engines.api import (
     FinishKind,
     Rendered,
     ServedModel,
+    WeightAction,
 )
 
 #: A script step that never ends (an engine that went silent).
@@ -52,6 +53,8 @@ class FakeEngine:
     scripts: list[list[Step]] = field(default_factory=list)
     healthy: bool = True
     calls: list[EngineCall] = field(default_factory=list)
+    #: Checkpoint paths loaded, in order.
+    loaded: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     paused: bool = False
@@ -101,6 +104,12 @@ class FakeEngine:
 
     async def weight_version(self) -> str:
         return "v1"
+
+    def weight_route(self, action: WeightAction) -> str:
+        return f"/fake/{action}"
+
+    async def load_checkpoint(self, path: str, timeout: float | None) -> None:
+        self.loaded.append(path)
 
     async def models(self) -> list[ServedModel]:
         return [ServedModel("fake")]

@@ -300,6 +300,12 @@ class ControlAction(enum.StrEnum):
     UPDATE_WEIGHT_VERSION = "update_weight_version"
 
 
+class WeightAction(enum.StrEnum):
+    """A weight operation (`rollout/weights.py`), named so an adapter can say which route does it."""
+
+    LOAD_CHECKPOINT = "load_checkpoint"
+
+
 class EngineAdapter(Protocol):
     """One engine, as the domain sees it. `vllm.VllmEngine` is the production implementation."""
 
@@ -374,6 +380,19 @@ class EngineAdapter(Protocol):
 
     async def models(self) -> list[ServedModel]:
         """The models the engine serves."""
+        ...
+
+    # Weight updates (rollout/weights.py): the engine kind's module `weights.py` implements them.
+
+    def weight_route(self, action: WeightAction) -> str:
+        """The engine route behind a weight operation, for messages naming the failed call."""
+        ...
+
+    async def load_checkpoint(self, path: str, timeout: float | None) -> None:
+        """Load the checkpoint at `path` (a directory the engine can read) into the running model,
+        in place; the caller paused the engine first. Raises an `EngineError` with the engine's own
+        cause when the engine did not load it (vLLM 0.32 is then left without usable weights:
+        docs/engines.md "Weight updates")."""
         ...
 
     async def capabilities(self, raw_logprobs: str) -> EngineCapabilities | None:

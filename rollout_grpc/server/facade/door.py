@@ -26,6 +26,7 @@ from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
 from rollout_grpc.server.rollout.step.runner import GroupEnded, StepEvent, StepRunner, Summary
 from rollout_grpc.server.rollout.step.spec import Outcome, StepSpec
+from rollout_grpc.server.rollout.weights import WeightUpdate, WeightUpdateResult, WeightUpdates
 
 log = structlog.get_logger(__name__)
 
@@ -68,8 +69,11 @@ class RolloutFacade:
         trajectories: TrajectoryStore | None = None,
         calls: CallBook | None = None,
         steps: StepRunner | None = None,
+        weights: WeightUpdates | None = None,
     ) -> None:
         self._rollout = rollout
+        #: UpdateWeights; None: the RPC answers FAILED_PRECONDITION.
+        self._weights = weights
         #: Rollout steps (RolloutStep); None: the RPC answers UNIMPLEMENTED-like FAILED_PRECONDITION.
         self.steps = steps
         self._control = control
@@ -170,6 +174,16 @@ class RolloutFacade:
         record.result = result
         if weight_version is not None and self.steps is not None:
             self.steps.versions.advance(weight_version)  # the order staleness is measured in
+        return result
+
+    async def update_weights(self, record: CallRecord, update: WeightUpdate) -> WeightUpdateResult:
+        """One fleet-wide weight update (`rollout/weights.py`); the step runner's version order
+        advances like after a Resume with that version."""
+        if self._weights is None:
+            raise FailedPrecondition("weight updates are not available on this replica")
+        result = await self._weights.update(update)
+        if self.steps is not None:
+            self.steps.versions.advance(result.weight_version)
         return result
 
     async def engine_statuses(self) -> list[EngineStatus]:

@@ -68,16 +68,26 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     ROLLOUT + "Abort": frozenset({Role.TRAINER, Role.ADMIN}),
     ROLLOUT + "Pause": frozenset({Role.ADMIN}),
     ROLLOUT + "Resume": frozenset({Role.ADMIN}),
+    # Moves the whole fleet to new weights: the same power as Pause + Resume.
+    ROLLOUT + "UpdateWeights": frozenset({Role.ADMIN}),
     REPLICA + "AbortLocal": frozenset({Role.PEER, Role.ADMIN}),
 }
 
 #: The control RPCs: audited, and rate-limited per caller (below).
 CONTROL_METHODS = frozenset(
-    {ROLLOUT + "Abort", ROLLOUT + "Pause", ROLLOUT + "Resume", REPLICA + "AbortLocal"}
+    {
+        ROLLOUT + "Abort",
+        ROLLOUT + "Pause",
+        ROLLOUT + "Resume",
+        ROLLOUT + "UpdateWeights",
+        REPLICA + "AbortLocal",
+    }
 )
 #: Public control RPCs, rate-limited per caller (replica-to-replica AbortLocal is not: one caller's
 #: abort fans out to every peer, and peers are trusted).
-RATE_LIMITED_METHODS = frozenset({ROLLOUT + "Abort", ROLLOUT + "Pause", ROLLOUT + "Resume"})
+RATE_LIMITED_METHODS = frozenset(
+    {ROLLOUT + "Abort", ROLLOUT + "Pause", ROLLOUT + "Resume", ROLLOUT + "UpdateWeights"}
+)
 #: The RPCs whose requests carry payloads (prompts, partial samples with routed experts, images),
 #: read up to the gRPC message limit once the caller may call them. Every other method's request
 #: is capped at `RequestLimits.max_control_request_bytes` before it is decoded.

