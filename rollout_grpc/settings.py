@@ -576,6 +576,7 @@ ABOVE_ZERO: Final = frozenset(
         "--keepalive-time",
         "--openai-body-timeout",
         "--max-unrequested-time",
+        "--weights-load-timeout",
     }
 )
 #: Port flags: 0 (any free port) to 65535.

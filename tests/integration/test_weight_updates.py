@@ -252,3 +252,17 @@ async def test_sglang_engines_load_from_disk(tmp_path: Path) -> None:
         with pytest.raises(UnavailableError, match="Rolling back to original weights"):
             await h.client.update_weights(str(toy_checkpoint(tmp_path / "v2", seed=2)), "v2")
         assert [s.core.version for s in h.sims] == ["v1", "v1"]  # staged: the second engine untouched
+
+
+async def test_an_update_is_audited_with_its_target_and_outcome(fleet: Harness, tmp_path: Path) -> None:
+    ckpt = str(toy_checkpoint(tmp_path / "v1", seed=1))
+    with capture_logs() as logs:
+        await fleet.client.update_weights(ckpt, "v1")
+        with pytest.raises(PermissionDeniedError):
+            await fleet.client.update_weights("/etc", "v2")
+    audits = [e for e in logs if e["event"] == "audit" and e["method"].endswith("/UpdateWeights")]
+    assert [(a["outcome"], a["weight_version"], a["path"]) for a in audits] == [
+        ("OK", "v1", ckpt),
+        ("PERMISSION_DENIED", "v2", "/etc"),
+    ]
+    assert audits[0]["updated_engines"] == 3 and audits[0]["source"] == "checkpoint"

@@ -172,6 +172,13 @@ def describe_target(method: str, request: object) -> dict[str, object]:
         }
     if isinstance(request, pb.ResumeRequest):
         return {"weight_version": request.weight_version if request.HasField("weight_version") else None}
+    if isinstance(request, pb.UpdateWeightsRequest):
+        return {
+            "weight_version": request.weight_version[:256],
+            "source": request.WhichOneof("source"),
+            "path": request.checkpoint.path[:256] if request.HasField("checkpoint") else None,
+            "pause_mode": request.pause_mode,
+        }
     return {}
 
 
@@ -181,6 +188,9 @@ def _describe_result(response: object) -> dict[str, object]:
         if hasattr(response, field):
             value = getattr(response, field)
             out[field] = value if isinstance(value, int) else len(value)
+    if isinstance(response, pb.UpdateWeightsResponse):
+        out["updated_engines"] = sum(1 for e in response.engines if e.updated)
+        out["paused_seconds"] = round(response.paused_seconds, 3)
     return out
 
 
