@@ -1701,6 +1701,129 @@ class UpdateWeightsResponse(_message.Message):
 Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
 
 @_typing.final
+class ReleaseMemoryRequest(_message.Message):
+    """Asks every engine to free its accelerator memory (colocated training)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEVEL_FIELD_NUMBER: _builtins.int
+    TAGS_FIELD_NUMBER: _builtins.int
+    level: _builtins.int
+    """vLLM's sleep level: 1 (the default) offloads the weights to host memory and drops the KV
+    cache; 2 drops both, so the weights must be loaded again (UpdateWeights) before generating;
+    0 frees nothing. SGLang has no levels and frees what `tags` name.
+    """
+    @_builtins.property
+    def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The regions SGLang frees: "weights", "kv_cache"; empty: all. vLLM frees by `level`."""
+
+    def __init__(
+        self,
+        *,
+        level: _builtins.int | None = ...,
+        tags: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_level", b"_level", "level", b"level"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_level", b"_level", "level", b"level", "tags", b"tags"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__level: _TypeAlias = _typing.Literal["level"]  # noqa: Y015
+    _WhichOneofArgType__level: _TypeAlias = _typing.Literal["_level", b"_level"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__level) -> _WhichOneofReturnType__level | None: ...
+
+Global___ReleaseMemoryRequest: _TypeAlias = ReleaseMemoryRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseMemoryResponse(_message.Message):
+    """The outcome of a ReleaseMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_ENGINES_FIELD_NUMBER: _builtins.int
+    ENGINE_ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def released_engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Engines that freed their memory (and are paused)."""
+
+    @_builtins.property
+    def engine_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineError]:
+        """Engines that could not be paused or did not free their memory."""
+
+    def __init__(
+        self,
+        *,
+        released_engines: _abc.Iterable[_builtins.str] | None = ...,
+        engine_errors: _abc.Iterable[Global___EngineError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_errors", b"engine_errors", "released_engines", b"released_engines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseMemoryResponse: _TypeAlias = ReleaseMemoryResponse  # noqa: Y015
+
+@_typing.final
+class ResumeMemoryRequest(_message.Message):
+    """Asks every engine to take its memory back."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The regions to take back: "weights", "kv_cache"; empty: all of them. Generation resumes once
+        every region is back (e.g. "weights", then UpdateWeights, then "kv_cache").
+        """
+
+    def __init__(
+        self,
+        *,
+        tags: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tags", b"tags"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeMemoryRequest: _TypeAlias = ResumeMemoryRequest  # noqa: Y015
+
+@_typing.final
+class ResumeMemoryResponse(_message.Message):
+    """The outcome of a ResumeMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESUMED_ENGINES_FIELD_NUMBER: _builtins.int
+    ENGINE_ERRORS_FIELD_NUMBER: _builtins.int
+    GENERATING_FIELD_NUMBER: _builtins.int
+    generating: _builtins.bool
+    """True when every region is back and the engines were resumed."""
+    @_builtins.property
+    def resumed_engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Engines that took the memory back."""
+
+    @_builtins.property
+    def engine_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineError]:
+        """Engines that did not."""
+
+    def __init__(
+        self,
+        *,
+        resumed_engines: _abc.Iterable[_builtins.str] | None = ...,
+        engine_errors: _abc.Iterable[Global___EngineError] | None = ...,
+        generating: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_errors", b"engine_errors", "generating", b"generating", "resumed_engines", b"resumed_engines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeMemoryResponse: _TypeAlias = ResumeMemoryResponse  # noqa: Y015
+
+@_typing.final
 class GetServerInfoRequest(_message.Message):
     """---------------------------------------------------------------------------------------------
     Server info

@@ -44,6 +44,16 @@ class RolloutServiceStub:
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.ReleaseMemory = channel.unary_unary(
+                '/rollout.v1.RolloutService/ReleaseMemory',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryResponse.FromString,
+                _registered_method=True)
+        self.ResumeMemory = channel.unary_unary(
+                '/rollout.v1.RolloutService/ResumeMemory',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryResponse.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/rollout.v1.RolloutService/GetServerInfo',
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetServerInfoRequest.SerializeToString,
@@ -129,6 +139,24 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseMemory(self, request, context):
+        """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
+        and frees its accelerator memory (vLLM `/sleep`, SGLang `/release_memory_occupation`), so a
+        trainer on the same GPUs can use it. Generate calls meanwhile wait, as during a Pause. Refused
+        (FAILED_PRECONDITION) while a weight update runs. Admin role only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeMemory(self, request, context):
+        """Takes the memory back (vLLM `/wake_up`, SGLang `/resume_memory_occupation`), part by part with
+        `tags`; once every part is back, the engines resume generating. Admin role only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetServerInfo(self, request, context):
         """Reports the engines this replica uses, their health, paused state and weight version (engine
         URLs only to the admin role).
@@ -203,6 +231,16 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'ReleaseMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseMemory,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryResponse.SerializeToString,
+            ),
+            'ResumeMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeMemory,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -362,6 +400,60 @@ class RolloutService:
             '/rollout.v1.RolloutService/UpdateWeights',
             rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
             rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/ReleaseMemory',
+            rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/ResumeMemory',
+            rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

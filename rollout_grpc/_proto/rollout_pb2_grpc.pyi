@@ -88,6 +88,16 @@ class RolloutServiceStub:
     not check out, a version that goes backwards, another update in progress). Admin role only.
     docs/engines.md "Weight updates".
     """
+    ReleaseMemory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ReleaseMemoryRequest, _rollout_pb2.ReleaseMemoryResponse]
+    """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
+    and frees its accelerator memory (vLLM `/sleep`, SGLang `/release_memory_occupation`), so a
+    trainer on the same GPUs can use it. Generate calls meanwhile wait, as during a Pause. Refused
+    (FAILED_PRECONDITION) while a weight update runs. Admin role only.
+    """
+    ResumeMemory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ResumeMemoryRequest, _rollout_pb2.ResumeMemoryResponse]
+    """Takes the memory back (vLLM `/wake_up`, SGLang `/resume_memory_occupation`), part by part with
+    `tags`; once every part is back, the engines resume generating. Admin role only.
+    """
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetServerInfoRequest, _rollout_pb2.GetServerInfoResponse]
     """Reports the engines this replica uses, their health, paused state and weight version (engine
     URLs only to the admin role).
@@ -162,6 +172,16 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
     not check out, a version that goes backwards, another update in progress). Admin role only.
     docs/engines.md "Weight updates".
+    """
+    ReleaseMemory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ReleaseMemoryRequest, _rollout_pb2.ReleaseMemoryResponse]  # type: ignore[assignment]
+    """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
+    and frees its accelerator memory (vLLM `/sleep`, SGLang `/release_memory_occupation`), so a
+    trainer on the same GPUs can use it. Generate calls meanwhile wait, as during a Pause. Refused
+    (FAILED_PRECONDITION) while a weight update runs. Admin role only.
+    """
+    ResumeMemory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ResumeMemoryRequest, _rollout_pb2.ResumeMemoryResponse]  # type: ignore[assignment]
+    """Takes the memory back (vLLM `/wake_up`, SGLang `/resume_memory_occupation`), part by part with
+    `tags`; once every part is back, the engines resume generating. Admin role only.
     """
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetServerInfoRequest, _rollout_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Reports the engines this replica uses, their health, paused state and weight version (engine
@@ -264,6 +284,28 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
         not check out, a version that goes backwards, another update in progress). Admin role only.
         docs/engines.md "Weight updates".
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseMemory(
+        self,
+        request: _rollout_pb2.ReleaseMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.ReleaseMemoryResponse, _abc.Awaitable[_rollout_pb2.ReleaseMemoryResponse]]:
+        """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
+        and frees its accelerator memory (vLLM `/sleep`, SGLang `/release_memory_occupation`), so a
+        trainer on the same GPUs can use it. Generate calls meanwhile wait, as during a Pause. Refused
+        (FAILED_PRECONDITION) while a weight update runs. Admin role only.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeMemory(
+        self,
+        request: _rollout_pb2.ResumeMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.ResumeMemoryResponse, _abc.Awaitable[_rollout_pb2.ResumeMemoryResponse]]:
+        """Takes the memory back (vLLM `/wake_up`, SGLang `/resume_memory_occupation`), part by part with
+        `tags`; once every part is back, the engines resume generating. Admin role only.
         """
 
     @_abc_1.abstractmethod

@@ -385,6 +385,38 @@ class AsyncRolloutClient:
             )
         return response
 
+    async def release_memory(
+        self,
+        *,
+        level: int | None = None,
+        tags: Sequence[str] = (),
+        timeout: float | None = 60.0,
+        raise_on_engine_errors: bool = True,
+    ) -> pb.ReleaseMemoryResponse:
+        """Colocated training: pause every engine (ABORT) and free its accelerator memory — vLLM's
+        sleep `level` (default 1), SGLang's `tags` ("weights", "kv_cache"; none: all). `EngineErrors`
+        when some engines failed (`raise_on_engine_errors=False`: return them)."""
+        request = pb.ReleaseMemoryRequest(tags=list(tags))
+        if level is not None:
+            request.level = level
+        with raising_rollout_errors():
+            response: pb.ReleaseMemoryResponse = await self._stub.ReleaseMemory(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        return check_engine_errors("ReleaseMemory", response, raise_on_engine_errors)
+
+    async def resume_memory(
+        self, tags: Sequence[str] = (), *, timeout: float | None = 60.0, raise_on_engine_errors: bool = True
+    ) -> pb.ResumeMemoryResponse:
+        """Take the memory `tags` name back on every engine (none: all); the engines generate again
+        once every region is back (`response.generating`)."""
+        request = pb.ResumeMemoryRequest(tags=list(tags))
+        with raising_rollout_errors():
+            response: pb.ResumeMemoryResponse = await self._stub.ResumeMemory(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        return check_engine_errors("ResumeMemory", response, raise_on_engine_errors)
+
     async def server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """The replica's view of its engines."""
         with raising_rollout_errors():

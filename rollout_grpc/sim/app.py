@@ -118,6 +118,9 @@ def create_app(
         ("POST", "/reset_mm_cache", control.reset_mm_cache),
         ("GET", "/server_info", control.server_info),
         ("POST", "/collective_rpc", weights.collective_rpc),
+        ("POST", "/sleep", weights.sleep),
+        ("POST", "/wake_up", weights.wake_up),
+        ("GET", "/is_sleeping", weights.is_sleeping),
     ]
     for method, path, handler in dev:
         r.add_route(method, path, _dev(handler))

@@ -152,6 +152,8 @@ class EngineCore:
         self.frozen = False
         self.sleeping = False
         self.sleep_level = 0
+        #: Memory regions a sleep freed and no wake-up took back yet (vLLM's tags).
+        self.asleep_tags: set[str] = set()
         self.requests: dict[str, list[EngineRequest]] = {}
         self.running: set[EngineRequest] = set()
         self.held: set[EngineRequest] = set()

@@ -4,9 +4,9 @@ The service (``rollout_grpc/server``) reaches an engine only through ``/health``
 ``/server_info``, ``/is_paused``, ``/pause``, ``/resume``, ``/update_weight_version``,
 ``/weight_info``, ``/inference/v1/generate``, ``/inference/v1/abort_requests`` and the two render
 routes. The routes here are the rest of vLLM 0.32's surface that a token-in/token-out client could
-meet: liveness and version, load and Prometheus metrics, the tokenizer, sleep/wake, the prefix and
-encoder cache resets and the weight-transfer stubs (``/collective_rpc``, which the service calls
-to reload weights, is in ``weights.py``) (``/reset_mm_cache`` stays in
+meet: liveness and version, load and Prometheus metrics, the tokenizer, the prefix and
+encoder cache resets and the weight-transfer stubs (``/collective_rpc``, ``/sleep``, ``/wake_up`` and
+``/is_sleeping``, which the service calls, are in ``weights.py``) (``/reset_mm_cache`` stays in
 ``control.py``: the service's multimodal tests evict the engine's cache with it). They are not
 used by the service; they stay so that ``rollout-grpc sim`` answers every route a vLLM client may
 probe with vLLM's exact body, and so that ``tests/sim`` (recorded bodies) and the live conformance
@@ -24,9 +24,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .control import query_mode
 from .core import CORE_KEY, EngineCore
-from .errors import ApiError, bad_request, json_response, validation_error
+from .errors import ApiError, bad_request, json_response
 from .request import read_json_body
 from .vocab import render_chatml
 
@@ -60,9 +59,6 @@ def add_routes(router: web.UrlDispatcher, *, dev: Wrap) -> None:
         ("POST", "/reset_prefix_cache", reset_prefix_cache),
         ("POST", "/reset_encoder_cache", reset_encoder_cache),
         ("GET", "/get_world_size", get_world_size),
-        ("POST", "/sleep", sleep),
-        ("POST", "/wake_up", wake_up),
-        ("GET", "/is_sleeping", is_sleeping),
         ("POST", "/release_kv_cache_memory", release_kv_cache_memory),
         ("POST", "/init_weight_transfer_engine", weight_transfer_unconfigured),
         ("POST", "/start_weight_update", weight_transfer_unconfigured),
@@ -193,40 +189,6 @@ async def reset_encoder_cache(request: web.Request) -> web.StreamResponse:
 
 async def get_world_size(request: web.Request) -> web.StreamResponse:
     return json_response({"world_size": 1})
-
-
-async def sleep(request: web.Request) -> web.StreamResponse:
-    core = _core(request)
-    try:
-        level = int(request.query.get("level", "1"))
-    except ValueError:
-        raise validation_error(
-            [
-                {
-                    "type": "int_parsing",
-                    "loc": "query.level",
-                    "msg": "Input should be a valid integer, unable to parse string as an integer",
-                    "input": request.query.get("level"),
-                }
-            ]
-        ) from None
-    mode = query_mode(request)
-    await core.pause(mode)
-    core.sleeping = True
-    core.sleep_level = level
-    return json_response({"status": "sleeping", "level": level})
-
-
-async def wake_up(request: web.Request) -> web.StreamResponse:
-    core = _core(request)
-    tags = request.query.getall("tags", None)
-    core.sleeping = False
-    core.resume()
-    return json_response({"status": "awake", "tags": tags})
-
-
-async def is_sleeping(request: web.Request) -> web.StreamResponse:
-    return json_response({"is_sleeping": _core(request).sleeping})
 
 
 async def release_kv_cache_memory(request: web.Request) -> web.StreamResponse:

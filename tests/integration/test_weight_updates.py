@@ -266,3 +266,49 @@ async def test_an_update_is_audited_with_its_target_and_outcome(fleet: Harness, 
         ("PERMISSION_DENIED", "v2", "/etc"),
     ]
     assert audits[0]["updated_engines"] == 3 and audits[0]["source"] == "checkpoint"
+
+
+async def test_colocated_release_load_and_resume(fleet: Harness, tmp_path: Path) -> None:
+    """The colocated loop: free the memory, take the weights back, load new ones, take the KV cache
+    back; the engines generate again only at the end, on the new weights and label."""
+    released = await fleet.client.release_memory(level=2)
+    assert sorted(released.released_engines) == sorted(s.url for s in fleet.sims)
+    assert all(s.core.sleeping and s.core.paused for s in fleet.sims)
+    weights_back = await fleet.client.resume_memory(["weights"])
+    assert not weights_back.generating and all(s.core.sleeping for s in fleet.sims)
+    await fleet.client.update_weights(str(toy_checkpoint(tmp_path / "v1", seed=1)), "v1")
+    assert all(s.core.paused and s.core.version == "v1" for s in fleet.sims)  # resume deferred
+    everything = await fleet.client.resume_memory(["kv_cache"])
+    assert everything.generating
+    assert all(not s.core.sleeping and not s.core.paused for s in fleet.sims)
+    _, versions = await _seeded(fleet)
+    assert versions == ["v1"]
+
+
+async def test_memory_calls_refuse_bad_input_and_updates_in_progress(fleet: Harness, tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="tags"):
+        await fleet.client.release_memory(tags=["gpu"])
+    with pytest.raises(InvalidArgumentError, match="level"):
+        await fleet.client.release_memory(level=3)
+    assert all(s.stats.pause_calls == 0 for s in fleet.sims)
+    for sim in fleet.sims:
+        sim.faults.load_fault = "hang"
+    update = asyncio.create_task(
+        fleet.client.update_weights(str(toy_checkpoint(tmp_path / "v1", seed=1)), "v1", all_at_once=True)
+    )
+    await _until(lambda: all(s.stats.weight_loads == 1 for s in fleet.sims))
+    with pytest.raises(FailedPreconditionError, match="weight update"):
+        await fleet.client.release_memory()
+    for sim in fleet.sims:
+        sim.faults.load_fault = ""
+    await update
+
+
+async def test_sglang_engines_release_and_resume_memory(tmp_path: Path) -> None:
+    async with harness("sim-sglang", sim_count=2, weights_path_prefixes=[str(tmp_path)]) as h:
+        await h.client.release_memory(tags=["kv_cache"])
+        assert all(s.core.asleep_tags == {"kv_cache"} for s in h.sims)
+        resumed = await h.client.resume_memory()
+        assert resumed.generating and all(not s.core.sleeping for s in h.sims)
+        sample = await h.client.generate(make_sample(PROMPT), SEEDED)
+        assert sample.response_length == 8

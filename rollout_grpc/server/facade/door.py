@@ -26,7 +26,7 @@ from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
 from rollout_grpc.server.rollout.step.runner import GroupEnded, StepEvent, StepRunner, Summary
 from rollout_grpc.server.rollout.step.spec import Outcome, StepSpec
-from rollout_grpc.server.rollout.weights import WeightUpdate, WeightUpdateResult, WeightUpdates
+from rollout_grpc.server.rollout.weights import MemoryRelease, WeightUpdate, WeightUpdateResult, WeightUpdates
 
 log = structlog.get_logger(__name__)
 
@@ -185,6 +185,22 @@ class RolloutFacade:
         if self.steps is not None:
             self.steps.versions.advance(result.weight_version)
         return result
+
+    async def release_memory(self, record: CallRecord, release: MemoryRelease) -> FleetResult:
+        """Colocated training: pause every engine and free its memory (`rollout/weights.py`)."""
+        if self._weights is None:
+            raise FailedPrecondition("memory release is not available on this replica")
+        result = await self._weights.release_memory(release)
+        record.result = result
+        return result
+
+    async def resume_memory(self, record: CallRecord, tags: tuple[str, ...]) -> tuple[FleetResult, bool]:
+        """Take the memory back; (result, whether generation resumed)."""
+        if self._weights is None:
+            raise FailedPrecondition("memory resume is not available on this replica")
+        result, generating = await self._weights.resume_memory(tags)
+        record.result = result
+        return result, generating
 
     async def engine_statuses(self) -> list[EngineStatus]:
         """Every engine as GetServerInfo reports it."""

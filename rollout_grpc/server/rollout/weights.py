@@ -21,6 +21,10 @@ call (same version, same path) loads only those engines. A second update while o
 its end (the fleet is resumed on a consistent version) and `weight_update_done` /
 `weight_update_failed` says which version the engines ended on.
 
+Colocated training frees and takes back the engines' memory with `release_memory` /
+`resume_memory` (ReleaseMemory / ResumeMemory): serialised with the updates, the engines paused
+(ABORT) before they free anything and resumed once every region is back.
+
 Serialisation is per replica: replicas sharing engines must not update weights concurrently (one
 trainer drives updates; docs/engines.md).
 """
@@ -28,16 +32,38 @@ trainer drives updates; docs/engines.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
 from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rollout_grpc.server.engines.api import ControlAction, EngineError, WeightAction
+from rollout_grpc.server.engines.api import (
+    MEMORY_TAGS,
+    ControlAction,
+    EngineError,
+    MemoryRelease,
+    WeightAction,
+)
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
 from rollout_grpc.server.rollout.checkpoint import CheckpointSummary, allowed_path, inspect_checkpoint
-from rollout_grpc.server.rollout.control import PAUSE_MODES, Control, FleetResult, describe_failure
+from rollout_grpc.server.rollout.control import (
+    PAUSE_MODES,
+    Control,
+    ControlFailure,
+    FleetResult,
+    describe_failure,
+)
+
+__all__ = [
+    "CheckpointSource",
+    "EngineOutcome",
+    "MemoryRelease",
+    "WeightUpdate",
+    "WeightUpdateResult",
+    "WeightUpdates",
+    "check_version",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -105,6 +131,14 @@ def _as_int(label: str) -> int | None:
     return int(label) if label.isascii() and label.isdigit() else None
 
 
+def _memory_tags(tags: Sequence[str]) -> tuple[str, ...]:
+    """The tags, checked against `MEMORY_TAGS` (INVALID_ARGUMENT naming `tags` otherwise)."""
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise InvalidArgument("tags", f"must be among {', '.join(MEMORY_TAGS)}; got {unknown[:4]}")
+    return tuple(dict.fromkeys(tags))
+
+
 def check_version(new: str, current: Sequence[str], used: Sequence[str] = ()) -> None:
     """Refuse a label that goes backwards: FAILED_PRECONDITION naming both labels.
 
@@ -151,6 +185,9 @@ class WeightUpdates:
         #: Every label this replica set, and the last (version, path) for retries.
         self._used: list[str] = []
         self._last: tuple[str, str] | None = None
+        #: Memory regions the engines freed (ReleaseMemory) and have not taken back yet.
+        self._asleep: set[str] = set()
+        self._memory_busy = False
 
     @property
     def running(self) -> str | None:
@@ -167,6 +204,7 @@ class WeightUpdates:
                 f"a weight update to {self._running!r} is in progress on this replica; updates are "
                 "serialised: retry when it has finished"
             )
+        self._refuse_if_busy("update weights")
         self._running = update.weight_version
         task = asyncio.ensure_future(self._run(update, path))
         self._task = task
@@ -196,6 +234,88 @@ class WeightUpdates:
                 await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s + 2 * self._deadline_s)
             except BaseException:  # its outcome is logged by the task itself
                 task.cancel()
+
+    # ----------------------------------------------------------------------------- colocated memory
+
+    def _refuse_if_busy(self, what: str) -> None:
+        if self._running is not None:
+            raise FailedPrecondition(
+                f"cannot {what} while a weight update to {self._running!r} runs on this replica"
+            )
+
+    async def release_memory(self, release: MemoryRelease) -> FleetResult:
+        """Pause every engine (ABORT) and free its memory; fails when no engine freed any."""
+        if release.level not in (0, 1, 2):
+            raise InvalidArgument("level", f"must be 0, 1 or 2 (vLLM's sleep levels); got {release.level}")
+        tags = _memory_tags(release.tags)
+        self._refuse_if_busy("release memory")
+        paused = await self._control.pause("abort")
+        engines = [e for e in self._pool.engines if e.url in paused.ok]
+        result = await self._each(
+            engines, WeightAction.RELEASE_MEMORY, lambda e: e.client.release_memory(release)
+        )
+        result.extend(paused)
+        self._asleep.update(tags or MEMORY_TAGS)
+        log.info(
+            "memory_released",
+            level=release.level,
+            tags=list(tags),
+            released=len(result.ok),
+            errors=len(result.errors),
+        )
+        result.raise_if_none_ok("release memory")
+        return result
+
+    async def resume_memory(self, tags: tuple[str, ...]) -> tuple[FleetResult, bool]:
+        """Take the regions `tags` (all when empty) back on every engine; resume generation once
+        every region is back. (result, whether the engines were resumed)."""
+        tags = _memory_tags(tags)
+        self._refuse_if_busy("resume memory")
+        result = await self._each(
+            self._pool.engines, WeightAction.RESUME_MEMORY, lambda e: e.client.resume_memory(tags)
+        )
+        self._asleep.difference_update(tags or MEMORY_TAGS)
+        generating = not self._asleep
+        if generating:
+            resumed = await self._control.resume(None)
+            result.extend(resumed, "resume: ")
+        log.info(
+            "memory_resumed",
+            tags=list(tags),
+            resumed=len(result.ok),
+            errors=len(result.errors),
+            generating=generating,
+        )
+        result.raise_if_none_ok("take memory back")
+        return result, generating
+
+    async def _each(
+        self,
+        engines: Sequence[EngineHandle],
+        action: WeightAction,
+        call: Callable[[EngineHandle], Awaitable[None]],
+    ) -> FleetResult:
+        """`call` on every engine concurrently, each within the control deadline."""
+        result = FleetResult()
+
+        async def one(engine: EngineHandle) -> None:
+            route = engine.client.weight_route(action)
+            try:
+                async with asyncio.timeout(self._deadline_s):
+                    await call(engine)
+            except TimeoutError:
+                result.fail(
+                    engine.url, ControlFailure.TIMEOUT, f"{route}: no answer within {self._deadline_s:g} s"
+                )
+                return
+            except EngineError as exc:
+                kind, message = describe_failure(exc, route, engine.client.missing_route_hint)
+                result.fail(engine.url, kind, message)
+                return
+            result.ok.append(engine.url)
+
+        await asyncio.gather(*(one(e) for e in engines if e.healthy))
+        return result
 
     # ----------------------------------------------------------------------------- the steps
 
@@ -338,6 +458,9 @@ class WeightUpdates:
             elif any_updated or outcome.load_failed:
                 why = f"weight update to {result.weight_version!r} failed: {outcome.error}"
                 self._pool.set_weights_problem(engine, why)
+        if self._asleep:  # colocated: generation resumes when ResumeMemory brought everything back
+            log.info("weight_update_resume_deferred", asleep=sorted(self._asleep))
+            return FleetResult()
         try:
             return await self._control.resume(None)
         except Exception as exc:  # reported with the update's outcome; never hides the load's error

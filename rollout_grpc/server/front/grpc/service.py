@@ -29,7 +29,7 @@ from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.grpc import convert, redaction
 from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
 from rollout_grpc.server.rollout.control import AbortResult
-from rollout_grpc.server.rollout.weights import CheckpointSource, WeightUpdate
+from rollout_grpc.server.rollout.weights import CheckpointSource, MemoryRelease, WeightUpdate
 from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
@@ -207,6 +207,26 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             paused_seconds=result.paused_s,
             load_seconds=result.load_s,
             retry=result.retry,
+        )
+
+    async def ReleaseMemory(
+        self, request: pb.ReleaseMemoryRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReleaseMemoryResponse:
+        level = request.level if request.HasField("level") else 1
+        release = MemoryRelease(level=level, tags=tuple(request.tags))
+        result = await self._facade.release_memory(current_record("ReleaseMemory"), release)
+        return pb.ReleaseMemoryResponse(
+            released_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors)
+        )
+
+    async def ResumeMemory(
+        self, request: pb.ResumeMemoryRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ResumeMemoryResponse:
+        result, generating = await self._facade.resume_memory(
+            current_record("ResumeMemory"), tuple(request.tags)
+        )
+        return pb.ResumeMemoryResponse(
+            resumed_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors), generating=generating
         )
 
     async def GetServerInfo(
