@@ -2510,6 +2510,7 @@ class ResumeSync(_message.Message):
 
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     RELABELLED_ENGINES_FIELD_NUMBER: _builtins.int
+    ROTATION_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.str
     """The weight version the Resume set ("" when it set none)."""
     @_builtins.property
@@ -2518,19 +2519,52 @@ class ResumeSync(_message.Message):
         version of tokens an engine streams without spans) become `weight_version`.
         """
 
+    @_builtins.property
+    def rotation(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineRotation]:
+        """An UpdateWeights' rotation changes: engines taken out of rotation (with why) or re-admitted
+        (empty `problem`), so that every worker routes the same way.
+        """
+
     def __init__(
         self,
         *,
         weight_version: _builtins.str = ...,
         relabelled_engines: _abc.Iterable[_builtins.str] | None = ...,
+        rotation: _abc.Iterable[Global___EngineRotation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["relabelled_engines", b"relabelled_engines", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["relabelled_engines", b"relabelled_engines", "rotation", b"rotation", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResumeSync: _TypeAlias = ResumeSync  # noqa: Y015
+
+@_typing.final
+class EngineRotation(_message.Message):
+    """One engine's place in the rotation after a weight update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    PROBLEM_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """The engine's base URL."""
+    problem: _builtins.str
+    """Why it receives no generations ("" re-admits it)."""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        problem: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "problem", b"problem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineRotation: _TypeAlias = EngineRotation  # noqa: Y015
 
 @_typing.final
 class SyncControlResponse(_message.Message):

@@ -449,15 +449,22 @@ class WeightUpdates:
         load failed (their weights may be gone) leave the rotation; the others keep serving.
         """
         any_updated = any(o.updated for o in result.engines)
+        rotation: dict[str, str] = {}
         for outcome in result.engines:
             engine = self._pool.get(outcome.url)
             if engine is None:
                 continue
             if outcome.updated:
-                self._pool.set_weights_problem(engine, "")
+                rotation[engine.url] = ""
             elif any_updated or outcome.load_failed:
-                why = f"weight update to {result.weight_version!r} failed: {outcome.error}"
-                self._pool.set_weights_problem(engine, why)
+                rotation[engine.url] = f"weight update to {result.weight_version!r} failed: {outcome.error}"
+            if engine.url in rotation:
+                self._pool.set_weights_problem(engine, rotation[engine.url])
+        updated = [o.url for o in result.engines if o.updated]
+        try:  # the other workers of this replica route the same way and know the new labels
+            await self._control.weights_updated(result.weight_version, updated, rotation)
+        except Exception as exc:
+            log.error("weight_update_sync_failed", weight_version=result.weight_version, error=str(exc))
         if self._asleep:  # colocated: generation resumes when ResumeMemory brought everything back
             log.info("weight_update_resume_deferred", asleep=sorted(self._asleep))
             return FleetResult()
