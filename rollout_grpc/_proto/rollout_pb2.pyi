@@ -1579,12 +1579,169 @@ class CheckpointSource(_message.Message):
 Global___CheckpointSource: _TypeAlias = CheckpointSource  # noqa: Y015
 
 @_typing.final
+class DistributedSource(_message.Message):
+    """The trainer's NCCL rendezvous and the tensors of one distributed update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BACKEND_FIELD_NUMBER: _builtins.int
+    MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    backend: _builtins.str
+    """The collective backend: "nccl" (the only one both engines take over HTTP)."""
+    master_address: _builtins.str
+    """The rendezvous address every engine connects to (the trainer's TCP store)."""
+    master_port: _builtins.int
+    """The rendezvous port (1-65535)."""
+    group_name: _builtins.str
+    """The group's name (SGLang keys groups by it; default "weight_update_group")."""
+    world_size: _builtins.int
+    """The group size the trainer created: must equal the last PlanWeightTransfer's `world_size`."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
+        """The tensors the trainer broadcasts, in broadcast order. At least one."""
+
+    def __init__(
+        self,
+        *,
+        backend: _builtins.str = ...,
+        master_address: _builtins.str = ...,
+        master_port: _builtins.int = ...,
+        group_name: _builtins.str = ...,
+        world_size: _builtins.int = ...,
+        tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "group_name", b"group_name", "master_address", b"master_address", "master_port", b"master_port", "tensors", b"tensors", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DistributedSource: _TypeAlias = DistributedSource  # noqa: Y015
+
+@_typing.final
+class TensorSpec(_message.Message):
+    """One tensor of a distributed update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The parameter's name in the model's checkpoint format ("model.layers.0.mlp.up_proj.weight")."""
+    dtype: _builtins.str
+    """Its dtype as torch spells it without the prefix ("bfloat16", "float16", "float32")."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Its shape."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
+
+@_typing.final
+class PlanWeightTransferRequest(_message.Message):
+    """Asks for the distributed transfer's rank plan."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRAINER_RANKS_FIELD_NUMBER: _builtins.int
+    trainer_ranks: _builtins.int
+    """Ranks on the trainer's side, from rank 0 (the broadcaster). 0 means 1."""
+    def __init__(
+        self,
+        *,
+        trainer_ranks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["trainer_ranks", b"trainer_ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanWeightTransferRequest: _TypeAlias = PlanWeightTransferRequest  # noqa: Y015
+
+@_typing.final
+class EngineRanks(_message.Message):
+    """One engine's ranks in the transfer group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    RANK_OFFSET_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """The engine's base URL."""
+    rank_offset: _builtins.int
+    """Its first rank (what the engine is told as `rank_offset`)."""
+    ranks: _builtins.int
+    """How many ranks it has (its workers: tensor x pipeline parallel, x data parallel on vLLM)."""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        rank_offset: _builtins.int = ...,
+        ranks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "rank_offset", b"rank_offset", "ranks", b"ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineRanks: _TypeAlias = EngineRanks  # noqa: Y015
+
+@_typing.final
+class PlanWeightTransferResponse(_message.Message):
+    """The distributed transfer's rank plan."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    world_size: _builtins.int
+    """The group size: the trainer's ranks plus every engine's."""
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineRanks]:
+        """Every engine in rotation, in rank order."""
+
+    def __init__(
+        self,
+        *,
+        world_size: _builtins.int = ...,
+        engines: _abc.Iterable[Global___EngineRanks] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanWeightTransferResponse: _TypeAlias = PlanWeightTransferResponse  # noqa: Y015
+
+@_typing.final
 class UpdateWeightsRequest(_message.Message):
     """Asks for one fleet-wide weight update."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    DISTRIBUTED_FIELD_NUMBER: _builtins.int
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     PAUSE_MODE_FIELD_NUMBER: _builtins.int
     ALL_AT_ONCE_FIELD_NUMBER: _builtins.int
@@ -1606,19 +1763,27 @@ class UpdateWeightsRequest(_message.Message):
         `/update_weights_from_disk`).
         """
 
+    @_builtins.property
+    def distributed(self) -> Global___DistributedSource:
+        """Receive the weights the trainer broadcasts in the group of the last PlanWeightTransfer
+        (vLLM's weight-transfer engine, SGLang `/update_weights_from_distributed`). The trainer
+        broadcasts while this call runs; every engine takes part, so there is no staged load.
+        """
+
     def __init__(
         self,
         *,
         checkpoint: Global___CheckpointSource | None = ...,
+        distributed: Global___DistributedSource | None = ...,
         weight_version: _builtins.str = ...,
         pause_mode: Global___PauseMode.ValueType = ...,
         all_at_once: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "source", b"source"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "distributed", b"distributed", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_at_once", b"all_at_once", "checkpoint", b"checkpoint", "pause_mode", b"pause_mode", "source", b"source", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_at_once", b"all_at_once", "checkpoint", b"checkpoint", "distributed", b"distributed", "pause_mode", b"pause_mode", "source", b"source", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["checkpoint"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["checkpoint", "distributed"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
 

@@ -44,6 +44,11 @@ class RolloutServiceStub:
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.PlanWeightTransfer = channel.unary_unary(
+                '/rollout.v1.RolloutService/PlanWeightTransfer',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferResponse.FromString,
+                _registered_method=True)
         self.ReleaseMemory = channel.unary_unary(
                 '/rollout.v1.RolloutService/ReleaseMemory',
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryRequest.SerializeToString,
@@ -134,6 +139,17 @@ class RolloutServiceServicer:
         `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
         not check out, a version that goes backwards, another update in progress). Admin role only.
         docs/engines.md "Weight updates".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanWeightTransfer(self, request, context):
+        """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
+        replica asks every engine in rotation how many ranks it has (vLLM `/get_world_size`, SGLang's
+        tensor-parallel size), gives the trainer ranks [0, trainer_ranks) and each engine the next
+        block (`rank_offset`), and remembers the plan for UpdateWeights(distributed). The trainer
+        creates its side of the group with `world_size`. Admin role only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -231,6 +247,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'PlanWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanWeightTransfer,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferResponse.SerializeToString,
             ),
             'ReleaseMemory': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseMemory,
@@ -400,6 +421,33 @@ class RolloutService:
             '/rollout.v1.RolloutService/UpdateWeights',
             rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
             rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/PlanWeightTransfer',
+            rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

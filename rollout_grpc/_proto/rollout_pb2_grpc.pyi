@@ -88,6 +88,13 @@ class RolloutServiceStub:
     not check out, a version that goes backwards, another update in progress). Admin role only.
     docs/engines.md "Weight updates".
     """
+    PlanWeightTransfer: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.PlanWeightTransferRequest, _rollout_pb2.PlanWeightTransferResponse]
+    """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
+    replica asks every engine in rotation how many ranks it has (vLLM `/get_world_size`, SGLang's
+    tensor-parallel size), gives the trainer ranks [0, trainer_ranks) and each engine the next
+    block (`rank_offset`), and remembers the plan for UpdateWeights(distributed). The trainer
+    creates its side of the group with `world_size`. Admin role only.
+    """
     ReleaseMemory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ReleaseMemoryRequest, _rollout_pb2.ReleaseMemoryResponse]
     """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
     and frees its accelerator memory (vLLM `/sleep`, SGLang `/release_memory_occupation`), so a
@@ -172,6 +179,13 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
     not check out, a version that goes backwards, another update in progress). Admin role only.
     docs/engines.md "Weight updates".
+    """
+    PlanWeightTransfer: _aio.UnaryUnaryMultiCallable[_rollout_pb2.PlanWeightTransferRequest, _rollout_pb2.PlanWeightTransferResponse]  # type: ignore[assignment]
+    """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
+    replica asks every engine in rotation how many ranks it has (vLLM `/get_world_size`, SGLang's
+    tensor-parallel size), gives the trainer ranks [0, trainer_ranks) and each engine the next
+    block (`rank_offset`), and remembers the plan for UpdateWeights(distributed). The trainer
+    creates its side of the group with `world_size`. Admin role only.
     """
     ReleaseMemory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ReleaseMemoryRequest, _rollout_pb2.ReleaseMemoryResponse]  # type: ignore[assignment]
     """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
@@ -284,6 +298,19 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
         not check out, a version that goes backwards, another update in progress). Admin role only.
         docs/engines.md "Weight updates".
+        """
+
+    @_abc_1.abstractmethod
+    def PlanWeightTransfer(
+        self,
+        request: _rollout_pb2.PlanWeightTransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.PlanWeightTransferResponse, _abc.Awaitable[_rollout_pb2.PlanWeightTransferResponse]]:
+        """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
+        replica asks every engine in rotation how many ranks it has (vLLM `/get_world_size`, SGLang's
+        tensor-parallel size), gives the trainer ranks [0, trainer_ranks) and each engine the next
+        block (`rank_offset`), and remembers the plan for UpdateWeights(distributed). The trainer
+        creates its side of the group with `world_size`. Admin role only.
         """
 
     @_abc_1.abstractmethod

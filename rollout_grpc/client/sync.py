@@ -35,6 +35,7 @@ from rollout_grpc.client.samples import (
     pause_request,
     render_request,
     resume_request,
+    update_weights_distributed_request,
     update_weights_request,
 )
 from rollout_grpc.client.step import GroupLike, StepProgressBar, step_request
@@ -308,6 +309,51 @@ class RolloutClient:
         load takes as long as the checkpoint does."""
         request = update_weights_request(
             checkpoint, weight_version, pause_mode=pause_mode, all_at_once=all_at_once
+        )
+        with raising_rollout_errors():
+            response: pb.UpdateWeightsResponse = self._stub.UpdateWeights(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        return response
+
+    def plan_weight_transfer(
+        self, trainer_ranks: int = 1, *, timeout: float | None = 60.0
+    ) -> pb.PlanWeightTransferResponse:
+        """Distributed transfer, step 1: the group's `world_size` and every engine's rank offset
+        (the trainer holds ranks 0..trainer_ranks-1; rank 0 broadcasts). Create the trainer's side
+        of the group with that world size, then call `update_weights_distributed` while
+        broadcasting (docs/engines.md "Weight updates"; unverified without GPUs)."""
+        with raising_rollout_errors():
+            response: pb.PlanWeightTransferResponse = self._stub.PlanWeightTransfer(
+                pb.PlanWeightTransferRequest(trainer_ranks=trainer_ranks),
+                timeout=timeout,
+                metadata=self._metadata,
+            )
+        return response
+
+    def update_weights_distributed(
+        self,
+        weight_version: str,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        tensors: Sequence[tuple[str, str, Sequence[int]]],
+        group_name: str = "weight_update_group",
+        pause_mode: str = "keep",
+        timeout: float | None = None,
+    ) -> pb.UpdateWeightsResponse:
+        """Distributed transfer, step 2: pause, let every engine receive `tensors` ((name, torch
+        dtype, shape), in broadcast order) from the trainer's broadcast in the planned group (joining
+        it the first time), label, resume. The trainer broadcasts while this call runs."""
+        request = update_weights_distributed_request(
+            weight_version,
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            tensors=tensors,
+            group_name=group_name,
+            pause_mode=pause_mode,
         )
         with raising_rollout_errors():
             response: pb.UpdateWeightsResponse = self._stub.UpdateWeights(

@@ -121,6 +121,11 @@ def create_app(
         ("POST", "/sleep", weights.sleep),
         ("POST", "/wake_up", weights.wake_up),
         ("GET", "/is_sleeping", weights.is_sleeping),
+        ("GET", "/get_world_size", weights.get_world_size),
+        ("POST", "/init_weight_transfer_engine", weights.init_weight_transfer_engine),
+        ("POST", "/start_weight_update", weights.start_weight_update),
+        ("POST", "/update_weights", weights.update_weights),
+        ("POST", "/finish_weight_update", weights.finish_weight_update),
     ]
     for method, path, handler in dev:
         r.add_route(method, path, _dev(handler))

@@ -194,6 +194,9 @@ class SimConfig:
     ttft_s: float = 0.0
     seed: int = 0
     model_seed: int = 0
+    #: The weight-transfer backend the engine was started with (vLLM's `--weight-transfer-config`,
+    #: e.g. "nccl"); "" answers every transfer route "Weight transfer not configured" (measured).
+    weight_transfer: str = ""
     eos_probability: float = 0.01
     dev_mode: bool = True
     scale_out: bool = True

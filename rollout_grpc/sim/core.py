@@ -154,6 +154,11 @@ class EngineCore:
         self.sleep_level = 0
         #: Memory regions a sleep freed and no wake-up took back yet (vLLM's tags).
         self.asleep_tags: set[str] = set()
+        #: Distributed transfer: the joined group's init info by group name (vLLM's has no name:
+        #: ""), whether a vLLM update session is open, and how many updates were received.
+        self.transfer_groups: dict[str, dict[str, Any]] = {}
+        self.transfer_active = False
+        self.transfers = 0
         self.requests: dict[str, list[EngineRequest]] = {}
         self.running: set[EngineRequest] = set()
         self.held: set[EngineRequest] = set()

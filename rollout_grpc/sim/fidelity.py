@@ -2,11 +2,11 @@
 
 The service (``rollout_grpc/server``) reaches an engine only through ``/health``, ``/v1/models``,
 ``/server_info``, ``/is_paused``, ``/pause``, ``/resume``, ``/update_weight_version``,
-``/weight_info``, ``/inference/v1/generate``, ``/inference/v1/abort_requests`` and the two render
-routes. The routes here are the rest of vLLM 0.32's surface that a token-in/token-out client could
-meet: liveness and version, load and Prometheus metrics, the tokenizer, the prefix and
-encoder cache resets and the weight-transfer stubs (``/collective_rpc``, ``/sleep``, ``/wake_up`` and
-``/is_sleeping``, which the service calls, are in ``weights.py``) (``/reset_mm_cache`` stays in
+``/weight_info``, ``/inference/v1/generate``, ``/inference/v1/abort_requests``, the two render
+routes and the weight routes of ``weights.py`` (``/collective_rpc``, ``/sleep``, ``/wake_up``,
+``/is_sleeping``, ``/get_world_size`` and the weight-transfer lifecycle). The routes here are the
+rest of vLLM 0.32's surface that a token-in/token-out client could meet: liveness and version, load
+and Prometheus metrics, the tokenizer, the prefix and encoder cache resets (``/reset_mm_cache`` stays in
 ``control.py``: the service's multimodal tests evict the engine's cache with it). They are not
 used by the service; they stay so that ``rollout-grpc sim`` answers every route a vLLM client may
 probe with vLLM's exact body, and so that ``tests/sim`` (recorded bodies) and the live conformance
@@ -34,11 +34,6 @@ Wrap = Callable[[Handler], Handler]
 
 METRICS_CT = "text/plain; version=1.0.0; charset=utf-8"
 VERSION = "0.32.0"
-WEIGHT_TRANSFER_ERROR = (
-    "Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. "
-    "Please set weight_transfer_config to enable weight transfer.', please check the stack trace above "
-    "for the root cause"
-)
 
 
 def _core(request: web.Request) -> EngineCore:
@@ -58,12 +53,7 @@ def add_routes(router: web.UrlDispatcher, *, dev: Wrap) -> None:
     development: list[tuple[str, str, Handler]] = [
         ("POST", "/reset_prefix_cache", reset_prefix_cache),
         ("POST", "/reset_encoder_cache", reset_encoder_cache),
-        ("GET", "/get_world_size", get_world_size),
         ("POST", "/release_kv_cache_memory", release_kv_cache_memory),
-        ("POST", "/init_weight_transfer_engine", weight_transfer_unconfigured),
-        ("POST", "/start_weight_update", weight_transfer_unconfigured),
-        ("POST", "/update_weights", weight_transfer_unconfigured),
-        ("POST", "/finish_weight_update", weight_transfer_unconfigured),
     ]
     for method, path, handler in development:
         router.add_route(method, path, dev(handler))
@@ -187,14 +177,5 @@ async def reset_encoder_cache(request: web.Request) -> web.StreamResponse:
     return web.Response(status=200)
 
 
-async def get_world_size(request: web.Request) -> web.StreamResponse:
-    return json_response({"world_size": 1})
-
-
 async def release_kv_cache_memory(request: web.Request) -> web.StreamResponse:
     return json_response({"status": "kv_cache_released"})
-
-
-async def weight_transfer_unconfigured(request: web.Request) -> web.StreamResponse:
-    """Init/start/update/finish weight transfer: the simulator has no transfer backend."""
-    return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()

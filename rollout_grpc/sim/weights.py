@@ -204,3 +204,115 @@ async def wake_up(request: web.Request) -> web.StreamResponse:
 async def is_sleeping(request: web.Request) -> web.StreamResponse:
     core: EngineCore = request.app[CORE_KEY]
     return json_response({"is_sleeping": core.sleeping})
+
+
+# ------------------------------------------------------------------ distributed transfer (vLLM)
+
+WEIGHT_TRANSFER_ERROR = VLLM_RPC_FAILED.format(
+    "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
+)
+
+
+def _transfer_error(message: str) -> web.Response:
+    return ApiError(500, VLLM_RPC_FAILED.format(message), "InternalServerError").response()
+
+
+async def get_world_size(request: web.Request) -> web.StreamResponse:
+    """``GET /get_world_size``: one worker."""
+    return json_response({"world_size": 1})
+
+
+def received_seed(names: list[str], shapes: list[Any], transfers: int) -> int:
+    """The toy model the simulated engine holds after receiving a broadcast: it cannot see the
+    trainer's tensors, so the tensor list and the update count stand for them (the same on every
+    engine of the group, as the broadcast is)."""
+    digest = hashlib.blake2b(json.dumps([names, shapes, transfers]).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
+
+
+async def init_weight_transfer_engine(request: web.Request) -> web.StreamResponse:
+    """``{"init_info": {...}}``: joins the trainer's group (the real NCCL join blocks until every
+    rank joined; here it returns at once). vLLM's `NCCLWeightTransferInitInfo` requires
+    `rank_offset` and `world_size` and one rendezvous (`master_address` + `master_port`)."""
+    core: EngineCore = request.app[CORE_KEY]
+    if not core.config.weight_transfer:
+        return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
+    body = await json_or_none(request)
+    info = body.get("init_info") if isinstance(body, dict) else None
+    if not isinstance(info, dict):
+        raise validation_error(
+            [{"type": "missing", "loc": "body.init_info", "msg": "Field required", "input": body}]
+        )
+    for key in ("rank_offset", "world_size"):
+        if key not in info:
+            return _transfer_error(f"__init__() missing 1 required keyword-only argument: '{key}'")
+    if not info.get("master_address") or not info.get("master_port"):
+        return _transfer_error("provide master_address and master_port, or nccl_unique_id_b64")
+    core.transfer_groups[""] = dict(info)
+    return json_response({"message": "Weight transfer initialized"})
+
+
+async def start_weight_update(request: web.Request) -> web.StreamResponse:
+    core: EngineCore = request.app[CORE_KEY]
+    if not core.config.weight_transfer:
+        return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
+    if core.transfer_active:
+        return _transfer_error(
+            "start_weight_update called while a weight update is already active. "
+            "Call finish_weight_update first."
+        )
+    if "" not in core.transfer_groups:
+        return _transfer_error(
+            "weight transfer engine is not initialized: call init_weight_transfer_engine first"
+        )
+    core.transfer_active = True
+    return json_response({"message": "Weight update started"})
+
+
+async def update_weights(request: web.Request) -> web.StreamResponse:
+    """``{"update_info": {"names", "dtype_names", "shapes"}}``: receives one broadcast (the faults
+    of checkpoint loads apply: ``load_fault``, ``load_delay_ms``); a failure ends the session."""
+    core: EngineCore = request.app[CORE_KEY]
+    if not core.config.weight_transfer:
+        return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
+    body = await json_or_none(request)
+    info = body.get("update_info") if isinstance(body, dict) else None
+    if not isinstance(info, dict):
+        raise validation_error(
+            [{"type": "missing", "loc": "body.update_info", "msg": "Field required", "input": body}]
+        )
+    if not core.transfer_active:
+        return _transfer_error("start_weight_update must be called before update_weights.")
+    names, dtypes, shapes = info.get("names") or [], info.get("dtype_names") or [], info.get("shapes") or []
+    for field, values in (("dtype_names", dtypes), ("shapes", shapes)):
+        if len(values) != len(names):
+            core.transfer_active = False
+            return _transfer_error(
+                f"`{field}` should be of the same size as `names`: got {len(values)} and {len(names)}"
+            )
+    faults = core.config.faults
+    if faults.load_delay_ms > 0:
+        await asyncio.sleep(faults.load_delay_ms / 1000)
+    if faults.load_fault == "error":
+        core.transfer_active = False
+        return _transfer_error("simulated worker failure while receiving weights")
+    core.transfers += 1
+    seed = received_seed(list(names), list(shapes), core.transfers)
+    core.swap_model(ToyLM(core.config.vocab_size, seed, core.config.eos_probability))
+    core.stats.weight_loads += 1
+    return json_response({"message": "Weights updated"})
+
+
+async def finish_weight_update(request: web.Request) -> web.StreamResponse:
+    """``{"weight_version": optional}``: closes the session (and sets the version when given)."""
+    core: EngineCore = request.app[CORE_KEY]
+    if not core.config.weight_transfer:
+        return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
+    if not core.transfer_active:
+        return _transfer_error("finish_weight_update called without a matching start_weight_update.")
+    core.transfer_active = False
+    body = await json_or_none(request)
+    version = body.get("weight_version") if isinstance(body, dict) else None
+    if isinstance(version, str):
+        core.update_weight_version(version)
+    return json_response({"message": "Weight update finished"})

@@ -9,7 +9,7 @@ is set when a call has yielded its first event.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
 
@@ -27,6 +27,8 @@ from rollout_grpc.server.engines.api import (
     MemoryRelease,
     Rendered,
     ServedModel,
+    TensorSpec,
+    TransferGroup,
     WeightAction,
 )
 
@@ -54,7 +56,7 @@ class FakeEngine:
     scripts: list[list[Step]] = field(default_factory=list)
     healthy: bool = True
     calls: list[EngineCall] = field(default_factory=list)
-    #: Checkpoint paths loaded, and memory released / taken back, in order.
+    #: Checkpoint paths loaded; memory released / taken back and transfer steps, in order.
     loaded: list[str] = field(default_factory=list)
     memory: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -112,6 +114,17 @@ class FakeEngine:
 
     async def load_checkpoint(self, path: str, timeout: float | None) -> None:
         self.loaded.append(path)
+
+    async def transfer_ranks(self) -> int:
+        return 1
+
+    async def init_transfer(self, group: TransferGroup, rank_offset: int, timeout: float | None) -> None:
+        self.memory.append(("init_transfer", (str(rank_offset),)))
+
+    async def receive_weights(
+        self, group: TransferGroup, tensors: Sequence[TensorSpec], timeout: float | None
+    ) -> None:
+        self.memory.append(("receive_weights", tuple(t.name for t in tensors)))
 
     async def release_memory(self, release: MemoryRelease) -> None:
         self.memory.append(("release", release.tags))

@@ -201,3 +201,30 @@ async def test_colocated_sleep_and_wake_through_the_service(vllm_dense_url: str)
         after = await _seeded(h.client)
     assert list(after.tokens) == list(before.tokens)
     assert list(after.rollout_log_probs) == pytest.approx(list(before.rollout_log_probs), abs=1e-5)
+
+
+async def test_a_distributed_update_on_vllm_without_a_transfer_backend_fails_cleanly(
+    vllm_dense_url: str,
+) -> None:
+    """The tier's vLLM runs without --weight-transfer-config: the plan still reads its world size
+    (`/get_world_size`), the join is refused with vLLM's own cause, and the engine keeps serving
+    its weights under its label, in rotation. (The NCCL broadcast itself needs GPUs.)"""
+    async with harness("vllm", vllm_dense_url) as h:
+        before = await _seeded(h.client)
+        plan = await h.client.plan_weight_transfer()
+        assert plan.world_size == 2
+        assert [(e.engine, e.rank_offset, e.ranks) for e in plan.engines] == [(vllm_dense_url, 1, 1)]
+        with pytest.raises(UnavailableError, match="Weight transfer not configured") as info:
+            await h.client.update_weights_distributed(
+                "v1",
+                master_address="127.0.0.1",
+                master_port=29500,
+                world_size=2,
+                tensors=[("model.norm.weight", "bfloat16", [64])],
+            )
+        assert "/init_weight_transfer_engine" in (info.value.details() or "")
+        engine = h.server.pool.get(vllm_dense_url)
+        assert engine is not None and engine.usable
+        after = await _seeded(h.client)
+    assert [w.version for w in after.weight_versions] == ["default"]
+    assert list(after.rollout_log_probs) == list(before.rollout_log_probs)

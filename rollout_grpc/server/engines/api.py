@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
 from typing import Any, Protocol
@@ -306,6 +306,29 @@ class WeightAction(enum.StrEnum):
     LOAD_CHECKPOINT = "load_checkpoint"
     RELEASE_MEMORY = "release_memory"
     RESUME_MEMORY = "resume_memory"
+    TRANSFER_RANKS = "transfer_ranks"
+    INIT_TRANSFER = "init_transfer"
+    RECEIVE_WEIGHTS = "receive_weights"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferGroup:
+    """The collective group a trainer broadcasts new weights in (distributed weight transfer)."""
+
+    backend: str
+    master_address: str
+    master_port: int
+    group_name: str
+    world_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor the trainer broadcasts: checkpoint name, torch dtype name, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
 
 
 #: The memory regions a colocated trainer frees and takes back (vLLM's and SGLang's tag names).
@@ -411,6 +434,21 @@ class EngineAdapter(Protocol):
         in place; the caller paused the engine first. Raises an `EngineError` with the engine's own
         cause when the engine did not load it (vLLM 0.32 is then left without usable weights:
         docs/engines.md "Weight updates")."""
+        ...
+
+    async def transfer_ranks(self) -> int:
+        """How many ranks this engine has in a weight-transfer group (its workers)."""
+        ...
+
+    async def init_transfer(self, group: TransferGroup, rank_offset: int, timeout: float | None) -> None:
+        """Join `group` with ranks from `rank_offset` on; blocks until every rank joined."""
+        ...
+
+    async def receive_weights(
+        self, group: TransferGroup, tensors: Sequence[TensorSpec], timeout: float | None
+    ) -> None:
+        """Receive `tensors` broadcast by the trainer (rank 0) in `group` and load them in place;
+        the caller paused the engine first."""
         ...
 
     async def release_memory(self, release: MemoryRelease) -> None:

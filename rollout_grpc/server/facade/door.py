@@ -26,7 +26,13 @@ from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
 from rollout_grpc.server.rollout.step.runner import GroupEnded, StepEvent, StepRunner, Summary
 from rollout_grpc.server.rollout.step.spec import Outcome, StepSpec
-from rollout_grpc.server.rollout.weights import MemoryRelease, WeightUpdate, WeightUpdateResult, WeightUpdates
+from rollout_grpc.server.rollout.weights import (
+    MemoryRelease,
+    TransferPlan,
+    WeightUpdate,
+    WeightUpdateResult,
+    WeightUpdates,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -185,6 +191,12 @@ class RolloutFacade:
         if self.steps is not None:
             self.steps.versions.advance(result.weight_version)
         return result
+
+    async def plan_transfer(self, record: CallRecord, trainer_ranks: int) -> TransferPlan:
+        """Distributed weight transfer: the group's rank plan (`rollout/weights.py`)."""
+        if self._weights is None:
+            raise FailedPrecondition("weight transfers are not available on this replica")
+        return await self._weights.plan_transfer(trainer_ranks)
 
     async def release_memory(self, record: CallRecord, release: MemoryRelease) -> FleetResult:
         """Colocated training: pause every engine and free its memory (`rollout/weights.py`)."""

@@ -43,6 +43,8 @@ from rollout_grpc.server.engines.api import (
     ControlAction,
     EngineError,
     MemoryRelease,
+    TensorSpec,
+    TransferGroup,
     WeightAction,
 )
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
@@ -57,8 +59,12 @@ from rollout_grpc.server.rollout.control import (
 
 __all__ = [
     "CheckpointSource",
+    "DistributedSource",
     "EngineOutcome",
     "MemoryRelease",
+    "TensorSpec",
+    "TransferGroup",
+    "TransferPlan",
     "WeightUpdate",
     "WeightUpdateResult",
     "WeightUpdates",
@@ -82,10 +88,37 @@ class CheckpointSource:
 
 
 @dataclass(frozen=True, slots=True)
+class DistributedSource:
+    """Receive the tensors the trainer broadcasts in `group` (planned by `plan_transfer`)."""
+
+    group: TransferGroup
+    tensors: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """The distributed transfer's ranks: the trainer's first, then each engine's block."""
+
+    world_size: int
+    #: (engine URL, rank offset, ranks), in rank order.
+    engines: tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Loader:
+    """How one update puts weights on an engine: the route named in messages, the call, and whether
+    one engine may go first (a broadcast needs every rank at once)."""
+
+    action: WeightAction
+    load: Callable[[EngineHandle], Awaitable[None]]
+    staged: bool
+
+
+@dataclass(frozen=True, slots=True)
 class WeightUpdate:
     """One fleet-wide weight update, in domain terms."""
 
-    source: CheckpointSource
+    source: CheckpointSource | DistributedSource
     #: The label later tokens carry (`Sample.weight_versions`).
     weight_version: str
     #: How in-flight generations are treated while the engines load: abort, wait or keep.
@@ -124,6 +157,48 @@ class WeightUpdateResult:
     @property
     def failed(self) -> list[EngineOutcome]:
         return [e for e in self.engines if not e.updated]
+
+
+#: The dtypes a distributed update may name (torch's names, as both engines take them).
+TORCH_DTYPES = frozenset(
+    {
+        "bfloat16",
+        "float16",
+        "float32",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int8",
+        "uint8",
+        "int32",
+        "int64",
+        "bool",
+    }
+)
+DISTRIBUTED = "source.distributed"
+
+
+def _check_tensors(tensors: Sequence[TensorSpec]) -> None:
+    """INVALID_ARGUMENT naming the first tensor field that is wrong."""
+    if not tensors:
+        raise InvalidArgument(f"{DISTRIBUTED}.tensors", "must list at least one tensor")
+    for i, tensor in enumerate(tensors):
+        where = f"{DISTRIBUTED}.tensors[{i}]"
+        if not tensor.name:
+            raise InvalidArgument(f"{where}.name", "must not be empty")
+        if tensor.dtype not in TORCH_DTYPES:
+            raise InvalidArgument(f"{where}.dtype", f"must be one of {', '.join(sorted(TORCH_DTYPES))}")
+        if not tensor.shape or any(d < 1 for d in tensor.shape):
+            raise InvalidArgument(f"{where}.shape", f"must list positive sizes; got {list(tensor.shape)[:8]}")
+
+
+class _StepError(Exception):
+    """An engine failed at `action`, one step of a multi-step load (init, then receive)."""
+
+    def __init__(self, action: WeightAction, cause: EngineError) -> None:
+        super().__init__(cause.message)
+        self.action = action
+        self.cause = cause
 
 
 def _as_int(label: str) -> int | None:
@@ -188,6 +263,9 @@ class WeightUpdates:
         #: Memory regions the engines freed (ReleaseMemory) and have not taken back yet.
         self._asleep: set[str] = set()
         self._memory_busy = False
+        #: The last PlanWeightTransfer, and the group the engines of that plan joined (if any).
+        self._plan: TransferPlan | None = None
+        self._joined: tuple[TransferGroup, frozenset[str]] | None = None
 
     @property
     def running(self) -> str | None:
@@ -198,7 +276,11 @@ class WeightUpdates:
         """Run one update (see the module docstring); raises the domain errors described there."""
         if update.pause_mode not in PAUSE_MODES:
             raise InvalidArgument("pause_mode", f"must be ABORT, WAIT or KEEP; got {update.pause_mode!r}")
-        path = allowed_path(update.source.path, self._prefixes)
+        if isinstance(update.source, CheckpointSource):
+            path = allowed_path(update.source.path, self._prefixes)
+        else:
+            plan = self._check_distributed(update.source)
+            path = f"distributed {update.source.group.master_address}:{update.source.group.master_port}"
         if self._running is not None:
             raise FailedPrecondition(
                 f"a weight update to {self._running!r} is in progress on this replica; updates are "
@@ -206,7 +288,11 @@ class WeightUpdates:
             )
         self._refuse_if_busy("update weights")
         self._running = update.weight_version
-        task = asyncio.ensure_future(self._run(update, path))
+        task = asyncio.ensure_future(
+            self._run(update, path)
+            if isinstance(update.source, CheckpointSource)
+            else self._run_distributed(update, plan)
+        )
         self._task = task
         task.add_done_callback(self._finished)
         try:
@@ -234,6 +320,129 @@ class WeightUpdates:
                 await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s + 2 * self._deadline_s)
             except BaseException:  # its outcome is logged by the task itself
                 task.cancel()
+
+    # ----------------------------------------------------------------------------- distributed transfer
+
+    async def plan_transfer(self, trainer_ranks: int) -> TransferPlan:
+        """Ask every engine in rotation its ranks and lay out the group: the trainer's ranks first,
+        then each engine's block. Remembered for the next distributed updates (which join it)."""
+        if trainer_ranks < 1:
+            raise InvalidArgument("trainer_ranks", f"must be at least 1; got {trainer_ranks}")
+        self._refuse_if_busy("plan a weight transfer")
+        engines = self._rotation()
+        if not engines:
+            raise Unavailable("no engine is in rotation to plan a weight transfer for")
+
+        async def ask(engine: EngineHandle) -> int | str:
+            route = engine.client.weight_route(WeightAction.TRANSFER_RANKS)
+            try:
+                async with asyncio.timeout(self._deadline_s):
+                    return await engine.client.transfer_ranks()
+            except TimeoutError:
+                return f"{route}: no answer within {self._deadline_s:g} s"
+            except EngineError as exc:
+                return describe_failure(exc, route, engine.client.missing_route_hint)[1]
+
+        answers = await asyncio.gather(*(ask(e) for e in engines))
+        errors = [f"{e.url}: {a}" for e, a in zip(engines, answers, strict=True) if isinstance(a, str)]
+        if errors:
+            raise Unavailable("cannot plan the weight transfer: " + "; ".join(errors))
+        layout: list[tuple[str, int, int]] = []
+        offset = trainer_ranks
+        for engine, ranks in zip(engines, answers, strict=True):
+            assert isinstance(ranks, int)
+            layout.append((engine.url, offset, ranks))
+            offset += ranks
+        self._plan = TransferPlan(world_size=offset, engines=tuple(layout))
+        self._joined = None
+        log.info("weight_transfer_planned", world_size=offset, trainer_ranks=trainer_ranks, engines=layout)
+        return self._plan
+
+    def _check_distributed(self, source: DistributedSource) -> TransferPlan:
+        """The plan a distributed update runs on, after checking its fields (named) against it."""
+        group = source.group
+        if group.backend != "nccl":
+            raise InvalidArgument(f"{DISTRIBUTED}.backend", f"must be nccl; got {group.backend[:32]!r}")
+        if not group.master_address:
+            raise InvalidArgument(f"{DISTRIBUTED}.master_address", "must be set")
+        if not 1 <= group.master_port <= 65535:
+            raise InvalidArgument(f"{DISTRIBUTED}.master_port", f"must be 1-65535; got {group.master_port}")
+        if not group.group_name:
+            raise InvalidArgument(f"{DISTRIBUTED}.group_name", "must not be empty")
+        _check_tensors(source.tensors)
+        plan = self._plan
+        if plan is None:
+            raise FailedPrecondition(
+                "no weight transfer is planned on this replica: call PlanWeightTransfer first"
+            )
+        if group.world_size != plan.world_size:
+            raise FailedPrecondition(
+                f"{DISTRIBUTED}.world_size {group.world_size} is not the planned group's {plan.world_size}"
+            )
+        planned = {url for url, _, _ in plan.engines}
+        rotation = {e.url for e in self._rotation()}
+        if planned != rotation:
+            raise FailedPrecondition(
+                "the engines in rotation changed since PlanWeightTransfer (planned "
+                f"{sorted(planned)}, now {sorted(rotation)}): plan again and rebuild the group"
+            )
+        return plan
+
+    async def _run_distributed(self, update: WeightUpdate, plan: TransferPlan) -> WeightUpdateResult:
+        source = update.source
+        assert isinstance(source, DistributedSource)
+        version = update.weight_version
+        loop = asyncio.get_running_loop()
+        try:
+            labels = await self._labels()
+            in_rotation = sorted({labels.get(e.url, e.weight_version) for e in self._rotation()} - {""})
+            check_version(version, in_rotation, self._used)
+            offsets = {url: offset for url, offset, _ in plan.engines}
+            targets = [e for e in self._pool.engines if e.url in offsets]
+            result = WeightUpdateResult(version, in_rotation)
+            started = loop.time()
+            try:
+                paused = await self._control.pause(update.pause_mode)
+            except Exception as exc:
+                raise Unavailable(f"weight update to {version!r} not started: {exc}") from exc
+            joined = (
+                self._joined[1]
+                if self._joined is not None and self._joined[0] == source.group
+                else frozenset()
+            )
+            newly: set[str] = set()
+
+            async def load(engine: EngineHandle) -> None:
+                if engine.url not in joined:
+                    try:
+                        await engine.client.init_transfer(
+                            source.group, offsets[engine.url], self._load_timeout_s
+                        )
+                    except EngineError as exc:
+                        raise _StepError(WeightAction.INIT_TRANSFER, exc) from exc
+                    newly.add(engine.url)
+                await engine.client.receive_weights(source.group, source.tensors, self._load_timeout_s)
+
+            try:
+                await self._load_and_label(
+                    update, _Loader(WeightAction.RECEIVE_WEIGHTS, load, staged=False), targets, paused, result
+                )
+            finally:
+                self._joined = (source.group, frozenset(joined | newly))
+                resumed = await self._resume(result)
+                result.paused_s = loop.time() - started
+            if any(e.updated for e in result.engines):
+                self._used.append(version)
+        except BaseException as exc:
+            log.error(
+                "weight_update_failed",
+                weight_version=version,
+                source="distributed",
+                error=str(exc) or repr(exc),
+            )
+            raise
+        self._report(result, resumed)
+        return result
 
     # ----------------------------------------------------------------------------- colocated memory
 
@@ -340,8 +549,13 @@ class WeightUpdates:
                 paused = await self._control.pause(update.pause_mode)
             except Exception as exc:
                 raise Unavailable(f"weight update to {version!r} not started: {exc}") from exc
+            loader = _Loader(
+                WeightAction.LOAD_CHECKPOINT,
+                lambda e: e.client.load_checkpoint(path, timeout=self._load_timeout_s),
+                staged=not update.all_at_once,
+            )
             try:
-                await self._load_and_label(update, path, targets, paused, result)
+                await self._load_and_label(update, loader, targets, paused, result)
             finally:
                 resumed = await self._resume(result)
                 result.paused_s = loop.time() - started
@@ -374,12 +588,12 @@ class WeightUpdates:
     async def _load_and_label(
         self,
         update: WeightUpdate,
-        path: str,
+        loader: _Loader,
         targets: Sequence[EngineHandle],
         paused: FleetResult,
         result: WeightUpdateResult,
     ) -> None:
-        """Load on the paused targets (one first unless `all_at_once`), then label those that loaded."""
+        """Load on the paused targets (one first when `loader.staged`), then label those that loaded."""
         pause_errors = dict(paused.errors)
         outcomes = {e.url: EngineOutcome(e.url, updated=False) for e in targets}
         result.engines = list(outcomes.values())
@@ -389,10 +603,10 @@ class WeightUpdates:
                 outcomes[engine.url].error = f"not paused, so not loaded: {pause_errors[engine.url]}"
         loop = asyncio.get_running_loop()
         begin = loop.time()
-        first, rest = (ready, []) if update.all_at_once else (ready[:1], ready[1:])
-        loaded = await self._load_all(first, path, outcomes)
+        first, rest = (ready[:1], ready[1:]) if loader.staged else (ready, [])
+        loaded = await self._load_all(first, loader, outcomes)
         if rest and loaded:
-            loaded += await self._load_all(rest, path, outcomes)
+            loaded += await self._load_all(rest, loader, outcomes)
         elif rest:
             for engine in rest:
                 outcomes[engine.url].error = "not loaded: the first engine's load failed (staged update)"
@@ -400,16 +614,22 @@ class WeightUpdates:
         await self._label(loaded, update.weight_version, outcomes)
 
     async def _load_all(
-        self, engines: Sequence[EngineHandle], path: str, outcomes: dict[str, EngineOutcome]
+        self, engines: Sequence[EngineHandle], loader: _Loader, outcomes: dict[str, EngineOutcome]
     ) -> list[EngineHandle]:
         async def one(engine: EngineHandle) -> bool:
-            route = engine.client.weight_route(WeightAction.LOAD_CHECKPOINT)
+            route = engine.client.weight_route(loader.action)
             try:
                 async with asyncio.timeout(self._load_timeout_s):
-                    await engine.client.load_checkpoint(path, timeout=self._load_timeout_s)
+                    await loader.load(engine)
             except TimeoutError:
                 outcomes[engine.url].error = f"{route}: no answer within {self._load_timeout_s:g} s"
                 outcomes[engine.url].load_failed = True
+                return False
+            except _StepError as exc:  # joining the group failed: the weights were not touched
+                _, message = describe_failure(
+                    exc.cause, engine.client.weight_route(exc.action), engine.client.missing_route_hint
+                )
+                outcomes[engine.url].error = message
                 return False
             except EngineError as exc:
                 _, message = describe_failure(exc, route, engine.client.missing_route_hint)

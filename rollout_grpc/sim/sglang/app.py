@@ -51,6 +51,8 @@ def create_sglang_app(
     r.add_post("/continue_generation", control.continue_generation)
     r.add_post("/update_weight_version", control.update_weight_version)
     r.add_post("/update_weights_from_disk", weights.update_weights_from_disk)
+    r.add_post("/init_weights_update_group", weights.init_weights_update_group)
+    r.add_post("/update_weights_from_distributed", weights.update_weights_from_distributed)
     for method in ("GET", "POST"):
         r.add_route(method, "/release_memory_occupation", weights.release_memory_occupation)
         r.add_route(method, "/resume_memory_occupation", weights.resume_memory_occupation)

@@ -20,6 +20,7 @@ from aiohttp import web
 from .. import weights
 from ..core import CORE_KEY, EngineCore
 from ..errors import json_response
+from ..model import ToyLM
 from .control import _body, _error_response, _field
 from .errors import SGLangError, SGLangValidationError
 from .state import SGLANG_KEY, SGLangState
@@ -94,3 +95,64 @@ async def resume_memory_occupation(request: web.Request) -> web.StreamResponse:
     core.asleep_tags.difference_update(tags or ALL_TAGS)
     core.sleeping = bool(core.asleep_tags)
     return json_response(None)
+
+
+# ------------------------------------------------------------------ distributed transfer
+
+INIT_OK = "Succeeded to initialize custom process group."
+RECEIVED = "Succeeded to update parameter online."
+
+
+async def init_weights_update_group(request: web.Request) -> web.StreamResponse:
+    """`InitWeightsUpdateGroupReqInput` (`master_address`, `master_port`, `rank_offset`,
+    `world_size` required; `group_name`, `backend`): joins the group (the real join blocks until
+    every rank joined; here it returns at once)."""
+    core: EngineCore = request.app[CORE_KEY]
+    try:
+        body = await _body(request)
+        for name in ("master_address", "master_port", "rank_offset", "world_size"):
+            if name not in body:
+                raise SGLangValidationError(name, "Field required")
+        info = {
+            "master_address": _field(body, "master_address", str, None),
+            "master_port": _field(body, "master_port", int, None),
+            "rank_offset": _field(body, "rank_offset", int, None),
+            "world_size": _field(body, "world_size", int, None),
+            "backend": _field(body, "backend", str, "nccl"),
+        }
+        group = _field(body, "group_name", str, "weight_update_group")
+    except (SGLangError, SGLangValidationError) as e:
+        return _error_response(e)
+    core.transfer_groups[group] = info
+    return json_response({"success": True, "message": INIT_OK})
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.StreamResponse:
+    """`UpdateWeightsFromDistributedReqInput` (`names`, `dtypes`, `shapes` required; `group_name`,
+    `weight_version`, ...): receives one broadcast in a joined group. A group that was never
+    joined answers `success: false` (SGLang's wording for it is not verified)."""
+    core: EngineCore = request.app[CORE_KEY]
+    try:
+        body = await _body(request)
+        for name in ("names", "dtypes", "shapes"):
+            if name not in body:
+                raise SGLangValidationError(name, "Field required")
+        names = _field(body, "names", list, None)
+        shapes = _field(body, "shapes", list, None)
+        group = _field(body, "group_name", str, "weight_update_group")
+        version = _field(body, "weight_version", str, None)
+    except (SGLangError, SGLangValidationError) as e:
+        return _error_response(e)
+    if group not in core.transfer_groups:
+        message = f"Failed to update parameter online: group {group!r} is not initialized."
+        return json_response({"success": False, "message": message}, status=400)
+    if core.config.faults.load_fault == "error":
+        message = "Failed to update parameter online: simulated worker failure while receiving weights."
+        return json_response({"success": False, "message": message}, status=400)
+    core.transfers += 1
+    seed = weights.received_seed(list(names), list(shapes), core.transfers)
+    core.swap_model(ToyLM(core.config.vocab_size, seed, core.config.eos_probability))
+    core.stats.weight_loads += 1
+    if version is not None:
+        core.update_weight_version(version)
+    return json_response({"success": True, "message": RECEIVED})

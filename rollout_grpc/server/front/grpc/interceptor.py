@@ -70,6 +70,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     ROLLOUT + "Resume": frozenset({Role.ADMIN}),
     # Moves the whole fleet to new weights: the same power as Pause + Resume.
     ROLLOUT + "UpdateWeights": frozenset({Role.ADMIN}),
+    ROLLOUT + "PlanWeightTransfer": frozenset({Role.ADMIN}),
     ROLLOUT + "ReleaseMemory": frozenset({Role.ADMIN}),
     ROLLOUT + "ResumeMemory": frozenset({Role.ADMIN}),
     REPLICA + "AbortLocal": frozenset({Role.PEER, Role.ADMIN}),
@@ -82,6 +83,7 @@ CONTROL_METHODS = frozenset(
         ROLLOUT + "Pause",
         ROLLOUT + "Resume",
         ROLLOUT + "UpdateWeights",
+        ROLLOUT + "PlanWeightTransfer",
         ROLLOUT + "ReleaseMemory",
         ROLLOUT + "ResumeMemory",
         REPLICA + "AbortLocal",
@@ -95,6 +97,7 @@ RATE_LIMITED_METHODS = frozenset(
         ROLLOUT + "Pause",
         ROLLOUT + "Resume",
         ROLLOUT + "UpdateWeights",
+        ROLLOUT + "PlanWeightTransfer",
         ROLLOUT + "ReleaseMemory",
         ROLLOUT + "ResumeMemory",
     }
@@ -183,8 +186,15 @@ def describe_target(method: str, request: object) -> dict[str, object]:
         }
     if isinstance(request, pb.ResumeRequest):
         return {"weight_version": request.weight_version if request.HasField("weight_version") else None}
+    return _describe_weights_target(request)
+
+
+def _describe_weights_target(request: object) -> dict[str, object]:
+    """The audit target of the weight and memory RPCs (UpdateWeights, PlanWeightTransfer, ...)."""
     if isinstance(request, pb.ReleaseMemoryRequest):
         return {"level": request.level if request.HasField("level") else None, "tags": list(request.tags)[:4]}
+    if isinstance(request, pb.PlanWeightTransferRequest):
+        return {"trainer_ranks": request.trainer_ranks}
     if isinstance(request, pb.ResumeMemoryRequest):
         return {"tags": list(request.tags)[:4]}
     if isinstance(request, pb.UpdateWeightsRequest):
@@ -192,6 +202,11 @@ def describe_target(method: str, request: object) -> dict[str, object]:
             "weight_version": request.weight_version[:256],
             "source": request.WhichOneof("source"),
             "path": request.checkpoint.path[:256] if request.HasField("checkpoint") else None,
+            "rendezvous": (
+                f"{request.distributed.master_address[:128]}:{request.distributed.master_port}"
+                if request.HasField("distributed")
+                else None
+            ),
             "pause_mode": request.pause_mode,
         }
     return {}

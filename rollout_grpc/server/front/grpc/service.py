@@ -29,7 +29,14 @@ from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.grpc import convert, redaction
 from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
 from rollout_grpc.server.rollout.control import AbortResult
-from rollout_grpc.server.rollout.weights import CheckpointSource, MemoryRelease, WeightUpdate
+from rollout_grpc.server.rollout.weights import (
+    CheckpointSource,
+    DistributedSource,
+    MemoryRelease,
+    TensorSpec,
+    TransferGroup,
+    WeightUpdate,
+)
 from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
@@ -189,10 +196,26 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if mode is None:
             raise InvalidArgument("pause_mode", f"must be ABORT, WAIT or KEEP; got {int(request.pause_mode)}")
         kind = request.WhichOneof("source")
-        if kind != "checkpoint":
-            raise InvalidArgument("source", f"must be set to one of: checkpoint; got {kind or 'nothing'}")
+        source: CheckpointSource | DistributedSource
+        if kind == "checkpoint":
+            source = CheckpointSource(path=request.checkpoint.path)
+        elif kind == "distributed":
+            d = request.distributed
+            group = TransferGroup(
+                backend=d.backend,
+                master_address=d.master_address,
+                master_port=d.master_port,
+                group_name=d.group_name or "weight_update_group",
+                world_size=d.world_size,
+            )
+            tensors = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in d.tensors)
+            source = DistributedSource(group=group, tensors=tensors)
+        else:
+            raise InvalidArgument(
+                "source", f"must be set to one of: checkpoint, distributed; got {kind or 'nothing'}"
+            )
         update = WeightUpdate(
-            source=CheckpointSource(path=request.checkpoint.path),
+            source=source,
             weight_version=request.weight_version,
             pause_mode=mode,
             all_at_once=request.all_at_once,
@@ -207,6 +230,19 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             paused_seconds=result.paused_s,
             load_seconds=result.load_s,
             retry=result.retry,
+        )
+
+    async def PlanWeightTransfer(
+        self, request: pb.PlanWeightTransferRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PlanWeightTransferResponse:
+        plan = await self._facade.plan_transfer(
+            current_record("PlanWeightTransfer"), request.trainer_ranks or 1
+        )
+        return pb.PlanWeightTransferResponse(
+            world_size=plan.world_size,
+            engines=[
+                pb.EngineRanks(engine=url, rank_offset=offset, ranks=n) for url, offset, n in plan.engines
+            ],
         )
 
     async def ReleaseMemory(
