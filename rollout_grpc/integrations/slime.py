@@ -343,3 +343,12 @@ async def pause(args: Any, mode: str = "abort") -> None:
 async def resume(args: Any, weight_version: str | None = None) -> None:
     """Resume the engines, labelling the new weights so samples record which version made them."""
     await client_for(args).resume(weight_version)
+
+
+async def update_weights(args: Any, checkpoint: str, weight_version: str, pause_mode: str = "keep") -> None:
+    """Move every engine behind the service to the checkpoint directory `checkpoint` (shared storage
+    under the replica's `--weights-path-prefix`), labelled `weight_version`: one serialised
+    pause -> load -> label -> resume (`UpdateWeights`; docs/engines.md "Weight updates"). Raises the
+    client's errors naming the engines that did not take it. Call it where slime's trainer saved
+    the HF checkpoint of the step, instead of syncing its own engines."""
+    await client_for(args).update_weights(checkpoint, weight_version, pause_mode=pause_mode)

@@ -312,3 +312,16 @@ async def test_sglang_engines_release_and_resume_memory(tmp_path: Path) -> None:
         assert resumed.generating and all(not s.core.sleeping for s in h.sims)
         sample = await h.client.generate(make_sample(PROMPT), SEEDED)
         assert sample.response_length == 8
+
+
+async def test_the_slime_hook_updates_weights_through_the_service(tmp_path: Path) -> None:
+    from rollout_grpc.integrations import slime
+    from tests.client.slime_scenarios import slime_args
+    from tests.client.slime_types import Sample
+
+    async with harness("sim", sim_count=2, weights_path_prefixes=[str(tmp_path)]) as h:
+        args = slime_args(h.target)
+        await slime.update_weights(args, str(toy_checkpoint(tmp_path / "step-12", seed=12)), "12")
+        assert {s.core.version for s in h.sims} == {"12"}
+        sample = await slime.generate(args, Sample(index=0, tokens=list(PROMPT)), {"max_new_tokens": 4})
+        assert sample.weight_versions == ["12"]
