@@ -68,8 +68,9 @@ OTHER_VARIABLES: Final[dict[str, str]] = {
     ENV_PREFIX + "TARGET": "the replica address of the clients' examples and of the slime hook",
     ENV_PREFIX + "ALLOW_UNTESTED_PYTHON": "the server's Python version check (server/environment.py)",
 }
-#: Families of ROLLOUT_GRPC_* variables read elsewhere: `rollout-grpc info`'s connection flags.
-OTHER_PREFIXES: Final = (ENV_PREFIX + "INFO_",)
+#: Families of ROLLOUT_GRPC_* variables read elsewhere: `rollout-grpc info`'s connection flags, the
+#: slime hook's credentials.
+OTHER_PREFIXES: Final = (ENV_PREFIX + "INFO_", ENV_PREFIX + "CLIENT_")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
