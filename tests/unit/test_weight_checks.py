@@ -121,6 +121,8 @@ def test_versions_must_move_forward() -> None:
         check_version("v1", ["v1"])
     with pytest.raises(FailedPrecondition, match="goes backwards"):
         check_version("7", ["12"])
+    with pytest.raises(FailedPrecondition, match="goes backwards"):
+        check_version("07", ["7"])  # the same step, spelt differently
     with pytest.raises(FailedPrecondition, match="already used"):
         check_version("v1", ["v2"], used=["v1", "v2"])
     with pytest.raises(InvalidArgument, match="printable"):

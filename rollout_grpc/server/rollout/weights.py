@@ -231,7 +231,7 @@ def check_version(new: str, current: Sequence[str], used: Sequence[str] = ()) ->
         if new == label:
             raise FailedPrecondition(f"{VERSION_FIELD} {new!r} is the version the engines already serve")
         old_n, new_n = _as_int(label), _as_int(new)
-        if old_n is not None and new_n is not None and new_n < old_n:
+        if old_n is not None and new_n is not None and new_n <= old_n:
             raise FailedPrecondition(f"{VERSION_FIELD} {new!r} goes backwards from {label!r}")
     if new in used:
         raise FailedPrecondition(f"{VERSION_FIELD} {new!r} was already used by an earlier update")
@@ -441,7 +441,7 @@ class WeightUpdates:
                 error=str(exc) or repr(exc),
             )
             raise
-        self._report(result, resumed)
+        self._report(result, resumed, "Fix the engines that missed it, plan again and repeat the update")
         return result
 
     # ----------------------------------------------------------------------------- colocated memory
@@ -694,14 +694,20 @@ class WeightUpdates:
             log.error("weight_update_resume_failed", weight_version=result.weight_version, error=str(exc))
             return None
 
-    def _report(self, result: WeightUpdateResult, resumed: FleetResult | None) -> None:
+    def _report(
+        self,
+        result: WeightUpdateResult,
+        resumed: FleetResult | None,
+        hint: str = "Repeat the same call to load on the engines that missed it",
+    ) -> None:
         failed = result.failed
         log.info(
             "weight_update_done" if not failed else "weight_update_failed",
             weight_version=result.weight_version,
             previous_versions=result.previous_versions,
             updated=[e.url for e in result.engines if e.updated],
-            out_of_rotation={e.url: e.error for e in failed},
+            not_updated={e.url: e.error for e in failed},
+            out_of_rotation=sorted(e.url for e in self._pool.engines if e.weights_problem),
             resumed=len(resumed.ok) if resumed is not None else 0,
             resume_errors=len(resumed.errors) if resumed is not None else -1,
             paused_s=round(result.paused_s, 3),
@@ -718,5 +724,5 @@ class WeightUpdates:
                 state = f"no engine serves it; the engines in rotation still serve {previous}"
             raise Unavailable(
                 f"weight update to {result.weight_version!r} failed on {len(failed)} engine(s) ({causes}); "
-                f"{state}. Repeat the same call to load on the engines that missed it"
+                f"{state}. {hint}"
             )
