@@ -45,6 +45,15 @@ TRUNCATED = "Error while deserializing header: incomplete metadata, file not ful
 BAD_HEADER = "Error while deserializing header: invalid header"
 
 
+def _worker_failed(message: str) -> web.Response:
+    """vLLM's answer when a worker call raises in a route without its own error handling: the
+    500 envelope, after which the server closes the connection (Starlette re-raises the exception
+    once the response is sent; measured: the next request on that connection is reset)."""
+    response = ApiError(500, message, "InternalServerError").response()
+    response.force_close()
+    return response
+
+
 class LoadError(Exception):
     """The checkpoint could not be read; the message is the engine's cause."""
 
@@ -117,7 +126,7 @@ async def collective_rpc(request: web.Request) -> web.StreamResponse:
         f"''SimWorker' object has no attribute '{method}'', "
         "please check the stack trace above for the root cause"
     )
-    return ApiError(500, msg, "InternalServerError").response()
+    return _worker_failed(msg)
 
 
 async def _reload_weights(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
@@ -135,7 +144,7 @@ async def _reload_weights(request: web.Request, body: dict[str, Any]) -> web.Str
         await load_checkpoint(core, None if path is None else str(path))
     except LoadError as exc:
         core.config.faults.dead = True  # vLLM 0.32: the layers are left on the meta device
-        return ApiError(500, VLLM_RPC_FAILED.format(exc), "InternalServerError").response()
+        return _worker_failed(VLLM_RPC_FAILED.format(exc))
     return json_response({"results": [None]})
 
 
@@ -214,7 +223,7 @@ WEIGHT_TRANSFER_ERROR = VLLM_RPC_FAILED.format(
 
 
 def _transfer_error(message: str) -> web.Response:
-    return ApiError(500, VLLM_RPC_FAILED.format(message), "InternalServerError").response()
+    return _worker_failed(VLLM_RPC_FAILED.format(message))
 
 
 async def get_world_size(request: web.Request) -> web.StreamResponse:
@@ -236,7 +245,7 @@ async def init_weight_transfer_engine(request: web.Request) -> web.StreamRespons
     `rank_offset` and `world_size` and one rendezvous (`master_address` + `master_port`)."""
     core: EngineCore = request.app[CORE_KEY]
     if not core.config.weight_transfer:
-        return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
+        return _worker_failed(WEIGHT_TRANSFER_ERROR)
     body = await json_or_none(request)
     info = body.get("init_info") if isinstance(body, dict) else None
     if not isinstance(info, dict):
@@ -255,7 +264,7 @@ async def init_weight_transfer_engine(request: web.Request) -> web.StreamRespons
 async def start_weight_update(request: web.Request) -> web.StreamResponse:
     core: EngineCore = request.app[CORE_KEY]
     if not core.config.weight_transfer:
-        return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
+        return _worker_failed(WEIGHT_TRANSFER_ERROR)
     if core.transfer_active:
         return _transfer_error(
             "start_weight_update called while a weight update is already active. "
@@ -274,7 +283,7 @@ async def update_weights(request: web.Request) -> web.StreamResponse:
     of checkpoint loads apply: ``load_fault``, ``load_delay_ms``); a failure ends the session."""
     core: EngineCore = request.app[CORE_KEY]
     if not core.config.weight_transfer:
-        return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
+        return _worker_failed(WEIGHT_TRANSFER_ERROR)
     body = await json_or_none(request)
     info = body.get("update_info") if isinstance(body, dict) else None
     if not isinstance(info, dict):
@@ -307,7 +316,7 @@ async def finish_weight_update(request: web.Request) -> web.StreamResponse:
     """``{"weight_version": optional}``: closes the session (and sets the version when given)."""
     core: EngineCore = request.app[CORE_KEY]
     if not core.config.weight_transfer:
-        return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()
+        return _worker_failed(WEIGHT_TRANSFER_ERROR)
     if not core.transfer_active:
         return _transfer_error("finish_weight_update called without a matching start_weight_update.")
     core.transfer_active = False

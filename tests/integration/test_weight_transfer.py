@@ -128,3 +128,18 @@ async def test_sglang_engines_join_the_named_group_and_receive() -> None:
         for i, sim in enumerate(h.sims):
             assert sim.core.transfer_groups["actor-sync"]["rank_offset"] == 1 + i
             assert (sim.stats.weight_loads, sim.core.version) == (1, "v1")
+
+
+async def test_the_simulator_closes_the_connection_after_a_worker_failure_as_vllm_does() -> None:
+    """vLLM answers a worker failure in a route without error handling with the 500 envelope and
+    then closes the connection (measured); the simulator does the same."""
+    import aiohttp
+
+    async with harness("sim", sim_count=1) as h, aiohttp.ClientSession() as http:
+        body = {
+            "init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+        }
+        async with http.post(f"{h.sims[0].url}/init_weight_transfer_engine", json=body) as resp:
+            assert resp.status == 500
+            assert resp.headers.get("Connection", "").lower() == "close"
+            assert "Weight transfer not configured" in (await resp.json())["error"]["message"]
