@@ -68,8 +68,9 @@ OTHER_VARIABLES: Final[dict[str, str]] = {
     ENV_PREFIX + "TARGET": "the replica address of the clients' examples and of the slime hook",
     ENV_PREFIX + "ALLOW_UNTESTED_PYTHON": "the server's Python version check (server/environment.py)",
 }
-#: Families of ROLLOUT_GRPC_* variables read elsewhere: `rollout-grpc info`'s connection flags.
-OTHER_PREFIXES: Final = (ENV_PREFIX + "INFO_",)
+#: Families of ROLLOUT_GRPC_* variables read elsewhere: `rollout-grpc info`'s connection flags, the
+#: slime hook's credentials.
+OTHER_PREFIXES: Final = (ENV_PREFIX + "INFO_", ENV_PREFIX + "CLIENT_")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -211,6 +212,14 @@ def _checked(problem_of: Callable[[str], str | None]) -> Callable[[str], str]:
 _peer_argument = _checked(peer_problem)
 #: `--reward-url`: scheme://host[:port][/path].
 _reward_prefix = _checked(reward_allowlist.prefix_problem)
+
+
+def _weights_prefix(text: str) -> str:
+    """`--weights-path-prefix`: an absolute, normal directory path."""
+    path = text.strip().rstrip("/") or "/"
+    if not path.startswith("/") or os.path.normpath(path) != path:
+        raise argparse.ArgumentTypeError(f"must be an absolute, normal directory path; got {text!r}")
+    return path
 
 
 FLAGS: Final[tuple[Flag, ...]] = (
@@ -536,6 +545,21 @@ FLAGS: Final[tuple[Flag, ...]] = (
     ),
     Flag("--control-rate", "Abort/Pause/Resume per second per caller (0 = unlimited)", "control_rate_per_s"),
     Flag("--control-burst", "control RPC burst per caller", "control_burst"),
+    # Weight updates (UpdateWeights; docs/engines.md "Weight updates").
+    Flag(
+        "--weights-path-prefix",
+        "directory under which UpdateWeights may name checkpoints for the engines to load "
+        "(repeatable; none given: checkpoint updates are refused)",
+        "weights_path_prefixes",
+        kind="list",
+        type=_weights_prefix,
+        metavar="DIR",
+    ),
+    Flag(
+        "--weights-load-timeout",
+        "seconds one engine may take to load a checkpoint in UpdateWeights",
+        "weights_load_timeout_s",
+    ),
     Flag("--port-file", "write {grpc, health, openai, metrics, engines} as JSON here once serving", type=str),
     Flag("--log-level", "debug adds one line per engine HTTP call", type=str, default="info"),
     Flag(
@@ -637,13 +661,30 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
             "--max-control-request-bytes",
         ),
     ),
-    ("streaming and deadlines", ("--deadline-margin", "--stream-batch-tokens", "--stream-batch-interval-ms")),
-    ("RolloutStep and rewards (docs/rollout-step.md)", ("--reward-url",)),
+    (
+        "streaming and deadlines",
+        ("--deadline-margin", "--deadline-abort-lead", "--stream-batch-tokens", "--stream-batch-interval-ms"),
+    ),
+    (
+        "RolloutStep and rewards (docs/rollout-step.md)",
+        (
+            "--reward-url",
+            "--rule-reward-processes",
+            "--rule-reward-timeout-s",
+            "--rule-reward-memory-mb",
+            "--step-buffer-mb-per-caller",
+            "--step-buffer-mb",
+        ),
+    ),
+    ("weight updates (docs/engines.md)", ("--weights-path-prefix", "--weights-load-timeout")),
     (
         "OpenAI front door (docs/agentic.md)",
         ("--openai-port", "--openai-tool-parser", "--openai-body-timeout", "--openai-drift-policy"),
     ),
-    ("workers and shutdown (docs/workers.md)", ("--workers", "--grace", "--abort-grace")),
+    (
+        "workers and shutdown (docs/workers.md)",
+        ("--workers", "--worker-restarts", "--worker-restart-window", "--grace", "--abort-grace"),
+    ),
     (
         "observability (docs/operations.md)",
         ("--metrics-port", "--metrics-engine-urls", "--otlp-endpoint", "--log-level", "--log-format"),
@@ -708,6 +749,7 @@ ABOVE_ZERO: Final = frozenset(
         "--keepalive-time",
         "--openai-body-timeout",
         "--max-unrequested-time",
+        "--weights-load-timeout",
     }
 )
 #: Port flags: 0 (any free port) to 65535.

@@ -1548,6 +1548,447 @@ class ResumeResponse(_message.Message):
 Global___ResumeResponse: _TypeAlias = ResumeResponse  # noqa: Y015
 
 @_typing.final
+class CheckpointSource(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    Weight updates
+    ---------------------------------------------------------------------------------------------
+
+    A checkpoint directory on storage that every engine, and the replica, can read.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """Absolute, normal path (no `.`, `..` or `//`) under one of the replica's
+    `--weights-path-prefix` directories, holding the model's safetensors files. The replica checks
+    the files (headers, sizes) before pausing any engine: a load that fails on vLLM 0.32 leaves
+    that engine without weights.
+    """
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointSource: _TypeAlias = CheckpointSource  # noqa: Y015
+
+@_typing.final
+class DistributedSource(_message.Message):
+    """The trainer's NCCL rendezvous and the tensors of one distributed update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BACKEND_FIELD_NUMBER: _builtins.int
+    MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    backend: _builtins.str
+    """The collective backend: "nccl" (the only one both engines take over HTTP)."""
+    master_address: _builtins.str
+    """The rendezvous address every engine connects to (the trainer's TCP store)."""
+    master_port: _builtins.int
+    """The rendezvous port (1-65535)."""
+    group_name: _builtins.str
+    """The group's name (SGLang keys groups by it; default "weight_update_group")."""
+    world_size: _builtins.int
+    """The group size the trainer created: must equal the last PlanWeightTransfer's `world_size`."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
+        """The tensors the trainer broadcasts, in broadcast order. At least one."""
+
+    def __init__(
+        self,
+        *,
+        backend: _builtins.str = ...,
+        master_address: _builtins.str = ...,
+        master_port: _builtins.int = ...,
+        group_name: _builtins.str = ...,
+        world_size: _builtins.int = ...,
+        tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "group_name", b"group_name", "master_address", b"master_address", "master_port", b"master_port", "tensors", b"tensors", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DistributedSource: _TypeAlias = DistributedSource  # noqa: Y015
+
+@_typing.final
+class TensorSpec(_message.Message):
+    """One tensor of a distributed update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The parameter's name in the model's checkpoint format ("model.layers.0.mlp.up_proj.weight")."""
+    dtype: _builtins.str
+    """Its dtype as torch spells it without the prefix ("bfloat16", "float16", "float32")."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Its shape."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
+
+@_typing.final
+class PlanWeightTransferRequest(_message.Message):
+    """Asks for the distributed transfer's rank plan."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRAINER_RANKS_FIELD_NUMBER: _builtins.int
+    trainer_ranks: _builtins.int
+    """Ranks on the trainer's side, from rank 0 (the broadcaster). 0 means 1."""
+    def __init__(
+        self,
+        *,
+        trainer_ranks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["trainer_ranks", b"trainer_ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanWeightTransferRequest: _TypeAlias = PlanWeightTransferRequest  # noqa: Y015
+
+@_typing.final
+class EngineRanks(_message.Message):
+    """One engine's ranks in the transfer group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    RANK_OFFSET_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """The engine's base URL."""
+    rank_offset: _builtins.int
+    """Its first rank (what the engine is told as `rank_offset`)."""
+    ranks: _builtins.int
+    """How many ranks it has (its workers: tensor x pipeline parallel, x data parallel on vLLM)."""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        rank_offset: _builtins.int = ...,
+        ranks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "rank_offset", b"rank_offset", "ranks", b"ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineRanks: _TypeAlias = EngineRanks  # noqa: Y015
+
+@_typing.final
+class PlanWeightTransferResponse(_message.Message):
+    """The distributed transfer's rank plan."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    world_size: _builtins.int
+    """The group size: the trainer's ranks plus every engine's."""
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineRanks]:
+        """Every engine in rotation, in rank order."""
+
+    def __init__(
+        self,
+        *,
+        world_size: _builtins.int = ...,
+        engines: _abc.Iterable[Global___EngineRanks] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanWeightTransferResponse: _TypeAlias = PlanWeightTransferResponse  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsRequest(_message.Message):
+    """Asks for one fleet-wide weight update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    DISTRIBUTED_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    PAUSE_MODE_FIELD_NUMBER: _builtins.int
+    ALL_AT_ONCE_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.str
+    """The label tokens generated on the new weights carry (`Sample.weight_versions`). Required, at
+    most 256 printable characters. It must not go backwards: not a label the engines in rotation
+    carry, nor one this replica set before, and, when both labels are decimal integers, greater
+    than the current one. Repeating the last update (same label, same source) is a retry.
+    """
+    pause_mode: Global___PauseMode.ValueType
+    """How in-flight generations are treated while the engines load, as in `Pause`. Required."""
+    all_at_once: _builtins.bool
+    """Load on every engine at once. By default one engine loads first and the others only if it
+    succeeded, so that weights the engines refuse cost one engine, not the fleet.
+    """
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointSource:
+        """Load a checkpoint directory in place on every engine (vLLM `reload_weights`, SGLang
+        `/update_weights_from_disk`).
+        """
+
+    @_builtins.property
+    def distributed(self) -> Global___DistributedSource:
+        """Receive the weights the trainer broadcasts in the group of the last PlanWeightTransfer
+        (vLLM's weight-transfer engine, SGLang `/update_weights_from_distributed`). The trainer
+        broadcasts while this call runs; every engine takes part, so there is no staged load.
+        """
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___CheckpointSource | None = ...,
+        distributed: Global___DistributedSource | None = ...,
+        weight_version: _builtins.str = ...,
+        pause_mode: Global___PauseMode.ValueType = ...,
+        all_at_once: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "distributed", b"distributed", "source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_at_once", b"all_at_once", "checkpoint", b"checkpoint", "distributed", b"distributed", "pause_mode", b"pause_mode", "source", b"source", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["checkpoint", "distributed"]  # noqa: Y015
+    _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
+
+Global___UpdateWeightsRequest: _TypeAlias = UpdateWeightsRequest  # noqa: Y015
+
+@_typing.final
+class EngineWeightOutcome(_message.Message):
+    """What an update did on one engine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    UPDATED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """The engine's base URL."""
+    updated: _builtins.bool
+    """Loaded and labelled: the engine serves the new version and is in rotation."""
+    error: _builtins.str
+    """Why not, when not updated (the step and the engine's own cause)."""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        updated: _builtins.bool = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "updated", b"updated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineWeightOutcome: _TypeAlias = EngineWeightOutcome  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsResponse(_message.Message):
+    """The outcome of a successful UpdateWeights (a failed one reports the same in its status message)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    PREVIOUS_VERSIONS_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    PAUSED_SECONDS_FIELD_NUMBER: _builtins.int
+    LOAD_SECONDS_FIELD_NUMBER: _builtins.int
+    RETRY_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.str
+    """The version every engine in rotation now serves."""
+    paused_seconds: _builtins.float
+    """Seconds from the first pause to the last resume: how long the fleet did not generate."""
+    load_seconds: _builtins.float
+    """Seconds the loads took (the slowest engine; a staged update adds the first engine's load)."""
+    retry: _builtins.bool
+    """True when this call repeated the last update and loaded only the engines that had missed it."""
+    @_builtins.property
+    def previous_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The distinct labels the engines in rotation carried before."""
+
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineWeightOutcome]:
+        """One entry per engine the update acted on."""
+
+    def __init__(
+        self,
+        *,
+        weight_version: _builtins.str = ...,
+        previous_versions: _abc.Iterable[_builtins.str] | None = ...,
+        engines: _abc.Iterable[Global___EngineWeightOutcome] | None = ...,
+        paused_seconds: _builtins.float = ...,
+        load_seconds: _builtins.float = ...,
+        retry: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "load_seconds", b"load_seconds", "paused_seconds", b"paused_seconds", "previous_versions", b"previous_versions", "retry", b"retry", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseMemoryRequest(_message.Message):
+    """Asks every engine to free its accelerator memory (colocated training)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEVEL_FIELD_NUMBER: _builtins.int
+    TAGS_FIELD_NUMBER: _builtins.int
+    level: _builtins.int
+    """vLLM's sleep level: 1 (the default) offloads the weights to host memory and drops the KV
+    cache; 2 drops both, so the weights must be loaded again (UpdateWeights) before generating;
+    0 frees nothing. SGLang has no levels and frees what `tags` name.
+    """
+    @_builtins.property
+    def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The regions SGLang frees: "weights", "kv_cache"; empty: all. vLLM frees by `level`."""
+
+    def __init__(
+        self,
+        *,
+        level: _builtins.int | None = ...,
+        tags: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_level", b"_level", "level", b"level"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_level", b"_level", "level", b"level", "tags", b"tags"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__level: _TypeAlias = _typing.Literal["level"]  # noqa: Y015
+    _WhichOneofArgType__level: _TypeAlias = _typing.Literal["_level", b"_level"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__level) -> _WhichOneofReturnType__level | None: ...
+
+Global___ReleaseMemoryRequest: _TypeAlias = ReleaseMemoryRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseMemoryResponse(_message.Message):
+    """The outcome of a ReleaseMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_ENGINES_FIELD_NUMBER: _builtins.int
+    ENGINE_ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def released_engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Engines that freed their memory (and are paused)."""
+
+    @_builtins.property
+    def engine_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineError]:
+        """Engines that could not be paused or did not free their memory."""
+
+    def __init__(
+        self,
+        *,
+        released_engines: _abc.Iterable[_builtins.str] | None = ...,
+        engine_errors: _abc.Iterable[Global___EngineError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_errors", b"engine_errors", "released_engines", b"released_engines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseMemoryResponse: _TypeAlias = ReleaseMemoryResponse  # noqa: Y015
+
+@_typing.final
+class ResumeMemoryRequest(_message.Message):
+    """Asks every engine to take its memory back."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The regions to take back: "weights", "kv_cache"; empty: all of them. Generation resumes once
+        every region is back (e.g. "weights", then UpdateWeights, then "kv_cache").
+        """
+
+    def __init__(
+        self,
+        *,
+        tags: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tags", b"tags"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeMemoryRequest: _TypeAlias = ResumeMemoryRequest  # noqa: Y015
+
+@_typing.final
+class ResumeMemoryResponse(_message.Message):
+    """The outcome of a ResumeMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESUMED_ENGINES_FIELD_NUMBER: _builtins.int
+    ENGINE_ERRORS_FIELD_NUMBER: _builtins.int
+    GENERATING_FIELD_NUMBER: _builtins.int
+    generating: _builtins.bool
+    """True when every region is back and the engines were resumed."""
+    @_builtins.property
+    def resumed_engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Engines that took the memory back."""
+
+    @_builtins.property
+    def engine_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineError]:
+        """Engines that did not."""
+
+    def __init__(
+        self,
+        *,
+        resumed_engines: _abc.Iterable[_builtins.str] | None = ...,
+        engine_errors: _abc.Iterable[Global___EngineError] | None = ...,
+        generating: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_errors", b"engine_errors", "generating", b"generating", "resumed_engines", b"resumed_engines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeMemoryResponse: _TypeAlias = ResumeMemoryResponse  # noqa: Y015
+
+@_typing.final
 class GetServerInfoRequest(_message.Message):
     """---------------------------------------------------------------------------------------------
     Server info
@@ -2234,6 +2675,7 @@ class ResumeSync(_message.Message):
 
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     RELABELLED_ENGINES_FIELD_NUMBER: _builtins.int
+    ROTATION_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.str
     """The weight version the Resume set ("" when it set none)."""
     @_builtins.property
@@ -2242,19 +2684,52 @@ class ResumeSync(_message.Message):
         version of tokens an engine streams without spans) become `weight_version`.
         """
 
+    @_builtins.property
+    def rotation(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineRotation]:
+        """An UpdateWeights' rotation changes: engines taken out of rotation (with why) or re-admitted
+        (empty `problem`), so that every worker routes the same way.
+        """
+
     def __init__(
         self,
         *,
         weight_version: _builtins.str = ...,
         relabelled_engines: _abc.Iterable[_builtins.str] | None = ...,
+        rotation: _abc.Iterable[Global___EngineRotation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["relabelled_engines", b"relabelled_engines", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["relabelled_engines", b"relabelled_engines", "rotation", b"rotation", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResumeSync: _TypeAlias = ResumeSync  # noqa: Y015
+
+@_typing.final
+class EngineRotation(_message.Message):
+    """One engine's place in the rotation after a weight update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    PROBLEM_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """The engine's base URL."""
+    problem: _builtins.str
+    """Why it receives no generations ("" re-admits it)."""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        problem: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "problem", b"problem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineRotation: _TypeAlias = EngineRotation  # noqa: Y015
 
 @_typing.final
 class SyncControlResponse(_message.Message):

@@ -39,6 +39,26 @@ class RolloutServiceStub:
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/rollout.v1.RolloutService/UpdateWeights',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.PlanWeightTransfer = channel.unary_unary(
+                '/rollout.v1.RolloutService/PlanWeightTransfer',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferResponse.FromString,
+                _registered_method=True)
+        self.ReleaseMemory = channel.unary_unary(
+                '/rollout.v1.RolloutService/ReleaseMemory',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryResponse.FromString,
+                _registered_method=True)
+        self.ResumeMemory = channel.unary_unary(
+                '/rollout.v1.RolloutService/ResumeMemory',
+                request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryRequest.SerializeToString,
+                response_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryResponse.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/rollout.v1.RolloutService/GetServerInfo',
                 request_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.GetServerInfoRequest.SerializeToString,
@@ -103,6 +123,51 @@ class RolloutServiceServicer:
 
     def Resume(self, request, context):
         """Optionally sets a new weight version on every engine, then resumes them. Admin role only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request, context):
+        """Moves new weights to every engine as one serialised operation: pauses every engine in the
+        given mode, loads the weights, labels them with `weight_version` and resumes. After it returns
+        OK every engine in rotation serves the new weights under the new label. An engine that was not
+        paused, did not load or was not labelled is taken out of rotation (no new generations until a
+        later update loads on it) and the call fails with UNAVAILABLE naming each engine and cause;
+        repeating the same call loads on those engines only. Errors before any engine is touched:
+        INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
+        `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
+        not check out, a version that goes backwards, another update in progress). Admin role only.
+        docs/engines.md "Weight updates".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanWeightTransfer(self, request, context):
+        """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
+        replica asks every engine in rotation how many ranks it has (vLLM `/get_world_size`, SGLang's
+        tensor-parallel size), gives the trainer ranks [0, trainer_ranks) and each engine the next
+        block (`rank_offset`), and remembers the plan for UpdateWeights(distributed). The trainer
+        creates its side of the group with `world_size`. Admin role only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseMemory(self, request, context):
+        """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
+        and frees its accelerator memory (vLLM `/sleep`, SGLang `/release_memory_occupation`), so a
+        trainer on the same GPUs can use it. Generate calls meanwhile wait, as during a Pause. Refused
+        (FAILED_PRECONDITION) while a weight update runs. Admin role only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeMemory(self, request, context):
+        """Takes the memory back (vLLM `/wake_up`, SGLang `/resume_memory_occupation`), part by part with
+        `tags`; once every part is back, the engines resume generating. Admin role only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +242,26 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeRequest.FromString,
                     response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'PlanWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanWeightTransfer,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferResponse.SerializeToString,
+            ),
+            'ReleaseMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseMemory,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryResponse.SerializeToString,
+            ),
+            'ResumeMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeMemory,
+                    request_deserializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryRequest.FromString,
+                    response_serializer=rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -309,6 +394,114 @@ class RolloutService:
             '/rollout.v1.RolloutService/Resume',
             rollout__grpc_dot___proto_dot_rollout__pb2.ResumeRequest.SerializeToString,
             rollout__grpc_dot___proto_dot_rollout__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/UpdateWeights',
+            rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/PlanWeightTransfer',
+            rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.PlanWeightTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/ReleaseMemory',
+            rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.ReleaseMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/ResumeMemory',
+            rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryRequest.SerializeToString,
+            rollout__grpc_dot___proto_dot_rollout__pb2.ResumeMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

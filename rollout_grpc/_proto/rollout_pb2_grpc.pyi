@@ -76,6 +76,35 @@ class RolloutServiceStub:
     """Pauses generation on every engine (for a weight update). See `PauseMode`. Admin role only."""
     Resume: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ResumeRequest, _rollout_pb2.ResumeResponse]
     """Optionally sets a new weight version on every engine, then resumes them. Admin role only."""
+    UpdateWeights: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.UpdateWeightsRequest, _rollout_pb2.UpdateWeightsResponse]
+    """Moves new weights to every engine as one serialised operation: pauses every engine in the
+    given mode, loads the weights, labels them with `weight_version` and resumes. After it returns
+    OK every engine in rotation serves the new weights under the new label. An engine that was not
+    paused, did not load or was not labelled is taken out of rotation (no new generations until a
+    later update loads on it) and the call fails with UNAVAILABLE naming each engine and cause;
+    repeating the same call loads on those engines only. Errors before any engine is touched:
+    INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
+    `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
+    not check out, a version that goes backwards, another update in progress). Admin role only.
+    docs/engines.md "Weight updates".
+    """
+    PlanWeightTransfer: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.PlanWeightTransferRequest, _rollout_pb2.PlanWeightTransferResponse]
+    """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
+    replica asks every engine in rotation how many ranks it has (vLLM `/get_world_size`, SGLang's
+    tensor-parallel size), gives the trainer ranks [0, trainer_ranks) and each engine the next
+    block (`rank_offset`), and remembers the plan for UpdateWeights(distributed). The trainer
+    creates its side of the group with `world_size`. Admin role only.
+    """
+    ReleaseMemory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ReleaseMemoryRequest, _rollout_pb2.ReleaseMemoryResponse]
+    """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
+    and frees its accelerator memory (vLLM `/sleep`, SGLang `/release_memory_occupation`), so a
+    trainer on the same GPUs can use it. Generate calls meanwhile wait, as during a Pause. Refused
+    (FAILED_PRECONDITION) while a weight update runs. Admin role only.
+    """
+    ResumeMemory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ResumeMemoryRequest, _rollout_pb2.ResumeMemoryResponse]
+    """Takes the memory back (vLLM `/wake_up`, SGLang `/resume_memory_occupation`), part by part with
+    `tags`; once every part is back, the engines resume generating. Admin role only.
+    """
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetServerInfoRequest, _rollout_pb2.GetServerInfoResponse]
     """Reports the engines this replica uses, their health, paused state and weight version (engine
     URLs only to the admin role).
@@ -139,6 +168,35 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """Pauses generation on every engine (for a weight update). See `PauseMode`. Admin role only."""
     Resume: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ResumeRequest, _rollout_pb2.ResumeResponse]  # type: ignore[assignment]
     """Optionally sets a new weight version on every engine, then resumes them. Admin role only."""
+    UpdateWeights: _aio.UnaryUnaryMultiCallable[_rollout_pb2.UpdateWeightsRequest, _rollout_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
+    """Moves new weights to every engine as one serialised operation: pauses every engine in the
+    given mode, loads the weights, labels them with `weight_version` and resumes. After it returns
+    OK every engine in rotation serves the new weights under the new label. An engine that was not
+    paused, did not load or was not labelled is taken out of rotation (no new generations until a
+    later update loads on it) and the call fails with UNAVAILABLE naming each engine and cause;
+    repeating the same call loads on those engines only. Errors before any engine is touched:
+    INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
+    `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
+    not check out, a version that goes backwards, another update in progress). Admin role only.
+    docs/engines.md "Weight updates".
+    """
+    PlanWeightTransfer: _aio.UnaryUnaryMultiCallable[_rollout_pb2.PlanWeightTransferRequest, _rollout_pb2.PlanWeightTransferResponse]  # type: ignore[assignment]
+    """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
+    replica asks every engine in rotation how many ranks it has (vLLM `/get_world_size`, SGLang's
+    tensor-parallel size), gives the trainer ranks [0, trainer_ranks) and each engine the next
+    block (`rank_offset`), and remembers the plan for UpdateWeights(distributed). The trainer
+    creates its side of the group with `world_size`. Admin role only.
+    """
+    ReleaseMemory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ReleaseMemoryRequest, _rollout_pb2.ReleaseMemoryResponse]  # type: ignore[assignment]
+    """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
+    and frees its accelerator memory (vLLM `/sleep`, SGLang `/release_memory_occupation`), so a
+    trainer on the same GPUs can use it. Generate calls meanwhile wait, as during a Pause. Refused
+    (FAILED_PRECONDITION) while a weight update runs. Admin role only.
+    """
+    ResumeMemory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ResumeMemoryRequest, _rollout_pb2.ResumeMemoryResponse]  # type: ignore[assignment]
+    """Takes the memory back (vLLM `/wake_up`, SGLang `/resume_memory_occupation`), part by part with
+    `tags`; once every part is back, the engines resume generating. Admin role only.
+    """
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetServerInfoRequest, _rollout_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Reports the engines this replica uses, their health, paused state and weight version (engine
     URLs only to the admin role).
@@ -223,6 +281,59 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.ResumeResponse, _abc.Awaitable[_rollout_pb2.ResumeResponse]]:
         """Optionally sets a new weight version on every engine, then resumes them. Admin role only."""
+
+    @_abc_1.abstractmethod
+    def UpdateWeights(
+        self,
+        request: _rollout_pb2.UpdateWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.UpdateWeightsResponse, _abc.Awaitable[_rollout_pb2.UpdateWeightsResponse]]:
+        """Moves new weights to every engine as one serialised operation: pauses every engine in the
+        given mode, loads the weights, labels them with `weight_version` and resumes. After it returns
+        OK every engine in rotation serves the new weights under the new label. An engine that was not
+        paused, did not load or was not labelled is taken out of rotation (no new generations until a
+        later update loads on it) and the call fails with UNAVAILABLE naming each engine and cause;
+        repeating the same call loads on those engines only. Errors before any engine is touched:
+        INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
+        `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
+        not check out, a version that goes backwards, another update in progress). Admin role only.
+        docs/engines.md "Weight updates".
+        """
+
+    @_abc_1.abstractmethod
+    def PlanWeightTransfer(
+        self,
+        request: _rollout_pb2.PlanWeightTransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.PlanWeightTransferResponse, _abc.Awaitable[_rollout_pb2.PlanWeightTransferResponse]]:
+        """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
+        replica asks every engine in rotation how many ranks it has (vLLM `/get_world_size`, SGLang's
+        tensor-parallel size), gives the trainer ranks [0, trainer_ranks) and each engine the next
+        block (`rank_offset`), and remembers the plan for UpdateWeights(distributed). The trainer
+        creates its side of the group with `world_size`. Admin role only.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseMemory(
+        self,
+        request: _rollout_pb2.ReleaseMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.ReleaseMemoryResponse, _abc.Awaitable[_rollout_pb2.ReleaseMemoryResponse]]:
+        """Colocated training: pauses every engine (ABORT: in-flight generations end with their tokens)
+        and frees its accelerator memory (vLLM `/sleep`, SGLang `/release_memory_occupation`), so a
+        trainer on the same GPUs can use it. Generate calls meanwhile wait, as during a Pause. Refused
+        (FAILED_PRECONDITION) while a weight update runs. Admin role only.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeMemory(
+        self,
+        request: _rollout_pb2.ResumeMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.ResumeMemoryResponse, _abc.Awaitable[_rollout_pb2.ResumeMemoryResponse]]:
+        """Takes the memory back (vLLM `/wake_up`, SGLang `/resume_memory_occupation`), part by part with
+        `tags`; once every part is back, the engines resume generating. Admin role only.
+        """
 
     @_abc_1.abstractmethod
     def GetServerInfo(

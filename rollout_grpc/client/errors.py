@@ -282,7 +282,22 @@ def raising_rollout_errors() -> Iterator[None]:
 # ---- engine errors of control calls --------------------------------------------------------------
 
 #: The control replies that list per-engine failures.
-ControlResponse = TypeVar("ControlResponse", pb.AbortResponse, pb.PauseResponse, pb.ResumeResponse)
+ControlResponse = TypeVar(
+    "ControlResponse",
+    pb.AbortResponse,
+    pb.PauseResponse,
+    pb.ResumeResponse,
+    pb.ReleaseMemoryResponse,
+    pb.ResumeMemoryResponse,
+)
+#: Any of them (what `EngineErrors.response` holds).
+AnyControlResponse = (
+    pb.AbortResponse
+    | pb.PauseResponse
+    | pb.ResumeResponse
+    | pb.ReleaseMemoryResponse
+    | pb.ResumeMemoryResponse
+)
 
 
 class EngineErrors(Exception):
@@ -294,7 +309,7 @@ class EngineErrors(Exception):
     or `UnavailableError`). Not a `RolloutError` itself: the call succeeded, with an OK status.
     """
 
-    def __init__(self, call: str, response: pb.AbortResponse | pb.PauseResponse | pb.ResumeResponse) -> None:
+    def __init__(self, call: str, response: AnyControlResponse) -> None:
         self.response = response
         self.engine_errors: list[pb.EngineError] = list(response.engine_errors)
         reasons = "; ".join(f"{e.engine}: {e.error}" for e in self.engine_errors)

@@ -210,6 +210,48 @@ def resume_request(weight_version: str | None) -> pb.ResumeRequest:
     return request
 
 
+def update_weights_request(
+    checkpoint: str, weight_version: str, *, pause_mode: str = "keep", all_at_once: bool = False
+) -> pb.UpdateWeightsRequest:
+    """An UpdateWeightsRequest loading the checkpoint directory `checkpoint` as `weight_version`."""
+    if pause_mode not in _PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {pause_mode!r}")
+    return pb.UpdateWeightsRequest(
+        checkpoint=pb.CheckpointSource(path=checkpoint),
+        weight_version=weight_version,
+        pause_mode=_PAUSE_MODES[pause_mode],
+        all_at_once=all_at_once,
+    )
+
+
+def update_weights_distributed_request(
+    weight_version: str,
+    *,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    tensors: Sequence[tuple[str, str, Sequence[int]]],
+    group_name: str = "weight_update_group",
+    backend: str = "nccl",
+    pause_mode: str = "keep",
+) -> pb.UpdateWeightsRequest:
+    """An UpdateWeightsRequest receiving `tensors` ((name, torch dtype, shape), in broadcast order)
+    from the trainer's broadcast in the planned group."""
+    if pause_mode not in _PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {pause_mode!r}")
+    source = pb.DistributedSource(
+        backend=backend,
+        master_address=master_address,
+        master_port=master_port,
+        group_name=group_name,
+        world_size=world_size,
+        tensors=[pb.TensorSpec(name=n, dtype=d, shape=list(shape)) for n, d, shape in tensors],
+    )
+    return pb.UpdateWeightsRequest(
+        distributed=source, weight_version=weight_version, pause_mode=_PAUSE_MODES[pause_mode]
+    )
+
+
 def render_request(
     messages: Sequence[Mapping[str, Any]] | None,
     *,

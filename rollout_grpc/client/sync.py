@@ -35,6 +35,8 @@ from rollout_grpc.client.samples import (
     pause_request,
     render_request,
     resume_request,
+    update_weights_distributed_request,
+    update_weights_request,
 )
 from rollout_grpc.client.step import GroupLike, StepProgressBar, step_request
 from rollout_grpc.client.stubs import sync_stub
@@ -288,6 +290,108 @@ class RolloutClient:
         with raising_rollout_errors():
             response: pb.ResumeResponse = self._stub.Resume(request, timeout=timeout, metadata=self._metadata)
         return check_engine_errors("Resume", response, raise_on_engine_errors)
+
+    def update_weights(
+        self,
+        checkpoint: str,
+        weight_version: str,
+        *,
+        pause_mode: str = "keep",
+        all_at_once: bool = False,
+        timeout: float | None = None,
+    ) -> pb.UpdateWeightsResponse:
+        """Move every engine to the checkpoint directory `checkpoint` (shared storage under the
+        replica's `--weights-path-prefix`), labelled `weight_version`: one serialised, fleet-wide
+        pause (`pause_mode`, as `pause`) -> load -> label -> resume (docs/engines.md "Weight
+        updates"). Raises `RolloutError` subclasses: unavailable when some engine did not take it
+        (named in the message; repeating the same call loads on those engines), failed precondition
+        for a version that goes backwards or another update in progress. No timeout by default: a
+        load takes as long as the checkpoint does."""
+        request = update_weights_request(
+            checkpoint, weight_version, pause_mode=pause_mode, all_at_once=all_at_once
+        )
+        with raising_rollout_errors():
+            response: pb.UpdateWeightsResponse = self._stub.UpdateWeights(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        return response
+
+    def plan_weight_transfer(
+        self, trainer_ranks: int = 1, *, timeout: float | None = 60.0
+    ) -> pb.PlanWeightTransferResponse:
+        """Distributed transfer, step 1: the group's `world_size` and every engine's rank offset
+        (the trainer holds ranks 0..trainer_ranks-1; rank 0 broadcasts). Create the trainer's side
+        of the group with that world size, then call `update_weights_distributed` while
+        broadcasting (docs/engines.md "Weight updates"; unverified without GPUs)."""
+        with raising_rollout_errors():
+            response: pb.PlanWeightTransferResponse = self._stub.PlanWeightTransfer(
+                pb.PlanWeightTransferRequest(trainer_ranks=trainer_ranks),
+                timeout=timeout,
+                metadata=self._metadata,
+            )
+        return response
+
+    def update_weights_distributed(
+        self,
+        weight_version: str,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        tensors: Sequence[tuple[str, str, Sequence[int]]],
+        group_name: str = "weight_update_group",
+        pause_mode: str = "keep",
+        timeout: float | None = None,
+    ) -> pb.UpdateWeightsResponse:
+        """Distributed transfer, step 2: pause, let every engine receive `tensors` ((name, torch
+        dtype, shape), in broadcast order) from the trainer's broadcast in the planned group (joining
+        it the first time), label, resume. The trainer broadcasts while this call runs."""
+        request = update_weights_distributed_request(
+            weight_version,
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            tensors=tensors,
+            group_name=group_name,
+            pause_mode=pause_mode,
+        )
+        with raising_rollout_errors():
+            response: pb.UpdateWeightsResponse = self._stub.UpdateWeights(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        return response
+
+    def release_memory(
+        self,
+        *,
+        level: int | None = None,
+        tags: Sequence[str] = (),
+        timeout: float | None = 60.0,
+        raise_on_engine_errors: bool = True,
+    ) -> pb.ReleaseMemoryResponse:
+        """Colocated training: pause every engine (ABORT) and free its accelerator memory — vLLM's
+        sleep `level` (default 1), SGLang's `tags` ("weights", "kv_cache"; none: all). `EngineErrors`
+        when some engines failed (`raise_on_engine_errors=False`: return them)."""
+        request = pb.ReleaseMemoryRequest(tags=list(tags))
+        if level is not None:
+            request.level = level
+        with raising_rollout_errors():
+            response: pb.ReleaseMemoryResponse = self._stub.ReleaseMemory(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        return check_engine_errors("ReleaseMemory", response, raise_on_engine_errors)
+
+    def resume_memory(
+        self, tags: Sequence[str] = (), *, timeout: float | None = 60.0, raise_on_engine_errors: bool = True
+    ) -> pb.ResumeMemoryResponse:
+        """Take the memory `tags` name back on every engine (none: all); the engines generate again
+        once every region is back (`response.generating`)."""
+        request = pb.ResumeMemoryRequest(tags=list(tags))
+        with raising_rollout_errors():
+            response: pb.ResumeMemoryResponse = self._stub.ResumeMemory(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        return check_engine_errors("ResumeMemory", response, raise_on_engine_errors)
 
     def get_server_info(self, *, timeout: float | None = 30.0) -> pb.GetServerInfoResponse:
         """GetServerInfo: the replica's view of its engines. Named after the RPC as every other

@@ -21,6 +21,10 @@ updates it. This module does exactly that through the rollout service:
   that key (see docs/slime.md for the table).
 * **Target**: `args.rollout_grpc_target`, else the `ROLLOUT_GRPC_TARGET` environment variable. One
   client per target, one channel per event loop (the client opens it lazily in the running loop).
+* **Credentials** (docs/security.md), each an `args.rollout_grpc_<name>` attribute, else the
+  `ROLLOUT_GRPC_CLIENT_<NAME>` environment variable: `token` (the bearer token itself) or
+  `token_file`; `tls` (1: TLS with the system roots), `tls_ca` (PEM file of the replica's CA),
+  `tls_cert` + `tls_key` (mTLS), `tls_name` (the name in the replica's certificate).
 
 Only the client's dependencies are needed (grpcio, protobuf, numpy); slime is not imported.
 """
@@ -263,7 +267,7 @@ def _routed_experts(sample: Any, result: pb.Sample) -> np.ndarray:
 
 # ---- the hook ------------------------------------------------------------------------------------
 
-_CLIENTS: dict[str, AsyncRolloutClient] = {}
+_CLIENTS: dict[tuple[str, tuple[tuple[str, str], ...]], AsyncRolloutClient] = {}
 
 
 def target_of(args: Any) -> str:
@@ -276,12 +280,46 @@ def target_of(args: Any) -> str:
     return str(target)
 
 
+#: The credential settings: `args.rollout_grpc_<name>` or `$ROLLOUT_GRPC_CLIENT_<NAME>`.
+CREDENTIAL_ENV_PREFIX = "ROLLOUT_GRPC_CLIENT_"
+_CREDENTIALS = ("token", "token_file", "tls", "tls_ca", "tls_cert", "tls_key", "tls_name")
+
+
+def _setting(args: Any, name: str) -> str | None:
+    value = getattr(args, f"rollout_grpc_{name}", None)
+    if value is None or value == "":
+        value = os.environ.get(CREDENTIAL_ENV_PREFIX + name.upper())
+    return None if value is None or value == "" else str(value)
+
+
+def credentials_of(args: Any) -> dict[str, Any]:
+    """The client's token and TLS keyword arguments from `args` and the environment (see above)."""
+    found = {name: _setting(args, name) for name in _CREDENTIALS}
+    token = found["token"]
+    if token is None and found["token_file"] is not None:
+        with open(found["token_file"], encoding="utf-8") as fh:
+            token = fh.read().strip()
+    if (found["tls_cert"] is None) != (found["tls_key"] is None):
+        raise ValueError("the slime hook's mTLS needs both rollout_grpc_tls_cert and rollout_grpc_tls_key")
+    return {
+        "token": token,
+        "tls": (found["tls"] or "").lower() in ("1", "true", "yes", "on"),
+        "root_certificates": found["tls_ca"],
+        "certificate_chain": found["tls_cert"],
+        "private_key": found["tls_key"],
+        "server_name": found["tls_name"],
+    }
+
+
 def client_for(args: Any) -> AsyncRolloutClient:
-    """The client of the target (created once per process; its channel opens per event loop)."""
+    """The client of the target and credentials (created once per process; its channel opens per
+    event loop)."""
     target = target_of(args)
-    client = _CLIENTS.get(target)
+    credentials = credentials_of(args)
+    key = (target, tuple(sorted((k, str(v)) for k, v in credentials.items())))
+    client = _CLIENTS.get(key)
     if client is None:
-        client = _CLIENTS[target] = AsyncRolloutClient(target)
+        client = _CLIENTS[key] = AsyncRolloutClient(target, **credentials)
     return client
 
 
@@ -343,3 +381,12 @@ async def pause(args: Any, mode: str = "abort") -> None:
 async def resume(args: Any, weight_version: str | None = None) -> None:
     """Resume the engines, labelling the new weights so samples record which version made them."""
     await client_for(args).resume(weight_version)
+
+
+async def update_weights(args: Any, checkpoint: str, weight_version: str, pause_mode: str = "keep") -> None:
+    """Move every engine behind the service to the checkpoint directory `checkpoint` (shared storage
+    under the replica's `--weights-path-prefix`), labelled `weight_version`: one serialised
+    pause -> load -> label -> resume (`UpdateWeights`; docs/engines.md "Weight updates"). Raises the
+    client's errors naming the engines that did not take it. Call it where slime's trainer saved
+    the HF checkpoint of the step, instead of syncing its own engines."""
+    await client_for(args).update_weights(checkpoint, weight_version, pause_mode=pause_mode)

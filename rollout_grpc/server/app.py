@@ -62,6 +62,7 @@ from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
 from rollout_grpc.server.rollout.step.runner import StepRunner
+from rollout_grpc.server.rollout.weights import DEFAULT_LOAD_TIMEOUT_S, WeightUpdates
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
@@ -145,6 +146,10 @@ class ServerConfig:
     #: RolloutStep buffers (leftovers=BUFFER, abandoned steps), estimated MiB per caller and in all.
     step_buffer_mb_per_caller: int = 256
     step_buffer_mb: int = 512
+    #: Directories UpdateWeights may name checkpoints under (`--weights-path-prefix`; empty: off).
+    weights_path_prefixes: list[str] = field(default_factory=list)
+    #: Seconds one engine may take to load a checkpoint (`--weights-load-timeout`).
+    weights_load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
     # --- security (docs/security.md) ---
@@ -380,6 +385,7 @@ class RolloutServer:
         self.auth = self._auth_config(config)
         self.rollout: Rollout
         self.control: Control
+        self.weights: WeightUpdates
         self.facade: RolloutFacade
         #: RolloutStep runs (None until the servicer is built).
         self.steps: StepRunner | None = None
@@ -552,6 +558,13 @@ class RolloutServer:
                 max_bytes_total=cfg.step_buffer_mb << 20,
             ),
         )
+        self.weights = WeightUpdates(
+            self.pool,
+            self.control,
+            path_prefixes=cfg.weights_path_prefixes,
+            load_timeout_s=cfg.weights_load_timeout_s,
+            deadline_s=cfg.control_deadline_s,
+        )
         self.facade = RolloutFacade(
             self.rollout,
             self.control,
@@ -559,6 +572,7 @@ class RolloutServer:
             trajectories=self.trajectories,
             calls=self.calls,
             steps=steps,
+            weights=self.weights,
         )
         return self.servicer_class(self.facade, cfg.default_options, simulated_engines=cfg.simulated_engines)
 
@@ -763,6 +777,7 @@ class RolloutServer:
         if self._tracer_provider is not None and hasattr(self._tracer_provider, "force_flush"):
             self._tracer_provider.force_flush()
         await self.pool.stop()
+        await self.weights.close()
         await self.control.close()
         if self.rule_processes is not None:
             await self.rule_processes.close()

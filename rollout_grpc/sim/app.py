@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from . import chat, control, discovery, fidelity, render
+from . import chat, control, discovery, fidelity, render, weights
 from .config import SimConfig
 from .core import CORE_KEY, EngineCore
 from .errors import SCALE_OUT_DISABLED, ApiError, not_found_route
@@ -117,6 +117,15 @@ def create_app(
         ("GET", "/weight_info", control.weight_info),
         ("POST", "/reset_mm_cache", control.reset_mm_cache),
         ("GET", "/server_info", control.server_info),
+        ("POST", "/collective_rpc", weights.collective_rpc),
+        ("POST", "/sleep", weights.sleep),
+        ("POST", "/wake_up", weights.wake_up),
+        ("GET", "/is_sleeping", weights.is_sleeping),
+        ("GET", "/get_world_size", weights.get_world_size),
+        ("POST", "/init_weight_transfer_engine", weights.init_weight_transfer_engine),
+        ("POST", "/start_weight_update", weights.start_weight_update),
+        ("POST", "/update_weights", weights.update_weights),
+        ("POST", "/finish_weight_update", weights.finish_weight_update),
     ]
     for method, path, handler in dev:
         r.add_route(method, path, _dev(handler))

@@ -67,6 +67,9 @@ class FaultConfig:
       generation goes on and ``/health`` answers: vLLM runs a pause in its engine-core loop between
       engine steps, so it waits for the step in progress (a long prefill — an image on a loaded CPU
       — takes seconds). Not a count: it stays until cleared.
+    * ``load_fault``: how the next checkpoint loads fail (``weights.py``): ``error`` (the worker
+      raises), ``hang`` (never answers), ``drop`` (the connection closes: the engine crashed).
+      ``load_delay_ms`` delays every load's answer. Not counts: they stay until cleared.
     """
 
     http_500: int = 0
@@ -84,6 +87,8 @@ class FaultConfig:
     malformed_after: int = 1
     request_500_seed: int = -1
     pause_delay_ms: int = 0
+    load_fault: str = ""
+    load_delay_ms: int = 0
 
     def take(self, name: str) -> bool:
         """Consume one use of a count fault; True when it applies to this request."""
@@ -197,6 +202,9 @@ class SimConfig:
     ttft_s: float = 0.0
     seed: int = 0
     model_seed: int = 0
+    #: The weight-transfer backend the engine was started with (vLLM's `--weight-transfer-config`,
+    #: e.g. "nccl"); "" answers every transfer route "Weight transfer not configured" (measured).
+    weight_transfer: str = ""
     eos_probability: float = 0.01
     dev_mode: bool = True
     scale_out: bool = True

@@ -51,6 +51,7 @@ class SimStats:
     resume_calls: int = 0
     abort_calls: int = 0  # both abort endpoints
     weight_version_updates: int = 0
+    weight_loads: int = 0  # checkpoint loads asked (reload_weights, update_weights_from_disk)
     render_calls: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
@@ -73,6 +74,7 @@ class SimStats:
             "resume_calls": self.resume_calls,
             "abort_calls": self.abort_calls,
             "weight_version_updates": self.weight_version_updates,
+            "weight_loads": self.weight_loads,
             "render_calls": self.render_calls,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
@@ -162,6 +164,13 @@ class EngineCore:
         self.frozen = False
         self.sleeping = False
         self.sleep_level = 0
+        #: Memory regions a sleep freed and no wake-up took back yet (vLLM's tags).
+        self.asleep_tags: set[str] = set()
+        #: Distributed transfer: the joined group's init info by group name (vLLM's has no name:
+        #: ""), whether a vLLM update session is open, and how many updates were received.
+        self.transfer_groups: dict[str, dict[str, Any]] = {}
+        self.transfer_active = False
+        self.transfers = 0
         self.requests: dict[str, list[EngineRequest]] = {}
         self.running: set[EngineRequest] = set()
         self.held: set[EngineRequest] = set()
@@ -408,6 +417,15 @@ class EngineCore:
     @property
     def version(self) -> str:
         return self._version.value
+
+    def swap_model(self, lm: ToyLM) -> None:
+        """New weights: every later token, of new and of held or running requests, comes from
+        `lm` (vLLM and SGLang load in place; a kept request goes on with the new weights)."""
+        self.lm = lm
+        for reqs in self.requests.values():
+            for req in reqs:
+                for seq in req.seqs:
+                    seq.lm = lm
 
     def update_weight_version(self, version: str) -> None:
         """Later tokens carry ``version``; in-flight spans split where their next token lands."""

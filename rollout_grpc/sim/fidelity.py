@@ -2,10 +2,11 @@
 
 The service (``rollout_grpc/server``) reaches an engine only through ``/health``, ``/v1/models``,
 ``/server_info``, ``/is_paused``, ``/pause``, ``/resume``, ``/update_weight_version``,
-``/weight_info``, ``/inference/v1/generate``, ``/inference/v1/abort_requests`` and the two render
-routes. The routes here are the rest of vLLM 0.32's surface that a token-in/token-out client could
-meet: liveness and version, load and Prometheus metrics, the tokenizer, sleep/wake, the prefix and
-encoder cache resets, ``collective_rpc`` and the weight-transfer stubs (``/reset_mm_cache`` stays in
+``/weight_info``, ``/inference/v1/generate``, ``/inference/v1/abort_requests``, the two render
+routes and the weight routes of ``weights.py`` (``/collective_rpc``, ``/sleep``, ``/wake_up``,
+``/is_sleeping``, ``/get_world_size`` and the weight-transfer lifecycle). The routes here are the
+rest of vLLM 0.32's surface that a token-in/token-out client could meet: liveness and version, load
+and Prometheus metrics, the tokenizer, the prefix and encoder cache resets (``/reset_mm_cache`` stays in
 ``control.py``: the service's multimodal tests evict the engine's cache with it). They are not
 used by the service; they stay so that ``rollout-grpc sim`` answers every route a vLLM client may
 probe with vLLM's exact body, and so that ``tests/sim`` (recorded bodies) and the live conformance
@@ -23,9 +24,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .control import json_or_none, query_mode
 from .core import CORE_KEY, EngineCore
-from .errors import ApiError, bad_request, json_response, validation_error
+from .errors import ApiError, bad_request, json_response
 from .request import read_json_body
 from .vocab import render_chatml
 
@@ -34,11 +34,6 @@ Wrap = Callable[[Handler], Handler]
 
 METRICS_CT = "text/plain; version=1.0.0; charset=utf-8"
 VERSION = "0.32.0"
-WEIGHT_TRANSFER_ERROR = (
-    "Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. "
-    "Please set weight_transfer_config to enable weight transfer.', please check the stack trace above "
-    "for the root cause"
-)
 
 
 def _core(request: web.Request) -> EngineCore:
@@ -58,16 +53,7 @@ def add_routes(router: web.UrlDispatcher, *, dev: Wrap) -> None:
     development: list[tuple[str, str, Handler]] = [
         ("POST", "/reset_prefix_cache", reset_prefix_cache),
         ("POST", "/reset_encoder_cache", reset_encoder_cache),
-        ("GET", "/get_world_size", get_world_size),
-        ("POST", "/sleep", sleep),
-        ("POST", "/wake_up", wake_up),
-        ("GET", "/is_sleeping", is_sleeping),
         ("POST", "/release_kv_cache_memory", release_kv_cache_memory),
-        ("POST", "/collective_rpc", collective_rpc),
-        ("POST", "/init_weight_transfer_engine", weight_transfer_unconfigured),
-        ("POST", "/start_weight_update", weight_transfer_unconfigured),
-        ("POST", "/update_weights", weight_transfer_unconfigured),
-        ("POST", "/finish_weight_update", weight_transfer_unconfigured),
     ]
     for method, path, handler in development:
         router.add_route(method, path, dev(handler))
@@ -191,61 +177,5 @@ async def reset_encoder_cache(request: web.Request) -> web.StreamResponse:
     return web.Response(status=200)
 
 
-async def get_world_size(request: web.Request) -> web.StreamResponse:
-    return json_response({"world_size": 1})
-
-
-async def sleep(request: web.Request) -> web.StreamResponse:
-    core = _core(request)
-    try:
-        level = int(request.query.get("level", "1"))
-    except ValueError:
-        raise validation_error(
-            [
-                {
-                    "type": "int_parsing",
-                    "loc": "query.level",
-                    "msg": "Input should be a valid integer, unable to parse string as an integer",
-                    "input": request.query.get("level"),
-                }
-            ]
-        ) from None
-    mode = query_mode(request)
-    await core.pause(mode)
-    core.sleeping = True
-    core.sleep_level = level
-    return json_response({"status": "sleeping", "level": level})
-
-
-async def wake_up(request: web.Request) -> web.StreamResponse:
-    core = _core(request)
-    tags = request.query.getall("tags", None)
-    core.sleeping = False
-    core.resume()
-    return json_response({"status": "awake", "tags": tags})
-
-
-async def is_sleeping(request: web.Request) -> web.StreamResponse:
-    return json_response({"is_sleeping": _core(request).sleeping})
-
-
 async def release_kv_cache_memory(request: web.Request) -> web.StreamResponse:
     return json_response({"status": "kv_cache_released"})
-
-
-async def collective_rpc(request: web.Request) -> web.StreamResponse:
-    body = await json_or_none(request)
-    method = body.get("method") if isinstance(body, dict) else None
-    if method == "check_health":
-        return json_response({"results": [None]})
-    msg = (
-        "Call to collective_rpc method failed: Worker failed with error "
-        f"''SimWorker' object has no attribute '{method}'', "
-        "please check the stack trace above for the root cause"
-    )
-    return ApiError(500, msg, "InternalServerError").response()
-
-
-async def weight_transfer_unconfigured(request: web.Request) -> web.StreamResponse:
-    """Init/start/update/finish weight transfer: the simulator has no transfer backend."""
-    return ApiError(500, WEIGHT_TRANSFER_ERROR, "InternalServerError").response()

@@ -13,7 +13,8 @@
 //    "abort_by_id": {"target": ..., "continue_tokens": 5}, "abort_all": {"target": ...},
 //    "render": {"target": ..., "png_path": "/tmp/x.png"},
 //    "auth": {"target": ..., "trainer_token": "...", "admin_token": "..."},
-//    "routed_experts": [{"name": "uint8", "target": ..., "max_new_tokens": 12}, ...]}
+//    "routed_experts": [{"name": "uint8", "target": ..., "max_new_tokens": 12}, ...],
+//    "update_weights": {"target": ..., "checkpoint": "/dir/v1", "outside": "/etc"}}
 // Scenarios that the plan leaves out are not run.
 //
 // It prints one JSON document on stdout with what it saw (facts, not verdicts): the Python test
@@ -409,6 +410,34 @@ function rolloutStep(cfg) {
   });
 }
 
+// (g) A weight update, as a trainer in another language drives it: UpdateWeights with a checkpoint
+// directory and a version (pause KEEP), a refused path, then a seeded generation on the new weights.
+async function updateWeights(cfg) {
+  const request = (path, version) => ({
+    checkpoint: {path},
+    weight_version: version,
+    pause_mode: 'PAUSE_MODE_KEEP',
+  });
+  const response = await unary(cfg.target, 'UpdateWeights', request(cfg.checkpoint, 'node-v1'));
+  let refused = null;
+  try {
+    await unary(cfg.target, 'UpdateWeights', request(cfg.outside, 'node-v2'));
+  } catch (err) {
+    refused = {code: grpc.status[err.code], details: err.details};
+  }
+  const after = await generate(cfg.target, {
+    sample: pendingSample(cfg.prompt),
+    sampling_params: {temperature: 1.0, max_new_tokens: 4, ignore_eos: true, seed: 3},
+  });
+  return {
+    weight_version: response.weight_version,
+    engines: response.engines.map((e) => ({engine: e.engine, updated: e.updated, error: e.error})),
+    previous_versions: response.previous_versions,
+    refused,
+    sample_versions: after.sample === null ? null : after.sample.weight_versions.map((w) => w.version),
+  };
+}
+
 async function main() {
   const out = {node: process.version, grpc_js: require('@grpc/grpc-js/package.json').version, proto_loader: require('@grpc/proto-loader/package.json').version};
   if (plan.server_info) out.server_info = await serverInfo(plan.server_info);
@@ -419,6 +448,7 @@ async function main() {
   if (plan.render) out.render = await render(plan.render);
   if (plan.auth) out.auth = await auth(plan.auth);
   if (plan.rollout_step) out.rollout_step = await rolloutStep(plan.rollout_step);
+  if (plan.update_weights) out.update_weights = await updateWeights(plan.update_weights);
   if (plan.routed_experts) out.routed_experts = [];
   for (const cfg of plan.routed_experts || []) out.routed_experts.push(await routedExperts(cfg));
   return out;

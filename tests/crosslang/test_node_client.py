@@ -36,6 +36,7 @@ from PIL import Image
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb, routed_experts_array
 from rollout_grpc.server.security import redact
 from tests.harness import Harness, harness
+from tests.support.checkpoints import toy_checkpoint
 
 pytestmark = [pytest.mark.crosslang, pytest.mark.asyncio(loop_scope="module")]
 
@@ -141,6 +142,11 @@ async def run(node_client: Path, tmp_path_factory: pytest.TempPathFactory) -> As
         tokens = tmp / "tokens"
         tokens.write_text(f"node-trainer trainer {NODE_TRAINER}\nnode-admin admin {NODE_ADMIN}\n")
         replicas["authed"] = await stack.enter_async_context(harness("sim", auth_tokens_file=str(tokens)))
+        checkpoints = tmp / "checkpoints"
+        toy_checkpoint(checkpoints / "v1", seed=1)
+        replicas["weights"] = await stack.enter_async_context(
+            harness("sim", sim_count=2, weights_path_prefixes=[str(checkpoints)])
+        )
         dense = replicas["dense"].target
         plan = {
             "server_info": {"target": dense},
@@ -158,6 +164,12 @@ async def run(node_client: Path, tmp_path_factory: pytest.TempPathFactory) -> As
             "routed_experts": [
                 {"name": name, "target": replicas[name].target, "max_new_tokens": n} for name, *_, n in MOE
             ],
+            "update_weights": {
+                "target": replicas["weights"].target,
+                "checkpoint": str(checkpoints / "v1"),
+                "outside": "/etc",
+                "prompt": PROMPT,
+            },
         }
         out = await run_node(node_client, plan, tmp)
         assert "fatal" not in out, out
@@ -496,3 +508,17 @@ async def test_rollout_step_from_node(run: Run) -> None:
         for sample in group["samples"]:
             assert sample["response_length"] == 5 and sample["tokens"][: len(PROMPT)] == PROMPT
     assert step["progress"] >= 1
+
+
+async def test_update_weights_from_node(run: Run) -> None:
+    report = run.out["update_weights"]
+    sims = run.replicas["weights"].sims
+    assert report["weight_version"] == "node-v1" and report["previous_versions"] == ["default"]
+    assert sorted(e["engine"] for e in report["engines"]) == sorted(s.url for s in sims)
+    assert all(e["updated"] and e["error"] == "" for e in report["engines"])
+    assert (
+        report["refused"]["code"] == "PERMISSION_DENIED"
+        and "--weights-path-prefix" in report["refused"]["details"]
+    )
+    assert report["sample_versions"] == ["node-v1"]
+    assert [(s.stats.weight_loads, s.core.version) for s in sims] == [(1, "node-v1"), (1, "node-v1")]

@@ -627,3 +627,46 @@ async def test_pause_wait_returns_once_the_other_workers_streams_finished(
     finally:
         await by_worker[0].resume()
     assert final is not None and final.status == pb.SAMPLE_STATUS_TRUNCATED
+
+
+async def test_an_update_on_one_worker_takes_a_failed_engine_out_of_every_workers_rotation(
+    procs: Processes, tmp_path: Path
+) -> None:
+    """UpdateWeights received by one worker: an engine that failed to load receives no generation
+    from any worker, and every worker labels the others' tokens with the new version."""
+    from tests.support.checkpoints import toy_checkpoint
+
+    good = start_engine(procs, "good", token_delay_ms=0, test_routes=True)
+    bad = start_engine(procs, "bad", token_delay_ms=0, test_routes=True)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{bad.url}/_sim/faults", json={"load_fault": "error"}) as r,
+    ):
+        assert r.status == 200
+    ckpt = toy_checkpoint(tmp_path / "ckpt" / "v1", seed=1)
+    replica = start_replica(
+        procs,
+        tmp_path,
+        "--workers",
+        "2",
+        "--engine",
+        good.url,
+        "--engine",
+        bad.url,
+        "--weights-path-prefix",
+        str(tmp_path / "ckpt"),
+    )
+    async with clients_by_worker(replica.target, 2) as by_worker:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await by_worker[0].update_weights(str(ckpt), "v1", all_at_once=True)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and bad.url in (info.value.details() or "")
+        for on in by_worker.values():
+            engines = {e.url: e for e in (await on.server_info()).engines}
+            assert engines[good.url].usable and engines[good.url].weight_version == "v1"
+            assert not engines[bad.url].usable
+            for _ in range(4):
+                final = await on.generate(
+                    pb.Sample(tokens=[1, 2, 3], status=pb.SAMPLE_STATUS_PENDING), {"max_new_tokens": 4}
+                )
+                assert [a.engine for a in final.engine_attempts] == [good.url]
+                assert [span.version for span in final.weight_versions] == ["v1"]

@@ -9,7 +9,7 @@ is set when a call has yielded its first event.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
 
@@ -24,8 +24,12 @@ from rollout_grpc.server.engines.api import (
     EngineFinal,
     EngineHealth,
     FinishKind,
+    MemoryRelease,
     Rendered,
     ServedModel,
+    TensorSpec,
+    TransferGroup,
+    WeightAction,
 )
 
 #: A script step that never ends (an engine that went silent).
@@ -52,6 +56,9 @@ class FakeEngine:
     scripts: list[list[Step]] = field(default_factory=list)
     healthy: bool = True
     calls: list[EngineCall] = field(default_factory=list)
+    #: Checkpoint paths loaded; memory released / taken back and transfer steps, in order.
+    loaded: list[str] = field(default_factory=list)
+    memory: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     paused: bool = False
@@ -101,6 +108,29 @@ class FakeEngine:
 
     async def weight_version(self) -> str:
         return "v1"
+
+    def weight_route(self, action: WeightAction) -> str:
+        return f"/fake/{action}"
+
+    async def load_checkpoint(self, path: str, timeout: float | None) -> None:
+        self.loaded.append(path)
+
+    async def transfer_ranks(self) -> int:
+        return 1
+
+    async def init_transfer(self, group: TransferGroup, rank_offset: int, timeout: float | None) -> None:
+        self.memory.append(("init_transfer", (str(rank_offset),)))
+
+    async def receive_weights(
+        self, group: TransferGroup, tensors: Sequence[TensorSpec], timeout: float | None
+    ) -> None:
+        self.memory.append(("receive_weights", tuple(t.name for t in tensors)))
+
+    async def release_memory(self, release: MemoryRelease) -> None:
+        self.memory.append(("release", release.tags))
+
+    async def resume_memory(self, tags: tuple[str, ...]) -> None:
+        self.memory.append(("resume", tags))
 
     async def models(self) -> list[ServedModel]:
         return [ServedModel("fake")]

@@ -50,4 +50,4 @@ def test_the_routes_the_service_calls_are_not_in_fidelity() -> None:
     used = {"/health", "/v1/models", "/server_info", "/pause", "/resume", "/inference/v1/generate"}
     assert used <= _paths(create_app())
     assert not used & fidelity_paths()
-    assert {"/tokenize", "/version", "/sleep"} <= fidelity_paths()
+    assert {"/tokenize", "/version", "/reset_prefix_cache"} <= fidelity_paths()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
 from typing import Any, Protocol
@@ -300,6 +300,53 @@ class ControlAction(enum.StrEnum):
     UPDATE_WEIGHT_VERSION = "update_weight_version"
 
 
+class WeightAction(enum.StrEnum):
+    """A weight operation (`rollout/weights.py`), named so an adapter can say which route does it."""
+
+    LOAD_CHECKPOINT = "load_checkpoint"
+    RELEASE_MEMORY = "release_memory"
+    RESUME_MEMORY = "resume_memory"
+    TRANSFER_RANKS = "transfer_ranks"
+    INIT_TRANSFER = "init_transfer"
+    RECEIVE_WEIGHTS = "receive_weights"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferGroup:
+    """The collective group a trainer broadcasts new weights in (distributed weight transfer)."""
+
+    backend: str
+    master_address: str
+    master_port: int
+    group_name: str
+    world_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor the trainer broadcasts: checkpoint name, torch dtype name, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+#: The memory regions a colocated trainer frees and takes back (vLLM's and SGLang's tag names).
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRelease:
+    """What a colocated trainer asks an engine to free (`EngineAdapter.release_memory`).
+
+    `level` is vLLM's sleep level (1: offload the weights, drop the KV cache; 2: drop both; 0:
+    nothing); SGLang has no levels and frees the regions `tags` names (`MEMORY_TAGS`; empty: all).
+    """
+
+    level: int = 1
+    tags: tuple[str, ...] = ()
+
+
 class EngineAdapter(Protocol):
     """One engine, as the domain sees it. `vllm.VllmEngine` is the production implementation."""
 
@@ -374,6 +421,44 @@ class EngineAdapter(Protocol):
 
     async def models(self) -> list[ServedModel]:
         """The models the engine serves."""
+        ...
+
+    # Weight updates (rollout/weights.py): the engine kind's module `weights.py` implements them.
+
+    def weight_route(self, action: WeightAction) -> str:
+        """The engine route behind a weight operation, for messages naming the failed call."""
+        ...
+
+    async def load_checkpoint(self, path: str, timeout: float | None) -> None:
+        """Load the checkpoint at `path` (a directory the engine can read) into the running model,
+        in place; the caller paused the engine first. Raises an `EngineError` with the engine's own
+        cause when the engine did not load it (vLLM 0.32 is then left without usable weights:
+        docs/engines.md "Weight updates")."""
+        ...
+
+    async def transfer_ranks(self) -> int:
+        """How many ranks this engine has in a weight-transfer group (its workers)."""
+        ...
+
+    async def init_transfer(self, group: TransferGroup, rank_offset: int, timeout: float | None) -> None:
+        """Join `group` with ranks from `rank_offset` on; blocks until every rank joined."""
+        ...
+
+    async def receive_weights(
+        self, group: TransferGroup, tensors: Sequence[TensorSpec], timeout: float | None
+    ) -> None:
+        """Receive `tensors` broadcast by the trainer (rank 0) in `group` and load them in place;
+        the caller paused the engine first."""
+        ...
+
+    async def release_memory(self, release: MemoryRelease) -> None:
+        """Free the accelerator memory `release` names (vLLM `/sleep`, SGLang
+        `/release_memory_occupation`); the caller paused the engine (ABORT) first."""
+        ...
+
+    async def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Take back the memory regions `tags` names (all when empty): vLLM `/wake_up`, SGLang
+        `/resume_memory_occupation`."""
         ...
 
     async def capabilities(self, raw_logprobs: str) -> EngineCapabilities | None:

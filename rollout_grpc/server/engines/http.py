@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import EllipsisType
 from typing import Any, Final
 
@@ -292,7 +292,7 @@ class HttpEngine:
         path: str,
         *,
         json_body: Any = None,
-        params: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> tuple[int, bytes]:
         """One control call; returns (status, body). Connection failures raise EngineUnavailable.
@@ -324,7 +324,7 @@ class HttpEngine:
         path: str,
         *,
         json_body: Any = None,
-        params: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> Any:
         status, body = await self._request(method, path, json_body=json_body, params=params, timeout=timeout)

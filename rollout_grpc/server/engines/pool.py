@@ -62,6 +62,10 @@ class EngineHandle:
     #: What the capability check found (`capabilities.py`), None before it (or after a failed
     #: check). The one source of the engine's capability facts.
     capabilities: EngineCapabilities | None = None
+    #: Why this engine's weights are not the fleet's (a weight update failed on it, or it was not
+    #: paused for one): no generations until a later update loads on it (`rollout/weights.py`).
+    #: Kept apart from `problems`, which the capability check rewrites.
+    weights_problem: str = ""
     #: The engine calls in flight on this engine that want to hear when a health probe finds it
     #: dead (`watch`): each is called with the time the failed probe started.
     _watchers: set[Callable[[float], None]] = field(default_factory=set, repr=False)
@@ -69,7 +73,7 @@ class EngineHandle:
     @property
     def usable(self) -> bool:
         """Healthy, not draining and able to serve the contract: may receive new generations."""
-        return self.healthy and not self.draining and not self.problems
+        return self.healthy and not self.draining and not self.problems and not self.weights_problem
 
     def watch(self, on_dead: Callable[[float], None]) -> Callable[[], None]:
         """Call `on_dead(probe_started)` whenever a health probe of this engine fails (every
@@ -161,6 +165,17 @@ class EnginePool:
             log.info("engine_draining", engine=handle.url)
             self._notify()
 
+    def set_weights_problem(self, handle: EngineHandle, problem: str) -> None:
+        """Take `handle` out of rotation because of its weights (`problem`), or, with "",
+        re-admit it after a successful load (`rollout/weights.py`)."""
+        if handle.weights_problem != problem:
+            handle.weights_problem = problem
+            if problem:
+                log.warning("engine_out_of_rotation", engine=handle.url, reason=problem)
+            else:
+                log.info("engine_readmitted", engine=handle.url)
+            self._notify()
+
     def remove(self, url: str) -> None:
         """Forget an engine (its in-flight generations keep their own reference and finish)."""
         if self._engines.pop(url.rstrip("/"), None) is not None:
@@ -194,6 +209,8 @@ class EnginePool:
                 reasons.append((handle.url, f"unhealthy: {handle.last_error or 'health probe failed'}"))
             elif handle.problems:
                 reasons.append((handle.url, "not usable: " + "; ".join(handle.problems)))
+            elif handle.weights_problem:
+                reasons.append((handle.url, "out of rotation: " + handle.weights_problem))
             elif handle.draining:
                 reasons.append((handle.url, "draining"))
         return reasons

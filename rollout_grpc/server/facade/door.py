@@ -26,6 +26,13 @@ from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
 from rollout_grpc.server.rollout.step.runner import GroupEnded, StepEvent, StepRunner, Summary
 from rollout_grpc.server.rollout.step.spec import Outcome, StepSpec
+from rollout_grpc.server.rollout.weights import (
+    MemoryRelease,
+    TransferPlan,
+    WeightUpdate,
+    WeightUpdateResult,
+    WeightUpdates,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -68,8 +75,11 @@ class RolloutFacade:
         trajectories: TrajectoryStore | None = None,
         calls: CallBook | None = None,
         steps: StepRunner | None = None,
+        weights: WeightUpdates | None = None,
     ) -> None:
         self._rollout = rollout
+        #: UpdateWeights; None: the RPC answers FAILED_PRECONDITION.
+        self._weights = weights
         #: Rollout steps (RolloutStep); None: the RPC answers UNIMPLEMENTED-like FAILED_PRECONDITION.
         self.steps = steps
         self._control = control
@@ -175,6 +185,38 @@ class RolloutFacade:
         if weight_version is not None and self.steps is not None:
             self.steps.versions.advance(weight_version)  # the order staleness is measured in
         return result
+
+    async def update_weights(self, record: CallRecord, update: WeightUpdate) -> WeightUpdateResult:
+        """One fleet-wide weight update (`rollout/weights.py`); the step runner's version order
+        advances like after a Resume with that version."""
+        if self._weights is None:
+            raise FailedPrecondition("weight updates are not available on this replica")
+        result = await self._weights.update(update)
+        if self.steps is not None:
+            self.steps.versions.advance(result.weight_version)
+        return result
+
+    async def plan_transfer(self, record: CallRecord, trainer_ranks: int) -> TransferPlan:
+        """Distributed weight transfer: the group's rank plan (`rollout/weights.py`)."""
+        if self._weights is None:
+            raise FailedPrecondition("weight transfers are not available on this replica")
+        return await self._weights.plan_transfer(trainer_ranks)
+
+    async def release_memory(self, record: CallRecord, release: MemoryRelease) -> FleetResult:
+        """Colocated training: pause every engine and free its memory (`rollout/weights.py`)."""
+        if self._weights is None:
+            raise FailedPrecondition("memory release is not available on this replica")
+        result = await self._weights.release_memory(release)
+        record.result = result
+        return result
+
+    async def resume_memory(self, record: CallRecord, tags: tuple[str, ...]) -> tuple[FleetResult, bool]:
+        """Take the memory back; (result, whether generation resumed)."""
+        if self._weights is None:
+            raise FailedPrecondition("memory resume is not available on this replica")
+        result, generating = await self._weights.resume_memory(tags)
+        record.result = result
+        return result, generating
 
     async def engine_statuses(self) -> list[EngineStatus]:
         """Every engine as GetServerInfo reports it."""

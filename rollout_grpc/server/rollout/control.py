@@ -742,6 +742,13 @@ class Control:
         merged.extend(resumed)
         return merged
 
+    async def weights_updated(
+        self, weight_version: str, relabelled: list[str], rotation: dict[str, str]
+    ) -> None:
+        """After a weight update (`weights.py`): the other processes of this replica learn which
+        engines took `weight_version` and which left (a reason) or rejoined ("") the rotation.
+        Nothing to tell in a replica of one process (`workers/control.py` overrides it)."""
+
     # ----------------------------------------------------------------------------- info
 
     async def engine_statuses(self) -> list[EngineStatus]:

@@ -11,7 +11,8 @@ shared by every worker), and reaches its siblings through `WorkerService` for wh
 * Pause: the siblings bump their pause epoch (a late resume of theirs must not undo it) and, for
   ABORT, abort their local generations;
 * Resume(weight_version): the siblings relabel the engines that took the version, so the weight
-  version of every token streamed afterwards is right on every worker.
+  version of every token streamed afterwards is right on every worker;
+* UpdateWeights: the same, plus the engines the update took out of rotation or re-admitted.
 
 The RolloutServicer subclass forwards GetTrajectory to worker 0 (which runs the front door and so
 records every session) and reports the worker count in GetServerInfo.
@@ -125,6 +126,12 @@ class WorkerControl(Control):
                 else []
             )
             await self.siblings.sync_resume(weight_version, relabelled)
+
+    async def weights_updated(
+        self, weight_version: str, relabelled: list[str], rotation: dict[str, str]
+    ) -> None:
+        if self.siblings is not None:
+            await self.siblings.sync_resume(weight_version, relabelled, rotation)
 
     async def abort_local(self, scope: AbortScope) -> AbortResult:
         """A peer replica's forwarded abort: this worker's generations and every sibling's."""

@@ -45,7 +45,9 @@ class SiblingHost(Protocol):
     def sibling_paused(self, mode: str) -> int: ...
     async def abort_local_only(self, scope: AbortScope) -> AbortResult: ...
     def load(self) -> pb.SiblingLoadResponse: ...
-    def sibling_resumed(self, weight_version: str | None, relabelled: list[str]) -> None: ...
+    def sibling_resumed(
+        self, weight_version: str | None, relabelled: list[str], rotation: dict[str, str] | None = None
+    ) -> None: ...
 
 
 class _SecretCheck(grpc.aio.ServerInterceptor):
@@ -115,7 +117,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             return pb.SyncControlResponse(aborted=self._server.sibling_paused(name))
         if action == "resume":
             self._server.sibling_resumed(
-                request.resume.weight_version or None, list(request.resume.relabelled_engines)
+                request.resume.weight_version or None,
+                list(request.resume.relabelled_engines),
+                {r.engine: r.problem for r in request.resume.rotation},
             )
             return pb.SyncControlResponse()
         await context.abort_with_status(to_status(InvalidArgument("action", "set pause or resume")))

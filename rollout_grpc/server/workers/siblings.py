@@ -89,10 +89,19 @@ class Siblings:
         )
         return sum(answer.aborted for _, answer in answers)
 
-    async def sync_resume(self, weight_version: str | None, relabelled: list[str]) -> None:
-        """Tell every sibling a Resume ran, and which engines took `weight_version`."""
+    async def sync_resume(
+        self, weight_version: str | None, relabelled: list[str], rotation: dict[str, str] | None = None
+    ) -> None:
+        """Tell every sibling a Resume (or a weight update) ran, which engines took
+        `weight_version`, and the rotation changes of a weight update (engine -> problem)."""
         request = pb.SyncControlRequest(
-            resume=pb.ResumeSync(weight_version=weight_version or "", relabelled_engines=relabelled)
+            resume=pb.ResumeSync(
+                weight_version=weight_version or "",
+                relabelled_engines=relabelled,
+                rotation=[
+                    pb.EngineRotation(engine=url, problem=why) for url, why in (rotation or {}).items()
+                ],
+            )
         )
         await self._each(
             "SyncControl",

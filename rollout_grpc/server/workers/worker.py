@@ -116,8 +116,15 @@ class WorkerServer(RolloutServer):
             engine_in_flight={engine.url: engine.in_flight for engine in self.pool.engines},
         )
 
-    def sibling_resumed(self, weight_version: str | None, relabelled: list[str]) -> None:
-        """A sibling resumed the engines (SyncControl): relabel the engines that took the version."""
+    def sibling_resumed(
+        self, weight_version: str | None, relabelled: list[str], rotation: dict[str, str] | None = None
+    ) -> None:
+        """A sibling resumed the engines or updated their weights (SyncControl): relabel the engines
+        that took the version, and take the rotation changes of a weight update."""
+        for url, problem in (rotation or {}).items():
+            engine = self.pool.get(url)
+            if engine is not None:
+                self.pool.set_weights_problem(engine, problem)
         if weight_version is None:
             return
         for url in relabelled:

@@ -13,7 +13,7 @@ from aiohttp import web
 from ..config import SimConfig
 from ..core import CORE_KEY, EngineCore
 from ..errors import json_response, not_found_route
-from . import control, discovery
+from . import control, discovery, weights
 from .generate import handle_generate
 from .state import SGLANG_KEY, SGLangState
 
@@ -50,6 +50,12 @@ def create_sglang_app(
     r.add_post("/pause_generation", control.pause_generation)
     r.add_post("/continue_generation", control.continue_generation)
     r.add_post("/update_weight_version", control.update_weight_version)
+    r.add_post("/update_weights_from_disk", weights.update_weights_from_disk)
+    r.add_post("/init_weights_update_group", weights.init_weights_update_group)
+    r.add_post("/update_weights_from_distributed", weights.update_weights_from_distributed)
+    for method in ("GET", "POST"):
+        r.add_route(method, "/release_memory_occupation", weights.release_memory_occupation)
+        r.add_route(method, "/resume_memory_occupation", weights.resume_memory_occupation)
     for method in ("GET", "POST"):
         r.add_route(method, "/flush_cache", control.flush_cache)
     for path in ("/health", "/health_generate"):

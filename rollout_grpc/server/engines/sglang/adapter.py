@@ -69,6 +69,7 @@ from rollout_grpc.server.engines.api import (
 from rollout_grpc.server.engines.http import DONE, TRANSPORT_ERRORS, HttpEngine
 from rollout_grpc.server.engines.sglang import info, wire
 from rollout_grpc.server.engines.sglang.stream import ChunkReader
+from rollout_grpc.server.engines.sglang.weights import SglangWeights
 
 #: The route behind each fleet-control operation (for messages that name the failed call).
 CONTROL_ROUTES: Final[dict[ControlAction, str]] = {
@@ -88,7 +89,7 @@ _DRAIN_POLL_S: Final = (0.02, 0.5)
 _PARSE_ERRORS: Final = (KeyError, TypeError, ValueError, AttributeError, IndexError)
 
 
-class SglangEngine(HttpEngine):
+class SglangEngine(HttpEngine, SglangWeights):
     """One SGLang engine (or the simulator's SGLang personality): an `EngineAdapter`."""
 
     kind = "sglang"

@@ -60,6 +60,7 @@ from rollout_grpc.server.engines.api import (
 )
 from rollout_grpc.server.engines.http import DONE, TRANSPORT_ERRORS, HttpEngine
 from rollout_grpc.server.engines.vllm import experts, info
+from rollout_grpc.server.engines.vllm.weights import VllmWeights
 
 __all__ = [
     "ENGINE_ID_PREFIX",
@@ -392,7 +393,7 @@ class _Progress:
     finished: bool = False
 
 
-class VllmEngine(HttpEngine):
+class VllmEngine(HttpEngine, VllmWeights):
     """One vLLM engine (or the simulator, which speaks the same surface): an `EngineAdapter`."""
 
     kind = "vllm"

@@ -69,16 +69,40 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     ROLLOUT + "Abort": frozenset({Role.TRAINER, Role.ADMIN}),
     ROLLOUT + "Pause": frozenset({Role.ADMIN}),
     ROLLOUT + "Resume": frozenset({Role.ADMIN}),
+    # Moves the whole fleet to new weights: the same power as Pause + Resume.
+    ROLLOUT + "UpdateWeights": frozenset({Role.ADMIN}),
+    ROLLOUT + "PlanWeightTransfer": frozenset({Role.ADMIN}),
+    ROLLOUT + "ReleaseMemory": frozenset({Role.ADMIN}),
+    ROLLOUT + "ResumeMemory": frozenset({Role.ADMIN}),
     REPLICA + "AbortLocal": frozenset({Role.PEER, Role.ADMIN}),
 }
 
 #: The control RPCs: audited, and rate-limited per caller (below).
 CONTROL_METHODS = frozenset(
-    {ROLLOUT + "Abort", ROLLOUT + "Pause", ROLLOUT + "Resume", REPLICA + "AbortLocal"}
+    {
+        ROLLOUT + "Abort",
+        ROLLOUT + "Pause",
+        ROLLOUT + "Resume",
+        ROLLOUT + "UpdateWeights",
+        ROLLOUT + "PlanWeightTransfer",
+        ROLLOUT + "ReleaseMemory",
+        ROLLOUT + "ResumeMemory",
+        REPLICA + "AbortLocal",
+    }
 )
 #: Public control RPCs, rate-limited per caller (replica-to-replica AbortLocal is not: one caller's
 #: abort fans out to every peer, and peers are trusted).
-RATE_LIMITED_METHODS = frozenset({ROLLOUT + "Abort", ROLLOUT + "Pause", ROLLOUT + "Resume"})
+RATE_LIMITED_METHODS = frozenset(
+    {
+        ROLLOUT + "Abort",
+        ROLLOUT + "Pause",
+        ROLLOUT + "Resume",
+        ROLLOUT + "UpdateWeights",
+        ROLLOUT + "PlanWeightTransfer",
+        ROLLOUT + "ReleaseMemory",
+        ROLLOUT + "ResumeMemory",
+    }
+)
 #: The RPCs whose requests carry payloads (prompts, partial samples with routed experts, images),
 #: read up to the gRPC message limit once the caller may call them. Every other method's request
 #: is capped at `RequestLimits.max_control_request_bytes` before it is decoded.
@@ -167,15 +191,41 @@ def describe_target(method: str, request: object) -> dict[str, object]:
         }
     if isinstance(request, pb.ResumeRequest):
         return {"weight_version": request.weight_version if request.HasField("weight_version") else None}
+    return _describe_weights_target(request)
+
+
+def _describe_weights_target(request: object) -> dict[str, object]:
+    """The audit target of the weight and memory RPCs (UpdateWeights, PlanWeightTransfer, ...)."""
+    if isinstance(request, pb.ReleaseMemoryRequest):
+        return {"level": request.level if request.HasField("level") else None, "tags": list(request.tags)[:4]}
+    if isinstance(request, pb.PlanWeightTransferRequest):
+        return {"trainer_ranks": request.trainer_ranks}
+    if isinstance(request, pb.ResumeMemoryRequest):
+        return {"tags": list(request.tags)[:4]}
+    if isinstance(request, pb.UpdateWeightsRequest):
+        return {
+            "weight_version": request.weight_version[:256],
+            "source": request.WhichOneof("source"),
+            "path": request.checkpoint.path[:256] if request.HasField("checkpoint") else None,
+            "rendezvous": (
+                f"{request.distributed.master_address[:128]}:{request.distributed.master_port}"
+                if request.HasField("distributed")
+                else None
+            ),
+            "pause_mode": request.pause_mode,
+        }
     return {}
 
 
 def _describe_result(response: object) -> dict[str, object]:
     out: dict[str, object] = {}
-    for field in ("aborted", "paused_engines", "resumed_engines", "engine_errors"):
+    for field in ("aborted", "paused_engines", "resumed_engines", "released_engines", "engine_errors"):
         if hasattr(response, field):
             value = getattr(response, field)
             out[field] = value if isinstance(value, int) else len(value)
+    if isinstance(response, pb.UpdateWeightsResponse):
+        out["updated_engines"] = sum(1 for e in response.engines if e.updated)
+        out["paused_seconds"] = round(response.paused_seconds, 3)
     return out
 
 

@@ -30,6 +30,14 @@ from rollout_grpc.server.front.grpc import convert, redaction
 from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
 from rollout_grpc.server.rollout.control import AbortResult
 from rollout_grpc.server.rollout.step.spec import StepCounts
+from rollout_grpc.server.rollout.weights import (
+    CheckpointSource,
+    DistributedSource,
+    MemoryRelease,
+    TensorSpec,
+    TransferGroup,
+    WeightUpdate,
+)
 from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
@@ -221,6 +229,82 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         version = request.weight_version if request.HasField("weight_version") else None
         result = await self._facade.resume(current_record("Resume"), version)
         return pb.ResumeResponse(resumed_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors))
+
+    async def UpdateWeights(
+        self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.UpdateWeightsResponse:
+        mode = _PAUSE_MODES.get(request.pause_mode)
+        if mode is None:
+            raise InvalidArgument("pause_mode", f"must be ABORT, WAIT or KEEP; got {int(request.pause_mode)}")
+        kind = request.WhichOneof("source")
+        source: CheckpointSource | DistributedSource
+        if kind == "checkpoint":
+            source = CheckpointSource(path=request.checkpoint.path)
+        elif kind == "distributed":
+            d = request.distributed
+            group = TransferGroup(
+                backend=d.backend,
+                master_address=d.master_address,
+                master_port=d.master_port,
+                group_name=d.group_name or "weight_update_group",
+                world_size=d.world_size,
+            )
+            tensors = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in d.tensors)
+            source = DistributedSource(group=group, tensors=tensors)
+        else:
+            raise InvalidArgument(
+                "source", f"must be set to one of: checkpoint, distributed; got {kind or 'nothing'}"
+            )
+        update = WeightUpdate(
+            source=source,
+            weight_version=request.weight_version,
+            pause_mode=mode,
+            all_at_once=request.all_at_once,
+        )
+        result = await self._facade.update_weights(current_record("UpdateWeights"), update)
+        return pb.UpdateWeightsResponse(
+            weight_version=result.weight_version,
+            previous_versions=result.previous_versions,
+            engines=[
+                pb.EngineWeightOutcome(engine=e.url, updated=e.updated, error=e.error) for e in result.engines
+            ],
+            paused_seconds=result.paused_s,
+            load_seconds=result.load_s,
+            retry=result.retry,
+        )
+
+    async def PlanWeightTransfer(
+        self, request: pb.PlanWeightTransferRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PlanWeightTransferResponse:
+        plan = await self._facade.plan_transfer(
+            current_record("PlanWeightTransfer"), request.trainer_ranks or 1
+        )
+        return pb.PlanWeightTransferResponse(
+            world_size=plan.world_size,
+            engines=[
+                pb.EngineRanks(engine=url, rank_offset=offset, ranks=n) for url, offset, n in plan.engines
+            ],
+        )
+
+    async def ReleaseMemory(
+        self, request: pb.ReleaseMemoryRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReleaseMemoryResponse:
+        level = request.level if request.HasField("level") else 1
+        release = MemoryRelease(level=level, tags=tuple(request.tags))
+        result = await self._facade.release_memory(current_record("ReleaseMemory"), release)
+        return pb.ReleaseMemoryResponse(
+            released_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors)
+        )
+
+    async def ResumeMemory(
+        self, request: pb.ResumeMemoryRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ResumeMemoryResponse:
+        result, generating = await self._facade.resume_memory(
+            current_record("ResumeMemory"), tuple(request.tags)
+        )
+        return pb.ResumeMemoryResponse(
+            resumed_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors), generating=generating
+        )
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
