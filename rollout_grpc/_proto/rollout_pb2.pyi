@@ -352,6 +352,40 @@ STALENESS_POLICY_REGENERATE: StalenessPolicy.ValueType  # 2
 """The group's samples are generated again from the prompt (once; then dropped)."""
 Global___StalenessPolicy: _TypeAlias = StalenessPolicy  # noqa: Y015
 
+class _OverSamplingPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OverSamplingPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OverSamplingPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OVER_SAMPLING_POLICY_UNSPECIFIED: _OverSamplingPolicy.ValueType  # 0
+    """slime's rule (default): `SLIME_BATCHES`."""
+    OVER_SAMPLING_POLICY_SLIME_BATCHES: _OverSamplingPolicy.ValueType  # 1
+    """slime's `generate_rollout_async`: submit a batch of `over_sampling_batch_size` groups only while
+    the groups submitted minus the groups dropped (filter, failure, staleness) are fewer than
+    `target_groups`. Never more groups generate than the target needs plus one batch.
+    """
+    OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT: _OverSamplingPolicy.ValueType  # 2
+    """Keep `max_groups_in_flight` groups generating: a dropped group is replaced at once. Lower latency
+    to the target when many groups are dropped, more groups generated (and aborted at the target).
+    """
+
+class OverSamplingPolicy(_OverSamplingPolicy, metaclass=_OverSamplingPolicyEnumTypeWrapper):
+    """How the step starts groups beyond the target (over-sampling; docs/rollout-step.md "Over-sampling")."""
+
+OVER_SAMPLING_POLICY_UNSPECIFIED: OverSamplingPolicy.ValueType  # 0
+"""slime's rule (default): `SLIME_BATCHES`."""
+OVER_SAMPLING_POLICY_SLIME_BATCHES: OverSamplingPolicy.ValueType  # 1
+"""slime's `generate_rollout_async`: submit a batch of `over_sampling_batch_size` groups only while
+the groups submitted minus the groups dropped (filter, failure, staleness) are fewer than
+`target_groups`. Never more groups generate than the target needs plus one batch.
+"""
+OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT: OverSamplingPolicy.ValueType  # 2
+"""Keep `max_groups_in_flight` groups generating: a dropped group is replaced at once. Lower latency
+to the target when many groups are dropped, more groups generated (and aborted at the target).
+"""
+Global___OverSamplingPolicy: _TypeAlias = OverSamplingPolicy  # noqa: Y015
+
 class _GroupOutcome:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -2659,6 +2693,10 @@ class RolloutStepRequest(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _builtins.int
     ON_STALE_FIELD_NUMBER: _builtins.int
     STREAM_SAMPLES_FIELD_NUMBER: _builtins.int
+    OVER_SAMPLING_FIELD_NUMBER: _builtins.int
+    OVER_SAMPLING_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    CONSUMED_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    MAX_HEAD_OFFPOLICYNESS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.str
     """The step's label (slime's rollout id), recorded as `start_step_id` on the samples it starts.
     Required, in the request-id alphabet.
@@ -2681,6 +2719,22 @@ class RolloutStepRequest(_message.Message):
     """What a sample over `max_staleness` does to its group."""
     stream_samples: _builtins.bool
     """Send every sample as a `sample` event when it ends (before its reward), besides the group results."""
+    over_sampling: Global___OverSamplingPolicy.ValueType
+    """How groups beyond the target are started. Unset: slime's rule (`SLIME_BATCHES`)."""
+    over_sampling_batch_size: _builtins.int
+    """SLIME_BATCHES: groups per submitted batch (slime's `over_sampling_batch_size`). 0:
+    `target_groups`, slime's default. With `max_groups_in_flight` set, a batch is also cut to it.
+    """
+    consumed_weight_version: _builtins.str
+    """The weight version of the samples the trainer has consumed (trained on) so far; with
+    `max_head_offpolicyness`, the admission bound's reference. Empty: no admission bound.
+    """
+    max_head_offpolicyness: _builtins.int
+    """AReaL's admission bound: no group is started while `consumed_weight_version` is more than this
+    many versions behind the replica's newest weight version (the order of `max_staleness`), so
+    work that would be too stale is never generated. The step then ends with the reason. Unset: no
+    bound. Needs `consumed_weight_version`.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptGroup]:
         """The prompt groups, in the order they are started. More groups than `target_groups` is the
@@ -2720,13 +2774,22 @@ class RolloutStepRequest(_message.Message):
         max_staleness: _builtins.int | None = ...,
         on_stale: Global___StalenessPolicy.ValueType = ...,
         stream_samples: _builtins.bool = ...,
+        over_sampling: Global___OverSamplingPolicy.ValueType = ...,
+        over_sampling_batch_size: _builtins.int = ...,
+        consumed_weight_version: _builtins.str = ...,
+        max_head_offpolicyness: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "filter", b"filter", "max_staleness", b"max_staleness", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "filter", b"filter", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "continue_buffered", b"continue_buffered", "filter", b"filter", "groups", b"groups", "leftovers", b"leftovers", "max_groups_in_flight", b"max_groups_in_flight", "max_staleness", b"max_staleness", "n_samples_per_prompt", b"n_samples_per_prompt", "on_stale", b"on_stale", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params", "step_id", b"step_id", "stream_samples", b"stream_samples", "target_groups", b"target_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "consumed_weight_version", b"consumed_weight_version", "continue_buffered", b"continue_buffered", "filter", b"filter", "groups", b"groups", "leftovers", b"leftovers", "max_groups_in_flight", b"max_groups_in_flight", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "n_samples_per_prompt", b"n_samples_per_prompt", "on_stale", b"on_stale", "options", b"options", "over_sampling", b"over_sampling", "over_sampling_batch_size", b"over_sampling_batch_size", "reward", b"reward", "sampling_params", b"sampling_params", "step_id", b"step_id", "stream_samples", b"stream_samples", "target_groups", b"target_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_head_offpolicyness: _TypeAlias = _typing.Literal["max_head_offpolicyness"]  # noqa: Y015
+    _WhichOneofArgType__max_head_offpolicyness: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness"]  # noqa: Y015
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_head_offpolicyness) -> _WhichOneofReturnType__max_head_offpolicyness | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
 
 Global___RolloutStepRequest: _TypeAlias = RolloutStepRequest  # noqa: Y015

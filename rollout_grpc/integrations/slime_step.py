@@ -154,7 +154,9 @@ class _Rollout:
             n_samples_per_prompt=int(args.n_samples_per_prompt),
             step_id=f"rollout-{self.rollout_id}-{len(self.accepted)}",
             target_groups=min(self.target - len(self.accepted), len(messages)),
-            max_groups_in_flight=len(messages),
+            # slime submits a whole over-sampling batch at once: one batch of every group given.
+            over_sampling="slime_batches",
+            over_sampling_batch_size=len(messages),
             params=sampling_params_of(args),
             options=self._options(),
             reward=reward_of(args),

@@ -83,6 +83,7 @@ async def test_over_sampling_past_filtered_groups_with_a_remote_reward(h: Harnes
             params=SHORT,
             target_groups=2,
             max_groups_in_flight=3,
+            over_sampling="keep_in_flight",  # refill after each filtered group
             reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url},
             filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
         )
@@ -123,6 +124,7 @@ async def step_with_leftovers(h: Harness, leftovers: str) -> StepRun:
         params=LONG_STEP,
         target_groups=1,
         max_groups_in_flight=3,
+        over_sampling="keep_in_flight",  # all three start at once
         leftovers=leftovers,
         step_id="a",
     )

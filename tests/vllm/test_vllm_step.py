@@ -94,6 +94,7 @@ async def test_groups_of_four_over_sample_past_filtered_groups_with_a_remote_rew
             params=SHORT,
             target_groups=2,
             max_groups_in_flight=2,  # groups 0 and 1 first; each filtered one is replaced by the next
+            over_sampling="keep_in_flight",
             reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url, "scope": "REWARD_SCOPE_GROUP"},
             filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
             stream_samples=True,
@@ -172,6 +173,7 @@ async def first_step(h: Harness, rm: RewardServer, leftovers: str) -> StepRun:
         params=LONG_PARAMS,
         target_groups=1,
         max_groups_in_flight=3,
+        over_sampling="keep_in_flight",  # all three start at once
         reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url, "scope": "REWARD_SCOPE_GROUP"},
         filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
         leftovers=leftovers,
