@@ -192,13 +192,31 @@ class _RewardKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardKind
     """No reward: samples are accepted unscored (only the keep-all filter makes sense)."""
     REWARD_KIND_REMOTE: _RewardKind.ValueType  # 1
     """An HTTP reward model in slime's remote_rm shape: POST `{prompt, response, label}` answered by
-    a number or a JSON object (`reward_key` names the reward); a group POSTs
-    `{prompts, responses, labels}` and gets a list back.
+    a number or a JSON object (`reward_key` names the reward), one POST per sample also for a group
+    (`batch_group` posts `{prompts, responses, labels}` and gets a list back).
     """
     REWARD_KIND_MATH: _RewardKind.ValueType  # 2
     """Math answer equivalence with the `math-verify` library (1.0 or 0.0 against `label`)."""
     REWARD_KIND_EXACT_MATCH: _RewardKind.ValueType  # 3
     """Exact match of the stripped response (or its last `\\boxed{}`) with `label` (1.0 or 0.0)."""
+    REWARD_KIND_SLIME_MATH: _RewardKind.ValueType  # 4
+    """slime's `--rm-type math`: the response's last `\\boxed{}` against `label` by the MATH string
+    normalisation or sympy (1.0 or 0.0; no box: 0.0). The same verdicts as slime's own grader.
+    """
+    REWARD_KIND_DAPO: _RewardKind.ValueType  # 5
+    """slime's `--rm-type dapo`: the last `Answer: ...` line (Minerva normalisation) against an integer
+    `label`: +1.0 or -1.0. A label that is not a number fails the sample's reward.
+    """
+    REWARD_KIND_DEEPSCALER: _RewardKind.ValueType  # 6
+    """slime's `--rm-type deepscaler`: slime's `math` check on the text after the last `</think>` (or
+    `###Response`); neither present: 0.0.
+    """
+    REWARD_KIND_F1: _RewardKind.ValueType  # 7
+    """slime's `--rm-type f1`: SQuAD token F1 of the response against `label` (0.0 to 1.0)."""
+    REWARD_KIND_GPQA: _RewardKind.ValueType  # 8
+    """slime's `--rm-type gpqa`: the chosen option letter against `label` (a letter, or the answer
+    text found in the response); 1.0 or 0.0.
+    """
 
 class RewardKind(_RewardKind, metaclass=_RewardKindEnumTypeWrapper):
     """Which reward to compute. Kind REWARD_KIND_UNSPECIFIED means no reward (samples are not scored)."""
@@ -207,13 +225,31 @@ REWARD_KIND_UNSPECIFIED: RewardKind.ValueType  # 0
 """No reward: samples are accepted unscored (only the keep-all filter makes sense)."""
 REWARD_KIND_REMOTE: RewardKind.ValueType  # 1
 """An HTTP reward model in slime's remote_rm shape: POST `{prompt, response, label}` answered by
-a number or a JSON object (`reward_key` names the reward); a group POSTs
-`{prompts, responses, labels}` and gets a list back.
+a number or a JSON object (`reward_key` names the reward), one POST per sample also for a group
+(`batch_group` posts `{prompts, responses, labels}` and gets a list back).
 """
 REWARD_KIND_MATH: RewardKind.ValueType  # 2
 """Math answer equivalence with the `math-verify` library (1.0 or 0.0 against `label`)."""
 REWARD_KIND_EXACT_MATCH: RewardKind.ValueType  # 3
 """Exact match of the stripped response (or its last `\\boxed{}`) with `label` (1.0 or 0.0)."""
+REWARD_KIND_SLIME_MATH: RewardKind.ValueType  # 4
+"""slime's `--rm-type math`: the response's last `\\boxed{}` against `label` by the MATH string
+normalisation or sympy (1.0 or 0.0; no box: 0.0). The same verdicts as slime's own grader.
+"""
+REWARD_KIND_DAPO: RewardKind.ValueType  # 5
+"""slime's `--rm-type dapo`: the last `Answer: ...` line (Minerva normalisation) against an integer
+`label`: +1.0 or -1.0. A label that is not a number fails the sample's reward.
+"""
+REWARD_KIND_DEEPSCALER: RewardKind.ValueType  # 6
+"""slime's `--rm-type deepscaler`: slime's `math` check on the text after the last `</think>` (or
+`###Response`); neither present: 0.0.
+"""
+REWARD_KIND_F1: RewardKind.ValueType  # 7
+"""slime's `--rm-type f1`: SQuAD token F1 of the response against `label` (0.0 to 1.0)."""
+REWARD_KIND_GPQA: RewardKind.ValueType  # 8
+"""slime's `--rm-type gpqa`: the chosen option letter against `label` (a letter, or the answer
+text found in the response); 1.0 or 0.0.
+"""
 Global___RewardKind: _TypeAlias = RewardKind  # noqa: Y015
 
 class _RewardScope:
@@ -2600,6 +2636,7 @@ class RewardSpec(_message.Message):
     MAX_RETRIES_FIELD_NUMBER: _builtins.int
     MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
     ON_FAILURE_FIELD_NUMBER: _builtins.int
+    BATCH_GROUP_FIELD_NUMBER: _builtins.int
     kind: Global___RewardKind.ValueType
     """Which reward."""
     scope: Global___RewardScope.ValueType
@@ -2616,6 +2653,12 @@ class RewardSpec(_message.Message):
     """REMOTE: concurrent requests to the reward model from this step. Default 32."""
     on_failure: Global___RewardFailurePolicy.ValueType
     """What a failed reward does to its group."""
+    batch_group: _builtins.bool
+    """REMOTE with scope GROUP: false (default) posts slime's shape, one `{prompt, response, label}`
+    per sample (concurrently; the group is scored when all have answered), so a slime reward server
+    works unchanged. true: one POST `{prompts, responses, labels}` per group, answered by a list of
+    rewards in the same order (a batch endpoint of your own).
+    """
     def __init__(
         self,
         *,
@@ -2627,10 +2670,11 @@ class RewardSpec(_message.Message):
         max_retries: _builtins.int | None = ...,
         max_concurrency: _builtins.int | None = ...,
         on_failure: Global___RewardFailurePolicy.ValueType = ...,
+        batch_group: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "timeout_s", b"timeout_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "on_failure", b"on_failure", "reward_key", b"reward_key", "scope", b"scope", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "batch_group", b"batch_group", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "on_failure", b"on_failure", "reward_key", b"reward_key", "scope", b"scope", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_concurrency: _TypeAlias = _typing.Literal["max_concurrency"]  # noqa: Y015
     _WhichOneofArgType__max_concurrency: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency"]  # noqa: Y015

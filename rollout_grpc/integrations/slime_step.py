@@ -60,12 +60,25 @@ def sampling_params_of(args: Any) -> pb.SamplingParams:
     return translate_sampling_params(params)
 
 
+#: slime's rule `--rm-type`s and the service's kinds that give the same verdicts.
+RULE_KINDS = {
+    "math": pb.REWARD_KIND_SLIME_MATH,
+    "dapo": pb.REWARD_KIND_DAPO,
+    "deepscaler": pb.REWARD_KIND_DEEPSCALER,
+    "f1": pb.REWARD_KIND_F1,
+    "gpqa": pb.REWARD_KIND_GPQA,
+}
+
+
 def reward_of(args: Any) -> pb.RewardSpec:
     """slime's reward arguments as a RewardSpec (ValueError for a reward the service cannot run)."""
     scope = pb.REWARD_SCOPE_GROUP if getattr(args, "group_rm", False) else pb.REWARD_SCOPE_SAMPLE
-    rm_type = getattr(args, "rm_type", None)
+    rm_type = (getattr(args, "rm_type", None) or "").strip()
     if getattr(args, "custom_rm_path", None):
-        raise ValueError("--custom-rm-path runs trainer code: use slime's own rollout function for it")
+        raise ValueError(
+            "--custom-rm-path runs trainer code the service cannot call: use slime's own rollout "
+            "function, or serve the reward over HTTP and pass --rm-type remote_rm --rm-url URL"
+        )
     if rm_type == "remote_rm":
         return pb.RewardSpec(
             kind=pb.REWARD_KIND_REMOTE,
@@ -73,9 +86,13 @@ def reward_of(args: Any) -> pb.RewardSpec:
             reward_key=getattr(args, "reward_key", None) or "reward",
             scope=scope,
         )
-    if rm_type == "math":
-        return pb.RewardSpec(kind=pb.REWARD_KIND_MATH, scope=scope)
-    raise ValueError(f"--rm-type {rm_type!r}: the service runs remote_rm and math rewards only")
+    if rm_type in RULE_KINDS:
+        return pb.RewardSpec(kind=RULE_KINDS[rm_type], scope=scope)
+    runs = ", ".join(["remote_rm", *RULE_KINDS])
+    raise ValueError(
+        f"--rm-type {rm_type!r}: the service runs {runs}; for another reward serve it over HTTP "
+        "(--rm-type remote_rm --rm-url URL) or use slime's own rollout function"
+    )
 
 
 def filter_of(args: Any) -> pb.FilterSpec:

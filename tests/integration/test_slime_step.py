@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.integrations import slime_step
 from tests.client.slime_types import Sample
 from tests.harness import harness
@@ -71,9 +72,26 @@ async def test_the_rollout_function_over_samples_filters_and_fills_slime_samples
     assert [g[0].index for g in groups] == sorted(g[0].index for g in groups)
 
 
+@pytest.mark.parametrize(
+    ("rm_type", "kind"),
+    [
+        ("math", "REWARD_KIND_SLIME_MATH"),
+        ("dapo", "REWARD_KIND_DAPO"),
+        ("deepscaler", "REWARD_KIND_DEEPSCALER"),
+        ("f1", "REWARD_KIND_F1"),
+        ("gpqa", "REWARD_KIND_GPQA"),
+    ],
+)
+def test_slimes_rule_rm_types_map_to_the_kinds_with_slimes_verdicts(rm_type: str, kind: str) -> None:
+    spec = slime_step.reward_of(types.SimpleNamespace(rm_type=rm_type))
+    assert spec.kind == pb.RewardKind.Value(kind)
+
+
 def test_settings_the_service_cannot_run_are_refused_naming_the_argument() -> None:
-    with pytest.raises(ValueError, match="--rm-type 'deepscaler'"):
-        slime_step.reward_of(types.SimpleNamespace(rm_type="deepscaler"))
+    with pytest.raises(ValueError, match="--rm-type 'boxed_f1'"):
+        slime_step.reward_of(types.SimpleNamespace(rm_type="boxed_f1"))
+    with pytest.raises(ValueError, match="--rm-type ''"):
+        slime_step.reward_of(types.SimpleNamespace(rm_type=None))
     with pytest.raises(ValueError, match="--dynamic-sampling-filter-path"):
         slime_step.filter_of(types.SimpleNamespace(dynamic_sampling_filter_path="my.filter"))
     with pytest.raises(ValueError, match="evaluation"):

@@ -95,7 +95,12 @@ async def test_groups_of_four_over_sample_past_filtered_groups_with_a_remote_rew
             target_groups=2,
             max_groups_in_flight=2,  # groups 0 and 1 first; each filtered one is replaced by the next
             over_sampling="keep_in_flight",
-            reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url, "scope": "REWARD_SCOPE_GROUP"},
+            reward={
+                "kind": "REWARD_KIND_REMOTE",
+                "url": rm.url,
+                "scope": "REWARD_SCOPE_GROUP",
+                "batch_group": True,
+            },
             filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
             stream_samples=True,
             step_id="vstep1",

@@ -6,8 +6,20 @@ from urllib.parse import urlsplit
 
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.rewards.api import RewardConfig, RewardKind, RewardModel
+from rollout_grpc.server.rewards.graders import slime_hub
 from rollout_grpc.server.rewards.remote import RemoteReward
-from rollout_grpc.server.rewards.rules import ExactMatchReward, MathReward
+from rollout_grpc.server.rewards.rules import ExactMatchReward, GradedReward, MathReward
+
+#: slime's rm_hub kinds: each a pure grader `(label, response) -> float` (graders/slime_hub.py).
+GRADED = {
+    RewardKind.SLIME_MATH: slime_hub.math_score,
+    RewardKind.DAPO: slime_hub.dapo_score,
+    RewardKind.DEEPSCALER: slime_hub.deepscaler_score,
+    RewardKind.F1: slime_hub.f1_score,
+    RewardKind.GPQA: slime_hub.gpqa_label_score,
+}
+#: The kinds that need no server (the completeness test checks every kind is built here).
+RULE_KINDS = frozenset({RewardKind.MATH, RewardKind.EXACT_MATCH, *GRADED})
 
 
 def build(config: RewardConfig) -> RewardModel | None:
@@ -18,6 +30,8 @@ def build(config: RewardConfig) -> RewardModel | None:
         return MathReward()
     if config.kind is RewardKind.EXACT_MATCH:
         return ExactMatchReward()
+    if config.kind in GRADED:
+        return GradedReward(GRADED[config.kind])
     parts = urlsplit(config.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise InvalidArgument("reward.url", f"must be an http(s) URL for a REMOTE reward; got {config.url!r}")

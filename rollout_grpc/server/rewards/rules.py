@@ -11,24 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rollout_grpc.server.rewards.api import RewardFailed, RewardOutcome, RewardRequest, RewardResult
+from rollout_grpc.server.rewards.graders import math_verify as graders_math_verify
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
 
 
 def math_equal(label: str, response: str) -> bool:
-    """True when the response's answer is mathematically equal to `label` (math-verify)."""
-    from math_verify import parse, verify
-
-    # A label is a bare answer: delimit it as math, or math-verify's extraction reads the first number
-    # of a LaTeX expression alone (`2\\sqrt{2}` parsed as 2, `3\\pi` as 3).
-    gold = parse(label if "$" in label else f"${label}$", parsing_timeout=None)
-    answer = parse(response, parsing_timeout=None)
-    if not gold or not answer:
-        return False
-    return bool(verify(gold, answer, timeout_seconds=None))
+    """True when the response's answer is mathematically equal to `label` (math-verify, both sides
+    parsed with its LaTeX and expression configs: graders/math_verify.py)."""
+    return graders_math_verify.math_equal(label, response)
 
 
 def exact_answer(response: str) -> str:
@@ -73,3 +67,14 @@ class ExactMatchReward(_RuleReward):
 
     def _value(self, request: RewardRequest) -> float:
         return 1.0 if exact_answer(request.response) == request.label.strip() else 0.0
+
+
+class GradedReward(_RuleReward):
+    """A rule kind whose grader is a pure `(label, response) -> float` function (graders/):
+    slime's rm_hub kinds (registry.py names them)."""
+
+    def __init__(self, rule: Callable[[str, str], float]) -> None:
+        self.rule = rule
+
+    def _value(self, request: RewardRequest) -> float:
+        return self.rule(request.label, request.response)

@@ -279,6 +279,11 @@ _REWARD_KINDS = {
     pb.REWARD_KIND_REMOTE: RewardKind.REMOTE,
     pb.REWARD_KIND_MATH: RewardKind.MATH,
     pb.REWARD_KIND_EXACT_MATCH: RewardKind.EXACT_MATCH,
+    pb.REWARD_KIND_SLIME_MATH: RewardKind.SLIME_MATH,
+    pb.REWARD_KIND_DAPO: RewardKind.DAPO,
+    pb.REWARD_KIND_DEEPSCALER: RewardKind.DEEPSCALER,
+    pb.REWARD_KIND_F1: RewardKind.F1,
+    pb.REWARD_KIND_GPQA: RewardKind.GPQA,
 }
 _REWARD_SCOPES = {
     pb.REWARD_SCOPE_UNSPECIFIED: step.RewardScope.SAMPLE,
@@ -349,6 +354,7 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         timeout_s=reward.timeout_s if reward.HasField("timeout_s") else 30.0,
         max_retries=reward.max_retries if reward.HasField("max_retries") else 2,
         max_concurrency=reward.max_concurrency if reward.HasField("max_concurrency") else 32,
+        batch_group=reward.batch_group,
     )
     if msg.consumed_weight_version and not msg.HasField("max_head_offpolicyness"):
         raise InvalidArgument(

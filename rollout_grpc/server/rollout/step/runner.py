@@ -222,6 +222,10 @@ class StepRunner:
                         f"groups[{i}].group_index",
                         f"group {group.group_index} is also in your buffer (continue_buffered)",
                     )
+        if spec.reward.batch_group and (
+            spec.reward.kind is not RewardKind.REMOTE or spec.reward_scope is not RewardScope.GROUP
+        ):
+            raise InvalidArgument("reward.batch_group", "applies only to a REMOTE reward with scope GROUP")
         url = spec.reward.url
         if spec.reward.kind is RewardKind.REMOTE and not reward_urls.allowed(url, self._reward_urls):
             raise InvalidArgument(
