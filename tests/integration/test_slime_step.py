@@ -94,8 +94,6 @@ def test_settings_the_service_cannot_run_are_refused_naming_the_argument() -> No
         slime_step.reward_of(types.SimpleNamespace(rm_type=None))
     with pytest.raises(ValueError, match="--dynamic-sampling-filter-path"):
         slime_step.filter_of(types.SimpleNamespace(dynamic_sampling_filter_path="my.filter"))
-    with pytest.raises(ValueError, match="evaluation"):
-        slime_step.generate_rollout(types.SimpleNamespace(), 0, None, evaluation=True)
 
 
 async def test_partial_rollout_buffers_the_aborted_groups_and_the_next_rollout_continues_them() -> None:
