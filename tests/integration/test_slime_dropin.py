@@ -16,10 +16,10 @@ from rollout_grpc.integrations import slime_eval, slime_step
 from rollout_grpc.integrations.slime_args import OWN_GENERATE, check_args
 from tests.client.slime_types import Sample
 from tests.harness import harness
-from tests.integration.test_slime_step import DataSource, args
 from tests.support import slime_real
 from tests.support.reward_server import RewardServer
 from tests.support.service import PROMPT
+from tests.support.slime_step import DataSource, args
 
 CALLS: list[tuple[str, Any]] = []
 

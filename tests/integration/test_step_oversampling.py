@@ -18,7 +18,7 @@ import pytest
 from rollout_grpc.client import make_sample, pb
 from tests.harness import Harness, harness
 from tests.support.reward_server import RewardServer
-from tests.support.service import PROMPT, field_violation
+from tests.support.service import PROMPT, SLOW_SIM, field_violation
 from tests.support.steps import StepRun, run_step
 
 SHORT = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "seed": 38}
@@ -162,3 +162,30 @@ async def test_bad_over_sampling_and_admission_fields_are_named(
         await run_step(h, seeded_groups(2, 1), n_samples_per_prompt=2, params=SHORT, **policies)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_violation(err.value) == field
+
+
+async def test_a_group_aborted_from_outside_is_replaced_by_the_default_policy() -> None:
+    """Abort(group_index) ends one group and the step goes on: slime's rule counts it as a group
+    that will not be accepted, so the next prompt group starts and the target is still reached."""
+    async with harness("sim", sim_config=SLOW_SIM) as slow:
+        run = StepRun()
+        aborted = False
+        async for event in slow.client.rollout_step(
+            [(make_sample(PROMPT, index=2 * g), g) for g in range(4)],
+            n_samples_per_prompt=2,
+            params={**SHORT, "max_new_tokens": 300},
+            target_groups=2,
+            step_id="ext",
+            timeout=120,
+        ):
+            kind = event.WhichOneof("event")
+            if kind == "progress" and event.progress.in_flight == 2 and not aborted:
+                aborted = True
+                await slow.client.abort(group_index=0)
+            elif kind == "group":
+                run.groups.append(event.group)
+            elif kind == "summary":
+                run.summary = event.summary
+    assert run.summary is not None and run.summary.target_reached, run.summary
+    assert run.outcomes()[0] == pb.GROUP_OUTCOME_ABORTED
+    assert sorted(g.group_index for g in run.by_outcome(pb.GROUP_OUTCOME_ACCEPTED)) == [1, 2]

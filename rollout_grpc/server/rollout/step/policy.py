@@ -98,11 +98,3 @@ class StartPolicy:
         if self.max_in_flight:
             count = min(count, max(0, self.max_in_flight - c.in_flight))
         return count
-
-    def peak_in_flight(self, supply: int) -> int:
-        """The most groups this policy can have in flight (the per-caller share check): slime's rule
-        submits while fewer than `target` are outstanding, so at most `target - 1 + batch`."""
-        if self.rule is OverSampling.KEEP_IN_FLIGHT:
-            return min(self.max_in_flight, supply)
-        peak = min(self.target - 1 + self.batch, supply)
-        return min(peak, self.max_in_flight) if self.max_in_flight else peak

@@ -370,6 +370,10 @@ class _Step:
         run = done.run
         self.active.pop(run.group.group_index, None)
         if done.outcome is None:
+            if not self.stop_reason:
+                # Aborted from outside (Abort of its group or session): the step goes on, and the
+                # over-sampling rule counts it as a group that will not be accepted.
+                self.counters.dropped += 1
             return [self._leftover(run, done.reason)]
         lags = self._lags(run.items)
         outcome, reason = done.outcome, done.reason
