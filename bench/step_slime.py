@@ -39,6 +39,8 @@ from tests.support.reward_server import RewardServer
 
 PROMPT = [1, 92, 510, 206, 62, 79, 286, 317, 835, 1301, 835, 38, 2, 206, 1, 72, 345, 80, 1653, 206]
 PATHS = ("slime loop over Generate", "RolloutStep")
+#: Reward requests at once on both paths (slime's remote_rm connection limit).
+REWARD_CONNECTIONS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,8 @@ class Result:
     wall_s: float
     started: int
     accepted: int
+    #: How the step ended when it fell short of the target (its summary's reason).
+    note: str = ""
 
 
 def groups(w: Workload) -> list[tuple[list[int], str]]:
@@ -76,7 +80,8 @@ async def slime_loop(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: 
     """slime's loop over Generate (see the module docstring)."""
     supply = groups(w)
     started = time.perf_counter()
-    async with aiohttp.ClientSession() as http:
+    # slime's remote_rm shares one session of at most 64 connections (rm_hub `_get_shared_session`).
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=REWARD_CONNECTIONS)) as http:
 
         async def sample(g: int, i: int, label: str) -> float | None:
             prompt, _ = supply[g]
@@ -93,7 +98,7 @@ async def slime_loop(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: 
             return list(await asyncio.gather(*(sample(g, i, label) for i in range(w.n))))
 
         pending: dict[asyncio.Task[list[float | None]], int] = {}
-        submitted = remaining = accepted = 0
+        submitted = remaining = accepted = aborted = 0
         while accepted < w.target:
             while remaining < w.target and submitted < len(supply):
                 batch = range(submitted, min(submitted + w.target, len(supply)))
@@ -101,10 +106,13 @@ async def slime_loop(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: 
                     pending[asyncio.create_task(group(g))] = g
                 submitted += len(batch)
                 remaining += len(batch)
+            if not pending:
+                break  # every prompt group used: the note says how far it got
             done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 pending.pop(task)
                 rewards = task.result()
+                aborted += any(r is None for r in rewards)
                 if any(r is None for r in rewards) or statistics.pstdev(r or 0.0 for r in rewards) <= 1e-6:
                     remaining -= 1
                     continue
@@ -112,7 +120,10 @@ async def slime_loop(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: 
         if pending:  # slime aborts every engine until idle: one Abort of this caller's generations
             await client.abort(mine=True)
         await asyncio.gather(*pending, return_exceptions=True)
-    return Result(time.perf_counter() - started, submitted, min(accepted, w.target))
+    note = f"{aborted} groups came back ABORTED" if aborted else ""
+    if accepted < w.target:
+        note = f"the prompt groups ran out; {note}"
+    return Result(time.perf_counter() - started, submitted, min(accepted, w.target), note)
 
 
 async def rollout_step(client: AsyncRolloutClient, rm_url: str, w: Workload, tag: str) -> Result:
@@ -130,7 +141,7 @@ async def rollout_step(client: AsyncRolloutClient, rm_url: str, w: Workload, tag
         step_id=tag,
         target_groups=w.target,
         params=params(w),
-        reward={"kind": "REWARD_KIND_REMOTE", "url": rm_url},
+        reward={"kind": "REWARD_KIND_REMOTE", "url": rm_url, "max_concurrency": REWARD_CONNECTIONS},
         filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
         timeout=1200,
     ):
@@ -138,7 +149,10 @@ async def rollout_step(client: AsyncRolloutClient, rm_url: str, w: Workload, tag
             summary = event.summary
     assert summary is not None
     return Result(
-        time.perf_counter() - started, len(supply) - len(summary.unstarted_group_indexes), summary.accepted
+        time.perf_counter() - started,
+        len(supply) - len(summary.unstarted_group_indexes),
+        summary.accepted,
+        "" if summary.target_reached else f"{summary.reason} (dropped {dict(summary.progress.dropped)})",
     )
 
 
@@ -154,8 +168,9 @@ async def measure(target: str, rm_url: str, w: Workload, reps: int) -> list[tupl
 
 async def main_async(targets: list[int], n: int, tokens: int, delay_ms: float, reps: int) -> str:
     rows = [
-        "| target G | n | path | rep | wall s | groups started | accepted | started vs loop | wall vs loop |",
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| target G | n | path | rep | wall s | groups started | accepted | started vs loop "
+        "| wall vs loop | note |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     with tempfile.TemporaryDirectory(prefix="bench-step-slime-") as tmp, procs.Processes(Path(tmp)) as group:
         engines = [procs.start_sim(group, f"sim-{i}", delay_ms, i).url for i in range(2)]
@@ -169,7 +184,8 @@ async def main_async(targets: list[int], n: int, tokens: int, delay_ms: float, r
                     base = loops[min(rep // 2, len(loops) - 1)]
                     rows.append(
                         f"| {target} | {n} | {path} | {rep // 2 + 1} | {r.wall_s:.1f} | {r.started} | "
-                        f"{r.accepted} | {r.started / base.started:.2f}x | {r.wall_s / base.wall_s:.2f}x |"
+                        f"{r.accepted} | {r.started / base.started:.2f}x | "
+                        f"{r.wall_s / base.wall_s:.2f}x | {r.note} |"
                     )
     return "\n".join(rows)
 
@@ -190,7 +206,9 @@ def main() -> None:
         "two simulated engines, one service process, a remote reward and the nonzero-std filter; the\n"
         "hand loop is slime's `generate_rollout_async` rule written on the client, the step uses its\n"
         "default `SLIME_BATCHES` policy; same prompts, seeds and reward server; a shared 2-core machine,\n"
-        "so wall times are indicative). 'vs loop' compares with the slime loop of the same repetition.\n\n"
+        "so wall times are indicative). 'vs loop' compares with the slime loop of the same repetition.\n"
+        "A note 'groups came back ABORTED' marks a run whose first Generates were ended by the previous\n"
+        "run's Abort of the caller's generations: that run, and its pair, are not comparable.\n\n"
         + table
         + "\n"
     )
