@@ -235,3 +235,22 @@ async def test_evaluation_with_slimes_own_dataset_config(monkeypatch: pytest.Mon
     samples = out["gsm8k"]["samples"]
     assert len(samples) == 6 and all(s.metadata == {"source": "eval"} for s in samples)
     assert all(s.response_length == 4 for s in samples)
+
+
+async def test_rm_type_dapo_gives_slimes_whole_answer_in_sample_reward() -> None:
+    """slime's `dapo` returns `{score, acc, pred}` and `--reward-key score` reads it: the drop-in
+    writes the same object (a float here would break slime's `get_reward_value`)."""
+    async with harness("sim") as h:
+        source = DataSource(["7"], n=2)
+        setup = args(
+            h.target,
+            "",
+            rm_type="dapo",
+            reward_key="score",
+            dynamic_sampling_filter_path=None,
+            rollout_batch_size=1,
+        )
+        [group] = await asyncio.to_thread(slime_step.generate_rollout, setup, 0, source)
+    for sample in group:
+        assert isinstance(sample.reward, dict) and set(sample.reward) == {"score", "acc", "pred"}
+        assert sample.reward["score"] == -1.0 and sample.reward["acc"] is False

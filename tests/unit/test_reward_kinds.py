@@ -28,3 +28,13 @@ def test_every_proto_kind_maps_builds_and_is_documented(name: str) -> None:
 def test_every_domain_kind_is_reachable_from_the_wire() -> None:
     assert set(convert._REWARD_KINDS.values()) == set(RewardKind)
     assert registry.RULE_KINDS | {RewardKind.REMOTE, RewardKind.NONE} == set(RewardKind)
+
+
+async def test_dapo_keeps_slimes_whole_answer_as_the_reward_detail() -> None:
+    from rollout_grpc.server.rewards.api import RewardRequest, RewardResult
+
+    model = registry.build(RewardConfig(kind=RewardKind.DAPO))
+    assert model is not None
+    outcome = await model.score(RewardRequest(prompt="", response="so\nAnswer: 12", label="12"))
+    assert isinstance(outcome, RewardResult)
+    assert outcome.value == 1.0 and outcome.detail == {"score": 1.0, "acc": True, "pred": "12"}

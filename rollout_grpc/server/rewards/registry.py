@@ -18,6 +18,8 @@ GRADED = {
     RewardKind.F1: slime_hub.f1_score,
     RewardKind.GPQA: slime_hub.gpqa_label_score,
 }
+#: Kinds whose slime function answers an object: kept as the sample's reward detail.
+DETAILS = {RewardKind.DAPO: slime_hub.dapo_detail}
 #: The kinds that need no server (the completeness test checks every kind is built here).
 RULE_KINDS = frozenset({RewardKind.MATH, RewardKind.EXACT_MATCH, *GRADED})
 
@@ -31,7 +33,7 @@ def build(config: RewardConfig) -> RewardModel | None:
     if config.kind is RewardKind.EXACT_MATCH:
         return ExactMatchReward()
     if config.kind in GRADED:
-        return GradedReward(GRADED[config.kind])
+        return GradedReward(GRADED[config.kind], DETAILS.get(config.kind))
     parts = urlsplit(config.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise InvalidArgument("reward.url", f"must be an http(s) URL for a REMOTE reward; got {config.url!r}")

@@ -71,10 +71,24 @@ class ExactMatchReward(_RuleReward):
 
 class GradedReward(_RuleReward):
     """A rule kind whose grader is a pure `(label, response) -> float` function (graders/):
-    slime's rm_hub kinds (registry.py names them)."""
+    slime's rm_hub kinds (registry.py names them). `detail`, when given, is the whole answer slime's
+    function returns (dapo's `{score, acc, pred}`), kept as the sample's reward detail."""
 
-    def __init__(self, rule: Callable[[str, str], float]) -> None:
+    def __init__(
+        self, rule: Callable[[str, str], float], detail: Callable[[str, str], dict[str, object]] | None = None
+    ) -> None:
         self.rule = rule
+        self.detail = detail
+
+    async def score(self, request: RewardRequest) -> RewardOutcome:
+        outcome = await super().score(request)
+        if self.detail is None or not isinstance(outcome, RewardResult):
+            return outcome
+        try:
+            detail = await asyncio.to_thread(self.detail, request.label, request.response)
+        except Exception as exc:
+            return RewardFailed(f"could not check the answer: {exc!r}"[:300])
+        return RewardResult(outcome.value, detail)
 
     def _value(self, request: RewardRequest) -> float:
         return self.rule(request.label, request.response)

@@ -287,6 +287,11 @@ def dapo_score(label: str, response: str) -> float:
     return dapo_verdict(label, response).score
 
 
+def dapo_detail(label: str, response: str) -> dict[str, object]:
+    """slime's whole `dapo` answer, `{score, acc, pred}` (slime's `--reward-key score` reads it)."""
+    return dapo_verdict(label, response).detail()
+
+
 def gpqa_label_score(label: str, response: str) -> float:
     """slime's `gpqa` with no per-sample metadata (the label is the letter or the answer text)."""
     return gpqa_score(label, response)
