@@ -42,6 +42,13 @@ def _refusals(args: Any) -> list[str]:
     path = getattr(args, "custom_generate_function_path", None)
     if path and path != OWN_GENERATE:
         refusals.append(_CUSTOM_GENERATE.format(where="--custom-generate-function-path", path=path))
+    top_p = getattr(args, "rollout_top_p", 1.0)
+    if top_p is not None and float(top_p) != 1.0:
+        refusals.append(
+            f"--rollout-top-p {top_p}: slime's training then needs each sample's top-p token ids "
+            "(rollout_top_p_token_ids, from slime's patched SGLang), which vLLM does not return; "
+            "run with --rollout-top-p 1.0"
+        )
     if getattr(args, "rollout_sample_hook_path", None):
         refusals.append(
             "--rollout-sample-hook-path: slime runs these hooks on each sample between generation and "

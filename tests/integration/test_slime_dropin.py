@@ -43,6 +43,7 @@ HERE = "tests.integration.test_slime_dropin"
         ("custom_generate_function_path", "my.agent.generate", "--custom-generate-function-path"),
         ("rollout_sample_hook_path", ["my.hook"], "--rollout-sample-hook-path"),
         ("rollout_global_dataset", False, "--rollout-global-dataset"),
+        ("rollout_top_p", 0.9, "--rollout-top-p"),
         ("custom_rm_path", "my.rm", "--custom-rm-path"),
         ("dynamic_sampling_filter_path", "my.filter", "--dynamic-sampling-filter-path"),
         ("rollout_sample_filter_path", "no.such.module.fn", "no.such.module.fn"),
