@@ -192,13 +192,31 @@ class _RewardKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardKind
     """No reward: samples are accepted unscored (only the keep-all filter makes sense)."""
     REWARD_KIND_REMOTE: _RewardKind.ValueType  # 1
     """An HTTP reward model in slime's remote_rm shape: POST `{prompt, response, label}` answered by
-    a number or a JSON object (`reward_key` names the reward); a group POSTs
-    `{prompts, responses, labels}` and gets a list back.
+    a number or a JSON object (`reward_key` names the reward), one POST per sample also for a group
+    (`batch_group` posts `{prompts, responses, labels}` and gets a list back).
     """
     REWARD_KIND_MATH: _RewardKind.ValueType  # 2
     """Math answer equivalence with the `math-verify` library (1.0 or 0.0 against `label`)."""
     REWARD_KIND_EXACT_MATCH: _RewardKind.ValueType  # 3
     """Exact match of the stripped response (or its last `\\boxed{}`) with `label` (1.0 or 0.0)."""
+    REWARD_KIND_SLIME_MATH: _RewardKind.ValueType  # 4
+    """slime's `--rm-type math`: the response's last `\\boxed{}` against `label` by the MATH string
+    normalisation or sympy (1.0 or 0.0; no box: 0.0). The same verdicts as slime's own grader.
+    """
+    REWARD_KIND_DAPO: _RewardKind.ValueType  # 5
+    """slime's `--rm-type dapo`: the last `Answer: ...` line (Minerva normalisation) against an integer
+    `label`: +1.0 or -1.0. A label that is not a number fails the sample's reward.
+    """
+    REWARD_KIND_DEEPSCALER: _RewardKind.ValueType  # 6
+    """slime's `--rm-type deepscaler`: slime's `math` check on the text after the last `</think>` (or
+    `###Response`); neither present: 0.0.
+    """
+    REWARD_KIND_F1: _RewardKind.ValueType  # 7
+    """slime's `--rm-type f1`: SQuAD token F1 of the response against `label` (0.0 to 1.0)."""
+    REWARD_KIND_GPQA: _RewardKind.ValueType  # 8
+    """slime's `--rm-type gpqa`: the chosen option letter against `label` (a letter, or the answer
+    text found in the response); 1.0 or 0.0.
+    """
 
 class RewardKind(_RewardKind, metaclass=_RewardKindEnumTypeWrapper):
     """Which reward to compute. Kind REWARD_KIND_UNSPECIFIED means no reward (samples are not scored)."""
@@ -207,13 +225,31 @@ REWARD_KIND_UNSPECIFIED: RewardKind.ValueType  # 0
 """No reward: samples are accepted unscored (only the keep-all filter makes sense)."""
 REWARD_KIND_REMOTE: RewardKind.ValueType  # 1
 """An HTTP reward model in slime's remote_rm shape: POST `{prompt, response, label}` answered by
-a number or a JSON object (`reward_key` names the reward); a group POSTs
-`{prompts, responses, labels}` and gets a list back.
+a number or a JSON object (`reward_key` names the reward), one POST per sample also for a group
+(`batch_group` posts `{prompts, responses, labels}` and gets a list back).
 """
 REWARD_KIND_MATH: RewardKind.ValueType  # 2
 """Math answer equivalence with the `math-verify` library (1.0 or 0.0 against `label`)."""
 REWARD_KIND_EXACT_MATCH: RewardKind.ValueType  # 3
 """Exact match of the stripped response (or its last `\\boxed{}`) with `label` (1.0 or 0.0)."""
+REWARD_KIND_SLIME_MATH: RewardKind.ValueType  # 4
+"""slime's `--rm-type math`: the response's last `\\boxed{}` against `label` by the MATH string
+normalisation or sympy (1.0 or 0.0; no box: 0.0). The same verdicts as slime's own grader.
+"""
+REWARD_KIND_DAPO: RewardKind.ValueType  # 5
+"""slime's `--rm-type dapo`: the last `Answer: ...` line (Minerva normalisation) against an integer
+`label`: +1.0 or -1.0. A label that is not a number fails the sample's reward.
+"""
+REWARD_KIND_DEEPSCALER: RewardKind.ValueType  # 6
+"""slime's `--rm-type deepscaler`: slime's `math` check on the text after the last `</think>` (or
+`###Response`); neither present: 0.0.
+"""
+REWARD_KIND_F1: RewardKind.ValueType  # 7
+"""slime's `--rm-type f1`: SQuAD token F1 of the response against `label` (0.0 to 1.0)."""
+REWARD_KIND_GPQA: RewardKind.ValueType  # 8
+"""slime's `--rm-type gpqa`: the chosen option letter against `label` (a letter, or the answer
+text found in the response); 1.0 or 0.0.
+"""
 Global___RewardKind: _TypeAlias = RewardKind  # noqa: Y015
 
 class _RewardScope:
@@ -351,6 +387,40 @@ STALENESS_POLICY_DROP: StalenessPolicy.ValueType  # 1
 STALENESS_POLICY_REGENERATE: StalenessPolicy.ValueType  # 2
 """The group's samples are generated again from the prompt (once; then dropped)."""
 Global___StalenessPolicy: _TypeAlias = StalenessPolicy  # noqa: Y015
+
+class _OverSamplingPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OverSamplingPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OverSamplingPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OVER_SAMPLING_POLICY_UNSPECIFIED: _OverSamplingPolicy.ValueType  # 0
+    """slime's rule (default): `SLIME_BATCHES`."""
+    OVER_SAMPLING_POLICY_SLIME_BATCHES: _OverSamplingPolicy.ValueType  # 1
+    """slime's `generate_rollout_async`: submit a batch of `over_sampling_batch_size` groups only while
+    the groups submitted minus the groups dropped (filter, failure, staleness) are fewer than
+    `target_groups`. Never more groups generate than the target needs plus one batch.
+    """
+    OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT: _OverSamplingPolicy.ValueType  # 2
+    """Keep `max_groups_in_flight` groups generating: a dropped group is replaced at once. Lower latency
+    to the target when many groups are dropped, more groups generated (and aborted at the target).
+    """
+
+class OverSamplingPolicy(_OverSamplingPolicy, metaclass=_OverSamplingPolicyEnumTypeWrapper):
+    """How the step starts groups beyond the target (over-sampling; docs/rollout-step.md "Over-sampling")."""
+
+OVER_SAMPLING_POLICY_UNSPECIFIED: OverSamplingPolicy.ValueType  # 0
+"""slime's rule (default): `SLIME_BATCHES`."""
+OVER_SAMPLING_POLICY_SLIME_BATCHES: OverSamplingPolicy.ValueType  # 1
+"""slime's `generate_rollout_async`: submit a batch of `over_sampling_batch_size` groups only while
+the groups submitted minus the groups dropped (filter, failure, staleness) are fewer than
+`target_groups`. Never more groups generate than the target needs plus one batch.
+"""
+OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT: OverSamplingPolicy.ValueType  # 2
+"""Keep `max_groups_in_flight` groups generating: a dropped group is replaced at once. Lower latency
+to the target when many groups are dropped, more groups generated (and aborted at the target).
+"""
+Global___OverSamplingPolicy: _TypeAlias = OverSamplingPolicy  # noqa: Y015
 
 class _GroupOutcome:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -3041,6 +3111,7 @@ class RewardSpec(_message.Message):
     MAX_RETRIES_FIELD_NUMBER: _builtins.int
     MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
     ON_FAILURE_FIELD_NUMBER: _builtins.int
+    BATCH_GROUP_FIELD_NUMBER: _builtins.int
     kind: Global___RewardKind.ValueType
     """Which reward."""
     scope: Global___RewardScope.ValueType
@@ -3057,6 +3128,12 @@ class RewardSpec(_message.Message):
     """REMOTE: concurrent requests to the reward model from this step. Default 32."""
     on_failure: Global___RewardFailurePolicy.ValueType
     """What a failed reward does to its group."""
+    batch_group: _builtins.bool
+    """REMOTE with scope GROUP: false (default) posts slime's shape, one `{prompt, response, label}`
+    per sample (concurrently; the group is scored when all have answered), so a slime reward server
+    works unchanged. true: one POST `{prompts, responses, labels}` per group, answered by a list of
+    rewards in the same order (a batch endpoint of your own).
+    """
     def __init__(
         self,
         *,
@@ -3068,10 +3145,11 @@ class RewardSpec(_message.Message):
         max_retries: _builtins.int | None = ...,
         max_concurrency: _builtins.int | None = ...,
         on_failure: Global___RewardFailurePolicy.ValueType = ...,
+        batch_group: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "timeout_s", b"timeout_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "on_failure", b"on_failure", "reward_key", b"reward_key", "scope", b"scope", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "batch_group", b"batch_group", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "on_failure", b"on_failure", "reward_key", b"reward_key", "scope", b"scope", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_concurrency: _TypeAlias = _typing.Literal["max_concurrency"]  # noqa: Y015
     _WhichOneofArgType__max_concurrency: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency"]  # noqa: Y015
@@ -3134,6 +3212,10 @@ class RolloutStepRequest(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _builtins.int
     ON_STALE_FIELD_NUMBER: _builtins.int
     STREAM_SAMPLES_FIELD_NUMBER: _builtins.int
+    OVER_SAMPLING_FIELD_NUMBER: _builtins.int
+    OVER_SAMPLING_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    CONSUMED_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    MAX_HEAD_OFFPOLICYNESS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.str
     """The step's label (slime's rollout id), recorded as `start_step_id` on the samples it starts.
     Required, in the request-id alphabet.
@@ -3156,6 +3238,22 @@ class RolloutStepRequest(_message.Message):
     """What a sample over `max_staleness` does to its group."""
     stream_samples: _builtins.bool
     """Send every sample as a `sample` event when it ends (before its reward), besides the group results."""
+    over_sampling: Global___OverSamplingPolicy.ValueType
+    """How groups beyond the target are started. Unset: slime's rule (`SLIME_BATCHES`)."""
+    over_sampling_batch_size: _builtins.int
+    """SLIME_BATCHES: groups per submitted batch (slime's `over_sampling_batch_size`). 0:
+    `target_groups`, slime's default. With `max_groups_in_flight` set, a batch is also cut to it.
+    """
+    consumed_weight_version: _builtins.str
+    """The weight version of the samples the trainer has consumed (trained on) so far; with
+    `max_head_offpolicyness`, the admission bound's reference. Empty: no admission bound.
+    """
+    max_head_offpolicyness: _builtins.int
+    """AReaL's admission bound: no group is started while `consumed_weight_version` is more than this
+    many versions behind the replica's newest weight version (the order of `max_staleness`), so
+    work that would be too stale is never generated. The step then ends with the reason. Unset: no
+    bound. Needs `consumed_weight_version`.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptGroup]:
         """The prompt groups, in the order they are started. More groups than `target_groups` is the
@@ -3195,13 +3293,22 @@ class RolloutStepRequest(_message.Message):
         max_staleness: _builtins.int | None = ...,
         on_stale: Global___StalenessPolicy.ValueType = ...,
         stream_samples: _builtins.bool = ...,
+        over_sampling: Global___OverSamplingPolicy.ValueType = ...,
+        over_sampling_batch_size: _builtins.int = ...,
+        consumed_weight_version: _builtins.str = ...,
+        max_head_offpolicyness: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "filter", b"filter", "max_staleness", b"max_staleness", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "filter", b"filter", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness", "continue_buffered", b"continue_buffered", "filter", b"filter", "groups", b"groups", "leftovers", b"leftovers", "max_groups_in_flight", b"max_groups_in_flight", "max_staleness", b"max_staleness", "n_samples_per_prompt", b"n_samples_per_prompt", "on_stale", b"on_stale", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params", "step_id", b"step_id", "stream_samples", b"stream_samples", "target_groups", b"target_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "consumed_weight_version", b"consumed_weight_version", "continue_buffered", b"continue_buffered", "filter", b"filter", "groups", b"groups", "leftovers", b"leftovers", "max_groups_in_flight", b"max_groups_in_flight", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "n_samples_per_prompt", b"n_samples_per_prompt", "on_stale", b"on_stale", "options", b"options", "over_sampling", b"over_sampling", "over_sampling_batch_size", b"over_sampling_batch_size", "reward", b"reward", "sampling_params", b"sampling_params", "step_id", b"step_id", "stream_samples", b"stream_samples", "target_groups", b"target_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_head_offpolicyness: _TypeAlias = _typing.Literal["max_head_offpolicyness"]  # noqa: Y015
+    _WhichOneofArgType__max_head_offpolicyness: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness"]  # noqa: Y015
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_head_offpolicyness) -> _WhichOneofReturnType__max_head_offpolicyness | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
 
 Global___RolloutStepRequest: _TypeAlias = RolloutStepRequest  # noqa: Y015

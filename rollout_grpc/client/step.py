@@ -24,6 +24,10 @@ FilterLike = pb.FilterSpec | Mapping[str, Any] | None
 
 _LEFTOVERS = {"return": pb.LEFTOVER_POLICY_RETURN, "buffer": pb.LEFTOVER_POLICY_BUFFER}
 _ON_STALE = {"drop": pb.STALENESS_POLICY_DROP, "regenerate": pb.STALENESS_POLICY_REGENERATE}
+_OVER_SAMPLING = {
+    "slime_batches": pb.OVER_SAMPLING_POLICY_SLIME_BATCHES,
+    "keep_in_flight": pb.OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT,
+}
 
 
 def _group(value: GroupLike) -> pb.PromptGroup:
@@ -58,12 +62,18 @@ def step_request(
     max_staleness: int | None = None,
     on_stale: str = "drop",
     stream_samples: bool = False,
+    over_sampling: str = "slime_batches",
+    over_sampling_batch_size: int = 0,
+    consumed_weight_version: str = "",
+    max_head_offpolicyness: int | None = None,
 ) -> pb.RolloutStepRequest:
     """A RolloutStepRequest (a fresh step id when none is given)."""
     if leftovers not in _LEFTOVERS:
         raise ValueError(f"leftovers must be one of {sorted(_LEFTOVERS)}, got {leftovers!r}")
     if on_stale not in _ON_STALE:
         raise ValueError(f"on_stale must be one of {sorted(_ON_STALE)}, got {on_stale!r}")
+    if over_sampling not in _OVER_SAMPLING:
+        raise ValueError(f"over_sampling must be one of {sorted(_OVER_SAMPLING)}, got {over_sampling!r}")
     request = pb.RolloutStepRequest(
         step_id=step_id or f"step-{uuid.uuid4().hex[:12]}",
         groups=[_group(g) for g in groups],
@@ -78,9 +88,14 @@ def step_request(
         continue_buffered=continue_buffered,
         on_stale=_ON_STALE[on_stale],
         stream_samples=stream_samples,
+        over_sampling=_OVER_SAMPLING[over_sampling],
+        over_sampling_batch_size=over_sampling_batch_size,
+        consumed_weight_version=consumed_weight_version,
     )
     if max_staleness is not None:
         request.max_staleness = max_staleness
+    if max_head_offpolicyness is not None:
+        request.max_head_offpolicyness = max_head_offpolicyness
     return request
 
 

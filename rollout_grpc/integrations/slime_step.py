@@ -16,11 +16,16 @@ hands the loop to the rollout service's `RolloutStep` and keeps slime's contract
 * the return value is `RolloutFnTrainOutput(samples, metrics)` when slime is importable, else the
   list of groups, sorted by the first sample's index; metrics count drops by reason.
 
-Supported slime settings (anything else raises ValueError naming the argument): `--rm-type
-remote_rm` (`--rm-url`, `--reward-key`) or `math`, `--group-rm`, `--dynamic-sampling-filter-path`
-unset or `check_reward_nonzero_std`, the `--rollout-*` sampling arguments, `--partial-rollout`,
-`--mask-offpolicy-in-partial-rollout`, deterministic seeds (`--rollout-seed`). Evaluation stays
-with slime's own `eval_rollout` (`--eval-function-path`).
+Every slime setting the drop-in sees is honoured or refused when the rollout starts, with a
+ValueError naming it and what to do (`check_args`; docs/slime.md has the table). Honoured:
+`--rm-type remote_rm` (`--rm-url`, `--reward-key`), `math`, `dapo`, `deepscaler`, `f1`, `gpqa`
+(slime's verdicts), `--group-rm`, `--dynamic-sampling-filter-path` unset or
+`check_reward_nonzero_std`, `--over-sampling-batch-size`, the `--rollout-*` sampling arguments,
+`--partial-rollout`, `--mask-offpolicy-in-partial-rollout`, deterministic seeds (`--rollout-seed`),
+`--rollout-sample-filter-path` and `--rollout-all-samples-process-path` (trainer code, run here as
+slime runs it), `--custom-generate-function-path` when it is this project's own `slime.generate`.
+Evaluation (`evaluation=True`, slime's default when `--eval-function-path` is unset) runs slime's
+eval datasets through the service (`slime_eval.py`).
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ from typing import Any
 from google.protobuf import json_format
 
 from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.integrations import slime_args
 from rollout_grpc.integrations.slime import apply_result, client_for, to_wire, translate_sampling_params
+from rollout_grpc.integrations.slime_args import check_args, check_sample, load_function
 
 #: slime's built-in nonzero-std filter (the only dynamic filter the service runs itself).
-NONZERO_STD_FILTER = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+NONZERO_STD_FILTER = slime_args.NONZERO_STD_FILTER
+
 #: slime's threshold in `check_reward_nonzero_std`.
 NONZERO_STD_EPSILON = 1e-6
 
@@ -60,12 +68,25 @@ def sampling_params_of(args: Any) -> pb.SamplingParams:
     return translate_sampling_params(params)
 
 
+#: slime's rule `--rm-type`s and the service's kinds that give the same verdicts.
+RULE_KINDS = {
+    "math": pb.REWARD_KIND_SLIME_MATH,
+    "dapo": pb.REWARD_KIND_DAPO,
+    "deepscaler": pb.REWARD_KIND_DEEPSCALER,
+    "f1": pb.REWARD_KIND_F1,
+    "gpqa": pb.REWARD_KIND_GPQA,
+}
+
+
 def reward_of(args: Any) -> pb.RewardSpec:
     """slime's reward arguments as a RewardSpec (ValueError for a reward the service cannot run)."""
     scope = pb.REWARD_SCOPE_GROUP if getattr(args, "group_rm", False) else pb.REWARD_SCOPE_SAMPLE
-    rm_type = getattr(args, "rm_type", None)
+    rm_type = (getattr(args, "rm_type", None) or "").strip()
     if getattr(args, "custom_rm_path", None):
-        raise ValueError("--custom-rm-path runs trainer code: use slime's own rollout function for it")
+        raise ValueError(
+            "--custom-rm-path runs trainer code the service cannot call: use slime's own rollout "
+            "function, or serve the reward over HTTP and pass --rm-type remote_rm --rm-url URL"
+        )
     if rm_type == "remote_rm":
         return pb.RewardSpec(
             kind=pb.REWARD_KIND_REMOTE,
@@ -73,9 +94,13 @@ def reward_of(args: Any) -> pb.RewardSpec:
             reward_key=getattr(args, "reward_key", None) or "reward",
             scope=scope,
         )
-    if rm_type == "math":
-        return pb.RewardSpec(kind=pb.REWARD_KIND_MATH, scope=scope)
-    raise ValueError(f"--rm-type {rm_type!r}: the service runs remote_rm and math rewards only")
+    if rm_type in RULE_KINDS:
+        return pb.RewardSpec(kind=RULE_KINDS[rm_type], scope=scope)
+    runs = ", ".join(["remote_rm", *RULE_KINDS])
+    raise ValueError(
+        f"--rm-type {rm_type!r}: the service runs {runs}; for another reward serve it over HTTP "
+        "(--rm-type remote_rm --rm-url URL) or use slime's own rollout function"
+    )
 
 
 def filter_of(args: Any) -> pb.FilterSpec:
@@ -88,8 +113,11 @@ def filter_of(args: Any) -> pb.FilterSpec:
     raise ValueError(f"--dynamic-sampling-filter-path {path!r}: the service runs {NONZERO_STD_FILTER} only")
 
 
-def _wire_group(group: Sequence[Any]) -> tuple[pb.PromptGroup, list[pb.Sample]]:
-    """A slime group as a PromptGroup: a fresh prompt, or its samples to continue."""
+def _wire_group(group: Sequence[Any], rm_type: str | None = None) -> tuple[pb.PromptGroup, list[pb.Sample]]:
+    """A slime group as a PromptGroup: a fresh prompt, or its samples to continue. A sample asking
+    for what the step would not do (its own reward type or generate function) is refused."""
+    for sample in group:
+        check_sample(sample, rm_type)
     wires = [to_wire(s) for s in group]
     for sample, wire in zip(group, wires, strict=True):
         if isinstance(sample.prompt, str) and sample.prompt:
@@ -130,7 +158,11 @@ class _Rollout:
         self.partial = bool(getattr(args, "partial_rollout", False))
         self.accepted: list[list[Any]] = []
         self.leftovers: list[list[Any]] = []
+        #: Every group that came back generated, accepted or not (slime's `all_samples`).
+        self.all_groups: list[list[Any]] = []
         self.metrics: dict[str, int] = {}
+        #: Why the last round ended short of its target, when that is not a lack of prompts.
+        self.stopped = ""
 
     def _options(self) -> pb.GenerateOptions:
         args = self.args
@@ -145,7 +177,7 @@ class _Rollout:
         wired: dict[int, tuple[Sequence[Any], list[pb.Sample]]] = {}
         messages = []
         for group in groups:
-            message, sent = _wire_group(group)
+            message, sent = _wire_group(group, getattr(self.args, "rm_type", None))
             wired[message.group_index] = (group, sent)
             messages.append(message)
         args = self.args
@@ -154,7 +186,9 @@ class _Rollout:
             n_samples_per_prompt=int(args.n_samples_per_prompt),
             step_id=f"rollout-{self.rollout_id}-{len(self.accepted)}",
             target_groups=min(self.target - len(self.accepted), len(messages)),
-            max_groups_in_flight=len(messages),
+            # slime submits a whole over-sampling batch at once: one batch of every group given.
+            over_sampling="slime_batches",
+            over_sampling_batch_size=len(messages),
             params=sampling_params_of(args),
             options=self._options(),
             reward=reward_of(args),
@@ -164,18 +198,24 @@ class _Rollout:
             if kind == "group":
                 group, sent = wired[event.group.group_index]
                 self._group(group, sent, event.group)
-            elif kind == "summary" and event.summary.unstarted_group_indexes:
-                # Groups never started go back untouched: the next round (or rollout) takes them first.
-                self.data_source.add_samples(
-                    [list(wired[i][0]) for i in event.summary.unstarted_group_indexes]
-                )
+            elif kind == "summary":
+                if event.summary.unstarted_group_indexes:
+                    # Groups never started go back untouched: the next round (or rollout) takes them.
+                    self.data_source.add_samples(
+                        [list(wired[i][0]) for i in event.summary.unstarted_group_indexes]
+                    )
+                if not event.summary.target_reached and event.summary.reason != "no prompt groups left":
+                    self.stopped = event.summary.reason
 
     def _group(self, group: Sequence[Any], sent: list[pb.Sample], result: pb.GroupResult) -> None:
         _write_back(group, sent, result)
+        if result.outcome not in (pb.GROUP_OUTCOME_ABORTED, pb.GROUP_OUTCOME_BUFFERED):
+            self.all_groups.append(list(group))
         if result.outcome == pb.GROUP_OUTCOME_ACCEPTED:
             self.accepted.append(list(group))
         elif result.outcome == pb.GROUP_OUTCOME_ABORTED:
             self.leftovers.append(list(group))
+            return
         else:
             outcome = pb.GroupOutcome.Name(result.outcome).removeprefix("GROUP_OUTCOME_").lower()
             key = f"rollout/dynamic_filter/drop_{outcome}"
@@ -196,6 +236,7 @@ async def generate_rollout_async(
     args: Any, rollout_id: int, data_source: Any
 ) -> tuple[list[list[Any]], dict[str, int]]:
     """The rollout of one step: `rollout_batch_size` accepted groups, and the drop counts."""
+    check_args(args)
     rollout = _Rollout(args, rollout_id, data_source)
     batch = int(getattr(args, "over_sampling_batch_size", None) or rollout.target)
     while len(rollout.accepted) < rollout.target:
@@ -203,15 +244,34 @@ async def generate_rollout_async(
         if not groups:
             raise ValueError("the data source returned no prompt groups")
         await rollout.round(groups)
+        if rollout.stopped:
+            # A failed reward model (or an abort) is not hidden behind more rounds.
+            rollout.hand_back_leftovers()
+            raise RuntimeError(f"rollout {rollout_id}: the rollout step stopped: {rollout.stopped}")
     rollout.hand_back_leftovers()
     rollout.accepted.sort(key=lambda g: g[0].index)
+    _after_rollout(args, rollout, data_source)
     return rollout.accepted, rollout.metrics
+
+
+def _after_rollout(args: Any, rollout: _Rollout, data_source: Any) -> None:
+    """slime's post-rollout hooks, called as slime calls them: `--rollout-sample-filter-path` on the
+    kept groups, `--rollout-all-samples-process-path` on every group generated (kept or dropped)."""
+    path = getattr(args, "rollout_sample_filter_path", None)
+    if path:
+        load_function(path)(args, rollout.accepted)
+    path = getattr(args, "rollout_all_samples_process_path", None)
+    if path:
+        every = sorted(rollout.all_groups, key=lambda g: g[0].index)
+        load_function(path)(args, every, data_source)
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
     """slime's `--rollout-function-path` entry (blocking, like slime's own)."""
     if evaluation:
-        raise ValueError("evaluation stays with slime: set --eval-function-path to slime's eval_rollout")
+        from rollout_grpc.integrations import slime_eval
+
+        return slime_eval.eval_rollout(args, rollout_id)
     groups, metrics = asyncio.run(generate_rollout_async(args, rollout_id, data_source))
     try:
         from slime.rollout.base_types import RolloutFnTrainOutput  # type: ignore[import-not-found]

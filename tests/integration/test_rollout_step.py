@@ -83,6 +83,7 @@ async def test_over_sampling_past_filtered_groups_with_a_remote_reward(h: Harnes
             params=SHORT,
             target_groups=2,
             max_groups_in_flight=3,
+            over_sampling="keep_in_flight",  # refill after each filtered group
             reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url},
             filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
         )
@@ -123,6 +124,7 @@ async def step_with_leftovers(h: Harness, leftovers: str) -> StepRun:
         params=LONG_STEP,
         target_groups=1,
         max_groups_in_flight=3,
+        over_sampling="keep_in_flight",  # all three start at once
         leftovers=leftovers,
         step_id="a",
     )
@@ -408,6 +410,36 @@ async def test_abort_all_mid_step_stops_it_and_loses_no_token(slow: Harness) -> 
     assert list(run.summary.unstarted_group_indexes) == [2]
 
 
+async def test_a_group_reward_posts_slimes_shape_one_request_per_sample_by_default(h: Harness) -> None:
+    """slime's group RM over remote_rm sends one `{prompt, response, label}` per sample: a slime
+    reward server (which knows no batch shape) works unchanged."""
+    async with RewardServer(per_sample_only=True) as rm:
+        run = await run_step(
+            h,
+            [pb.PromptGroup(prompt=prompt(0), group_index=0, label="parity")],
+            n_samples_per_prompt=3,
+            params=SHORT,
+            reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url, "scope": "REWARD_SCOPE_GROUP"},
+        )
+        assert len(rm.requests) == 3
+        assert all(set(r) == {"prompt", "response", "label"} for r in rm.requests)
+    [group] = run.groups
+    assert group.outcome == pb.GROUP_OUTCOME_ACCEPTED
+    assert all(s.HasField("reward") and not s.reward_failure for s in group.samples)
+
+
+async def test_batch_group_is_refused_where_it_would_be_ignored(h: Harness) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await run_step(
+            h,
+            [(prompt(0), 0, "1")],
+            n_samples_per_prompt=2,
+            params=SHORT,
+            reward={"kind": "REWARD_KIND_MATH", "batch_group": True},
+        )
+    assert field_violation(err.value) == "reward.batch_group"
+
+
 async def test_a_group_reward_scores_the_whole_group_in_one_call_and_keeps_the_detail(h: Harness) -> None:
     async with RewardServer() as rm:
         run = await run_step(
@@ -415,7 +447,12 @@ async def test_a_group_reward_scores_the_whole_group_in_one_call_and_keeps_the_d
             [pb.PromptGroup(prompt=prompt(0), group_index=0, label="object")],
             n_samples_per_prompt=3,
             params=SHORT,
-            reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url, "scope": "REWARD_SCOPE_GROUP"},
+            reward={
+                "kind": "REWARD_KIND_REMOTE",
+                "url": rm.url,
+                "scope": "REWARD_SCOPE_GROUP",
+                "batch_group": True,
+            },
         )
         assert len(rm.requests) == 1 and len(rm.requests[0]["responses"]) == 3
     [group] = run.groups

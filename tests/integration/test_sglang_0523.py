@@ -13,7 +13,7 @@ from rollout_grpc.server.engines.api import EngineDelta, EngineRejected, EngineU
 from rollout_grpc.server.engines.sglang import wire
 from rollout_grpc.server.engines.sglang.wire import engine_request_id
 from rollout_grpc.sim.config import SGLangOptions
-from tests.integration.test_sglang_adapter import PROMPT, call, call_id, collect, joined, sglang
+from tests.support.sglang_adapter import PROMPT, call, call_id, collect, joined, sglang
 
 #: Generous bound that only a wedged engine reaches (the simulator answers in milliseconds).
 HANG_S = 30.0

@@ -5,55 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import types
-from typing import Any
 
 import pytest
 
+from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.integrations import slime_step
 from tests.client.slime_types import Sample
 from tests.harness import harness
 from tests.support.reward_server import RewardServer
 from tests.support.service import PROMPT
-
-
-class DataSource:
-    """slime's RolloutDataSourceWithBuffer, as the rollout function uses it."""
-
-    def __init__(self, labels: list[str], n: int) -> None:
-        self.buffer: list[list[Sample]] = []
-        self.fresh = [
-            [
-                Sample(group_index=g, index=g * n + i, tokens=list(PROMPT), prompt="2 + 2 = ?", label=label)
-                for i in range(n)
-            ]
-            for g, label in enumerate(labels)
-        ]
-
-    def get_samples(self, count: int) -> list[list[Sample]]:
-        taken, self.buffer = self.buffer[:count], self.buffer[count:]
-        more = count - len(taken)
-        taken += self.fresh[:more]
-        self.fresh = self.fresh[more:]
-        return taken
-
-    def add_samples(self, groups: list[list[Sample]]) -> None:
-        self.buffer.extend(groups)
-
-
-def args(target: str, rm_url: str, **extra: Any) -> types.SimpleNamespace:
-    base: dict[str, Any] = {
-        "rollout_grpc_target": target,
-        "rollout_batch_size": 2,
-        "over_sampling_batch_size": 3,
-        "n_samples_per_prompt": 2,
-        "rollout_max_response_len": 8,
-        "rollout_temperature": 1.0,
-        "rm_type": "remote_rm",
-        "rm_url": rm_url,
-        "dynamic_sampling_filter_path": slime_step.NONZERO_STD_FILTER,
-        "partial_rollout": True,
-    }
-    return types.SimpleNamespace(**{**base, **extra})
+from tests.support.slime_step import DataSource, args
 
 
 async def test_the_rollout_function_over_samples_filters_and_fills_slime_samples() -> None:
@@ -71,13 +32,28 @@ async def test_the_rollout_function_over_samples_filters_and_fills_slime_samples
     assert [g[0].index for g in groups] == sorted(g[0].index for g in groups)
 
 
+@pytest.mark.parametrize(
+    ("rm_type", "kind"),
+    [
+        ("math", "REWARD_KIND_SLIME_MATH"),
+        ("dapo", "REWARD_KIND_DAPO"),
+        ("deepscaler", "REWARD_KIND_DEEPSCALER"),
+        ("f1", "REWARD_KIND_F1"),
+        ("gpqa", "REWARD_KIND_GPQA"),
+    ],
+)
+def test_slimes_rule_rm_types_map_to_the_kinds_with_slimes_verdicts(rm_type: str, kind: str) -> None:
+    spec = slime_step.reward_of(types.SimpleNamespace(rm_type=rm_type))
+    assert spec.kind == pb.RewardKind.Value(kind)
+
+
 def test_settings_the_service_cannot_run_are_refused_naming_the_argument() -> None:
-    with pytest.raises(ValueError, match="--rm-type 'deepscaler'"):
-        slime_step.reward_of(types.SimpleNamespace(rm_type="deepscaler"))
+    with pytest.raises(ValueError, match="--rm-type 'boxed_f1'"):
+        slime_step.reward_of(types.SimpleNamespace(rm_type="boxed_f1"))
+    with pytest.raises(ValueError, match="--rm-type ''"):
+        slime_step.reward_of(types.SimpleNamespace(rm_type=None))
     with pytest.raises(ValueError, match="--dynamic-sampling-filter-path"):
         slime_step.filter_of(types.SimpleNamespace(dynamic_sampling_filter_path="my.filter"))
-    with pytest.raises(ValueError, match="evaluation"):
-        slime_step.generate_rollout(types.SimpleNamespace(), 0, None, evaluation=True)
 
 
 async def test_partial_rollout_buffers_the_aborted_groups_and_the_next_rollout_continues_them() -> None:

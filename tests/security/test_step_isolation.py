@@ -66,6 +66,7 @@ async def test_abort_mine_ends_only_the_callers_generations_and_buffers_are_per_
                 params=SHORT,
                 target_groups=1,
                 max_groups_in_flight=2,
+                over_sampling="keep_in_flight",  # both start at once
                 leftovers="buffer",
                 timeout=60,
             )

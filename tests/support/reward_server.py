@@ -21,7 +21,9 @@ from aiohttp import web
 class RewardServer:
     """`async with RewardServer() as rm: rm.url ...`"""
 
-    def __init__(self) -> None:
+    def __init__(self, *, per_sample_only: bool = False) -> None:
+        #: Answer 400 to the batch shape, as a slime reward server (one sample per POST) would.
+        self.per_sample_only = per_sample_only
         self.requests: list[dict[str, Any]] = []
         #: GETs (the service's reachability probe at step start).
         self.probes = 0
@@ -48,6 +50,8 @@ class RewardServer:
             return web.Response(status=503, text="overloaded")
         body = await request.json()
         self.requests.append(body)
+        if "responses" in body and self.per_sample_only:
+            return web.Response(status=400, text="expected {prompt, response, label}")
         if "responses" in body:
             pairs = zip(body["labels"], body["responses"], strict=True)
             return web.json_response([self._reward(label, response) for label, response in pairs])

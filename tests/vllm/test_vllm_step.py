@@ -94,7 +94,13 @@ async def test_groups_of_four_over_sample_past_filtered_groups_with_a_remote_rew
             params=SHORT,
             target_groups=2,
             max_groups_in_flight=2,  # groups 0 and 1 first; each filtered one is replaced by the next
-            reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url, "scope": "REWARD_SCOPE_GROUP"},
+            over_sampling="keep_in_flight",
+            reward={
+                "kind": "REWARD_KIND_REMOTE",
+                "url": rm.url,
+                "scope": "REWARD_SCOPE_GROUP",
+                "batch_group": True,
+            },
             filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
             stream_samples=True,
             step_id="vstep1",
@@ -172,6 +178,7 @@ async def first_step(h: Harness, rm: RewardServer, leftovers: str) -> StepRun:
         params=LONG_PARAMS,
         target_groups=1,
         max_groups_in_flight=3,
+        over_sampling="keep_in_flight",  # all three start at once
         reward={"kind": "REWARD_KIND_REMOTE", "url": rm.url, "scope": "REWARD_SCOPE_GROUP"},
         filter={"kind": "FILTER_KIND_REWARD_NONZERO_STD"},
         leftovers=leftovers,

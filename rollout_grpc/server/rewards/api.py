@@ -21,6 +21,12 @@ class RewardKind(enum.Enum):
     REMOTE = "remote"
     MATH = "math"
     EXACT_MATCH = "exact_match"
+    #: slime's rm_hub kinds (rewards/graders/slime_hub.py).
+    SLIME_MATH = "slime_math"
+    DAPO = "dapo"
+    DEEPSCALER = "deepscaler"
+    F1 = "f1"
+    GPQA = "gpqa"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +46,8 @@ class RewardConfig:
     max_concurrency: int = 32
     #: REMOTE: first backoff (doubles per retry).
     backoff_s: float = 0.1
+    #: REMOTE, GROUP scope: one batch POST per group instead of slime's one POST per sample.
+    batch_group: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,23 @@ from urllib.parse import urlsplit
 
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.rewards.api import RewardConfig, RewardKind, RewardModel
+from rollout_grpc.server.rewards.graders import slime_hub
 from rollout_grpc.server.rewards.processes import ProcessLimits, RuleProcesses
 from rollout_grpc.server.rewards.remote import RemoteReward
-from rollout_grpc.server.rewards.rules import ExactMatchReward, MathReward, math_value
+from rollout_grpc.server.rewards.rules import ExactMatchReward, GradedReward, MathReward, math_value
+
+#: slime's rm_hub kinds: each a pure grader `(label, response) -> float` (graders/slime_hub.py).
+GRADED = {
+    RewardKind.SLIME_MATH: slime_hub.math_score,
+    RewardKind.DAPO: slime_hub.dapo_score,
+    RewardKind.DEEPSCALER: slime_hub.deepscaler_score,
+    RewardKind.F1: slime_hub.f1_score,
+    RewardKind.GPQA: slime_hub.gpqa_label_score,
+}
+#: Kinds whose slime function answers an object: kept as the sample's reward detail.
+DETAILS = {RewardKind.DAPO: slime_hub.dapo_detail}
+#: The kinds that need no server (the completeness test checks every kind is built here).
+RULE_KINDS = frozenset({RewardKind.MATH, RewardKind.EXACT_MATCH, *GRADED})
 
 
 def rule_processes(limits: ProcessLimits | None = None) -> RuleProcesses:
@@ -21,7 +35,7 @@ def rule_processes(limits: ProcessLimits | None = None) -> RuleProcesses:
 def build(config: RewardConfig, rules: RuleProcesses) -> RewardModel | None:
     """The reward model of `config` (None for no reward); INVALID_ARGUMENT naming a bad field.
 
-    `rules` runs the rule kinds (MATH, EXACT_MATCH) in bounded child processes.
+    `rules` runs the rule kinds (MATH, EXACT_MATCH, slime's rm_hub kinds) in bounded child processes.
     """
     # NaN compares false with everything (it meant "no timeout"), inf failed every reward at once.
     if not math.isfinite(config.timeout_s) or config.timeout_s <= 0:
@@ -32,6 +46,8 @@ def build(config: RewardConfig, rules: RuleProcesses) -> RewardModel | None:
         return MathReward(rules)
     if config.kind is RewardKind.EXACT_MATCH:
         return ExactMatchReward(rules)
+    if config.kind in GRADED:
+        return GradedReward(rules, GRADED[config.kind], DETAILS.get(config.kind))
     parts = urlsplit(config.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise InvalidArgument("reward.url", f"must be an http(s) URL for a REMOTE reward; got {config.url!r}")

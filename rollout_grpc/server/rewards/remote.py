@@ -2,9 +2,10 @@
 
 One sample: `POST url {"prompt", "response", "label"}` answered by a number, or by a JSON object
 whose `reward_key` holds the number (the whole object becomes the sample's reward detail). A group
-(`--group-rm`): `POST url {"prompts", "responses", "labels"}` answered by a list of those, one
-per sample. Requests are bounded (`max_concurrency`), each attempt has a timeout, and what can
-succeed on a second try (connection failures, timeouts, 429 and 5xx) is retried with exponential
+(`--group-rm`) is scored as slime does it, one such POST per sample; with `batch_group`, one
+`POST url {"prompts", "responses", "labels"}` answered by a list of those, one per sample.
+Requests are bounded (`max_concurrency`), each attempt has a timeout, and what can succeed on a
+second try (connection failures, timeouts, 429 and 5xx) is retried with exponential
 backoff; anything else is the sample's `RewardFailed` with the reason. Nothing here raises for
 one sample's failure.
 
@@ -176,6 +177,8 @@ class RemoteReward:
         return read_reward(answer, self._config.reward_key)
 
     async def score_group(self, requests: Sequence[RewardRequest]) -> list[RewardOutcome]:
+        if not self._config.batch_group:  # slime's group RM: one remote_rm request per sample
+            return list(await asyncio.gather(*(self.score(r) for r in requests)))
         payload = {
             "prompts": [r.prompt for r in requests],
             "responses": [r.response for r in requests],

@@ -14,25 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from rollout_grpc.server.rewards.api import RewardFailed, RewardOutcome, RewardRequest
+from rollout_grpc.server.rewards.api import RewardFailed, RewardOutcome, RewardRequest, RewardResult
+from rollout_grpc.server.rewards.graders import math_verify as graders_math_verify
 from rollout_grpc.server.rewards.processes import Rule, RuleProcesses
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
 
 
 def math_equal(label: str, response: str) -> bool:
-    """True when the response's answer is mathematically equal to `label` (math-verify)."""
-    from math_verify import parse, verify
-
-    # A label is a bare answer: delimit it as math, or math-verify's extraction reads the first number
-    # of a LaTeX expression alone (`2\\sqrt{2}` parsed as 2, `3\\pi` as 3).
-    gold = parse(label if "$" in label else f"${label}$", parsing_timeout=None)
-    answer = parse(response, parsing_timeout=None)
-    if not gold or not answer:
-        return False
-    return bool(verify(gold, answer, timeout_seconds=None))
+    """True when the response's answer is mathematically equal to `label` (math-verify, both sides
+    parsed with its LaTeX and expression configs: graders/math_verify.py)."""
+    return graders_math_verify.math_equal(label, response)
 
 
 def exact_answer(response: str) -> str:
@@ -65,7 +59,7 @@ class _RuleReward:
     async def score(self, request: RewardRequest) -> RewardOutcome:
         if not request.label:
             return RewardFailed("no label to compare the answer with (PromptGroup.label is empty)")
-        return await self._processes.run(type(self).rule, request.label, request.response)
+        return await self._processes.run(self.rule, request.label, request.response)
 
     async def score_group(self, requests: Sequence[RewardRequest]) -> list[RewardOutcome]:
         return list(await asyncio.gather(*(self.score(r) for r in requests)))
@@ -84,3 +78,31 @@ class ExactMatchReward(_RuleReward):
     """1.0 when the answer (last `\\boxed{}` or the stripped response) equals the stripped label."""
 
     rule = staticmethod(exact_value)
+
+
+class GradedReward(_RuleReward):
+    """A rule kind whose grader is a pure, module-level `(label, response) -> float` function
+    (graders/): slime's rm_hub kinds (registry.py names them), run in the bounded child processes
+    like every rule. `detail`, when given, is the whole answer slime's function returns (dapo's
+    `{score, acc, pred}`), kept as the sample's reward detail; it is a cheap regex over the
+    response, so it runs in a thread once the bounded grader has answered."""
+
+    def __init__(
+        self,
+        processes: RuleProcesses,
+        rule: Rule,
+        detail: Callable[[str, str], dict[str, object]] | None = None,
+    ) -> None:
+        super().__init__(processes)
+        self.rule = rule
+        self.detail = detail
+
+    async def score(self, request: RewardRequest) -> RewardOutcome:
+        outcome = await super().score(request)
+        if self.detail is None or not isinstance(outcome, RewardResult):
+            return outcome
+        try:
+            detail = await asyncio.to_thread(self.detail, request.label, request.response)
+        except Exception as exc:  # a grader bug on odd input is one sample's failure
+            return RewardFailed(f"could not check the answer: {exc!r}"[:300])
+        return RewardResult(outcome.value, detail)

@@ -16,6 +16,7 @@ from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain import params
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.rewards.api import RewardConfig, RewardKind
+from rollout_grpc.server.rollout.step import policy as step_policy
 from rollout_grpc.server.rollout.step import spec as step
 from rollout_grpc.server.rollout.step.runner import GroupEnded, SampleEnded, StepEvent
 from rollout_grpc.server.rollout.step.runner import Progress as StepProgress
@@ -278,6 +279,11 @@ _REWARD_KINDS = {
     pb.REWARD_KIND_REMOTE: RewardKind.REMOTE,
     pb.REWARD_KIND_MATH: RewardKind.MATH,
     pb.REWARD_KIND_EXACT_MATCH: RewardKind.EXACT_MATCH,
+    pb.REWARD_KIND_SLIME_MATH: RewardKind.SLIME_MATH,
+    pb.REWARD_KIND_DAPO: RewardKind.DAPO,
+    pb.REWARD_KIND_DEEPSCALER: RewardKind.DEEPSCALER,
+    pb.REWARD_KIND_F1: RewardKind.F1,
+    pb.REWARD_KIND_GPQA: RewardKind.GPQA,
 }
 _REWARD_SCOPES = {
     pb.REWARD_SCOPE_UNSPECIFIED: step.RewardScope.SAMPLE,
@@ -304,6 +310,11 @@ _ON_STALE = {
     pb.STALENESS_POLICY_UNSPECIFIED: step.OnStale.DROP,
     pb.STALENESS_POLICY_DROP: step.OnStale.DROP,
     pb.STALENESS_POLICY_REGENERATE: step.OnStale.REGENERATE,
+}
+_OVER_SAMPLING = {
+    pb.OVER_SAMPLING_POLICY_UNSPECIFIED: step_policy.OverSampling.SLIME_BATCHES,
+    pb.OVER_SAMPLING_POLICY_SLIME_BATCHES: step_policy.OverSampling.SLIME_BATCHES,
+    pb.OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT: step_policy.OverSampling.KEEP_IN_FLIGHT,
 }
 _OUTCOMES = {
     step.Outcome.ACCEPTED: pb.GROUP_OUTCOME_ACCEPTED,
@@ -382,7 +393,12 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         timeout_s=reward.timeout_s if reward.HasField("timeout_s") else 30.0,
         max_retries=reward.max_retries if reward.HasField("max_retries") else 2,
         max_concurrency=reward.max_concurrency if reward.HasField("max_concurrency") else 32,
+        batch_group=reward.batch_group,
     )
+    if msg.consumed_weight_version and not msg.HasField("max_head_offpolicyness"):
+        raise InvalidArgument(
+            "consumed_weight_version", "is only read with max_head_offpolicyness (set both, or neither)"
+        )
     groups = [
         step.PromptGroup(
             group_index=g.group_index,
@@ -412,6 +428,13 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         max_staleness=msg.max_staleness if msg.HasField("max_staleness") else None,
         on_stale=_enum(_ON_STALE, msg.on_stale, "on_stale"),
         stream_samples=msg.stream_samples,
+        over_sampling=_enum(_OVER_SAMPLING, msg.over_sampling, "over_sampling"),
+        over_sampling_batch_size=msg.over_sampling_batch_size,
+        admission=(
+            step_policy.Admission(msg.consumed_weight_version, msg.max_head_offpolicyness)
+            if msg.HasField("max_head_offpolicyness")
+            else None
+        ),
     )
 
 

@@ -43,6 +43,7 @@ from rollout_grpc.server.rewards.api import (
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.step import filters
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
+from rollout_grpc.server.rollout.step.policy import Counters, OverSampling, StartPolicy
 from rollout_grpc.server.rollout.step.spec import (
     UNKNOWN_CONTEXT_TOKENS,
     FilterKind,
@@ -203,7 +204,7 @@ class StepRunner:
             except RewardUnavailable as exc:
                 await model.close()
                 raise FailedPrecondition(f"reward.url: {exc}") from exc
-        step = _Step(self, spec, owner, model)
+        step = _Step(self, spec, owner, model, self._share_groups(spec, owner))
         async for event in step.events():
             yield event
 
@@ -244,11 +245,22 @@ class StepRunner:
                         f"groups[{i}].group_index",
                         f"group {group.group_index} is also in your buffer (continue_buffered)",
                     )
+        if spec.reward.batch_group and (
+            spec.reward.kind is not RewardKind.REMOTE or spec.reward_scope is not RewardScope.GROUP
+        ):
+            raise InvalidArgument("reward.batch_group", "applies only to a REMOTE reward with scope GROUP")
         url = spec.reward.url
         if spec.reward.kind is RewardKind.REMOTE and not reward_urls.allowed(url, self._reward_urls):
             raise InvalidArgument(
                 "reward.url", f"{url!r} is not a reward URL this replica allows (--reward-url)"
             )
+
+    def _share_groups(self, spec: StepSpec, owner: str) -> int:
+        """Groups of this step the caller's share of generations holds at once (0: no cap)."""
+        cap = self._rollout.registry.per_owner_limit
+        if cap is None or owner == ANONYMOUS.identity:
+            return 0
+        return max(1, cap // spec.n_samples_per_prompt)
 
     def _check_share(self, counts: StepCounts, owner: str) -> None:
         """A step whose groups in flight need more generations than the caller may hold would fail
@@ -269,7 +281,9 @@ class StepRunner:
 class _Step:
     """The state of one running step."""
 
-    def __init__(self, runner: StepRunner, spec: StepSpec, owner: str, model: RewardModel | None) -> None:
+    def __init__(
+        self, runner: StepRunner, spec: StepSpec, owner: str, model: RewardModel | None, share: int = 0
+    ) -> None:
         self.runner = runner
         self.rollout = runner._rollout
         self.spec = spec
@@ -279,7 +293,15 @@ class _Step:
         self.from_buffer = {id(g) for g in buffered}
         self.queue: deque[tuple[PromptGroup, bool]] = deque((g, False) for g in [*buffered, *spec.groups])
         self.target = spec.target_groups or len(self.queue)
-        self.limit = spec.max_groups_in_flight or self.target
+        # slime's rule with no explicit bound stays within the caller's share (a bound the caller
+        # sets is checked against it up front).
+        bound = spec.max_groups_in_flight
+        if not bound and spec.over_sampling is OverSampling.SLIME_BATCHES:
+            bound = share
+        self.policy = StartPolicy.of(spec.over_sampling, self.target, spec.over_sampling_batch_size, bound)
+        self.counters = Counters()
+        #: Why staleness admission stopped starting groups ("" while it allows them).
+        self.admission_refusal = ""
         self.active: dict[int, _GroupRun] = {}
         self.events_q: asyncio.Queue[SampleEnded | _GroupDone] = asyncio.Queue()
         self.progress = Progress(pending=len(self.queue))
@@ -329,9 +351,19 @@ class _Step:
                 await self.model.close()
 
     def _fill(self) -> None:
-        """Start prompt groups until `limit` are in flight (the over-sampling bound)."""
-        while self.queue and len(self.active) < self.limit and self.progress.accepted < self.target:
+        """Start the prompt groups the over-sampling policy allows now (policy.py), unless
+        staleness admission refuses new work."""
+        admission = self.spec.admission
+        if admission is not None:
+            self.admission_refusal = admission.refusal(self.runner.versions)
+            if self.admission_refusal:
+                return
+        counters = self.counters
+        counters.accepted = self.progress.accepted
+        counters.in_flight = len(self.active)
+        for _ in range(self.policy.to_start(counters, len(self.queue))):
             group, regenerated = self.queue.popleft()
+            counters.submitted += 1
             self._start(group, regenerated)
 
     def _start(self, group: PromptGroup, regenerated: bool) -> None:
@@ -362,6 +394,10 @@ class _Step:
         run = done.run
         self.active.pop(run.group.group_index, None)
         if done.outcome is None:
+            if not self.stop_reason:
+                # Aborted from outside (Abort of its group or session): the step goes on, and the
+                # over-sampling rule counts it as a group that will not be accepted.
+                self.counters.dropped += 1
             return [self._leftover(run, done.reason)]
         lags = self._lags(run.items)
         outcome, reason = done.outcome, done.reason
@@ -389,6 +425,7 @@ class _Step:
                 Outcome.FAILED: "reward_failed" if done.reason.startswith("reward") else "failed",
             }.get(outcome, outcome.value)
             self.progress.dropped[kind] = self.progress.dropped.get(kind, 0) + 1
+            self.counters.dropped += 1
         if done.fatal and not self.stop_reason:
             self._stop_all(f"a reward failed (on_failure FAIL_GROUP): {done.reason}")
         return [GroupEnded(run.group.group_index, outcome, reason, run.items, lags)]
@@ -476,7 +513,12 @@ class _Step:
             self.runner.buffers.note_lost(self.owner, [g.group_index for g in rejected])
         unstarted = [g.group_index for g, _ in self.queue if id(g) not in self.from_buffer]
         reached = self.progress.accepted >= self.target
-        reason = self.stop_reason or ("the target was reached" if reached else "no prompt groups left")
+        if self.stop_reason:
+            reason = self.stop_reason
+        elif reached:
+            reason = "the target was reached"
+        else:
+            reason = self.admission_refusal or "no prompt groups left"
         return Summary(
             accepted=self.progress.accepted,
             target_reached=reached,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, Status
 from rollout_grpc.server.rewards.api import RewardConfig
+from rollout_grpc.server.rollout.step.policy import Admission, OverSampling
 
 #: Most samples per prompt one step may ask for (a group is pinned to one engine: a huge group
 #: would serialise on it).
@@ -124,6 +125,12 @@ class StepSpec:
     max_staleness: int | None = None
     on_stale: OnStale = OnStale.DROP
     stream_samples: bool = False
+    #: How groups beyond the target start (slime's rule by default; policy.py).
+    over_sampling: OverSampling = OverSampling.SLIME_BATCHES
+    #: SLIME_BATCHES: groups per batch (0: the target).
+    over_sampling_batch_size: int = 0
+    #: AReaL-style admission by the trainer's consumed version (None: none).
+    admission: Admission | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +191,21 @@ def _check_bounds(spec: StepSpec, n: int) -> None:
     """Non-negative bounds, a seed that does not overflow, well-formed groups."""
     if spec.max_staleness is not None and spec.max_staleness < 0:
         raise InvalidArgument("max_staleness", f"must be non-negative, got {spec.max_staleness}")
+    if spec.over_sampling_batch_size < 0:
+        raise InvalidArgument(
+            "over_sampling_batch_size", f"must be non-negative, got {spec.over_sampling_batch_size}"
+        )
+    if spec.admission is not None:
+        if spec.admission.max_head_offpolicyness < 0:
+            raise InvalidArgument(
+                "max_head_offpolicyness",
+                f"must be non-negative, got {spec.admission.max_head_offpolicyness}",
+            )
+        if not spec.admission.consumed_version:
+            raise InvalidArgument(
+                "consumed_weight_version",
+                "is required with max_head_offpolicyness (the version the trainer has consumed)",
+            )
     if spec.epsilon < 0:
         raise InvalidArgument("filter.epsilon", f"must be non-negative, got {spec.epsilon}")
     if spec.params.seed is not None and spec.params.seed + n - 1 >= 2**63:
