@@ -37,6 +37,11 @@ JUSTIFIED_SKIPS: dict[str, str] = {
     "SGLang serves no chat render route": "SGLang has no render route; the front door renders on vLLM",
     "SGLang does not check stop_token_ids": "SGLang's verify checks no stop ids: the request runs",
     "SGLang serves no render route": "SGLang has no render route; rendered media need a vLLM engine",
+    # Checks against slime's own source at the pinned commit (tests/support/slime_real.py): slime is
+    # on no package registry CI reaches (PyPI's `slime` is an unrelated 0.0.0) and its code is never
+    # committed here; a developer runs them with SLIME_SRC=<a THUDM/slime checkout>. Without it the
+    # drop-in's tests and the 101-case reward table (slime's verdicts recorded) still run.
+    "SLIME_SRC is not set": "slime's source cannot be installed in CI and is never vendored",
 }
 
 
