@@ -24,6 +24,7 @@ from tqdm import tqdm
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.app import RolloutServer, ServerConfig
 from rollout_grpc.sim import SimConfig, SimEngine
+from rollout_grpc.sim.config import SGLangOptions
 
 _STATUS = {v: k.removeprefix("SAMPLE_STATUS_") for k, v in pb.SampleStatus.items()}
 
@@ -121,7 +122,14 @@ async def run_demo(
         engines = [
             await stack.enter_async_context(
                 SimEngine(
-                    SimConfig(token_delay_s=0.002, seed=i, logprobs_mode="processed_logprobs", kind=kind)
+                    SimConfig(
+                        token_delay_s=0.002,
+                        seed=i,
+                        logprobs_mode="processed_logprobs",
+                        kind=kind,
+                        # The demo sends seeds: SGLang honours them only in deterministic mode.
+                        sglang=SGLangOptions(enable_deterministic_inference=True),
+                    )
                 )
             )
             for i, kind in enumerate(kinds)

