@@ -204,7 +204,10 @@ async def first_step(h: Harness, rm: RewardServer, leftovers: str) -> StepRun:
     summary = run.summary
     assert summary is not None and summary.target_reached and summary.accepted == 1
     assert summary.progress.dropped["filter"] == 1 and not summary.unstarted_group_indexes
-    assert len(rm.requests) == 2, "the leftovers were not scored"
+    # Two groups of four, scored in slime's shape: one {prompt, response, label} request per sample.
+    assert len(rm.requests) == 8 and all("response" in r for r in rm.requests), (
+        "the leftovers were not scored"
+    )
     return run
 
 
