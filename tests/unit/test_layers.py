@@ -60,3 +60,17 @@ def _contracts_as_ini() -> str:
             else:
                 lines.append(f"{key} = {value}")
     return "\n".join(lines) + "\n"
+
+
+def test_a_door_importing_below_the_facade_breaks_a_contract(tmp_path: Path) -> None:
+    """The OpenAI door used to pick engines and call adapters itself; an import of the engine
+    layer (or a use case) from a door is now reported."""
+    copy = tmp_path / "rollout_grpc"
+    subprocess.run(["cp", "-r", str(ROOT / "rollout_grpc"), str(copy)], check=True)
+    (copy / "server" / "front" / "openai" / "leak.py").write_text(
+        "from rollout_grpc.server.engines.api import EngineError\n"
+    )
+    (tmp_path / ".importlinter").write_text(_contracts_as_ini())
+    result = _lint(tmp_path, str(tmp_path / ".importlinter"), "--no-cache")
+    assert result.returncode != 0
+    assert "the doors go down through the facade only BROKEN" in " ".join(result.stdout.split())

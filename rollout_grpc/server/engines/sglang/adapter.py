@@ -47,9 +47,9 @@ from typing import Final
 import aiohttp
 import orjson
 
+from rollout_grpc.server.domain.chat import ChatRenderRequest, ServedModel
 from rollout_grpc.server.domain.errors import FailedPrecondition
 from rollout_grpc.server.engines.api import (
-    ChatRenderRequest,
     ControlAction,
     EngineCall,
     EngineCapabilities,
@@ -64,7 +64,6 @@ from rollout_grpc.server.engines.api import (
     EngineUsage,
     FinishKind,
     Rendered,
-    ServedModel,
 )
 from rollout_grpc.server.engines.http import DONE, TRANSPORT_ERRORS, HttpEngine
 from rollout_grpc.server.engines.sglang import info, wire

@@ -15,11 +15,9 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain import params
 from rollout_grpc.server.domain.errors import InvalidArgument
-from rollout_grpc.server.rewards.api import RewardConfig, RewardKind
-from rollout_grpc.server.rollout.step import policy as step_policy
-from rollout_grpc.server.rollout.step import spec as step
-from rollout_grpc.server.rollout.step.runner import GroupEnded, SampleEnded, StepEvent
-from rollout_grpc.server.rollout.step.runner import Progress as StepProgress
+from rollout_grpc.server.facade import values as step
+from rollout_grpc.server.facade.values import GroupEnded, RewardConfig, RewardKind, SampleEnded, StepEvent
+from rollout_grpc.server.facade.values import Progress as StepProgress
 
 _DTYPE_TO_PB: dict[np.dtype[Any], Any] = {
     np.dtype("uint8"): pb.D_TYPE_UINT8,
@@ -312,9 +310,9 @@ _ON_STALE = {
     pb.STALENESS_POLICY_REGENERATE: step.OnStale.REGENERATE,
 }
 _OVER_SAMPLING = {
-    pb.OVER_SAMPLING_POLICY_UNSPECIFIED: step_policy.OverSampling.SLIME_BATCHES,
-    pb.OVER_SAMPLING_POLICY_SLIME_BATCHES: step_policy.OverSampling.SLIME_BATCHES,
-    pb.OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT: step_policy.OverSampling.KEEP_IN_FLIGHT,
+    pb.OVER_SAMPLING_POLICY_UNSPECIFIED: step.OverSampling.SLIME_BATCHES,
+    pb.OVER_SAMPLING_POLICY_SLIME_BATCHES: step.OverSampling.SLIME_BATCHES,
+    pb.OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT: step.OverSampling.KEEP_IN_FLIGHT,
 }
 _OUTCOMES = {
     step.Outcome.ACCEPTED: pb.GROUP_OUTCOME_ACCEPTED,
@@ -431,7 +429,7 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         over_sampling=_enum(_OVER_SAMPLING, msg.over_sampling, "over_sampling"),
         over_sampling_batch_size=msg.over_sampling_batch_size,
         admission=(
-            step_policy.Admission(msg.consumed_weight_version, msg.max_head_offpolicyness)
+            step.StepAdmission(msg.consumed_weight_version, msg.max_head_offpolicyness)
             if msg.HasField("max_head_offpolicyness")
             else None
         ),

@@ -26,18 +26,18 @@ from rollout_grpc.server.domain.errors import InvalidArgument, NotFound
 from rollout_grpc.server.domain.identity import current_caller
 from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord, Door
 from rollout_grpc.server.facade.door import RolloutFacade
-from rollout_grpc.server.front.grpc import convert, redaction
-from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
-from rollout_grpc.server.rollout.control import AbortResult
-from rollout_grpc.server.rollout.step.spec import StepCounts
-from rollout_grpc.server.rollout.weights import (
+from rollout_grpc.server.facade.values import (
+    AbortResult,
     CheckpointSource,
     DistributedSource,
     MemoryRelease,
+    StepCounts,
     TensorSpec,
     TransferGroup,
     WeightUpdate,
 )
+from rollout_grpc.server.front.grpc import convert, redaction
+from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
 from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
@@ -309,7 +309,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetServerInfoResponse:
-        statuses = await self._facade.engine_statuses()
+        server = await self._facade.server_info()
+        statuses = server.engines
         show_url = current_caller().is_admin
         versions = {s.weight_version for s in statuses if s.healthy and s.weight_version}
         response = pb.GetServerInfoResponse(
@@ -322,15 +323,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     in_flight=s.in_flight,
                     draining=s.draining,
                     model=s.model,
-                    **engine_info_extras(self._facade.engine(s.url)),
+                    **engine_info_extras(s),
                 )
                 for s in statuses
             ],
             simulated_engines=self._simulated_engines,
             paused=any(s.paused for s in statuses),
             weight_version=versions.pop() if len(versions) == 1 else "",
-            in_flight=self._facade.admission.running,
-            queued=self._facade.admission.queued,
+            in_flight=server.in_flight,
+            queued=server.queued,
             version=__version__,
         )
         if not show_url:

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from rollout_grpc.server.domain.chat import ChatRenderRequest
 from rollout_grpc.server.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -22,7 +23,6 @@ from rollout_grpc.server.domain.errors import (
     RolloutError,
 )
 from rollout_grpc.server.domain.model import Finish, SamplingParams
-from rollout_grpc.server.engines.api import ChatRenderRequest
 
 #: Domain finish reasons as OpenAI `finish_reason` strings (vLLM's "abort" and "error" kept).
 FINISH = {
