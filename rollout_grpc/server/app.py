@@ -510,7 +510,7 @@ class RolloutServer:
             adapter_factory(
                 session,
                 timeouts,
-                cfg.engine_kinds,
+                lambda: self.config.engine_kinds,  # replaced on reload, read when an engine joins
                 KindOptions(sglang_experts_topk=cfg.sglang_experts_topk),
             ),
             health_interval_s=cfg.health_interval_s,
@@ -683,11 +683,11 @@ class RolloutServer:
         """Make the engine list `urls` (SIGHUP): engines join or drain, and the admission limit
         follows the new engine count (the HTTP connector has no limit of its own to resize).
 
-        `kinds` (URL -> kind, vLLM when absent) is updated in place before the pool changes, since
-        the adapter factory reads that table when an engine joins. An engine already in the pool
-        keeps its adapter."""
-        self.config.engine_kinds.clear()
-        self.config.engine_kinds.update(kinds or {})
+        `kinds` (URL -> kind, vLLM when absent) replaces the config's table before the pool changes
+        (a new dict: the one the replica started with, or a caller holds, is never edited), since
+        the adapter factory reads the current table when an engine joins. An engine already in the
+        pool keeps its adapter."""
+        self.config.engine_kinds = dict(kinds or {})
         self.config.engines = list(urls)
         self.pool.replace(urls)
         limit = self.config.in_flight_limit()
