@@ -33,10 +33,9 @@ from urllib.parse import urlsplit
 
 from rollout_grpc.argtypes import MAX_PORT, unrecognized_message
 from rollout_grpc.argtypes import number as ranged_number
-from rollout_grpc.server.app import ServerConfig
+from rollout_grpc.server.config import FrontDoorConfig, ServerConfig
 from rollout_grpc.server.domain.model import GenerateOptions
 from rollout_grpc.server.front.grpc.peers import peer_problem
-from rollout_grpc.server.front.openai.server import FrontDoorConfig
 from rollout_grpc.server.front.openai.tools import PARSERS
 from rollout_grpc.server.rewards import allowlist as reward_allowlist
 

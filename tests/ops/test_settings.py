@@ -15,8 +15,8 @@ import pytest
 from rollout_grpc import settings
 from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import ServerConfig
+from rollout_grpc.server.config import FrontDoorConfig
 from rollout_grpc.server.domain.trajectory import DriftPolicy
-from rollout_grpc.server.front.openai.server import FrontDoorConfig
 from rollout_grpc.server.front.openai.tools import PARSERS
 from tests.harness import harness
 from tests.support.processes import child_env, replica_command

@@ -33,13 +33,13 @@ import secrets
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import structlog
 from aiohttp import web
 
+from rollout_grpc.server.config import FrontDoorConfig
 from rollout_grpc.server.domain import trajectory
 from rollout_grpc.server.domain.errors import FailedPrecondition, RolloutError
 from rollout_grpc.server.domain.identity import current_caller, reset_caller, set_caller
@@ -79,22 +79,6 @@ _SESSION_PREFIX = "/sessions/{session_id}"
 
 #: A neutral conversation the KEEP_PREFIX policy renders new messages after (see `_delta`).
 _BASE: list[dict[str, Any]] = [{"role": "user", "content": "."}]
-
-
-@dataclass(slots=True)
-class FrontDoorConfig:
-    """Knobs of the front door (`ServerConfig.openai`; `--openai-port` turns it on)."""
-
-    drift_policy: DriftPolicy = DriftPolicy.KEEP_PREFIX
-    tool_parser: str = "hermes"
-    #: Sessions kept per caller identity (its own least recently used evicted beyond it).
-    max_sessions: int = 10_000
-    #: Record routed experts (R3) per turn; the engines must run with --enable-return-routed-experts.
-    return_routed_experts: bool = False
-    stream_batch_tokens: int = 16
-    stream_batch_interval_s: float = 0.02
-    #: Seconds a request body may take to arrive (408 after it).
-    body_timeout_s: float = 30.0
 
 
 class OpenAIFrontDoor:
