@@ -17,6 +17,7 @@ from rollout_grpc.server.domain import bounds
 from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain.trajectory import DriftPolicy
 from rollout_grpc.server.ports import NO_REUSEPORT
+from rollout_grpc.server.rewards import allowlist as reward_allowlist
 from rollout_grpc.server.rollout.weights import DEFAULT_LOAD_TIMEOUT_S
 from rollout_grpc.server.security.limits import RequestLimits
 from rollout_grpc.server.security.tls import TlsConfig
@@ -36,6 +37,33 @@ def rollout_num_engines(num_gpus: int | None, gpus_per_engine: int, engine_urls:
     if num_gpus is not None and num_gpus > 0:
         return max(1, num_gpus // max(1, gpus_per_engine))
     return max(1, engine_urls)
+
+
+# ---- checks of field values (the settings run them on every flag that sets the field) ----------
+
+#: The tool-call parsers of the OpenAI door (`FrontDoorConfig.tool_parser`; the classes are
+#: `front/openai/tools.PARSERS`, which a test holds to these names).
+TOOL_PARSERS: tuple[str, ...] = ("hermes", "none")
+#: A peer dialed through DNS (every address the name resolves to is a peer).
+DNS_PREFIX = "dns:///"
+
+
+def peer_problem(peer: str) -> str | None:
+    """Why `peer` is not `host:port` or `dns:///name:port`, or None (checked at start: a peer
+    without a port would be dialed at gRPC's default 443, or fail every abort it is asked for)."""
+    address = peer.removeprefix(DNS_PREFIX)
+    host, colon, port = address.rpartition(":")
+    if "://" in address or "/" in address or not colon or not host.strip("[]") or host.endswith(":"):
+        return f"{peer!r}: a peer is host:port or dns:///name:port"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{peer!r}: the port must be a number 1-65535, got {port!r}"
+    return None
+
+
+def reward_url_problem(prefix: str) -> str | None:
+    """Why `prefix` cannot be an allowed REMOTE reward URL prefix (`ServerConfig.reward_urls`),
+    or None; the rewards room's own parsed-URL check."""
+    return reward_allowlist.prefix_problem(prefix)
 
 
 @dataclass(slots=True)

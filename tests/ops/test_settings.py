@@ -15,7 +15,7 @@ import pytest
 from rollout_grpc import settings
 from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import ServerConfig
-from rollout_grpc.server.config import FrontDoorConfig
+from rollout_grpc.server.config import TOOL_PARSERS, FrontDoorConfig
 from rollout_grpc.server.domain.trajectory import DriftPolicy
 from rollout_grpc.server.front.openai.tools import PARSERS
 from tests.harness import harness
@@ -52,6 +52,7 @@ def test_front_door_tool_parser_and_drift_policy_flags(tmp_path: Path) -> None:
     """Every parser and policy the front door knows can be chosen, from any source."""
     by_name = {f.name: f for f in settings.FLAGS}
     assert by_name["--openai-tool-parser"].choices == tuple(sorted(PARSERS))
+    assert set(TOOL_PARSERS) == set(PARSERS), "config.TOOL_PARSERS names the door's parsers"
     assert by_name["--openai-drift-policy"].choices == tuple(p.value for p in DriftPolicy)
     cfg = settings.server_config(
         _parse(["--openai-drift-policy", "split", "--openai-tool-parser", "none"]), []
