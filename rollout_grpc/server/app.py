@@ -36,10 +36,9 @@ from rollout_grpc.server.config import PENDING_HEADROOM, ServerConfig, rollout_n
 from rollout_grpc.server.domain import bounds
 from rollout_grpc.server.domain.identity import Role
 from rollout_grpc.server.domain.trajectory import TrajectoryStore
-from rollout_grpc.server.engines.api import EngineTimeouts
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
-from rollout_grpc.server.engines.registry import KindOptions, adapter_factory
+from rollout_grpc.server.engines.registry import adapter_factory
 from rollout_grpc.server.exposure import check_exposure
 from rollout_grpc.server.facade.calls import TimedAdmission, log_call
 from rollout_grpc.server.facade.door import CallBook, RolloutFacade
@@ -54,9 +53,9 @@ from rollout_grpc.server.observe.httplog import engine_call_logging, engine_call
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import registry as rewards_registry
-from rollout_grpc.server.rewards.processes import ProcessLimits, RuleProcesses
+from rollout_grpc.server.rewards.processes import RuleProcesses
 from rollout_grpc.server.rollout.control import Control
-from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
+from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
@@ -254,18 +253,13 @@ class RolloutServer:
     ) -> RolloutServicer:
         """The engine pool, admission, metrics, Rollout, Control and the servicer over them."""
         cfg = self.config
-        timeouts = EngineTimeouts(
-            connect=cfg.engine_connect_timeout_s,
-            sock_read=cfg.engine_read_timeout_s,
-            idle=cfg.engine_idle_timeout_s,
-        )
         self.pool = EnginePool(
             cfg.engines,
             adapter_factory(
                 session,
-                timeouts,
+                cfg.engine_timeouts(),
                 lambda: self.config.engine_kinds,  # replaced on reload, read when an engine joins
-                KindOptions(sglang_experts_topk=cfg.sglang_experts_topk),
+                cfg.kind_options(),
             ),
             health_interval_s=cfg.health_interval_s,
             breaker_cooldown_s=cfg.breaker_cooldown_s,
@@ -278,12 +272,7 @@ class RolloutServer:
             self.pool,
             admission,
             self.registry,
-            RolloutConfig(
-                max_engine_attempts=cfg.max_engine_attempts,
-                engine_stream_interval=cfg.engine_stream_interval,
-                deadline_margin_s=cfg.deadline_margin_s,
-                deadline_abort_lead_s=cfg.deadline_abort_lead_s,
-            ),
+            cfg.rollout_config(),
         )
         if cfg.peers:
             self.peers = self._peer_aborter(tls)
@@ -299,18 +288,14 @@ class RolloutServer:
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
         #: RolloutStep: reward models are built per step from the registry of reward kinds.
-        self.rule_processes = rewards_registry.rule_processes(
-            ProcessLimits(cfg.rule_reward_processes, cfg.rule_reward_timeout_s, cfg.rule_reward_memory_mb)
-        )
+        self.rule_processes = rewards_registry.rule_processes(cfg.rule_process_limits())
+        per_caller_bytes, total_bytes = cfg.step_buffer_bytes()
         steps = self.steps = StepRunner(
             self.rollout,
             self.control.abort_ids,
             functools.partial(rewards_registry.build, rules=self.rule_processes),
             reward_urls=cfg.reward_urls,
-            buffers=StepBuffers(
-                max_bytes_per_owner=cfg.step_buffer_mb_per_caller << 20,
-                max_bytes_total=cfg.step_buffer_mb << 20,
-            ),
+            buffers=StepBuffers(max_bytes_per_owner=per_caller_bytes, max_bytes_total=total_bytes),
         )
         self.weights = WeightUpdates(
             self.pool,

@@ -16,8 +16,12 @@ from typing import Any
 from rollout_grpc.server.domain import bounds
 from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain.trajectory import DriftPolicy
+from rollout_grpc.server.engines.api import EngineTimeouts
+from rollout_grpc.server.engines.registry import KindOptions
 from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import allowlist as reward_allowlist
+from rollout_grpc.server.rewards.processes import ProcessLimits
+from rollout_grpc.server.rollout.generation import RolloutConfig
 from rollout_grpc.server.rollout.weights import DEFAULT_LOAD_TIMEOUT_S
 from rollout_grpc.server.security.limits import RequestLimits
 from rollout_grpc.server.security.tls import TlsConfig
@@ -244,6 +248,39 @@ class ServerConfig:
         if not (self.tls_cert_file and self.tls_key_file):
             raise ValueError("--tls-cert and --tls-key go together")
         return TlsConfig(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    # ---- the rooms' own configs, carved from the flat fields here (never in the wiring) ---------
+
+    def engine_timeouts(self) -> EngineTimeouts:
+        """Timeouts of every engine call (`--engine-connect-timeout`, `--engine-*-timeout`)."""
+        return EngineTimeouts(
+            connect=self.engine_connect_timeout_s,
+            sock_read=self.engine_read_timeout_s,
+            idle=self.engine_idle_timeout_s,
+        )
+
+    def kind_options(self) -> KindOptions:
+        """What an engine kind's adapter needs that its engine does not report."""
+        return KindOptions(sglang_experts_topk=self.sglang_experts_topk)
+
+    def rollout_config(self) -> RolloutConfig:
+        """The generation loop's knobs (attempts, upstream batching, deadline margins)."""
+        return RolloutConfig(
+            max_engine_attempts=self.max_engine_attempts,
+            engine_stream_interval=self.engine_stream_interval,
+            deadline_margin_s=self.deadline_margin_s,
+            deadline_abort_lead_s=self.deadline_abort_lead_s,
+        )
+
+    def rule_process_limits(self) -> ProcessLimits:
+        """The bounds of rule rewards in one replica process (`--rule-reward-*`)."""
+        return ProcessLimits(
+            self.rule_reward_processes, self.rule_reward_timeout_s, self.rule_reward_memory_mb
+        )
+
+    def step_buffer_bytes(self) -> tuple[int, int]:
+        """(bytes per caller, bytes in all) of the RolloutStep buffers (`--step-buffer-mb*`)."""
+        return self.step_buffer_mb_per_caller << 20, self.step_buffer_mb << 20
 
     def request_limits(self) -> RequestLimits:
         """The per-request caps."""
