@@ -41,6 +41,7 @@ from rollout_grpc.server.config import (
     reward_url_problem,
 )
 from rollout_grpc.server.domain.model import GenerateOptions
+from rollout_grpc.server.domain.vocabulary import EngineKind
 
 ENV_PREFIX: Final = "ROLLOUT_GRPC_"
 
@@ -123,13 +124,6 @@ def _mtls_roles(items: list[str]) -> dict[str, str]:
             raise SettingsError(f"--mtls-role: expected NAME=trainer|admin|peer, got {item!r}")
         roles[name] = role
     return roles
-
-
-class EngineKind(enum.StrEnum):
-    """The engine software behind a URL, given as an optional `KIND+` prefix of the scheme."""
-
-    VLLM = "vllm"
-    SGLANG = "sglang"
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.config import TOOL_PARSERS, FrontDoorConfig
 from rollout_grpc.server.domain.trajectory import DriftPolicy
+from rollout_grpc.server.domain.vocabulary import EngineKind
 from rollout_grpc.server.front.openai.tools import PARSERS
 from tests.harness import harness
 from tests.support.processes import child_env, replica_command
@@ -308,16 +309,14 @@ def test_serve_warns_about_a_misspelt_variable_at_start() -> None:
 @pytest.mark.parametrize(
     ("text", "url", "kind"),
     [
-        ("http://vllm-0:8000", "http://vllm-0:8000", settings.EngineKind.VLLM),
-        ("  https://vllm.example.com/ ", "https://vllm.example.com", settings.EngineKind.VLLM),
-        ("HTTP://[::1]:8000", "http://[::1]:8000", settings.EngineKind.VLLM),
-        ("vllm+http://10.0.0.1:8000", "http://10.0.0.1:8000", settings.EngineKind.VLLM),
-        ("sglang+https://sgl:30000", "https://sgl:30000", settings.EngineKind.SGLANG),
+        ("http://vllm-0:8000", "http://vllm-0:8000", EngineKind.VLLM),
+        ("  https://vllm.example.com/ ", "https://vllm.example.com", EngineKind.VLLM),
+        ("HTTP://[::1]:8000", "http://[::1]:8000", EngineKind.VLLM),
+        ("vllm+http://10.0.0.1:8000", "http://10.0.0.1:8000", EngineKind.VLLM),
+        ("sglang+https://sgl:30000", "https://sgl:30000", EngineKind.SGLANG),
     ],
 )
-def test_engine_urls_split_into_a_plain_url_and_a_kind(
-    text: str, url: str, kind: settings.EngineKind
-) -> None:
+def test_engine_urls_split_into_a_plain_url_and_a_kind(text: str, url: str, kind: EngineKind) -> None:
     assert settings.parse_engine_url(text) == settings.EngineURL(url, kind)
 
 

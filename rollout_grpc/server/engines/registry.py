@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from rollout_grpc.server.domain.vocabulary import DEFAULT_ENGINE_KIND, EngineKind
 from rollout_grpc.server.engines.api import EngineAdapter, EngineTimeouts
 from rollout_grpc.server.engines.sglang.adapter import SglangEngine
 from rollout_grpc.server.engines.vllm.adapter import VllmEngine
@@ -38,9 +39,9 @@ def _sglang(url: str, http: aiohttp.ClientSession, t: EngineTimeouts | None, o: 
     return SglangEngine(url, http, t, experts_topk=o.sglang_experts_topk)
 
 
-#: Every engine kind the replica can talk to (the names of `settings.EngineKind`).
-KINDS: dict[str, AdapterClass] = {"vllm": _vllm, "sglang": _sglang}
-DEFAULT_KIND = "vllm"
+#: The adapter of every engine kind (`domain/vocabulary.EngineKind`; a test holds them equal).
+KINDS: dict[EngineKind, AdapterClass] = {EngineKind.VLLM: _vllm, EngineKind.SGLANG: _sglang}
+DEFAULT_KIND = DEFAULT_ENGINE_KIND
 
 
 def adapter_factory(
@@ -68,9 +69,9 @@ def adapter_factory(
     opts = options or KindOptions()
 
     def build(url: str) -> EngineAdapter:
-        kind = current().get(url.rstrip("/"), DEFAULT_KIND)
-        if kind not in KINDS:
-            raise ValueError(f"engine {url}: unknown engine kind {kind!r} (known: {', '.join(KINDS)})")
-        return KINDS[kind](url, http, timeouts, opts)
+        name = current().get(url.rstrip("/"), DEFAULT_KIND)
+        if name not in KINDS:
+            raise ValueError(f"engine {url}: unknown engine kind {name!r} (known: {', '.join(KINDS)})")
+        return KINDS[EngineKind(name)](url, http, timeouts, opts)
 
     return build

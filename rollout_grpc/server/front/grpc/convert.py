@@ -272,16 +272,15 @@ def content_part_from_pb(part: pb.ContentPart, field: str) -> tuple[str, str | b
 
 # ------------------------------------------------------------------------------------- rollout step
 
+#: The proto's reward kinds by name (`REWARD_KIND_<NAME>` is `RewardKind.<NAME>`; UNSPECIFIED is
+#: NONE): a kind added to the proto and to `RewardKind` needs no edit here.
 _REWARD_KINDS = {
     pb.REWARD_KIND_UNSPECIFIED: RewardKind.NONE,
-    pb.REWARD_KIND_REMOTE: RewardKind.REMOTE,
-    pb.REWARD_KIND_MATH: RewardKind.MATH,
-    pb.REWARD_KIND_EXACT_MATCH: RewardKind.EXACT_MATCH,
-    pb.REWARD_KIND_SLIME_MATH: RewardKind.SLIME_MATH,
-    pb.REWARD_KIND_DAPO: RewardKind.DAPO,
-    pb.REWARD_KIND_DEEPSCALER: RewardKind.DEEPSCALER,
-    pb.REWARD_KIND_F1: RewardKind.F1,
-    pb.REWARD_KIND_GPQA: RewardKind.GPQA,
+    **{
+        pb.RewardKind.Value("REWARD_KIND_" + kind.name): kind
+        for kind in RewardKind
+        if kind is not RewardKind.NONE
+    },
 }
 _REWARD_SCOPES = {
     pb.REWARD_SCOPE_UNSPECIFIED: step.RewardScope.SAMPLE,

@@ -24,6 +24,7 @@ from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain import trajectory
 from rollout_grpc.server.domain.errors import InvalidArgument, NotFound
 from rollout_grpc.server.domain.identity import current_caller
+from rollout_grpc.server.domain.vocabulary import PauseMode
 from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord, Door
 from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.facade.values import (
@@ -62,7 +63,9 @@ def _caller_deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | Non
     return None if remaining is None else time.monotonic() + remaining
 
 
-_PAUSE_MODES = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
+#: The proto's pause modes by name (`domain/vocabulary.PauseMode`); UNSPECIFIED is refused.
+_PAUSE_MODES = {pb.PauseMode.Value("PAUSE_MODE_" + mode.name): mode.value for mode in PauseMode}
+_PAUSE_MODE_NAMES = ", ".join(mode.name for mode in PauseMode)
 
 
 def engine_errors_to_pb(pairs: list[tuple[str, str]]) -> list[pb.EngineError]:
@@ -219,7 +222,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> pb.PauseResponse:
         mode = _PAUSE_MODES.get(request.mode)
         if mode is None:
-            raise InvalidArgument("mode", f"must be ABORT, WAIT or KEEP; got {int(request.mode)}")
+            raise InvalidArgument("mode", f"must be {_PAUSE_MODE_NAMES}; got {int(request.mode)}")
         result = await self._facade.pause(current_record("Pause"), mode)
         return pb.PauseResponse(paused_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors))
 
@@ -235,7 +238,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> pb.UpdateWeightsResponse:
         mode = _PAUSE_MODES.get(request.pause_mode)
         if mode is None:
-            raise InvalidArgument("pause_mode", f"must be ABORT, WAIT or KEEP; got {int(request.pause_mode)}")
+            raise InvalidArgument("pause_mode", f"must be {_PAUSE_MODE_NAMES}; got {int(request.pause_mode)}")
         kind = request.WhichOneof("source")
         source: CheckpointSource | DistributedSource
         if kind == "checkpoint":
