@@ -61,3 +61,24 @@ def test_the_proto_reward_kinds_map_by_name() -> None:
     names = {v.name.removeprefix("REWARD_KIND_") for v in pb.RewardKind.DESCRIPTOR.values if v.number != 0}
     assert names == {kind.name for kind in RewardKind if kind is not RewardKind.NONE}
     assert set(convert._REWARD_KINDS.values()) == set(RewardKind)
+
+
+def test_an_unset_reward_option_takes_the_reward_configs_default() -> None:
+    """The gRPC door used to repeat RewardConfig's defaults (30 s, 2 retries, 32 at once)."""
+    from dataclasses import replace
+
+    from rollout_grpc.server.domain.model import GenerateOptions
+    from rollout_grpc.server.rewards.api import RewardConfig
+
+    request = pb.RolloutStepRequest(
+        step_id="s",
+        groups=[pb.PromptGroup(prompt=pb.Sample(tokens=[1]))],
+        n_samples_per_prompt=1,
+        target_groups=1,
+        reward=pb.RewardSpec(kind=pb.REWARD_KIND_MATH),
+    )
+    got = convert.step_spec_from_pb(request, GenerateOptions()).reward
+    assert got == replace(RewardConfig(), kind=RewardKind.MATH)
+    request.reward.timeout_s, request.reward.max_retries = 5.0, 0
+    got = convert.step_spec_from_pb(request, GenerateOptions()).reward
+    assert (got.timeout_s, got.max_retries, got.max_concurrency) == (5.0, 0, RewardConfig().max_concurrency)

@@ -6,7 +6,7 @@ the outgoing sample starts as a copy of the incoming one and only generated fiel
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from google.protobuf import json_format
@@ -380,17 +380,28 @@ def _step_sample_from_pb(msg: pb.Sample) -> step.StepSample:
     )
 
 
+#: RewardSpec's optional fields: unset, they take `RewardConfig`'s default.
+_REWARD_OPTIONALS: tuple[Literal["timeout_s", "max_retries", "max_concurrency"], ...] = (
+    "timeout_s",
+    "max_retries",
+    "max_concurrency",
+)
+
+
 def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptions) -> step.StepSpec:
     """The domain view of a RolloutStep request (enum values checked, naming the field)."""
     reward = msg.reward
+    # The defaults are RewardConfig's alone: only what the caller set is passed.
+    given: dict[str, Any] = {
+        name: getattr(reward, name) for name in _REWARD_OPTIONALS if reward.HasField(name)
+    }
+    if reward.reward_key:
+        given["reward_key"] = reward.reward_key
     config = RewardConfig(
         kind=_enum(_REWARD_KINDS, reward.kind, "reward.kind"),
         url=reward.url,
-        reward_key=reward.reward_key or "reward",
-        timeout_s=reward.timeout_s if reward.HasField("timeout_s") else 30.0,
-        max_retries=reward.max_retries if reward.HasField("max_retries") else 2,
-        max_concurrency=reward.max_concurrency if reward.HasField("max_concurrency") else 32,
         batch_group=reward.batch_group,
+        **given,
     )
     if msg.consumed_weight_version and not msg.HasField("max_head_offpolicyness"):
         raise InvalidArgument(
