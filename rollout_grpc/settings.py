@@ -1,7 +1,7 @@
 """The `serve` command's settings: one source of defaults, three sources of values.
 
-Defaults live in ONE place, the dataclasses `ServerConfig` (`server/app.py`), `GenerateOptions`
-(`server/domain/model.py`) and `FrontDoorConfig` (`server/front/openai/server.py`); the command-line flags are
+Defaults live in ONE place, the dataclasses `ServerConfig` (`server/config.py`), `GenerateOptions`
+(`server/domain/model.py`) and `FrontDoorConfig` (`server/config.py`); the command-line flags are
 derived from their fields through the `FLAGS` table below, which adds only a flag name, a help text
 and a unit. `tests/ops/test_settings.py` checks that every `ServerConfig` and `FrontDoorConfig`
 field is a flag or is listed in `NOT_FLAGS` / `NOT_OPENAI_FLAGS`.
@@ -33,12 +33,15 @@ from urllib.parse import urlsplit
 
 from rollout_grpc.argtypes import MAX_PORT, unrecognized_message
 from rollout_grpc.argtypes import number as ranged_number
-from rollout_grpc.server.app import ServerConfig
+from rollout_grpc.server.config import (
+    TOOL_PARSERS,
+    FrontDoorConfig,
+    ServerConfig,
+    peer_problem,
+    reward_url_problem,
+)
 from rollout_grpc.server.domain.model import GenerateOptions
-from rollout_grpc.server.front.grpc.peers import peer_problem
-from rollout_grpc.server.front.openai.server import FrontDoorConfig
-from rollout_grpc.server.front.openai.tools import PARSERS
-from rollout_grpc.server.rewards import allowlist as reward_allowlist
+from rollout_grpc.server.domain.vocabulary import EngineKind
 
 ENV_PREFIX: Final = "ROLLOUT_GRPC_"
 
@@ -123,13 +126,6 @@ def _mtls_roles(items: list[str]) -> dict[str, str]:
     return roles
 
 
-class EngineKind(enum.StrEnum):
-    """The engine software behind a URL, given as an optional `KIND+` prefix of the scheme."""
-
-    VLLM = "vllm"
-    SGLANG = "sglang"
-
-
 @dataclass(frozen=True, slots=True)
 class EngineURL:
     """One engine: its base URL (a plain `http(s)://host[:port]` string, what `ServerConfig.engines`
@@ -211,7 +207,7 @@ def _checked(problem_of: Callable[[str], str | None]) -> Callable[[str], str]:
 #: `--peer`: host:port or dns:///name:port.
 _peer_argument = _checked(peer_problem)
 #: `--reward-url`: scheme://host[:port][/path].
-_reward_prefix = _checked(reward_allowlist.prefix_problem)
+_reward_prefix = _checked(reward_url_problem)
 
 
 def _weights_prefix(text: str) -> str:
@@ -439,7 +435,7 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "how the front door finds tool calls in generated text: hermes (<tool_call> JSON blocks, "
         "as vLLM's --tool-call-parser hermes) or none (all text is content); docs/agentic.md",
         "openai.tool_parser",
-        choices=tuple(sorted(PARSERS)),
+        choices=tuple(sorted(TOOL_PARSERS)),
     ),
     Flag(
         "--openai-body-timeout",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +32,13 @@ from grpc_reflection.v1alpha import reflection
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server import ports
+from rollout_grpc.server.config import PENDING_HEADROOM, ServerConfig, rollout_num_engines, worker_share
 from rollout_grpc.server.domain import bounds
-from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain.identity import Role
 from rollout_grpc.server.domain.trajectory import TrajectoryStore
-from rollout_grpc.server.engines.api import EngineTimeouts
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
-from rollout_grpc.server.engines.registry import KindOptions, adapter_factory
+from rollout_grpc.server.engines.registry import adapter_factory
 from rollout_grpc.server.exposure import check_exposure
 from rollout_grpc.server.facade.calls import TimedAdmission, log_call
 from rollout_grpc.server.facade.door import CallBook, RolloutFacade
@@ -50,284 +48,39 @@ from rollout_grpc.server.front.grpc.peers import PeerAborter
 from rollout_grpc.server.front.grpc.replica import ReplicaServicer
 from rollout_grpc.server.front.grpc.service import RolloutServicer
 from rollout_grpc.server.front.grpc.tls import peer_channel_credentials, server_credentials
-from rollout_grpc.server.front.openai.server import FrontDoorConfig, OpenAIFrontDoor
+from rollout_grpc.server.front.openai.server import OpenAIFrontDoor
 from rollout_grpc.server.observe.httplog import engine_call_logging, engine_calls_logged
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import registry as rewards_registry
-from rollout_grpc.server.rewards.processes import ProcessLimits, RuleProcesses
+from rollout_grpc.server.rewards.processes import RuleProcesses
 from rollout_grpc.server.rollout.control import Control
-from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
+from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
 from rollout_grpc.server.rollout.step.runner import StepRunner
-from rollout_grpc.server.rollout.weights import DEFAULT_LOAD_TIMEOUT_S, WeightUpdates
+from rollout_grpc.server.rollout.weights import WeightUpdates
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
-from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
+from rollout_grpc.server.security.limits import ControlRateLimiter
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
 from rollout_grpc.server.security.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
 
+#: The config's names, defined in `config.py`, stay importable from the wiring.
+__all__ = [
+    "PENDING_HEADROOM",
+    "REPLICA_SERVICE_NAME",
+    "SERVICE_NAME",
+    "RolloutServer",
+    "ServerConfig",
+    "rollout_num_engines",
+    "worker_share",
+]
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 REPLICA_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReplicaService"].full_name
-#: Pending calls gRPC core holds beyond admission's running + queued generations: the unary and
-#: control calls of a burst (GetServerInfo, Abort, health). gRPC's own default soft limit.
-PENDING_HEADROOM = 1000
-
-
-def rollout_num_engines(num_gpus: int | None, gpus_per_engine: int, engine_urls: int) -> int:
-    """Engine count as slime's `get_rollout_num_engines`, never 0.
-
-    With a GPU count, `max(1, num_gpus // gpus_per_engine)`; without one (external engines), the
-    number of engine URLs. slime returns 0 for zero GPUs, which makes a zero-size semaphore and a
-    deadlock; here at least one engine's worth of concurrency is always allowed.
-    """
-    if num_gpus is not None and num_gpus > 0:
-        return max(1, num_gpus // max(1, gpus_per_engine))
-    return max(1, engine_urls)
-
-
-@dataclass(slots=True)
-class ServerConfig:
-    """Everything a replica needs to start."""
-
-    engines: list[str]
-    #: The kind of each engine URL that is not vLLM ("sglang"), as the settings read it from a
-    #: `sglang+http://...` URL; the registry picks each engine's adapter from it.
-    engine_kinds: dict[str, str] = field(default_factory=dict)
-    #: The MoE model's `num_experts_per_tok`, which SGLang's shape-less R3 bytes need (None: R3 is
-    #: off on SGLang engines, with a warning in their capabilities).
-    sglang_experts_topk: int | None = None
-    host: str = "127.0.0.1"
-    port: int = 50051
-    #: Separate health port (0 = pick a free one, None = health on the main port only).
-    health_port: int | None = 0
-    server_concurrency: int = 512
-    rollout_num_gpus: int | None = None
-    rollout_num_gpus_per_engine: int = 1
-    max_queue: int = 4096
-    retry_after_s: float = 1.0
-    grace_s: float = 30.0
-    #: After the grace: time the aborted generations get to end as samples (bounds.py).
-    abort_grace_s: float = bounds.SHUTDOWN_ABORT_DRAIN_S
-    #: One overall deadline for Abort(all), Pause (ABORT, KEEP) and Resume fan-outs (bounds.py).
-    control_deadline_s: float = bounds.CONTROL_DEADLINE_S
-    health_interval_s: float = 2.0
-    breaker_cooldown_s: float = 5.0
-    engine_connect_timeout_s: float = 5.0
-    engine_read_timeout_s: float | None = None
-    #: Seconds of silence on an engine stream before the engine is probed (failover if it is dead).
-    engine_idle_timeout_s: float = 30.0
-    max_engine_attempts: int = 4
-    #: Most seconds before a caller's deadline that a generation ends with its sample (ABORTED,
-    #: every token kept); 10 % of the caller's time when that is less (bounds.py).
-    deadline_margin_s: float = bounds.DEADLINE_MARGIN_S
-    #: Most seconds before that the engine call is aborted upstream so that the engine's final
-    #: chunk (every token it made) arrives in time; 10 % of the caller's time, at least 50 ms,
-    #: when that is less (bounds.py, rollout/deadline.py).
-    deadline_abort_lead_s: float = bounds.DEADLINE_ABORT_LEAD_S
-    engine_stream_interval: bool = True
-    max_receive_message_mb: int = 64
-    max_send_message_mb: int = 256
-    max_connection_age_s: float | None = 300.0
-    max_connection_age_grace_s: float = 3600.0
-    keepalive_time_s: float = 60.0
-    peers: list[str] = field(default_factory=list)
-    #: URL prefixes a RolloutStep's REMOTE reward may POST to (empty: any). A reward URL makes the
-    #: replica send requests where the caller says: pin it to the reward servers you run.
-    reward_urls: list[str] = field(default_factory=list)
-    #: Rule rewards (MATH, EXACT_MATCH) run in this many child processes per replica process, each
-    #: call killed past the time limit, each child capped in address space (rewards/processes.py).
-    rule_reward_processes: int = 2
-    rule_reward_timeout_s: float = 10.0
-    rule_reward_memory_mb: int = 1024
-    #: RolloutStep buffers (leftovers=BUFFER, abandoned steps), estimated MiB per caller and in all.
-    step_buffer_mb_per_caller: int = 256
-    step_buffer_mb: int = 512
-    #: Directories UpdateWeights may name checkpoints under (`--weights-path-prefix`; empty: off).
-    weights_path_prefixes: list[str] = field(default_factory=list)
-    #: Seconds one engine may take to load a checkpoint (`--weights-load-timeout`).
-    weights_load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
-    default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
-    max_images: int = 8
-    # --- security (docs/security.md) ---
-    #: PEM server certificate chain and key: TLS on the gRPC port (and the health port).
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    #: PEM CA of client certificates: mTLS, clients without a certificate it signed are refused.
-    tls_client_ca_file: str | None = None
-    #: Keep the health port plaintext under TLS (Kubernetes gRPC probes cannot speak TLS).
-    health_plaintext: bool = False
-    #: Bearer tokens file (`identity role token` lines; a Secret mount): authentication on.
-    auth_tokens_file: str | None = None
-    #: mTLS client certificate name (SAN or CN) -> role ("trainer", "admin", "peer").
-    mtls_roles: dict[str, str] = field(default_factory=dict)
-    #: Serve gRPC server reflection; with authentication on it needs a credential unless open.
-    reflection: bool = True
-    reflection_open: bool = False
-    #: Every host that can reach `host` is trusted: serve a network address without authentication
-    #: or send tokens without TLS (refused otherwise; exposure.py). `--insecure-trusted-network`.
-    insecure_trusted_network: bool = False
-    #: Token this replica presents to its peers (a `peer` or `admin` line of their tokens file).
-    peer_token_file: str | None = None
-    #: CA that verifies the peers' certificates (default: the client CA, else the system roots).
-    peer_ca_file: str | None = None
-    #: Name the peers' certificates are checked against (peers are dialed by IP when resolved).
-    peer_tls_name: str | None = None
-    #: Request bounds (limits.RequestLimits) and per-caller limits.
-    max_abort_ids: int = 1024
-    max_metadata_bytes: int = 1 << 20
-    max_stop_strings: int = 64
-    max_stop_string_chars: int = 1024
-    max_chat_template_kwargs_bytes: int = 64 << 10
-    #: Characters of prompt text of one chat render (front-door turn, Render RPC), before the engine.
-    max_prompt_chars: int = 4 << 20
-    #: Serialized request of every RPC but Generate, RolloutStep and Render, checked before decoding.
-    max_control_request_bytes: int = 1 << 20
-    #: Failed authentications per peer address: burst (0 = unlimited), then this rate; past it
-    #: RESOURCE_EXHAUSTED (a valid credential still gets in). security/refusals.py.
-    auth_failure_rate_per_s: float = 1.0
-    auth_failure_burst: int = 20
-    #: Audit lines of refused control RPCs: burst (0 = every one), then this rate; the rest counted.
-    refusal_audit_rate_per_s: float = 1.0
-    refusal_audit_burst: int = 20
-    #: Generations (running + queued) one authenticated caller may hold; 0 = half of the in-flight
-    #: limit plus the queue, so that one trainer cannot starve the others.
-    max_in_flight_per_caller: int = 0
-    #: Control RPCs (Abort, Pause, Resume) per caller: sustained rate (0 = unlimited) and burst.
-    control_rate_per_s: float = 10.0
-    control_burst: int = 50
-
-    #: Port of the OpenAI-compatible front door (0 = pick a free one, None = off); docs/agentic.md.
-    openai_port: int | None = None
-    openai: FrontDoorConfig = field(default_factory=FrontDoorConfig)
-    #: Port of the Prometheus /metrics endpoint (0 = any free port, None = no endpoint).
-    metrics_port: int | None = None
-    #: Label engine series with their URLs (default: the `engine-<8 hex>` labels non-admins see;
-    #: the endpoint has no authentication).
-    metrics_engine_urls: bool = False
-    #: OTLP/gRPC collector for OpenTelemetry traces ("" = tracing off; needs the `tracing` extra).
-    otlp_endpoint: str = ""
-    #: Engines whose logprobs mode is vLLM's default `raw_logprobs`: "refuse" (not routed to) or
-    #: "warn" (routed to, with a warning in the log and in GetServerInfo).
-    raw_logprobs: str = "warn"
-    #: The engines are simulated (`--sim`): said loudly in the log and in GetServerInfo.
-    simulated_engines: bool = False
-    #: Largest image accepted by Render, in pixels (width x height, read from the header before
-    #: decoding: decompression bombs are refused unopened) and in encoded bytes.
-    max_image_pixels: int = 64_000_000
-    max_image_bytes: int = 32 * 1024 * 1024
-    #: How long gRPC core may hold a call the application has not yet picked up before it cancels
-    #: it unseen (`grpc.server_max_unrequested_time_in_server`, 30 s by default). The aio server
-    #: picks calls up one per event-loop turn, so a burst of thousands of streams on a busy loop
-    #: can wait longer than that; every call must reach admission (run, queue or
-    #: RESOURCE_EXHAUSTED with a retry hint) instead, so the hold is as long as a day (the
-    #: caller's own deadline still applies).
-    max_unrequested_time_s: float = 86_400.0
-    #: Calls gRPC core may hold before the application picks them up (its pending-call backlog
-    #: protector, `grpc.server.max_pending_requests`, soft 1000 / hard 3000 by default: above the
-    #: soft limit a growing random share of new calls is refused unseen, CANCELLED). 0 = sized from
-    #: admission: the in-flight limit + the queue + `PENDING_HEADROOM` for the unary and control
-    #: calls, so that every call of a burst reaches admission (run, queue or RESOURCE_EXHAUSTED
-    #: with a retry hint); the hard limit is twice that.
-    max_pending_calls: int = 0
-    # --- worker processes (`serve --workers N`; set per worker by the supervisor, docs/workers.md) ---
-    #: Bind the gRPC port with SO_REUSEPORT: only a worker, whose supervisor reserved the port
-    #: (workers/reservation.py), ever sets it; a replica of its own keeps a busy port an error.
-    reuse_port: bool = False
-    #: Replacements of dead workers the supervisor makes within `worker_restart_window_s` before it
-    #: stops the replica (exit 1); each after an exponential back-off (workers/supervisor.py).
-    worker_restarts: int = 5
-    worker_restart_window_s: float = 60.0
-
-    def tls(self) -> TlsConfig | None:
-        """The TLS settings, or None for plaintext; a key without a certificate is a config error."""
-        if not self.tls_cert_file and not self.tls_key_file:
-            if self.tls_client_ca_file:
-                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-            return None
-        if not (self.tls_cert_file and self.tls_key_file):
-            raise ValueError("--tls-cert and --tls-key go together")
-        return TlsConfig(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
-
-    def request_limits(self) -> RequestLimits:
-        """The per-request caps."""
-        return RequestLimits(
-            max_abort_ids=self.max_abort_ids,
-            max_metadata_bytes=self.max_metadata_bytes,
-            max_stop_strings=self.max_stop_strings,
-            max_stop_string_chars=self.max_stop_string_chars,
-            max_chat_template_kwargs_bytes=self.max_chat_template_kwargs_bytes,
-            max_control_request_bytes=self.max_control_request_bytes,
-            max_prompt_chars=self.max_prompt_chars,
-        )
-
-    def per_caller_limit(self) -> int:
-        """Generations one authenticated caller may hold (running + queued)."""
-        if self.max_in_flight_per_caller > 0:
-            return self.max_in_flight_per_caller
-        return max(1, (self.in_flight_limit() + self.max_queue) // 2)
-
-    def shutdown_bound_s(self, grace_s: float | None = None, workers: int = 1) -> float:
-        """The longest this replica takes from SIGTERM to exit (bounds.py), hung engines included;
-        `workers`: the processes of `serve --workers N` (1: one process, or one worker's own stop)."""
-        return bounds.shutdown_bound_s(
-            self.grace_s if grace_s is None else grace_s,
-            self.control_deadline_s,
-            self.abort_grace_s,
-            workers,
-        )
-
-    def in_flight_limit(self) -> int:
-        """server_concurrency x engine count (slime's semaphore size)."""
-        engines = rollout_num_engines(
-            self.rollout_num_gpus, self.rollout_num_gpus_per_engine, len(self.engines)
-        )
-        return max(1, self.server_concurrency * engines)
-
-    def pending_calls_limit(self) -> int:
-        """Calls gRPC core holds before the replica picks them up, before it refuses any (soft)."""
-        if self.max_pending_calls > 0:
-            return self.max_pending_calls
-        return self.in_flight_limit() + self.max_queue + PENDING_HEADROOM
-
-    def grpc_options(self) -> list[tuple[str, Any]]:
-        """Channel arguments: message limits, keepalive, connection age for L4 rebalancing, and the
-        holds of calls not picked up yet (long enough, and enough of them, for every call to reach
-        admission)."""
-        pending = self.pending_calls_limit()
-        options: list[tuple[str, Any]] = [
-            ("grpc.max_receive_message_length", self.max_receive_message_mb * 1024 * 1024),
-            ("grpc.max_send_message_length", self.max_send_message_mb * 1024 * 1024),
-            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
-            ("grpc.keepalive_timeout_ms", 20_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.server_max_unrequested_time_in_server", int(self.max_unrequested_time_s)),
-            ("grpc.server.max_pending_requests", pending),
-            ("grpc.server.max_pending_requests_hard_limit", 2 * pending),
-            # A busy port is an error, never a port silently shared with another process; a
-            # worker shares the port its supervisor reserved with its siblings only.
-            ("grpc.so_reuseport", 1) if self.reuse_port else NO_REUSEPORT,
-        ]
-        if self.max_connection_age_s:
-            options += [
-                ("grpc.max_connection_age_ms", int(self.max_connection_age_s * 1000)),
-                ("grpc.max_connection_age_grace_ms", int(self.max_connection_age_grace_s * 1000)),
-            ]
-        return options
-
-
-def worker_share(total: int, index: int, workers: int) -> int:
-    """Worker `index`'s share of a replica-wide limit `total` split among `workers` processes:
-    the shares add up to `total` (the first `total % workers` workers get one more), and none is
-    below 1 (a limit smaller than the worker count is exceeded by that much)."""
-    if workers <= 1:
-        return total
-    base, extra = divmod(total, workers)
-    return max(1, base + (1 if index < extra else 0))
 
 
 def _bind(
@@ -500,18 +253,13 @@ class RolloutServer:
     ) -> RolloutServicer:
         """The engine pool, admission, metrics, Rollout, Control and the servicer over them."""
         cfg = self.config
-        timeouts = EngineTimeouts(
-            connect=cfg.engine_connect_timeout_s,
-            sock_read=cfg.engine_read_timeout_s,
-            idle=cfg.engine_idle_timeout_s,
-        )
         self.pool = EnginePool(
             cfg.engines,
             adapter_factory(
                 session,
-                timeouts,
-                cfg.engine_kinds,
-                KindOptions(sglang_experts_topk=cfg.sglang_experts_topk),
+                cfg.engine_timeouts(),
+                lambda: self.config.engine_kinds,  # replaced on reload, read when an engine joins
+                cfg.kind_options(),
             ),
             health_interval_s=cfg.health_interval_s,
             breaker_cooldown_s=cfg.breaker_cooldown_s,
@@ -524,12 +272,7 @@ class RolloutServer:
             self.pool,
             admission,
             self.registry,
-            RolloutConfig(
-                max_engine_attempts=cfg.max_engine_attempts,
-                engine_stream_interval=cfg.engine_stream_interval,
-                deadline_margin_s=cfg.deadline_margin_s,
-                deadline_abort_lead_s=cfg.deadline_abort_lead_s,
-            ),
+            cfg.rollout_config(),
         )
         if cfg.peers:
             self.peers = self._peer_aborter(tls)
@@ -545,18 +288,14 @@ class RolloutServer:
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
         #: RolloutStep: reward models are built per step from the registry of reward kinds.
-        self.rule_processes = rewards_registry.rule_processes(
-            ProcessLimits(cfg.rule_reward_processes, cfg.rule_reward_timeout_s, cfg.rule_reward_memory_mb)
-        )
+        self.rule_processes = rewards_registry.rule_processes(cfg.rule_process_limits())
+        per_caller_bytes, total_bytes = cfg.step_buffer_bytes()
         steps = self.steps = StepRunner(
             self.rollout,
             self.control.abort_ids,
             functools.partial(rewards_registry.build, rules=self.rule_processes),
             reward_urls=cfg.reward_urls,
-            buffers=StepBuffers(
-                max_bytes_per_owner=cfg.step_buffer_mb_per_caller << 20,
-                max_bytes_total=cfg.step_buffer_mb << 20,
-            ),
+            buffers=StepBuffers(max_bytes_per_owner=per_caller_bytes, max_bytes_total=total_bytes),
         )
         self.weights = WeightUpdates(
             self.pool,
@@ -683,11 +422,11 @@ class RolloutServer:
         """Make the engine list `urls` (SIGHUP): engines join or drain, and the admission limit
         follows the new engine count (the HTTP connector has no limit of its own to resize).
 
-        `kinds` (URL -> kind, vLLM when absent) is updated in place before the pool changes, since
-        the adapter factory reads that table when an engine joins. An engine already in the pool
-        keeps its adapter."""
-        self.config.engine_kinds.clear()
-        self.config.engine_kinds.update(kinds or {})
+        `kinds` (URL -> kind, vLLM when absent) replaces the config's table before the pool changes
+        (a new dict: the one the replica started with, or a caller holds, is never edited), since
+        the adapter factory reads the current table when an engine joins. An engine already in the
+        pool keeps its adapter."""
+        self.config.engine_kinds = dict(kinds or {})
         self.config.engines = list(urls)
         self.pool.replace(urls)
         limit = self.config.in_flight_limit()

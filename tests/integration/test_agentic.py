@@ -20,9 +20,9 @@ import pytest
 
 from rollout_grpc.client import make_sample, pb, routed_experts_array
 from rollout_grpc.client.multiturn import append_observation, turn_params
+from rollout_grpc.server.config import FrontDoorConfig
 from rollout_grpc.server.domain.trajectory import DriftPolicy
 from rollout_grpc.server.front.openai import tools
-from rollout_grpc.server.front.openai.server import FrontDoorConfig
 from rollout_grpc.server.front.openai.tools import ParsedOutput, ToolCall
 from tests.harness import Harness, harness
 from tests.support.fleet import session_on

@@ -218,3 +218,20 @@ async def test_the_breaker_cooldown_is_the_configured_one() -> None:
             assert engine.healthy
         finally:
             await server.stop(grace_s=0)
+
+
+async def test_an_engines_reload_replaces_the_kind_table_and_never_edits_the_callers() -> None:
+    """The reload used to clear and refill `ServerConfig.engine_kinds` in place: a table the caller
+    kept (or shared with another replica's config) changed under it."""
+    async with (
+        sim_engines(1) as (vllm,),
+        sim_engines(1, kind="sglang") as (sglang,),
+    ):
+        given = {sglang.url: "sglang"}
+        async with running_server([vllm.url, sglang.url], engine_kinds=given) as server:
+            server.reload_engines([vllm.url])
+            assert given == {sglang.url: "sglang"}, "the caller's table was edited"
+            assert server.config.engine_kinds == {}
+            server.reload_engines([vllm.url, sglang.url], {sglang.url: "sglang"})
+            joined = server.pool.get(sglang.url)
+            assert joined is not None and joined.client.kind == "sglang"

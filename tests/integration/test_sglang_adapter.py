@@ -17,10 +17,10 @@ import aiohttp
 import numpy as np
 import pytest
 
+from rollout_grpc.server.domain.chat import ChatRenderRequest
 from rollout_grpc.server.domain.errors import FailedPrecondition
 from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem, SamplingParams
 from rollout_grpc.server.engines.api import (
-    ChatRenderRequest,
     EngineDelta,
     EngineEvent,
     EngineRejected,

@@ -15,8 +15,9 @@ import pytest
 from rollout_grpc import settings
 from rollout_grpc.client import make_sample
 from rollout_grpc.server.app import ServerConfig
+from rollout_grpc.server.config import TOOL_PARSERS, FrontDoorConfig
 from rollout_grpc.server.domain.trajectory import DriftPolicy
-from rollout_grpc.server.front.openai.server import FrontDoorConfig
+from rollout_grpc.server.domain.vocabulary import EngineKind
 from rollout_grpc.server.front.openai.tools import PARSERS
 from tests.harness import harness
 from tests.support.processes import child_env, replica_command
@@ -52,6 +53,7 @@ def test_front_door_tool_parser_and_drift_policy_flags(tmp_path: Path) -> None:
     """Every parser and policy the front door knows can be chosen, from any source."""
     by_name = {f.name: f for f in settings.FLAGS}
     assert by_name["--openai-tool-parser"].choices == tuple(sorted(PARSERS))
+    assert set(TOOL_PARSERS) == set(PARSERS), "config.TOOL_PARSERS names the door's parsers"
     assert by_name["--openai-drift-policy"].choices == tuple(p.value for p in DriftPolicy)
     cfg = settings.server_config(
         _parse(["--openai-drift-policy", "split", "--openai-tool-parser", "none"]), []
@@ -307,16 +309,14 @@ def test_serve_warns_about_a_misspelt_variable_at_start() -> None:
 @pytest.mark.parametrize(
     ("text", "url", "kind"),
     [
-        ("http://vllm-0:8000", "http://vllm-0:8000", settings.EngineKind.VLLM),
-        ("  https://vllm.example.com/ ", "https://vllm.example.com", settings.EngineKind.VLLM),
-        ("HTTP://[::1]:8000", "http://[::1]:8000", settings.EngineKind.VLLM),
-        ("vllm+http://10.0.0.1:8000", "http://10.0.0.1:8000", settings.EngineKind.VLLM),
-        ("sglang+https://sgl:30000", "https://sgl:30000", settings.EngineKind.SGLANG),
+        ("http://vllm-0:8000", "http://vllm-0:8000", EngineKind.VLLM),
+        ("  https://vllm.example.com/ ", "https://vllm.example.com", EngineKind.VLLM),
+        ("HTTP://[::1]:8000", "http://[::1]:8000", EngineKind.VLLM),
+        ("vllm+http://10.0.0.1:8000", "http://10.0.0.1:8000", EngineKind.VLLM),
+        ("sglang+https://sgl:30000", "https://sgl:30000", EngineKind.SGLANG),
     ],
 )
-def test_engine_urls_split_into_a_plain_url_and_a_kind(
-    text: str, url: str, kind: settings.EngineKind
-) -> None:
+def test_engine_urls_split_into_a_plain_url_and_a_kind(text: str, url: str, kind: EngineKind) -> None:
     assert settings.parse_engine_url(text) == settings.EngineURL(url, kind)
 
 

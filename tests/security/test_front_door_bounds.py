@@ -25,8 +25,8 @@ from structlog.testing import capture_logs
 
 from rollout_grpc.client import AsyncRolloutClient
 from rollout_grpc.server.app import RolloutServer
+from rollout_grpc.server.config import FrontDoorConfig
 from rollout_grpc.server.facade.calls import CallRecord
-from rollout_grpc.server.front.openai.server import FrontDoorConfig
 from tests.harness import running_server, sim_engines
 from tests.support.service import field_violation
 

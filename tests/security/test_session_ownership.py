@@ -20,7 +20,7 @@ import pytest
 
 from rollout_grpc.client import AsyncRolloutClient
 from rollout_grpc.server.app import RolloutServer
-from rollout_grpc.server.front.openai.server import FrontDoorConfig
+from rollout_grpc.server.config import FrontDoorConfig
 from tests.harness import running_server, sim_engines
 from tests.security.credentials import TRAINER_A, TRAINER_B
 

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
 
+from rollout_grpc.server.domain.chat import ChatRenderRequest, ServedModel
 from rollout_grpc.server.domain.model import WeightSpan
 from rollout_grpc.server.engines.api import (
-    ChatRenderRequest,
     ControlAction,
     EngineCall,
     EngineCapabilities,
@@ -26,7 +26,6 @@ from rollout_grpc.server.engines.api import (
     FinishKind,
     MemoryRelease,
     Rendered,
-    ServedModel,
     TensorSpec,
     TransferGroup,
     WeightAction,

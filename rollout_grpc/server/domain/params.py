@@ -7,7 +7,7 @@ default sent when the caller left it unset. `convert.py` converts by walking the
 `validate` runs its checks, an engine adapter translates with `engine_sampling_params`, and
 `field_for_engine_param` maps an engine's error `param` back to our field. A test walks the proto
 descriptor and fails for a field missing here. Adding a knob: the proto, the domain dataclass
-and one row here.
+and one row here (its alias column says what the OpenAI door reads).
 
 Validation mirrors what vLLM 0.32 would reject (so the caller gets INVALID_ARGUMENT naming *our*
 field before any engine call); nothing is silently dropped — `repetition_penalty` and
@@ -44,6 +44,11 @@ class Knob:
     default: Any = None
     #: The engine-side value of a set knob (identity when None); returning None omits it.
     to_engine: Callable[[Any], Any] | None = None
+    #: The alias column: the names the OpenAI door reads for this knob (OpenAI's and vLLM's
+    #: chat-completions spelling). Errors name the first; when a request sets several, the last
+    #: wins (`max_completion_tokens`, OpenAI's newer name, over `max_tokens`). Empty: the OpenAI
+    #: door does not offer the knob, and `front/openai/protocol.NOT_OFFERED` says why.
+    openai: tuple[str, ...] = ()
 
 
 def _finite(value: float) -> tuple[str, str] | None:
@@ -111,24 +116,41 @@ def _top_logprobs(value: int) -> tuple[str, str] | None:
 
 
 KNOBS: Final[tuple[Knob, ...]] = (
-    Knob("temperature", "temperature", _temperature),
-    Knob("top_p", "top_p", _range(0, 1, open_low=True)),
-    Knob("top_k", "top_k", _top_k, to_engine=lambda v: v or None),  # 0 means off: not sent
-    Knob("min_p", "min_p", _range(0, 1)),
-    Knob("max_new_tokens", None, _at_least(1)),  # sent as the remaining budget, `max_tokens`
-    Knob("min_new_tokens", None, _at_least(0)),  # sent as what is still owed, `min_tokens`
-    Knob("stop", "stop", _stops, to_engine=lambda v: list(v) or None),
-    Knob("stop_token_ids", "stop_token_ids", _token_ids, to_engine=lambda v: list(v) or None),
-    Knob("ignore_eos", "ignore_eos"),
-    Knob("skip_special_tokens", "skip_special_tokens", default=False),
-    Knob("no_stop_trim", "include_stop_str_in_output", default=True),
-    Knob("spaces_between_special_tokens", "spaces_between_special_tokens", default=False),
-    Knob("seed", "seed"),
-    Knob("repetition_penalty", "repetition_penalty", _positive),
-    Knob("presence_penalty", "presence_penalty", _range(-2, 2)),
-    Knob("frequency_penalty", "frequency_penalty", _range(-2, 2)),
+    Knob("temperature", "temperature", _temperature, openai=("temperature",)),
+    Knob("top_p", "top_p", _range(0, 1, open_low=True), openai=("top_p",)),
+    Knob("top_k", "top_k", _top_k, to_engine=lambda v: v or None, openai=("top_k",)),  # 0: off, not sent
+    Knob("min_p", "min_p", _range(0, 1), openai=("min_p",)),
+    # sent as the remaining budget, `max_tokens`
+    Knob("max_new_tokens", None, _at_least(1), openai=("max_tokens", "max_completion_tokens")),
+    # sent as what is still owed, `min_tokens`
+    Knob("min_new_tokens", None, _at_least(0), openai=("min_tokens",)),
+    Knob("stop", "stop", _stops, to_engine=lambda v: list(v) or None, openai=("stop",)),
     Knob(
-        "logit_bias", "logit_bias", _logit_bias, to_engine=lambda v: {str(k): b for k, b in v.items()} or None
+        "stop_token_ids",
+        "stop_token_ids",
+        _token_ids,
+        to_engine=lambda v: list(v) or None,
+        openai=("stop_token_ids",),
+    ),
+    Knob("ignore_eos", "ignore_eos", openai=("ignore_eos",)),
+    Knob("skip_special_tokens", "skip_special_tokens", default=False, openai=("skip_special_tokens",)),
+    Knob("no_stop_trim", "include_stop_str_in_output", default=True, openai=("include_stop_str_in_output",)),
+    Knob(
+        "spaces_between_special_tokens",
+        "spaces_between_special_tokens",
+        default=False,
+        openai=("spaces_between_special_tokens",),
+    ),
+    Knob("seed", "seed", openai=("seed",)),
+    Knob("repetition_penalty", "repetition_penalty", _positive, openai=("repetition_penalty",)),
+    Knob("presence_penalty", "presence_penalty", _range(-2, 2), openai=("presence_penalty",)),
+    Knob("frequency_penalty", "frequency_penalty", _range(-2, 2), openai=("frequency_penalty",)),
+    Knob(
+        "logit_bias",
+        "logit_bias",
+        _logit_bias,
+        to_engine=lambda v: {str(k): b for k, b in v.items()} or None,
+        openai=("logit_bias",),
     ),
     Knob("top_logprobs", None, _top_logprobs),  # sent per call as `logprobs` (always requested)
 )
@@ -142,6 +164,16 @@ _ENGINE_PARAM_FIELDS: Final = {
     "model": "options.model",
 }
 _BY_ENGINE_NAME: Final = {k.engine: _P + k.name for k in KNOBS if k.engine is not None}
+
+
+def openai_name(field: str) -> str:
+    """The OpenAI door's name of our request field (`sampling_params.max_new_tokens` ->
+    `max_tokens`, from the alias column); other fields unchanged, the prefix dropped."""
+    name = field.removeprefix(_P)
+    for knob in KNOBS:
+        if knob.openai and (name == knob.name or name.startswith(knob.name + "[")):
+            return knob.openai[0] + name[len(knob.name) :]
+    return name
 
 
 def field_for_engine_param(param: str | None, default: str) -> str:

@@ -22,10 +22,11 @@ import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from rollout_grpc.server.domain.chat import ChatRenderRequest, ServedModel
 from rollout_grpc.server.domain.model import MultimodalFeatures, SamplingParams, WeightSpan
 
 
@@ -148,45 +149,11 @@ class EngineCapabilities:
 
 
 @dataclass(frozen=True, slots=True)
-class ServedModel:
-    """One model an engine serves."""
-
-    #: The served model name (what `model` in a request must match).
-    id: str
-    #: The longest sequence (prompt + output) the engine accepts; None when it does not say.
-    max_model_len: int | None = None
-    #: Unix time the engine reports for the model; None when it does not say.
-    created: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Rendered:
     """Prompt token ids from the engine's tokenizer/processor, with media features if any."""
 
     token_ids: list[int]
     features: MultimodalFeatures | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ChatRenderRequest:
-    """A conversation for the engine's own chat template and media processor.
-
-    Messages are in OpenAI's chat shape (role, content parts with `image_url` data URLs, tool
-    calls), which every engine kind's chat template takes; each adapter builds its own request
-    body from these fields.
-    """
-
-    messages: list[dict[str, Any]]
-    add_generation_prompt: bool = True
-    #: The served model name; empty: the engine's only model.
-    model: str = ""
-    #: OpenAI tool definitions the template renders into the prompt (tool calls are parsed by the
-    #: front door, never by the engine).
-    tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    #: A template that replaces the engine's own.
-    chat_template: str | None = None
-    documents: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from rollout_grpc.server.domain.vocabulary import DEFAULT_ENGINE_KIND, EngineKind
 from rollout_grpc.server.engines.api import EngineAdapter, EngineTimeouts
 from rollout_grpc.server.engines.sglang.adapter import SglangEngine
 from rollout_grpc.server.engines.vllm.adapter import VllmEngine
@@ -38,29 +39,39 @@ def _sglang(url: str, http: aiohttp.ClientSession, t: EngineTimeouts | None, o: 
     return SglangEngine(url, http, t, experts_topk=o.sglang_experts_topk)
 
 
-#: Every engine kind the replica can talk to (the names of `settings.EngineKind`).
-KINDS: dict[str, AdapterClass] = {"vllm": _vllm, "sglang": _sglang}
-DEFAULT_KIND = "vllm"
+#: The adapter of every engine kind (`domain/vocabulary.EngineKind`; a test holds them equal).
+KINDS: dict[EngineKind, AdapterClass] = {EngineKind.VLLM: _vllm, EngineKind.SGLANG: _sglang}
+DEFAULT_KIND = DEFAULT_ENGINE_KIND
 
 
 def adapter_factory(
     http: aiohttp.ClientSession,
     timeouts: EngineTimeouts | None = None,
-    kinds: Mapping[str, str] | None = None,
+    kinds: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
     options: KindOptions | None = None,
 ) -> Callable[[str], EngineAdapter]:
     """The pool's adapter factory: every engine URL gets its kind's adapter over `http`.
 
-    `kinds` (URL -> kind name) is read when an engine joins, so a reload that updates the mapping
-    before it changes the pool gives new engines the right adapter.
+    `kinds` is the URL -> kind table, or a function returning the current one: it is read when an
+    engine joins, so a reload that installs a new table before it changes the pool gives new
+    engines the right adapter (the table is replaced, never edited in place: a table handed to
+    another process or kept by the caller must not change under it).
     """
-    table = kinds if kinds is not None else {}
+    current: Callable[[], Mapping[str, str]]
+    if callable(kinds):
+        current = kinds
+    else:
+        fixed: Mapping[str, str] = kinds if kinds is not None else {}
+
+        def current() -> Mapping[str, str]:
+            return fixed
+
     opts = options or KindOptions()
 
     def build(url: str) -> EngineAdapter:
-        kind = table.get(url.rstrip("/"), DEFAULT_KIND)
-        if kind not in KINDS:
-            raise ValueError(f"engine {url}: unknown engine kind {kind!r} (known: {', '.join(KINDS)})")
-        return KINDS[kind](url, http, timeouts, opts)
+        name = current().get(url.rstrip("/"), DEFAULT_KIND)
+        if name not in KINDS:
+            raise ValueError(f"engine {url}: unknown engine kind {name!r} (known: {', '.join(KINDS)})")
+        return KINDS[EngineKind(name)](url, http, timeouts, opts)
 
     return build

@@ -9,18 +9,21 @@ once, for either door. Nothing here knows protobuf, gRPC or HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 
 import structlog
 
-from rollout_grpc.server.domain.errors import FailedPrecondition
+from rollout_grpc.server.domain.chat import ChatRenderRequest, ServedModel
+from rollout_grpc.server.domain.errors import FailedPrecondition, Unavailable
 from rollout_grpc.server.domain.identity import Caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, TokenBatch
 from rollout_grpc.server.domain.trajectory import Session, TrajectoryStore
-from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
+from rollout_grpc.server.engines.api import EngineError
+from rollout_grpc.server.engines.pool import EngineHandle
 from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord, Door, Listener
-from rollout_grpc.server.rollout.admission import Admission
+from rollout_grpc.server.facade.views import CapabilityView, EngineView, ServerView
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control, EngineStatus, FleetResult
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
@@ -86,16 +89,6 @@ class RolloutFacade:
         self._renderer = renderer
         self.trajectories = trajectories
         self.calls = calls or CallBook()
-
-    @property
-    def pool(self) -> EnginePool:
-        """The engines (the doors read models and redaction lists from it)."""
-        return self._rollout.pool
-
-    @property
-    def admission(self) -> Admission:
-        """The admission limit and queue (GetServerInfo reports them)."""
-        return self._rollout.admission
 
     # ----------------------------------------------------------------------------- generation
 
@@ -218,13 +211,39 @@ class RolloutFacade:
         record.result = result
         return result, generating
 
-    async def engine_statuses(self) -> list[EngineStatus]:
-        """Every engine as GetServerInfo reports it."""
-        return await self._control.engine_statuses()
+    # ----------------------------------------------------------------------------- what the doors read
 
-    def engine(self, url: str) -> EngineHandle | None:
-        """The pool's handle of `url` (its capability facts), if any."""
-        return self._rollout.pool.get(url)
+    async def server_info(self) -> ServerView:
+        """Every engine (status and capability facts) and the admission counts, as values."""
+        statuses = await self._control.engine_statuses()
+        admission = self._rollout.admission
+        return ServerView(
+            engines=[_engine_view(status, self._rollout.pool.get(status.url)) for status in statuses],
+            in_flight=admission.running,
+            queued=admission.queued,
+        )
+
+    def engine_urls(self) -> list[str]:
+        """The engines' addresses (what a door redacts from a non-admin's error message)."""
+        return [engine.url for engine in self._rollout.pool.engines]
+
+    def served_model(self) -> str:
+        """The engines' served model name, for a response whose request named none (the fleet
+        serves one model); empty before any capability check."""
+        for engine in self._rollout.pool.engines:
+            if engine.capabilities is not None and engine.capabilities.model:
+                return engine.capabilities.model
+        return ""
+
+    async def models(self) -> list[ServedModel]:
+        """The models a healthy engine serves (the fleet serves one model)."""
+        engine = self._rollout.pool.pick()
+        if engine is None:
+            raise Unavailable("no healthy engine is available")
+        try:
+            return await engine.client.models()
+        except EngineError as exc:
+            raise Unavailable(f"engine {exc.url}: {exc.message}") from exc
 
     # ----------------------------------------------------------------------------- render, sessions
 
@@ -245,6 +264,13 @@ class RolloutFacade:
             model=model,
         )
 
+    async def render_request(
+        self, request: ChatRenderRequest, *, session_id: str, field: str | None = None
+    ) -> Rendered:
+        """A conversation in the engines' chat shape, rendered on the session's engine: the same
+        path as `render_chat` (`RenderService.render_request`), for the OpenAI door."""
+        return await self._renderer.render_request(request, session_id=session_id, field=field)
+
     async def render_text(self, text: str, *, session_id: str, model: str) -> Rendered:
         return await self._renderer.render_text(text, session_id=session_id, model=model)
 
@@ -253,3 +279,41 @@ class RolloutFacade:
         if self.trajectories is None:
             return None
         return self.trajectories.get(session_id, caller)
+
+
+def _engine_view(status: EngineStatus, engine: EngineHandle | None) -> EngineView:
+    """One engine's status with the pool's capability facts (`known=False` when it left the pool
+    between the two reads)."""
+    view = EngineView(
+        url=status.url,
+        healthy=status.healthy,
+        draining=status.draining,
+        in_flight=status.in_flight,
+        paused=status.paused,
+        weight_version=status.weight_version,
+        model=status.model,
+        known=engine is not None,
+    )
+    if engine is None:
+        return view
+    caps = engine.capabilities
+    capabilities = None
+    if caps is not None:
+        capabilities = CapabilityView(
+            logprobs_mode=caps.logprobs_mode,
+            model=caps.model,
+            max_model_len=caps.max_model_len,
+            scale_out=caps.scale_out,
+            dev_mode=caps.dev_mode,
+            is_moe=caps.is_moe,
+            routed_experts=caps.routed_experts,
+            warnings=tuple(caps.warnings),
+        )
+    return dataclasses.replace(
+        view,
+        kind=engine.client.kind,
+        usable=engine.usable,
+        problems=tuple(engine.problems),
+        health_error="" if engine.healthy else engine.last_error or "health probe failed",
+        capabilities=capabilities,
+    )

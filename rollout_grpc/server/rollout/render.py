@@ -19,9 +19,10 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from rollout_grpc.server.domain.chat import ChatRenderRequest
 from rollout_grpc.server.domain.errors import InvalidArgument, NotFound, Unavailable
 from rollout_grpc.server.domain.model import MultimodalFeatures
-from rollout_grpc.server.engines.api import ChatRenderRequest, EngineError, EngineRejected
+from rollout_grpc.server.engines.api import EngineError, EngineRejected
 from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
 
 SUPPORTED_MIME = {"image/png": "PNG", "image/jpeg": "JPEG"}
@@ -94,14 +95,17 @@ async def _image_data_url(
 
 
 @contextlib.contextmanager
-def _render_errors(field: str) -> Iterator[None]:
-    """Engine failures of a render call as domain errors (a rejection names the caller's `field`)."""
+def _render_errors(field: str | None) -> Iterator[None]:
+    """Engine failures of a render call as domain errors. A rejection names the caller's `field`,
+    or with None the request field the engine named (the OpenAI door passes the body through, so
+    the engine's `param` is the caller's field)."""
     try:
         yield
     except EngineRejected as exc:
         if exc.not_found:
             raise NotFound(f"engine {exc.url}: {exc.message}") from exc
-        raise InvalidArgument(field, f"rejected by the engine: {exc.message}") from exc
+        named = field if field is not None else exc.param or "messages"
+        raise InvalidArgument(named, f"rejected by the engine: {exc.message}") from exc
     except EngineError as exc:
         raise Unavailable(f"engine {exc.url} could not render: {exc.message}") from exc
 
@@ -166,8 +170,16 @@ class RenderService:
             model=model,
             chat_template_kwargs=chat_template_kwargs or None,
         )
+        return await self.render_request(request, session_id=session_id, field="chat")
+
+    async def render_request(
+        self, request: ChatRenderRequest, *, session_id: str, field: str | None = None
+    ) -> Rendered:
+        """Render a conversation already in the engines' chat shape: the one chat-render path of
+        both doors (the gRPC door's parts come through `render_chat`, the OpenAI door's body as
+        it is). A rejection names `field` (None: the request field the engine named)."""
         engine = self._engine(session_id)
-        with _render_errors("chat"):
+        with _render_errors(field):
             result = await engine.client.render_chat(request)
         return Rendered(result.token_ids, result.features, engine.url)
 

@@ -199,7 +199,7 @@ class WorkerRolloutServicer(RolloutServicer):
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: Context
     ) -> pb.GetServerInfoResponse:
-        urls = [engine.url for engine in self._facade.pool.engines]
+        urls = self._facade.engine_urls()
         response, loads = await asyncio.gather(
             super().GetServerInfo(request, context),
             self.siblings.load() if self.siblings is not None else _no_loads(),

@@ -20,11 +20,12 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.domain.errors import InvalidArgument, RolloutError
 from rollout_grpc.server.domain.identity import Caller, Role, reset_caller, set_caller
+from rollout_grpc.server.domain.vocabulary import PauseMode
 from rollout_grpc.server.facade.door import RolloutFacade
+from rollout_grpc.server.facade.values import AbortResult, AbortScope
 from rollout_grpc.server.front.grpc.replica import abort_response, abort_scope
 from rollout_grpc.server.front.grpc.status import to_status
 from rollout_grpc.server.observe.metrics import Metrics
-from rollout_grpc.server.rollout.control import AbortResult, AbortScope
 from rollout_grpc.server.workers.control import WorkerRolloutServicer
 from rollout_grpc.server.workers.handshake import SIBLING_METADATA_KEY
 
@@ -110,7 +111,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         action = request.WhichOneof("action")
         if action == "pause":
             name = pb.PauseMode.Name(request.pause).removeprefix("PAUSE_MODE_").lower()
-            if name not in ("abort", "wait", "keep"):
+            if name not in set(PauseMode):
                 await context.abort_with_status(
                     to_status(InvalidArgument("pause", "must be ABORT, WAIT or KEEP"))
                 )

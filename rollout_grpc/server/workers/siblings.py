@@ -18,8 +18,8 @@ import structlog
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.domain.identity import Caller
+from rollout_grpc.server.facade.values import AbortScope, ForwardedAbort
 from rollout_grpc.server.front.grpc.replica import abort_request
-from rollout_grpc.server.rollout.control import AbortScope, ForwardedAbort
 from rollout_grpc.server.workers.handshake import SIBLING_METADATA_KEY, WorkerSpec
 
 log = structlog.get_logger(__name__)

@@ -46,7 +46,7 @@ from typing import Any
 
 import structlog
 
-from rollout_grpc.server.app import ServerConfig
+from rollout_grpc.server.config import ServerConfig
 from rollout_grpc.server.ports import PortUnavailable
 from rollout_grpc.server.workers import handshake
 from rollout_grpc.server.workers.admission import create_slots, reclaim_slots

@@ -24,7 +24,8 @@ import grpc
 import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc.server.app import RolloutServer, ServerConfig, worker_share
+from rollout_grpc.server.app import RolloutServer
+from rollout_grpc.server.config import ServerConfig, worker_share
 from rollout_grpc.server.facade.calls import TimedAdmission
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control
 from rollout_grpc.server.workers import handshake

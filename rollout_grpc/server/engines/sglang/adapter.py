@@ -47,9 +47,10 @@ from typing import Final
 import aiohttp
 import orjson
 
+from rollout_grpc.server.domain.chat import ChatRenderRequest, ServedModel
 from rollout_grpc.server.domain.errors import FailedPrecondition
+from rollout_grpc.server.domain.vocabulary import PauseMode
 from rollout_grpc.server.engines.api import (
-    ChatRenderRequest,
     ControlAction,
     EngineCall,
     EngineCapabilities,
@@ -64,7 +65,6 @@ from rollout_grpc.server.engines.api import (
     EngineUsage,
     FinishKind,
     Rendered,
-    ServedModel,
 )
 from rollout_grpc.server.engines.http import DONE, TRANSPORT_ERRORS, HttpEngine
 from rollout_grpc.server.engines.sglang import info, wire
@@ -79,7 +79,11 @@ CONTROL_ROUTES: Final[dict[ControlAction, str]] = {
     ControlAction.UPDATE_WEIGHT_VERSION: "/update_weight_version",
 }
 #: The domain's pause modes -> SGLang's (`wait` is emulated, see the module docstring).
-PAUSE_MODES: Final = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
+PAUSE_MODES: Final[dict[str, str]] = {
+    PauseMode.ABORT: "abort",
+    PauseMode.KEEP: "in_place",
+    PauseMode.WAIT: "in_place",
+}
 MISSING_ROUTE_HINT: Final = (
     "not served by this SGLang build: check that the engine is SGLang (not vLLM behind a sglang+ URL) "
     "and recent enough (docs/sglang-http-api.md names the commit these routes were read at)"

@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from rollout_grpc.server.engines.api import EngineCapabilities, EngineRejected, ServedModel
+from rollout_grpc.server.domain.chat import ServedModel
+from rollout_grpc.server.engines.api import EngineCapabilities, EngineRejected
 
 #: SGLang's logprob definition, as reported in `EngineCapabilities.logprobs_mode`.
 LOGPROBS_MODE: Final = "temperature_scaled_logprobs"

@@ -36,9 +36,9 @@ import aiohttp
 import orjson
 
 from rollout_grpc.server.domain import params as params_mod
+from rollout_grpc.server.domain.chat import ChatRenderRequest, ServedModel
 from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem, WeightSpan
 from rollout_grpc.server.engines.api import (
-    ChatRenderRequest,
     ControlAction,
     EngineCall,
     EngineCapabilities,
@@ -56,7 +56,6 @@ from rollout_grpc.server.engines.api import (
     FinishKind,
     MediaCacheMiss,
     Rendered,
-    ServedModel,
 )
 from rollout_grpc.server.engines.http import DONE, TRANSPORT_ERRORS, HttpEngine
 from rollout_grpc.server.engines.vllm import experts, info

@@ -31,7 +31,8 @@ from typing import Any, Final, Protocol
 
 import orjson
 
-from rollout_grpc.server.engines.api import EngineCapabilities, EngineRejected, ServedModel
+from rollout_grpc.server.domain.chat import ServedModel
+from rollout_grpc.server.engines.api import EngineCapabilities, EngineRejected
 
 #: The logprobs mode the contract wants: log-probabilities of the distribution actually sampled.
 WANTED_LOGPROBS_MODE: Final = "processed_logprobs"

@@ -6,7 +6,7 @@ the outgoing sample starts as a copy of the incoming one and only generated fiel
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from google.protobuf import json_format
@@ -15,11 +15,9 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain import params
 from rollout_grpc.server.domain.errors import InvalidArgument
-from rollout_grpc.server.rewards.api import RewardConfig, RewardKind
-from rollout_grpc.server.rollout.step import policy as step_policy
-from rollout_grpc.server.rollout.step import spec as step
-from rollout_grpc.server.rollout.step.runner import GroupEnded, SampleEnded, StepEvent
-from rollout_grpc.server.rollout.step.runner import Progress as StepProgress
+from rollout_grpc.server.facade import values as step
+from rollout_grpc.server.facade.values import GroupEnded, RewardConfig, RewardKind, SampleEnded, StepEvent
+from rollout_grpc.server.facade.values import Progress as StepProgress
 
 _DTYPE_TO_PB: dict[np.dtype[Any], Any] = {
     np.dtype("uint8"): pb.D_TYPE_UINT8,
@@ -274,16 +272,15 @@ def content_part_from_pb(part: pb.ContentPart, field: str) -> tuple[str, str | b
 
 # ------------------------------------------------------------------------------------- rollout step
 
+#: The proto's reward kinds by name (`REWARD_KIND_<NAME>` is `RewardKind.<NAME>`; UNSPECIFIED is
+#: NONE): a kind added to the proto and to `RewardKind` needs no edit here.
 _REWARD_KINDS = {
     pb.REWARD_KIND_UNSPECIFIED: RewardKind.NONE,
-    pb.REWARD_KIND_REMOTE: RewardKind.REMOTE,
-    pb.REWARD_KIND_MATH: RewardKind.MATH,
-    pb.REWARD_KIND_EXACT_MATCH: RewardKind.EXACT_MATCH,
-    pb.REWARD_KIND_SLIME_MATH: RewardKind.SLIME_MATH,
-    pb.REWARD_KIND_DAPO: RewardKind.DAPO,
-    pb.REWARD_KIND_DEEPSCALER: RewardKind.DEEPSCALER,
-    pb.REWARD_KIND_F1: RewardKind.F1,
-    pb.REWARD_KIND_GPQA: RewardKind.GPQA,
+    **{
+        pb.RewardKind.Value("REWARD_KIND_" + kind.name): kind
+        for kind in RewardKind
+        if kind is not RewardKind.NONE
+    },
 }
 _REWARD_SCOPES = {
     pb.REWARD_SCOPE_UNSPECIFIED: step.RewardScope.SAMPLE,
@@ -312,9 +309,9 @@ _ON_STALE = {
     pb.STALENESS_POLICY_REGENERATE: step.OnStale.REGENERATE,
 }
 _OVER_SAMPLING = {
-    pb.OVER_SAMPLING_POLICY_UNSPECIFIED: step_policy.OverSampling.SLIME_BATCHES,
-    pb.OVER_SAMPLING_POLICY_SLIME_BATCHES: step_policy.OverSampling.SLIME_BATCHES,
-    pb.OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT: step_policy.OverSampling.KEEP_IN_FLIGHT,
+    pb.OVER_SAMPLING_POLICY_UNSPECIFIED: step.OverSampling.SLIME_BATCHES,
+    pb.OVER_SAMPLING_POLICY_SLIME_BATCHES: step.OverSampling.SLIME_BATCHES,
+    pb.OVER_SAMPLING_POLICY_KEEP_IN_FLIGHT: step.OverSampling.KEEP_IN_FLIGHT,
 }
 _OUTCOMES = {
     step.Outcome.ACCEPTED: pb.GROUP_OUTCOME_ACCEPTED,
@@ -383,17 +380,28 @@ def _step_sample_from_pb(msg: pb.Sample) -> step.StepSample:
     )
 
 
+#: RewardSpec's optional fields: unset, they take `RewardConfig`'s default.
+_REWARD_OPTIONALS: tuple[Literal["timeout_s", "max_retries", "max_concurrency"], ...] = (
+    "timeout_s",
+    "max_retries",
+    "max_concurrency",
+)
+
+
 def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptions) -> step.StepSpec:
     """The domain view of a RolloutStep request (enum values checked, naming the field)."""
     reward = msg.reward
+    # The defaults are RewardConfig's alone: only what the caller set is passed.
+    given: dict[str, Any] = {
+        name: getattr(reward, name) for name in _REWARD_OPTIONALS if reward.HasField(name)
+    }
+    if reward.reward_key:
+        given["reward_key"] = reward.reward_key
     config = RewardConfig(
         kind=_enum(_REWARD_KINDS, reward.kind, "reward.kind"),
         url=reward.url,
-        reward_key=reward.reward_key or "reward",
-        timeout_s=reward.timeout_s if reward.HasField("timeout_s") else 30.0,
-        max_retries=reward.max_retries if reward.HasField("max_retries") else 2,
-        max_concurrency=reward.max_concurrency if reward.HasField("max_concurrency") else 32,
         batch_group=reward.batch_group,
+        **given,
     )
     if msg.consumed_weight_version and not msg.HasField("max_head_offpolicyness"):
         raise InvalidArgument(
@@ -431,7 +439,7 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         over_sampling=_enum(_OVER_SAMPLING, msg.over_sampling, "over_sampling"),
         over_sampling_batch_size=msg.over_sampling_batch_size,
         admission=(
-            step_policy.Admission(msg.consumed_weight_version, msg.max_head_offpolicyness)
+            step.StepAdmission(msg.consumed_weight_version, msg.max_head_offpolicyness)
             if msg.HasField("max_head_offpolicyness")
             else None
         ),

@@ -1,24 +1,26 @@
-"""Transport mapping of an engine's capability check to `rollout.v1.EngineInfo` fields."""
+"""Transport mapping of an engine's capability facts (`facade.views.EngineView`) to
+`rollout.v1.EngineInfo` fields."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rollout_grpc._proto import rollout_pb2 as pb
-from rollout_grpc.server.engines.pool import EngineHandle
+from rollout_grpc.server.facade.views import EngineView
 
 
-def engine_info_extras(engine: EngineHandle | None) -> dict[str, Any]:
-    """The capability fields of `rollout.v1.EngineInfo` for one engine, as keyword arguments."""
-    if engine is None:
+def engine_info_extras(engine: EngineView) -> dict[str, Any]:
+    """The capability fields of `rollout.v1.EngineInfo` for one engine, as keyword arguments
+    (none for an engine that left the pool while the answer was built)."""
+    if not engine.known:
         return {}
     extras: dict[str, Any] = {
         "problems": list(engine.problems),
         "usable": engine.usable,
-        "kind": engine.client.kind,
+        "kind": engine.kind,
     }
-    if not engine.healthy:
-        extras["health_error"] = engine.last_error or "health probe failed"
+    if engine.health_error:
+        extras["health_error"] = engine.health_error
     caps = engine.capabilities
     if caps is not None:
         extras["warnings"] = list(caps.warnings)

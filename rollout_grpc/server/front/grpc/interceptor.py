@@ -41,9 +41,9 @@ from rollout_grpc.server.domain.errors import InvalidArgument, ResourceExhausted
 from rollout_grpc.server.domain.identity import Caller, Role, current_caller, set_caller
 from rollout_grpc.server.facade.calls import CallRecord, Door
 from rollout_grpc.server.facade.door import CallBook
+from rollout_grpc.server.facade.values import MAX_GROUPS
 from rollout_grpc.server.front.grpc import redaction, status, wire
 from rollout_grpc.server.front.grpc.decoding import Undecodable
-from rollout_grpc.server.rollout.step.spec import MAX_GROUPS
 from rollout_grpc.server.security.auth import AuthConfig, Presented, Refused, authenticate, authorize
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler

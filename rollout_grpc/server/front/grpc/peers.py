@@ -25,12 +25,11 @@ import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server.config import DNS_PREFIX
+from rollout_grpc.server.facade.values import AbortScope, ForwardedAbort
 from rollout_grpc.server.front.grpc.replica import abort_request
-from rollout_grpc.server.rollout.control import AbortScope, ForwardedAbort
 
 log = structlog.get_logger(__name__)
-
-DNS_PREFIX = "dns:///"
 
 
 def _own_addresses() -> set[str]:
@@ -47,18 +46,6 @@ def _own_addresses() -> set[str]:
 def _split(target: str) -> tuple[str, int]:
     host, _, port = target.rpartition(":")
     return host.strip("[]"), int(port)
-
-
-def peer_problem(peer: str) -> str | None:
-    """Why `peer` is not `host:port` or `dns:///name:port`, or None (checked at start: a peer
-    without a port would be dialed at gRPC's default 443, or fail every abort it is asked for)."""
-    address = peer.removeprefix(DNS_PREFIX)
-    host, colon, port = address.rpartition(":")
-    if "://" in address or "/" in address or not colon or not host.strip("[]") or host.endswith(":"):
-        return f"{peer!r}: a peer is host:port or dns:///name:port"
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        return f"{peer!r}: the port must be a number 1-65535, got {port!r}"
-    return None
 
 
 class PeerAborter:

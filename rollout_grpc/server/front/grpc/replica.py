@@ -15,8 +15,8 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.facade.door import RolloutFacade
+from rollout_grpc.server.facade.values import AbortResult, AbortScope
 from rollout_grpc.server.front.grpc.service import engine_errors_to_pb
-from rollout_grpc.server.rollout.control import AbortResult, AbortScope
 
 
 class ReplicaServicer(pb_grpc.ReplicaServiceServicer):

@@ -24,20 +24,21 @@ from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain import trajectory
 from rollout_grpc.server.domain.errors import InvalidArgument, NotFound
 from rollout_grpc.server.domain.identity import current_caller
+from rollout_grpc.server.domain.vocabulary import PauseMode
 from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord, Door
 from rollout_grpc.server.facade.door import RolloutFacade
-from rollout_grpc.server.front.grpc import convert, redaction
-from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
-from rollout_grpc.server.rollout.control import AbortResult
-from rollout_grpc.server.rollout.step.spec import StepCounts
-from rollout_grpc.server.rollout.weights import (
+from rollout_grpc.server.facade.values import (
+    AbortResult,
     CheckpointSource,
     DistributedSource,
     MemoryRelease,
+    StepCounts,
     TensorSpec,
     TransferGroup,
     WeightUpdate,
 )
+from rollout_grpc.server.front.grpc import convert, redaction
+from rollout_grpc.server.front.grpc.engine_info import engine_info_extras
 from rollout_grpc.server.security import redact
 
 log = structlog.get_logger(__name__)
@@ -62,7 +63,9 @@ def _caller_deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | Non
     return None if remaining is None else time.monotonic() + remaining
 
 
-_PAUSE_MODES = {pb.PAUSE_MODE_ABORT: "abort", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_KEEP: "keep"}
+#: The proto's pause modes by name (`domain/vocabulary.PauseMode`); UNSPECIFIED is refused.
+_PAUSE_MODES = {pb.PauseMode.Value("PAUSE_MODE_" + mode.name): mode.value for mode in PauseMode}
+_PAUSE_MODE_NAMES = ", ".join(mode.name for mode in PauseMode)
 
 
 def engine_errors_to_pb(pairs: list[tuple[str, str]]) -> list[pb.EngineError]:
@@ -219,7 +222,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> pb.PauseResponse:
         mode = _PAUSE_MODES.get(request.mode)
         if mode is None:
-            raise InvalidArgument("mode", f"must be ABORT, WAIT or KEEP; got {int(request.mode)}")
+            raise InvalidArgument("mode", f"must be {_PAUSE_MODE_NAMES}; got {int(request.mode)}")
         result = await self._facade.pause(current_record("Pause"), mode)
         return pb.PauseResponse(paused_engines=result.ok, engine_errors=engine_errors_to_pb(result.errors))
 
@@ -235,7 +238,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> pb.UpdateWeightsResponse:
         mode = _PAUSE_MODES.get(request.pause_mode)
         if mode is None:
-            raise InvalidArgument("pause_mode", f"must be ABORT, WAIT or KEEP; got {int(request.pause_mode)}")
+            raise InvalidArgument("pause_mode", f"must be {_PAUSE_MODE_NAMES}; got {int(request.pause_mode)}")
         kind = request.WhichOneof("source")
         source: CheckpointSource | DistributedSource
         if kind == "checkpoint":
@@ -309,7 +312,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetServerInfoResponse:
-        statuses = await self._facade.engine_statuses()
+        server = await self._facade.server_info()
+        statuses = server.engines
         show_url = current_caller().is_admin
         versions = {s.weight_version for s in statuses if s.healthy and s.weight_version}
         response = pb.GetServerInfoResponse(
@@ -322,15 +326,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     in_flight=s.in_flight,
                     draining=s.draining,
                     model=s.model,
-                    **engine_info_extras(self._facade.engine(s.url)),
+                    **engine_info_extras(s),
                 )
                 for s in statuses
             ],
             simulated_engines=self._simulated_engines,
             paused=any(s.paused for s in statuses),
             weight_version=versions.pop() if len(versions) == 1 else "",
-            in_flight=self._facade.admission.running,
-            queued=self._facade.admission.queued,
+            in_flight=server.in_flight,
+            queued=server.queued,
             version=__version__,
         )
         if not show_url:

@@ -13,6 +13,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from rollout_grpc.server.domain import params
+from rollout_grpc.server.domain.chat import ChatRenderRequest
 from rollout_grpc.server.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -22,7 +24,6 @@ from rollout_grpc.server.domain.errors import (
     RolloutError,
 )
 from rollout_grpc.server.domain.model import Finish, SamplingParams
-from rollout_grpc.server.engines.api import ChatRenderRequest
 
 #: Domain finish reasons as OpenAI `finish_reason` strings (vLLM's "abort" and "error" kept).
 FINISH = {
@@ -86,7 +87,7 @@ def text_chars(value: Any) -> int:
 def from_domain(exc: RolloutError) -> OpenAIError:
     """Domain errors as OpenAI errors (400 naming the request field, 404, 429, 503)."""
     if isinstance(exc, InvalidArgument):
-        param = exc.field.removeprefix("sampling_params.").replace("max_new_tokens", "max_tokens")
+        param = params.openai_name(exc.field)
         return OpenAIError(400, f"{param}: {exc.description}", param)
     if isinstance(exc, FailedPrecondition):
         return OpenAIError(400, exc.message)
@@ -122,46 +123,77 @@ def _number(body: dict[str, Any], key: str, kind: type[int] | type[float]) -> An
     return kind(value)
 
 
-def sampling_params(body: dict[str, Any]) -> SamplingParams:
-    """OpenAI (and vLLM extra) sampling fields as domain parameters; wrong types name the field."""
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise OpenAIError(400, "stop: must be a string or a list of strings", "stop")
-    max_tokens = _number(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", int)
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-        raise OpenAIError(400, "stop_token_ids: must be a list of token ids", "stop_token_ids")
-    bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict):
-        raise OpenAIError(400, "logit_bias: must map token ids to biases", "logit_bias")
+#: Knobs of the table the OpenAI door does not offer (an empty alias column), with the reason.
+NOT_OFFERED: dict[str, str] = {
+    "top_logprobs": "the door answers `logprobs: null`: token logprobs are in the recorded trajectory",
+}
+#: Where OpenAI's default differs from the rollout default of the knob table.
+OPENAI_DEFAULTS: dict[str, Any] = {
+    # OpenAI's (and vLLM's chat endpoint's) default: no special tokens in the content.
+    "skip_special_tokens": True,
+}
+
+
+def _stop(body: dict[str, Any], key: str) -> list[str] | None:
+    value = body.get(key)
+    if isinstance(value, str):
+        value = [value]
+    if value is not None and (not isinstance(value, list) or not all(isinstance(s, str) for s in value)):
+        raise OpenAIError(400, f"{key}: must be a string or a list of strings", key)
+    return value
+
+
+def _token_ids(body: dict[str, Any], key: str) -> list[int] | None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, list) or not all(isinstance(t, int) for t in value)):
+        raise OpenAIError(400, f"{key}: must be a list of token ids", key)
+    return value
+
+
+def _bias(body: dict[str, Any], key: str) -> dict[int, float] | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise OpenAIError(400, f"{key}: must map token ids to biases", key)
     try:
-        logit_bias = {int(k): float(v) for k, v in bias.items()}
+        return {int(k): float(v) for k, v in value.items()}
     except (TypeError, ValueError):
-        raise OpenAIError(400, "logit_bias: must map token ids to biases", "logit_bias") from None
-    return SamplingParams(
-        temperature=_number(body, "temperature", float),
-        top_p=_number(body, "top_p", float),
-        top_k=_number(body, "top_k", int),
-        min_p=_number(body, "min_p", float),
-        max_new_tokens=max_tokens,
-        min_new_tokens=_number(body, "min_tokens", int),
-        stop=list(stop or []),
-        stop_token_ids=list(stop_ids),
-        ignore_eos=body.get("ignore_eos") if isinstance(body.get("ignore_eos"), bool) else None,
-        # OpenAI's (and vLLM's chat endpoint's) default: no special tokens in the content.
-        skip_special_tokens=body.get("skip_special_tokens")
-        if isinstance(body.get("skip_special_tokens"), bool)
-        else True,
-        seed=_number(body, "seed", int),
-        repetition_penalty=_number(body, "repetition_penalty", float),
-        presence_penalty=_number(body, "presence_penalty", float),
-        frequency_penalty=_number(body, "frequency_penalty", float),
-        logit_bias=logit_bias,
-    )
+        raise OpenAIError(400, f"{key}: must map token ids to biases", key) from None
+
+
+def _flag(body: dict[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise OpenAIError(400, f"{key}: must be a boolean, got {value!r}", key)
+    return value
+
+
+#: How a JSON value is read, by the type of the knob's field on the domain dataclass.
+_READERS: dict[str, Any] = {
+    "float | None": lambda body, key: _number(body, key, float),
+    "int | None": lambda body, key: _number(body, key, int),
+    "bool | None": _flag,
+    "list[str]": _stop,
+    "list[int]": _token_ids,
+    "dict[int, float]": _bias,
+}
+
+
+def sampling_params(body: dict[str, Any]) -> SamplingParams:
+    """OpenAI (and vLLM extra) sampling fields as domain parameters, read through the alias column
+    of the knob table (`domain/params.py`); a wrong type names the field."""
+    fields = SamplingParams.__dataclass_fields__
+    values: dict[str, Any] = {}
+    for knob in params.KNOBS:
+        read = _READERS[str(fields[knob.name].type)]
+        for key in knob.openai:  # the last one set wins
+            value = read(body, key)
+            if value is not None:
+                values[knob.name] = value
+        if knob.name not in values and knob.name in OPENAI_DEFAULTS:
+            values[knob.name] = OPENAI_DEFAULTS[knob.name]
+    return SamplingParams(**values)
 
 
 def finish_reason(finish: Finish, tool_calls: bool) -> str:

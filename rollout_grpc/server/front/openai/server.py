@@ -33,19 +33,18 @@ import secrets
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import structlog
 from aiohttp import web
 
+from rollout_grpc.server.config import FrontDoorConfig
 from rollout_grpc.server.domain import trajectory
-from rollout_grpc.server.domain.errors import FailedPrecondition, RolloutError, Unavailable
+from rollout_grpc.server.domain.errors import FailedPrecondition, RolloutError
 from rollout_grpc.server.domain.identity import current_caller, reset_caller, set_caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, TokenBatch
 from rollout_grpc.server.domain.trajectory import DriftPolicy, Session, TrajectoryStore, Turn
-from rollout_grpc.server.engines.api import EngineAdapter, EngineError, EngineRejected, EngineUnavailable
 from rollout_grpc.server.facade.calls import CallRecord, Door, http_code_name
 from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.openai import auth as openai_auth
@@ -82,22 +81,6 @@ _SESSION_PREFIX = "/sessions/{session_id}"
 _BASE: list[dict[str, Any]] = [{"role": "user", "content": "."}]
 
 
-@dataclass(slots=True)
-class FrontDoorConfig:
-    """Knobs of the front door (`ServerConfig.openai`; `--openai-port` turns it on)."""
-
-    drift_policy: DriftPolicy = DriftPolicy.KEEP_PREFIX
-    tool_parser: str = "hermes"
-    #: Sessions kept per caller identity (its own least recently used evicted beyond it).
-    max_sessions: int = 10_000
-    #: Record routed experts (R3) per turn; the engines must run with --enable-return-routed-experts.
-    return_routed_experts: bool = False
-    stream_batch_tokens: int = 16
-    stream_batch_interval_s: float = 0.02
-    #: Seconds a request body may take to arrive (408 after it).
-    body_timeout_s: float = 30.0
-
-
 class OpenAIFrontDoor:
     """The aiohttp application and the per-turn logic."""
 
@@ -115,7 +98,6 @@ class OpenAIFrontDoor:
         if facade.trajectories is None:
             raise ValueError("the front door records sessions: the facade needs a TrajectoryStore")
         self._facade = facade
-        self._pool = facade.pool
         self.store: TrajectoryStore = facade.trajectories
         self.config = config or FrontDoorConfig()
         self._parser: ToolCallParser = get_parser(self.config.tool_parser)
@@ -197,20 +179,17 @@ class OpenAIFrontDoor:
     def _error(self, request: web.Request, err: OpenAIError) -> web.Response:
         """The error response; engine addresses are shown to admins only (as on the gRPC port)."""
         if not current_caller().is_admin:
-            err.message = redact.redact_text(err.message, [e.url for e in self._pool.engines])
+            err.message = redact.redact_text(err.message, self._facade.engine_urls())
         request[_CALL].details = err.message
         return error_response(err)
 
     # ----------------------------------------------------------------------------- handlers
 
     async def _models(self, request: web.Request) -> web.Response:
-        engine = self._pool.pick()
-        if engine is None:
-            return self._error(request, OpenAIError(503, "no healthy engine is available"))
         try:
-            models = await engine.client.models()
-        except EngineError as exc:
-            return self._error(request, OpenAIError(503, f"engine {exc.url}: {exc.message}"))
+            models = await self._facade.models()
+        except RolloutError as exc:
+            return self._error(request, from_domain(exc))
         data = [
             {
                 "id": m.id,
@@ -307,7 +286,7 @@ class OpenAIFrontDoor:
     ) -> web.StreamResponse:
         model = str(body.get("model") or "")
         prompt_ids, new_sample, drift = await self._prompt(session, messages, body, model)
-        shown_model = model or self._served_model()
+        shown_model = model or self._facade.served_model()
         prev_len = 0 if new_sample else len(session.tokens())
         options = GenerateOptions(
             stream_batch_tokens=self.config.stream_batch_tokens,
@@ -347,10 +326,7 @@ class OpenAIFrontDoor:
         self, session: Session, messages: list[dict[str, Any]], body: dict[str, Any], model: str
     ) -> tuple[list[int], bool, bool]:
         """(engine input, starts a new sample, drift detected) for this turn."""
-        engine = self._pool.pick(session.session_id)
-        if engine is None:
-            raise Unavailable("no healthy engine is available")
-        rendered = await self._render(engine.client, messages, body, model)
+        rendered = await self._render(session.session_id, messages, body, model)
         recorded = session.tokens()
         if not recorded:
             return rendered, True, False
@@ -360,11 +336,11 @@ class OpenAIFrontDoor:
         if self.config.drift_policy == DriftPolicy.SPLIT or first_new is None:
             log.info("trajectory_split", session=session.session_id, continues=first_new is not None)
             return rendered, True, True
-        closing, delta = await self._delta(engine.client, messages[first_new:], body, model)
+        closing, delta = await self._delta(session.session_id, messages[first_new:], body, model)
         return trajectory.splice(recorded, closing, delta), False, True
 
     async def _delta(
-        self, client: Any, new: list[dict[str, Any]], body: dict[str, Any], model: str
+        self, session_id: str, new: list[dict[str, Any]], body: dict[str, Any], model: str
     ) -> tuple[list[int], list[int]]:
         """(closing of an assistant message, rendering of the new messages) by the template.
 
@@ -372,11 +348,13 @@ class OpenAIFrontDoor:
         then with the new messages and the generation prompt; the differences are what the
         template puts after an assistant's content and what it makes of the new messages.
         """
-        asked = await self._render(client, _BASE, body, model)
+        asked = await self._render(session_id, _BASE, body, model)
         answered = await self._render(
-            client, [*_BASE, {"role": "assistant", "content": ""}], body, model, False
+            session_id, [*_BASE, {"role": "assistant", "content": ""}], body, model, False
         )
-        full = await self._render(client, [*_BASE, {"role": "assistant", "content": ""}, *new], body, model)
+        full = await self._render(
+            session_id, [*_BASE, {"role": "assistant", "content": ""}, *new], body, model
+        )
         if not trajectory.extends(asked, answered) or not trajectory.extends(answered, full):
             raise FailedPrecondition(
                 "the chat template re-renders history in a way the keep_prefix drift policy cannot "
@@ -384,35 +362,19 @@ class OpenAIFrontDoor:
             )
         return answered[len(asked) :], full[len(answered) :]
 
-    def _served_model(self) -> str:
-        """The engines' served model name, for a response whose request named none (OpenAI's
-        responses always name the model; the fleet serves one)."""
-        for engine in self._pool.engines:
-            if engine.capabilities is not None and engine.capabilities.model:
-                return engine.capabilities.model
-        return ""
-
     async def _render(
         self,
-        client: EngineAdapter,
+        session_id: str,
         messages: list[dict[str, Any]],
         body: dict[str, Any],
         model: str,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        try:
-            request = render_request(messages, body, model, add_generation_prompt=add_generation_prompt)
-            return list((await client.render_chat(request)).token_ids)
-        except EngineRejected as exc:
-            if exc.not_found:
-                raise OpenAIError(404, exc.message, "model", "not_found_error") from exc
-            raise OpenAIError(
-                400, f"rejected by the engine's chat template: {exc.message}", exc.param
-            ) from exc
-        except EngineUnavailable as exc:
-            raise Unavailable(f"engine {exc.url} is unavailable: {exc.message}") from exc
-        except EngineError as exc:
-            raise Unavailable(f"engine {exc.url} failed to render: {exc.message}") from exc
+        """The session's engine renders `messages` with the request's template fields (the
+        facade's one chat-render path; an engine rejection names the field the engine named)."""
+        request = render_request(messages, body, model, add_generation_prompt=add_generation_prompt)
+        rendered = await self._facade.render_request(request, session_id=session_id)
+        return list(rendered.token_ids)
 
     def _record(
         self,
