@@ -13,9 +13,14 @@ simulated engines (one process, `bench/sim_pool.py`) behind one service process:
   first pause to its last resume) and the call's wall time seen by the client;
 
 with the load's own share (`load_seconds`). The simulator's load reads the safetensors headers and
-rebuilds its toy model (~50 ms); the goal is paused time <= 1.1x direct plus the load itself.
+rebuilds its toy model (~1-3 ms); the goal is paused time <= 1.1x direct plus the load itself.
 
-    python -m bench.weights --reps 7 --json docs/benchmarks.weights.json
+The ratios are **paired**: each repetition runs the three updates back to back (in rotating order)
+and the ratio is the median over repetitions of service / direct within the repetition. On a shared
+machine whose load drifts, a ratio of two medians taken at different moments mixes the drift in;
+the paired median does not. Both are written (`paused_vs_direct` paired, `ratio_*` of medians).
+
+    python -m bench.weights --reps 41 --json docs/benchmarks.weights.json
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 import aiohttp
 
 from bench import procs
+from bench.run import environment
 from rollout_grpc.client import AsyncRolloutClient
 from tests.support.checkpoints import toy_checkpoint
 
@@ -93,11 +99,20 @@ async def measure(target: str, urls: list[str], path: str, reps: int) -> dict[st
             await service("staged")
 
         steps: list[Callable[[], Awaitable[None]]] = [direct, all_at_once, staged]
-        await service("all_at_once")  # warm-up (connections, the first model tables)
+        await service("all_at_once")  # warm-up (connections, the first model tables): not counted
+        for values in rows.values():
+            values.clear()
         for rep in range(reps):
             for step in steps[rep % 3 :] + steps[: rep % 3]:
                 await step()
-    return {key: statistics.median(values) for key, values in rows.items()}
+    result: dict[str, Any] = {key: statistics.median(values) for key, values in rows.items()}
+    for kind in ("all_at_once", "staged"):
+        pairs = [s / d for s, d in zip(rows[f"{kind}_paused"], rows["direct"], strict=True)]
+        result[f"{kind}_paused_vs_direct"] = statistics.median(pairs)
+        result[f"{kind}_paused_vs_direct_quartiles"] = [
+            round(q, 3) for q in statistics.quantiles(pairs, n=4)[::2]
+        ]
+    return result
 
 
 def run(engines: int, reps: int, workdir: Path) -> dict[str, Any]:
@@ -120,20 +135,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the medians here")
     args = parser.parse_args(argv)
     results = []
+    env = environment()
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
         for engines in ENGINE_COUNTS:
             results.append(run(engines, args.reps, Path(tmp)))
-    print("engines  direct ms  all-at-once paused (wall, load) ms   staged paused (wall, load) ms   ratios")
+    print("engines  direct ms  all-at-once paused (wall, load) ms  staged paused (wall, load) ms  paired")
     for r in results:
         print(
             f"{r['engines']:>7}  {r['direct'] * 1e3:9.1f}  "
             f"{r['all_at_once_paused'] * 1e3:8.1f} ({r['all_at_once_wall'] * 1e3:6.1f}, "
             f"{r['all_at_once_load'] * 1e3:5.1f})          "
             f"{r['staged_paused'] * 1e3:8.1f} ({r['staged_wall'] * 1e3:6.1f}, {r['staged_load'] * 1e3:5.1f})"
-            f"       {r['ratio_all_at_once']:.2f} / {r['ratio_staged']:.2f}"
+            f"       {r['all_at_once_paused_vs_direct']:.2f} / {r['staged_paused_vs_direct']:.2f}"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps({"reps": args.reps, "results": results}, indent=2) + "\n")
+        document = {
+            "benchmark": "weight update: paused time, UpdateWeights vs the engines' own calls by hand",
+            "environment": env,
+            "duration_s": round(time.perf_counter() - began, 1),
+            "reps": args.reps,
+            "rows": results,
+        }
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0
 
 

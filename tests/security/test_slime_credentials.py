@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from rollout_grpc.client.errors import PermissionDeniedError, UnauthenticatedError
-from rollout_grpc.integrations import slime
+from rollout_grpc.integrations import slime, slime_weights
 from rollout_grpc.settings import unknown_variables
 from tests.harness import running_server, sim_engines
 from tests.security.credentials import ADMIN, TRAINER_A, Pki
@@ -43,6 +44,37 @@ async def test_the_hook_uses_the_token_and_tls_settings(
         monkeypatch.setenv("ROLLOUT_GRPC_CLIENT_TOKEN_FILE", str(token_file))
         await slime.update_weights(SimpleNamespace(rollout_grpc_target=target), str(ckpt), "v1")
         assert sims[0].core.version == "v1"
+
+
+async def test_slime_train_pushes_with_the_same_settings(
+    pki: Pki, tokens_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The routed update of slime_train (a blocking client in slime's actor) takes the hook's token
+    and TLS settings too: refused without the admin token, done with it."""
+    sync_dir = tmp_path / "sync"
+    async with (
+        sim_engines(1) as sims,
+        running_server(
+            [s.url for s in sims],
+            tls_cert_file=str(pki.server.cert),
+            tls_key_file=str(pki.server.key),
+            auth_tokens_file=str(tokens_file),
+            weights_path_prefixes=[str(sync_dir)],
+        ) as server,
+    ):
+        args = SimpleNamespace(
+            rollout_grpc_target=f"localhost:{server.port}",
+            rollout_grpc_tls_ca=str(pki.ca.cert),
+            rollout_grpc_token=TRAINER_A,
+            update_weight_disk_dir=str(sync_dir),
+        )
+        ckpt = toy_checkpoint(slime_weights.version_dir(args, 1), seed=1)
+        with pytest.raises(PermissionDeniedError):
+            await asyncio.to_thread(slime_weights.push_checkpoint, args, ckpt)
+        args.rollout_grpc_token = None
+        monkeypatch.setenv("ROLLOUT_GRPC_CLIENT_TOKEN", ADMIN)
+        await asyncio.to_thread(slime_weights.push_checkpoint, args, ckpt)
+        assert sims[0].core.version == "1"
 
 
 def test_the_hooks_variables_are_not_reported_as_unknown_settings() -> None:

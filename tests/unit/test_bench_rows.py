@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import math
 import types
+from pathlib import Path
 
 import pytest
 
-from bench import load
+from bench import load, sections
 from bench.run import Workload, summarise
 from bench.sections import num
 from bench.workers import report
@@ -46,3 +47,22 @@ def test_the_workers_table_shows_a_dash_for_a_missing_ttft(capsys: pytest.Captur
 
 def test_num_renders_unmeasured_values_as_a_dash() -> None:
     assert num(None) == "-" and num(math.nan) == "-" and num(1234.5, ",.1f") == "1,234.5"
+
+
+def test_the_weight_update_section_shows_the_paired_ratios(tmp_path: Path) -> None:
+    row = {
+        "engines": 8,
+        "direct": 0.0072,
+        "all_at_once_paused": 0.0075,
+        "all_at_once_wall": 0.0110,
+        "all_at_once_paused_vs_direct": 1.031,
+        "all_at_once_paused_vs_direct_quartiles": [0.98, 1.09],
+        "staged_paused": 0.0080,
+        "staged_wall": 0.0120,
+        "staged_paused_vs_direct": 1.08,
+    }
+    document = {"environment": {"commit": "abc"}, "reps": 41, "rows": [row]}
+    (tmp_path / sections.WEIGHTS_FILE).write_text(json.dumps(document))
+    lines = sections.render(tmp_path)
+    assert lines[0].startswith("## Weight updates")
+    assert "| 8 | 7.20 | 7.50 (11.0) | 1.03 [0.98-1.09] | 8.00 (12.0) | 1.08 |" in lines
