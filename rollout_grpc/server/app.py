@@ -55,12 +55,14 @@ from rollout_grpc.server.observe.httplog import engine_call_logging, engine_call
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import registry as rewards_registry
+from rollout_grpc.server.rewards import remote_filter
 from rollout_grpc.server.rewards.processes import ProcessLimits, RuleProcesses
 from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
+from rollout_grpc.server.rollout.step.plugins import StepPlugins
 from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.rollout.weights import DEFAULT_LOAD_TIMEOUT_S, WeightUpdates
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
@@ -138,6 +140,8 @@ class ServerConfig:
     #: URL prefixes a RolloutStep's REMOTE reward may POST to (empty: any). A reward URL makes the
     #: replica send requests where the caller says: pin it to the reward servers you run.
     reward_urls: list[str] = field(default_factory=list)
+    #: RolloutStep plugins enabled by entry point name (`--step-plugin`; "*": all installed).
+    step_plugins: list[str] = field(default_factory=list)
     #: Rule rewards (MATH, EXACT_MATCH) run in this many child processes per replica process, each
     #: call killed past the time limit, each child capped in address space (rewards/processes.py).
     rule_reward_processes: int = 2
@@ -553,6 +557,8 @@ class RolloutServer:
             self.control.abort_ids,
             functools.partial(rewards_registry.build, rules=self.rule_processes),
             reward_urls=cfg.reward_urls,
+            plugins=StepPlugins.load(cfg.step_plugins),
+            remote_filters=remote_filter.build,
             buffers=StepBuffers(
                 max_bytes_per_owner=cfg.step_buffer_mb_per_caller << 20,
                 max_bytes_total=cfg.step_buffer_mb << 20,

@@ -15,7 +15,7 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain import params
 from rollout_grpc.server.domain.errors import InvalidArgument
-from rollout_grpc.server.rewards.api import RewardConfig, RewardKind
+from rollout_grpc.server.rewards.api import RemoteFilterConfig, RewardConfig, RewardKind
 from rollout_grpc.server.rollout.step import policy as step_policy
 from rollout_grpc.server.rollout.step import spec as step
 from rollout_grpc.server.rollout.step.runner import GroupEnded, SampleEnded, StepEvent
@@ -284,6 +284,7 @@ _REWARD_KINDS = {
     pb.REWARD_KIND_DEEPSCALER: RewardKind.DEEPSCALER,
     pb.REWARD_KIND_F1: RewardKind.F1,
     pb.REWARD_KIND_GPQA: RewardKind.GPQA,
+    pb.REWARD_KIND_PLUGIN: RewardKind.PLUGIN,
 }
 _REWARD_SCOPES = {
     pb.REWARD_SCOPE_UNSPECIFIED: step.RewardScope.SAMPLE,
@@ -300,6 +301,8 @@ _FILTERS = {
     pb.FILTER_KIND_UNSPECIFIED: step.FilterKind.KEEP_ALL,
     pb.FILTER_KIND_KEEP_ALL: step.FilterKind.KEEP_ALL,
     pb.FILTER_KIND_REWARD_NONZERO_STD: step.FilterKind.REWARD_NONZERO_STD,
+    pb.FILTER_KIND_PLUGIN: step.FilterKind.PLUGIN,
+    pb.FILTER_KIND_REMOTE: step.FilterKind.REMOTE,
 }
 _LEFTOVERS = {
     pb.LEFTOVER_POLICY_UNSPECIFIED: step.Leftovers.RETURN,
@@ -394,6 +397,7 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         max_retries=reward.max_retries if reward.HasField("max_retries") else 2,
         max_concurrency=reward.max_concurrency if reward.HasField("max_concurrency") else 32,
         batch_group=reward.batch_group,
+        plugin=reward.plugin,
     )
     if msg.consumed_weight_version and not msg.HasField("max_head_offpolicyness"):
         raise InvalidArgument(
@@ -407,6 +411,7 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
             prompt_index=g.prompt.index,
             label=g.label,
             partial=[_step_sample_from_pb(p) for p in g.partial],
+            params=sampling_params_from_pb(g.sampling_params) if g.HasField("sampling_params") else None,
         )
         for g in msg.groups
     ]
@@ -435,6 +440,19 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
             if msg.HasField("max_head_offpolicyness")
             else None
         ),
+        filter_plugin=msg.filter.plugin,
+        remote_filter=_remote_filter_from_pb(msg.filter),
+    )
+
+
+def _remote_filter_from_pb(msg: pb.FilterSpec) -> RemoteFilterConfig | None:
+    """The remote filter of a FilterSpec (None when no URL is given; the runner checks the kind)."""
+    if not msg.url:
+        return None
+    return RemoteFilterConfig(
+        url=msg.url,
+        timeout_s=msg.timeout_s if msg.HasField("timeout_s") else 30.0,
+        max_retries=msg.max_retries if msg.HasField("max_retries") else 2,
     )
 
 
