@@ -238,6 +238,14 @@ FLAGS: Final[tuple[Flag, ...]] = (
         metavar="URL",
     ),
     Flag(
+        "--step-plugin",
+        "enable an installed RolloutStep plugin by its entry point name (groups rollout_grpc.step_rewards "
+        "and rollout_grpc.step_filters; repeatable; '*': every installed one; none given: plugins off)",
+        "step_plugins",
+        kind="list",
+        metavar="NAME",
+    ),
+    Flag(
         "--rule-reward-processes",
         "child processes computing rule rewards (MATH, EXACT_MATCH) per replica process",
         "rule_reward_processes",
@@ -665,6 +673,7 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         "RolloutStep and rewards (docs/rollout-step.md)",
         (
             "--reward-url",
+            "--step-plugin",
             "--rule-reward-processes",
             "--rule-reward-timeout-s",
             "--rule-reward-memory-mb",

@@ -217,6 +217,12 @@ class _RewardKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardKind
     """slime's `--rm-type gpqa`: the chosen option letter against `label` (a letter, or the answer
     text found in the response); 1.0 or 0.0.
     """
+    REWARD_KIND_PLUGIN: _RewardKind.ValueType  # 20
+    """A reward plugin the operator installed (entry point group `rollout_grpc.step_rewards`) and
+    enabled (`--step-plugin NAME`), named by `plugin`. An unknown or disabled name is refused
+    with INVALID_ARGUMENT on `reward.plugin`; a plugin that raises fails that sample's reward
+    (`on_failure` applies). A remote callable is REWARD_KIND_REMOTE.
+    """
 
 class RewardKind(_RewardKind, metaclass=_RewardKindEnumTypeWrapper):
     """Which reward to compute. Kind REWARD_KIND_UNSPECIFIED means no reward (samples are not scored)."""
@@ -249,6 +255,12 @@ REWARD_KIND_F1: RewardKind.ValueType  # 7
 REWARD_KIND_GPQA: RewardKind.ValueType  # 8
 """slime's `--rm-type gpqa`: the chosen option letter against `label` (a letter, or the answer
 text found in the response); 1.0 or 0.0.
+"""
+REWARD_KIND_PLUGIN: RewardKind.ValueType  # 20
+"""A reward plugin the operator installed (entry point group `rollout_grpc.step_rewards`) and
+enabled (`--step-plugin NAME`), named by `plugin`. An unknown or disabled name is refused
+with INVALID_ARGUMENT on `reward.plugin`; a plugin that raises fails that sample's reward
+(`on_failure` applies). A remote callable is REWARD_KIND_REMOTE.
 """
 Global___RewardKind: _TypeAlias = RewardKind  # noqa: Y015
 
@@ -322,6 +334,19 @@ class _FilterKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FilterKind
     """Keep a group only if the standard deviation of its rewards is above `epsilon` (DAPO's
     `check_reward_nonzero_std`): a group whose samples all scored the same teaches nothing.
     """
+    FILTER_KIND_PLUGIN: _FilterKind.ValueType  # 20
+    """A filter plugin the operator installed (entry point group `rollout_grpc.step_filters`) and
+    enabled (`--step-plugin NAME`), named by `plugin`. Unknown or disabled: INVALID_ARGUMENT on
+    `filter.plugin`. A plugin that raises fails its group and stops the step (every sample of it
+    returned, groups in flight handled as at the target).
+    """
+    FILTER_KIND_REMOTE: _FilterKind.ValueType  # 21
+    """A remote filter: `POST url {"group_index", "prompt", "label", "responses", "rewards",
+    "statuses"}` answered by `{"keep": bool, "reason": str}` (or a bare boolean), under the reward
+    server's bounds (`--reward-url` allowlist, reply cap, no redirects, timeout and retries). A
+    filter that is down, slow past its retries or answers malformed fails its group and stops the
+    step, like a raising plugin.
+    """
 
 class FilterKind(_FilterKind, metaclass=_FilterKindEnumTypeWrapper):
     """The dynamic filter applied to a finished, scored group (slime's `--dynamic-sampling-filter-path`)."""
@@ -333,6 +358,19 @@ FILTER_KIND_KEEP_ALL: FilterKind.ValueType  # 1
 FILTER_KIND_REWARD_NONZERO_STD: FilterKind.ValueType  # 2
 """Keep a group only if the standard deviation of its rewards is above `epsilon` (DAPO's
 `check_reward_nonzero_std`): a group whose samples all scored the same teaches nothing.
+"""
+FILTER_KIND_PLUGIN: FilterKind.ValueType  # 20
+"""A filter plugin the operator installed (entry point group `rollout_grpc.step_filters`) and
+enabled (`--step-plugin NAME`), named by `plugin`. Unknown or disabled: INVALID_ARGUMENT on
+`filter.plugin`. A plugin that raises fails its group and stops the step (every sample of it
+returned, groups in flight handled as at the target).
+"""
+FILTER_KIND_REMOTE: FilterKind.ValueType  # 21
+"""A remote filter: `POST url {"group_index", "prompt", "label", "responses", "rewards",
+"statuses"}` answered by `{"keep": bool, "reason": str}` (or a bare boolean), under the reward
+server's bounds (`--reward-url` allowlist, reply cap, no redirects, timeout and retries). A
+filter that is down, slow past its retries or answers malformed fails its group and stops the
+step, like a raising plugin.
 """
 Global___FilterKind: _TypeAlias = FilterKind  # noqa: Y015
 
@@ -3064,6 +3102,7 @@ class PromptGroup(_message.Message):
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
     PARTIAL_FIELD_NUMBER: _builtins.int
+    SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     group_index: _builtins.int
     """The group's number (GRPO group), set on every sample; Abort(group_index) ends the group."""
     label: _builtins.str
@@ -3081,6 +3120,13 @@ class PromptGroup(_message.Message):
         the remaining budget (`max_new_tokens - response_length`). Empty: a fresh group.
         """
 
+    @_builtins.property
+    def sampling_params(self) -> Global___SamplingParams:
+        """This group's own sampling parameters instead of the step's `sampling_params` (slime's
+        per-sample `sampling_params`, e.g. eval groups at temperature 0 beside train groups). The seed
+        rule is the same: sample i gets this seed + i. Unset: the step's.
+        """
+
     def __init__(
         self,
         *,
@@ -3088,12 +3134,15 @@ class PromptGroup(_message.Message):
         group_index: _builtins.int = ...,
         label: _builtins.str = ...,
         partial: _abc.Iterable[Global___Sample] | None = ...,
+        sampling_params: Global___SamplingParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_sampling_params", b"_sampling_params", "prompt", b"prompt", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_index", b"group_index", "label", b"label", "partial", b"partial", "prompt", b"prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sampling_params", b"_sampling_params", "group_index", b"group_index", "label", b"label", "partial", b"partial", "prompt", b"prompt", "sampling_params", b"sampling_params"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__sampling_params: _TypeAlias = _typing.Literal["sampling_params"]  # noqa: Y015
+    _WhichOneofArgType__sampling_params: _TypeAlias = _typing.Literal["_sampling_params", b"_sampling_params"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sampling_params) -> _WhichOneofReturnType__sampling_params | None: ...
 
 Global___PromptGroup: _TypeAlias = PromptGroup  # noqa: Y015
 
@@ -3112,6 +3161,7 @@ class RewardSpec(_message.Message):
     MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
     ON_FAILURE_FIELD_NUMBER: _builtins.int
     BATCH_GROUP_FIELD_NUMBER: _builtins.int
+    PLUGIN_FIELD_NUMBER: _builtins.int
     kind: Global___RewardKind.ValueType
     """Which reward."""
     scope: Global___RewardScope.ValueType
@@ -3134,6 +3184,8 @@ class RewardSpec(_message.Message):
     works unchanged. true: one POST `{prompts, responses, labels}` per group, answered by a list of
     rewards in the same order (a batch endpoint of your own).
     """
+    plugin: _builtins.str
+    """PLUGIN: the entry point name of the reward plugin (docs/rollout-step.md "Plugins")."""
     def __init__(
         self,
         *,
@@ -3146,10 +3198,11 @@ class RewardSpec(_message.Message):
         max_concurrency: _builtins.int | None = ...,
         on_failure: Global___RewardFailurePolicy.ValueType = ...,
         batch_group: _builtins.bool = ...,
+        plugin: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "timeout_s", b"timeout_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "batch_group", b"batch_group", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "on_failure", b"on_failure", "reward_key", b"reward_key", "scope", b"scope", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "batch_group", b"batch_group", "kind", b"kind", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "on_failure", b"on_failure", "plugin", b"plugin", "reward_key", b"reward_key", "scope", b"scope", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_concurrency: _TypeAlias = _typing.Literal["max_concurrency"]  # noqa: Y015
     _WhichOneofArgType__max_concurrency: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency"]  # noqa: Y015
@@ -3174,21 +3227,44 @@ class FilterSpec(_message.Message):
 
     KIND_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
+    PLUGIN_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    MAX_RETRIES_FIELD_NUMBER: _builtins.int
     kind: Global___FilterKind.ValueType
     """Which filter."""
     epsilon: _builtins.float
     """REWARD_NONZERO_STD: the standard deviation a group must exceed. Default 0."""
+    plugin: _builtins.str
+    """PLUGIN: the entry point name of the filter plugin."""
+    url: _builtins.str
+    """REMOTE: the filter's URL (http or https, under a `--reward-url` prefix when any is set)."""
+    timeout_s: _builtins.float
+    """REMOTE: seconds per attempt. Default 30."""
+    max_retries: _builtins.int
+    """REMOTE: attempts after the first (exponential backoff from 0.1 s). Default 2."""
     def __init__(
         self,
         *,
         kind: Global___FilterKind.ValueType = ...,
         epsilon: _builtins.float = ...,
+        plugin: _builtins.str = ...,
+        url: _builtins.str = ...,
+        timeout_s: _builtins.float | None = ...,
+        max_retries: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "max_retries", b"max_retries", "timeout_s", b"timeout_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epsilon", b"epsilon", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_timeout_s", b"_timeout_s", "epsilon", b"epsilon", "kind", b"kind", "max_retries", b"max_retries", "plugin", b"plugin", "timeout_s", b"timeout_s", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
+    _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_s: _TypeAlias = _typing.Literal["timeout_s"]  # noqa: Y015
+    _WhichOneofArgType__timeout_s: _TypeAlias = _typing.Literal["_timeout_s", b"_timeout_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_retries) -> _WhichOneofReturnType__max_retries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_s) -> _WhichOneofReturnType__timeout_s | None: ...
 
 Global___FilterSpec: _TypeAlias = FilterSpec  # noqa: Y015
 

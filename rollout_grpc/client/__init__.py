@@ -27,6 +27,7 @@ from rollout_grpc.client.samples import (
     routed_experts_message,
     token_ids,
 )
+from rollout_grpc.client.step import prompt_group
 from rollout_grpc.client.sync import RolloutClient
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "make_sample",
     "new_request_id",
     "pb",
+    "prompt_group",
     "routed_experts_array",
     "routed_experts_message",
     "token_ids",

@@ -37,6 +37,17 @@ def _group(value: GroupLike) -> pb.PromptGroup:
     return pb.PromptGroup(prompt=to_sample(sample), group_index=index, label=rest[0] if rest else "")
 
 
+def prompt_group(
+    sample: SampleLike, group_index: int, label: str = "", *, params: ParamsLike = None
+) -> pb.PromptGroup:
+    """A prompt group, with its own sampling parameters when `params` is given (slime's per-sample
+    `sampling_params`: eval groups beside train groups in one step); None: the step's."""
+    group = pb.PromptGroup(prompt=to_sample(sample), group_index=group_index, label=label)
+    if params is not None:
+        group.sampling_params.CopyFrom(to_params(params))
+    return group
+
+
 def _message(value: Any, kind: Any) -> Any:
     """A message from itself or from a dict in the proto's JSON names (enum values by name)."""
     if value is None:

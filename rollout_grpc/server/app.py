@@ -53,12 +53,14 @@ from rollout_grpc.server.observe.httplog import engine_call_logging, engine_call
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import registry as rewards_registry
+from rollout_grpc.server.rewards import remote_filter
 from rollout_grpc.server.rewards.processes import RuleProcesses
 from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
+from rollout_grpc.server.rollout.step.plugins import StepPlugins
 from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.rollout.weights import WeightUpdates
 from rollout_grpc.server.security.auth import AuthConfig, TokenStore
@@ -295,6 +297,8 @@ class RolloutServer:
             self.control.abort_ids,
             functools.partial(rewards_registry.build, rules=self.rule_processes),
             reward_urls=cfg.reward_urls,
+            plugins=StepPlugins.load(cfg.step_plugins),
+            remote_filters=remote_filter.build,
             buffers=StepBuffers(max_bytes_per_owner=per_caller_bytes, max_bytes_total=total_bytes),
         )
         self.weights = WeightUpdates(

@@ -135,6 +135,8 @@ class ServerConfig:
     #: URL prefixes a RolloutStep's REMOTE reward may POST to (empty: any). A reward URL makes the
     #: replica send requests where the caller says: pin it to the reward servers you run.
     reward_urls: list[str] = field(default_factory=list)
+    #: RolloutStep plugins enabled by entry point name (`--step-plugin`; "*": all installed).
+    step_plugins: list[str] = field(default_factory=list)
     #: Rule rewards (MATH, EXACT_MATCH) run in this many child processes per replica process, each
     #: call killed past the time limit, each child capped in address space (rewards/processes.py).
     rule_reward_processes: int = 2

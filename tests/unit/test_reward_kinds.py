@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rollout_grpc._proto import rollout_pb2 as pb
+from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.front.grpc import convert
 from rollout_grpc.server.rewards import registry
 from rollout_grpc.server.rewards.api import RewardConfig, RewardKind
@@ -21,16 +22,20 @@ KINDS = [v.name for v in pb.RewardKind.DESCRIPTOR.values if v.number != 0]
 def test_every_proto_kind_maps_builds_and_is_documented(name: str) -> None:
     kind = convert._REWARD_KINDS[pb.RewardKind.Value(name)]
     config = RewardConfig(kind=kind, url="http://rm.example:8000/score")
-    assert registry.build(config, RuleProcesses()) is not None, (
-        f"{name} has no reward model in rewards/registry.py"
-    )
+    if kind is RewardKind.PLUGIN:  # built from the replica's plugins (tests/integration/test_step_hooks.py)
+        with pytest.raises(InvalidArgument, match=r"reward\.plugin"):
+            registry.build(config, RuleProcesses())
+    else:
+        assert registry.build(config, RuleProcesses()) is not None, (
+            f"{name} has no reward model in rewards/registry.py"
+        )
     rows = [line for line in DOC.read_text().splitlines() if line.startswith(f"| `{name}` |")]
     assert len(rows) == 1, f"{name} needs exactly one row in docs/rollout-step.md's reward kinds table"
 
 
 def test_every_domain_kind_is_reachable_from_the_wire() -> None:
     assert set(convert._REWARD_KINDS.values()) == set(RewardKind)
-    assert registry.RULE_KINDS | {RewardKind.REMOTE, RewardKind.NONE} == set(RewardKind)
+    assert registry.RULE_KINDS | {RewardKind.REMOTE, RewardKind.NONE, RewardKind.PLUGIN} == set(RewardKind)
 
 
 async def test_dapo_keeps_slimes_whole_answer_as_the_reward_detail() -> None:

@@ -10,7 +10,7 @@ can change its internals without a door noticing.
 
 from __future__ import annotations
 
-from rollout_grpc.server.rewards.api import RewardConfig, RewardKind
+from rollout_grpc.server.rewards.api import RemoteFilterConfig, RewardConfig, RewardKind
 from rollout_grpc.server.rollout.control import (
     AbortResult,
     AbortScope,
@@ -66,6 +66,7 @@ __all__ = [
     "Part",
     "Progress",
     "PromptGroup",
+    "RemoteFilterConfig",
     "Rendered",
     "RewardConfig",
     "RewardKind",

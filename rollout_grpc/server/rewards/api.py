@@ -27,6 +27,8 @@ class RewardKind(enum.Enum):
     DEEPSCALER = "deepscaler"
     F1 = "f1"
     GPQA = "gpqa"
+    #: An operator-installed plugin named by `RewardConfig.plugin` (rollout/step/plugins.py).
+    PLUGIN = "plugin"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class RewardConfig:
     backoff_s: float = 0.1
     #: REMOTE, GROUP scope: one batch POST per group instead of slime's one POST per sample.
     batch_group: bool = False
+    #: PLUGIN: the entry point name of the reward plugin.
+    plugin: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +100,47 @@ class RewardModel(Protocol):
 
     async def close(self) -> None:
         """Release connections (end of the step)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FilterGroup:
+    """What a custom filter (plugin or remote) sees of a finished, scored group."""
+
+    group_index: int
+    prompt: str
+    label: str
+    responses: list[str]
+    #: Per sample, its reward (None: unscored).
+    rewards: list[float | None]
+    #: Per sample, its status name in lower case ("completed", "truncated", ...).
+    statuses: list[str]
+
+
+#: A custom filter's verdict: None to keep the group, else why it is dropped.
+FilterVerdict = str | None
+
+
+class FilterFailed(Exception):
+    """A custom filter could not decide (raised, down, slow, malformed): the group fails."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFilterConfig:
+    """A remote filter: its URL and the reward server's bounds (rewards/remote_filter.py)."""
+
+    url: str
+    timeout_s: float = 30.0
+    max_retries: int = 2
+    backoff_s: float = 0.1
+
+
+class GroupFilter(Protocol):
+    """A custom dynamic filter over a finished group."""
+
+    async def verdict(self, group: FilterGroup) -> FilterVerdict:
+        """None to keep the group, else the reason it is dropped; FilterFailed when it cannot tell."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the filter holds (an HTTP session)."""
+        ...

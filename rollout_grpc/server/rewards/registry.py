@@ -40,7 +40,9 @@ def build(config: RewardConfig, rules: RuleProcesses) -> RewardModel | None:
     # NaN compares false with everything (it meant "no timeout"), inf failed every reward at once.
     if not math.isfinite(config.timeout_s) or config.timeout_s <= 0:
         raise InvalidArgument("reward.timeout_s", f"must be a positive finite number, got {config.timeout_s}")
-    if config.kind is RewardKind.NONE:
+    if config.kind in (RewardKind.NONE, RewardKind.PLUGIN):
+        # Plugins are loaded by the replica at start and built by the step runner (step/plugins.py).
+        _refuse_plugin(config)
         return None
     if config.kind is RewardKind.MATH:
         return MathReward(rules)
@@ -58,3 +60,11 @@ def build(config: RewardConfig, rules: RuleProcesses) -> RewardModel | None:
     if not config.reward_key:
         raise InvalidArgument("reward.reward_key", "must not be empty")
     return RemoteReward(config)
+
+
+def _refuse_plugin(config: RewardConfig) -> None:
+    """No reward (NONE); a PLUGIN is refused here: the step runner builds it from its plugins."""
+    if config.kind is RewardKind.PLUGIN:
+        raise InvalidArgument(
+            "reward.plugin", "a plugin reward is built from the replica's --step-plugin list"
+        )

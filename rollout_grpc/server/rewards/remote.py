@@ -168,6 +168,11 @@ class RemoteReward:
                 last = str(exc) or type(exc).__name__
         raise ValueError(f"{last} after {config.max_retries + 1} attempts")
 
+    async def post(self, payload: Mapping[str, object]) -> object:
+        """One bounded POST of any JSON payload (the remote filter's call, rewards/remote_filter.py):
+        the decoded answer, or ValueError with the reason after the retries."""
+        return await self._post(payload)
+
     async def score(self, request: RewardRequest) -> RewardOutcome:
         payload = {"prompt": request.prompt, "response": request.response, "label": request.label}
         try:

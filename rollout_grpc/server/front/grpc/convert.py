@@ -16,7 +16,14 @@ from rollout_grpc.server.domain import model as domain
 from rollout_grpc.server.domain import params
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.facade import values as step
-from rollout_grpc.server.facade.values import GroupEnded, RewardConfig, RewardKind, SampleEnded, StepEvent
+from rollout_grpc.server.facade.values import (
+    GroupEnded,
+    RemoteFilterConfig,
+    RewardConfig,
+    RewardKind,
+    SampleEnded,
+    StepEvent,
+)
 from rollout_grpc.server.facade.values import Progress as StepProgress
 
 _DTYPE_TO_PB: dict[np.dtype[Any], Any] = {
@@ -297,6 +304,8 @@ _FILTERS = {
     pb.FILTER_KIND_UNSPECIFIED: step.FilterKind.KEEP_ALL,
     pb.FILTER_KIND_KEEP_ALL: step.FilterKind.KEEP_ALL,
     pb.FILTER_KIND_REWARD_NONZERO_STD: step.FilterKind.REWARD_NONZERO_STD,
+    pb.FILTER_KIND_PLUGIN: step.FilterKind.PLUGIN,
+    pb.FILTER_KIND_REMOTE: step.FilterKind.REMOTE,
 }
 _LEFTOVERS = {
     pb.LEFTOVER_POLICY_UNSPECIFIED: step.Leftovers.RETURN,
@@ -402,6 +411,7 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         url=reward.url,
         batch_group=reward.batch_group,
         **given,
+        plugin=reward.plugin,
     )
     if msg.consumed_weight_version and not msg.HasField("max_head_offpolicyness"):
         raise InvalidArgument(
@@ -415,6 +425,7 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
             prompt_index=g.prompt.index,
             label=g.label,
             partial=[_step_sample_from_pb(p) for p in g.partial],
+            params=sampling_params_from_pb(g.sampling_params) if g.HasField("sampling_params") else None,
         )
         for g in msg.groups
     ]
@@ -443,6 +454,19 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
             if msg.HasField("max_head_offpolicyness")
             else None
         ),
+        filter_plugin=msg.filter.plugin,
+        remote_filter=_remote_filter_from_pb(msg.filter),
+    )
+
+
+def _remote_filter_from_pb(msg: pb.FilterSpec) -> RemoteFilterConfig | None:
+    """The remote filter of a FilterSpec (None when no URL is given; the runner checks the kind)."""
+    if not msg.url:
+        return None
+    return RemoteFilterConfig(
+        url=msg.url,
+        timeout_s=msg.timeout_s if msg.HasField("timeout_s") else 30.0,
+        max_retries=msg.max_retries if msg.HasField("max_retries") else 2,
     )
 
 

@@ -32,6 +32,8 @@ from rollout_grpc.server.domain.identity import ANONYMOUS, current_caller
 from rollout_grpc.server.domain.model import Finish, Sample, SamplingParams, Status
 from rollout_grpc.server.rewards import allowlist as reward_urls
 from rollout_grpc.server.rewards.api import (
+    FilterFailed,
+    GroupFilter,
     RewardConfig,
     RewardFailed,
     RewardKind,
@@ -41,8 +43,9 @@ from rollout_grpc.server.rewards.api import (
     RewardUnavailable,
 )
 from rollout_grpc.server.rollout.generation import Rollout
-from rollout_grpc.server.rollout.step import filters
+from rollout_grpc.server.rollout.step import filters, hooks
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
+from rollout_grpc.server.rollout.step.plugins import StepPlugins
 from rollout_grpc.server.rollout.step.policy import Counters, OverSampling, StartPolicy
 from rollout_grpc.server.rollout.step.spec import (
     UNKNOWN_CONTEXT_TOKENS,
@@ -118,6 +121,10 @@ class Summary:
 StepEvent = SampleEnded | GroupEnded | Progress | Summary
 
 
+async def _no_probe() -> None:
+    """A custom filter with nothing to probe (a plugin)."""
+
+
 @dataclass(slots=True, eq=False)
 class _GroupRun:
     """A group in flight: its samples' tasks and request ids, and whether the step stopped it."""
@@ -139,6 +146,7 @@ class _GroupDone:
     outcome: Outcome | None  # None: leftover (stopped, or aborted from outside)
     reason: str = ""
     fatal: bool = False  # the step must stop (FAIL_GROUP on a reward failure)
+    stop_reason: str = ""  # why, when it is not a reward's failure (a custom filter failed)
 
 
 class StepRunner:
@@ -153,7 +161,12 @@ class StepRunner:
         buffers: StepBuffers | None = None,
         versions: VersionOrder | None = None,
         reward_urls: Sequence[str] = (),
+        plugins: StepPlugins | None = None,
+        remote_filters: hooks.RemoteFilterFactory | None = None,
     ) -> None:
+        #: Operator-installed reward and filter plugins (`--step-plugin`), and remote filters.
+        self.plugins = plugins or StepPlugins()
+        self._remote_filters = remote_filters
         self._rollout = rollout
         #: URL prefixes a REMOTE reward may use (empty: any).
         self._reward_urls = tuple(reward_urls)
@@ -197,14 +210,25 @@ class StepRunner:
         if spec.continue_buffered and owner in self._drains:
             await asyncio.wait(list(self._drains[owner]))
         self._check(spec, owner)
-        model = self._rewards(spec.reward)
+        hooks.check(spec, self._reward_urls)
+        custom = hooks.custom_filter(spec, self.plugins, self._remote_filters)
+        model = hooks.reward(spec, self.plugins) or self._rewards(spec.reward)
         if model is not None:
             try:
                 await model.probe()
             except RewardUnavailable as exc:
                 await model.close()
                 raise FailedPrecondition(f"reward.url: {exc}") from exc
+        if custom is not None:
+            try:
+                await getattr(custom, "probe", _no_probe)()
+            except RewardUnavailable as exc:
+                await custom.close()
+                if model is not None:
+                    await model.close()
+                raise FailedPrecondition(f"filter.url: {exc}") from exc
         step = _Step(self, spec, owner, model, self._share_groups(spec, owner))
+        step.custom_filter = custom
         async for event in step.events():
             yield event
 
@@ -311,6 +335,8 @@ class _Step:
         self.saw_abort_all = False
         self.max_lag = 0
         self.finished = False
+        #: A plugin or remote filter applied after the built-in one (hooks.py).
+        self.custom_filter: GroupFilter | None = None
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -347,8 +373,8 @@ class _Step:
             unwatch()
             if not self.finished:
                 self._abandon()
-            elif self.model is not None:
-                await self.model.close()
+            else:
+                await self._close_hooks()
 
     def _fill(self) -> None:
         """Start the prompt groups the over-sampling policy allows now (policy.py), unless
@@ -427,7 +453,7 @@ class _Step:
             self.progress.dropped[kind] = self.progress.dropped.get(kind, 0) + 1
             self.counters.dropped += 1
         if done.fatal and not self.stop_reason:
-            self._stop_all(f"a reward failed (on_failure FAIL_GROUP): {done.reason}")
+            self._stop_all(done.stop_reason or f"a reward failed (on_failure FAIL_GROUP): {done.reason}")
         return [GroupEnded(run.group.group_index, outcome, reason, run.items, lags)]
 
     def _leftover(self, run: _GroupRun, reason: str) -> GroupEnded:
@@ -500,8 +526,14 @@ class _Step:
                 lost_groups=lost,
                 why=self.runner.buffers.full_reason(self.owner),
             )
+        await self._close_hooks()
+
+    async def _close_hooks(self) -> None:
+        """Close the reward model and the custom filter (their HTTP sessions)."""
         if self.model is not None:
             await self.model.close()
+        if self.custom_filter is not None:
+            await self.custom_filter.close()
 
     def _summary(self) -> Summary:
         # Groups taken from the buffer and never started go back to it; fresh ones are listed.
@@ -607,7 +639,7 @@ class _Step:
                     run, Outcome.FAILED, f"sample {item.index} failed: {item.sample.failure_reason}"
                 )
         if self.model is None:
-            return _GroupDone(run, Outcome.ACCEPTED)
+            return await self._custom_verdict(run)
         if spec.reward_scope is RewardScope.GROUP and not await self._score_group(run):
             return _GroupDone(run, None, self.stop_reason or "stopped by the step")
         failed = [i for i in items if i.reward_failure]
@@ -618,6 +650,20 @@ class _Step:
             )
         rewards = [i.reward for i in items if i.reward is not None]
         drop = filters.drop_reason(spec.filter, rewards, spec.epsilon)
+        if drop is not None:
+            return _GroupDone(run, Outcome.FILTERED, drop)
+        return await self._custom_verdict(run)
+
+    async def _custom_verdict(self, run: _GroupRun) -> _GroupDone:
+        """The custom filter's verdict (accepted without one); one that cannot decide fails the
+        group and stops the step: a broken filter is not hidden behind over-sampling."""
+        if self.custom_filter is None:
+            return _GroupDone(run, Outcome.ACCEPTED)
+        try:
+            drop = await self.custom_filter.verdict(hooks.view(run.group, run.items))
+        except FilterFailed as exc:
+            reason = f"the filter failed: {exc}"
+            return _GroupDone(run, Outcome.FAILED, reason, fatal=True, stop_reason=reason)
         if drop is not None:
             return _GroupDone(run, Outcome.FILTERED, drop)
         return _GroupDone(run, Outcome.ACCEPTED)
@@ -645,7 +691,7 @@ class _Step:
             if sample.status not in sample_ops.FINISHED:
                 sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
             return
-        params = self._params(i)
+        params = self._params(i, run.group.params)
         before = sample.response_length
         try:
             async for event in self.rollout.generate(sample, params, self.options, request_id):
@@ -659,9 +705,10 @@ class _Step:
             sample_ops.finish(sample, Finish.ERROR, Status.FAILED, str(exc))
         item.new_tokens += item.sample.response_length - before
 
-    def _params(self, i: int) -> SamplingParams:
-        """The sample's own copy of the parameters; seed = base seed + i (slime's sampling_seed)."""
-        params = copy.deepcopy(self.spec.params)
+    def _params(self, i: int, own: SamplingParams | None = None) -> SamplingParams:
+        """The sample's own copy of the parameters (the group's own, else the step's); seed = base
+        seed + i (slime's sampling_seed)."""
+        params = copy.deepcopy(own if own is not None else self.spec.params)
         if params.seed is not None:
             params.seed += i
         return params

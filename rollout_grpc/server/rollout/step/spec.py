@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, Status
-from rollout_grpc.server.rewards.api import RewardConfig
+from rollout_grpc.server.rewards.api import RemoteFilterConfig, RewardConfig
 from rollout_grpc.server.rollout.step.policy import Admission, OverSampling
 
 #: Most samples per prompt one step may ask for (a group is pinned to one engine: a huge group
@@ -45,6 +45,10 @@ class FilterKind(enum.Enum):
 
     KEEP_ALL = "keep_all"
     REWARD_NONZERO_STD = "reward_nonzero_std"
+    #: An operator-installed filter plugin (`StepSpec.filter_plugin`; plugins.py).
+    PLUGIN = "plugin"
+    #: A remote filter over HTTP (`StepSpec.remote_filter`; rewards/remote_filter.py).
+    REMOTE = "remote"
 
 
 class Leftovers(enum.Enum):
@@ -102,6 +106,8 @@ class PromptGroup:
     label: str = ""
     #: Samples to continue instead of fresh copies of the prompt (n of them, or empty).
     partial: list[StepSample] = field(default_factory=list)
+    #: This group's own sampling parameters instead of the step's (None: the step's).
+    params: SamplingParams | None = None
 
 
 @dataclass(slots=True)
@@ -131,6 +137,10 @@ class StepSpec:
     over_sampling_batch_size: int = 0
     #: AReaL-style admission by the trainer's consumed version (None: none).
     admission: Admission | None = None
+    #: FilterKind.PLUGIN: the filter plugin's name.
+    filter_plugin: str = ""
+    #: FilterKind.REMOTE: the remote filter.
+    remote_filter: RemoteFilterConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
