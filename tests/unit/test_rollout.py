@@ -32,7 +32,8 @@ from rollout_grpc.server.engines.api import (
 )
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.rollout.admission import Admission
-from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig, _Batcher, tokens_per_message
+from rollout_grpc.server.rollout.batching import StreamBatcher, tokens_per_message
+from rollout_grpc.server.rollout.generation import Rollout, RolloutConfig
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from tests.support.fake_engine import HANG, FakeEngine, final, tokens
 
@@ -418,7 +419,9 @@ def test_the_engine_is_asked_for_the_tokens_of_one_stream_message(
         """(when, tokens, age of the oldest token) per message, from the first to the 240th token."""
         clock = [0.0]
         monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-        batcher = _Batcher(GenerateOptions(stream_batch_tokens=limit, stream_batch_interval_s=interval_s))
+        batcher = StreamBatcher(
+            GenerateOptions(stream_batch_tokens=limit, stream_batch_interval_s=interval_s)
+        )
         batcher.engine_batches(engine_batch)
         out: list[tuple[float, int, float]] = []
         made = sent = 0
@@ -453,7 +456,7 @@ def test_an_engine_faster_than_measured_sends_no_more_messages(monkeypatch: pyte
     them every 8 ms: they are held to the 16-token count as single tokens would be."""
     clock = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    batcher = _Batcher(GenerateOptions(stream_batch_tokens=16, stream_batch_interval_s=0.2))
+    batcher = StreamBatcher(GenerateOptions(stream_batch_tokens=16, stream_batch_interval_s=0.2))
     asked = tokens_per_message(16, 0.2, 0.05)
     assert asked == 8
     batcher.engine_batches(asked)
@@ -480,7 +483,7 @@ def test_the_default_batching_sends_the_first_token_then_64_token_messages(
     assert options.stream_batch_tokens == 64
     asked = tokens_per_message(options.stream_batch_tokens, options.stream_batch_interval_s, 0.001)
     assert asked == 64
-    batcher = _Batcher(options)
+    batcher = StreamBatcher(options)
     batcher.engine_batches(asked)
     sizes = []
     made = 0
