@@ -291,7 +291,7 @@ class Rollout:
             raise Unavailable("the server is shutting down; retry on another replica")
         sample_ops.check_input(sample)
         params_mod.validate(params, skip_text=options.skip_text)
-        routed_experts.check_input(sample.routed_experts, sample.tokens, options)
+        routed_experts.check_input(sample.routed_experts, sample.token_count, options)
         if sample.status in sample_ops.FINISHED:
             yield sample
             return
@@ -375,7 +375,7 @@ class Rollout:
         batcher: _Batcher,
     ) -> AsyncIterator[TokenBatch]:
         """One engine call; on failure, `run.decision` says what next (None: the call succeeded)."""
-        if not sample.tokens:
+        if not sample.token_count:
             await self._render_prompt(engine, sample, options)
         run.attempts += 1
         run.tried.add(engine.url)
@@ -473,12 +473,12 @@ class Rollout:
     ) -> EngineCall:
         """The next engine call of this sample: its tokens so far, the remaining budget."""
         if sample.features:
-            multimodal.align(sample.features, sample.tokens)
+            multimodal.align(sample.features, sample.token_ids())
         attempt = run.attempts - 1
         return EngineCall(
             call_id=self.call_ids.call_id(entry.owner, entry.request_id, attempt),
             attempt=attempt,
-            prompt_token_ids=sample.tokens,
+            prompt_token_ids=sample.token_ids(),
             sampling=params,
             max_tokens=sample_ops.remaining_budget(sample, params),
             min_tokens=sample_ops.remaining_min_tokens(sample, params),
@@ -640,7 +640,7 @@ class Rollout:
                     sample.routed_experts,
                     final.routed_experts,
                     options.routed_experts_start,
-                    len(sample.tokens),
+                    sample.token_count,
                 )
             except routed_experts.RoutedExpertsError as exc:
                 finish, status, failure = Finish.ERROR, Status.FAILED, f"engine {engine.url}: {exc}"
@@ -666,7 +666,7 @@ class Rollout:
             raise Unavailable(f"could not render the prompt: {exc.message}") from exc
         if not rendered.token_ids:
             raise InvalidArgument("sample.prompt", "the engine rendered the prompt to no tokens")
-        sample.tokens = list(rendered.token_ids)
+        sample.prompt_ids = tuple(rendered.token_ids)
 
     def _pick(self, sample: Sample, options: GenerateOptions, run: _RunState) -> EngineHandle | None:
         """The engine for the next call: usable, not at fault, untried while others remain, and
