@@ -11,6 +11,7 @@
 | leftovers over the per-caller buffer bytes | handed back ABORTED with every token, naming the cap |
 | a caller leaving with more in flight than its buffer holds | its next step's summary lists the lost groups |
 | the two memory attacks on a worker subprocess | its RSS stays under docs/operations.md's bound |
+| 64 samples over an accepted 200k-token prompt | the samples share the prompt: a worker grows < 230 MiB |
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.front.grpc import convert
 from tests.harness import Harness, harness
 from tests.support.partials import aborted_partials
-from tests.support.processes import Processes, read_port_file, replica_command
+from tests.support.processes import Processes, read_port_file, replica_command, start_engine
 from tests.support.service import PROMPT, engine_id, field_violation
 from tests.support.steps import run_step
 
@@ -198,14 +199,16 @@ def _workers(supervisor: int) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def replica_process(workdir: Path, *flags: str) -> AsyncIterator[tuple[int, str]]:
-    """The `rollout-grpc serve --sim 1` console script in a subprocess: a real replica process,
-    measured through /proc (never the test process)."""
+async def replica_process(
+    workdir: Path, *flags: str, engines: tuple[str, ...] = ("--sim", "1")
+) -> AsyncIterator[tuple[int, str]]:
+    """The `rollout-grpc serve --sim 1` console script (or with other `engines` flags) in a
+    subprocess: a real replica process, measured through /proc (never the test process)."""
     port_file = workdir / "ports.json"
     with Processes(workdir) as procs:
         proc = procs.start(
             "replica",
-            [*replica_command(), "serve", "--sim", "1", "--port", "0", "--port-file", str(port_file), *flags],
+            [*replica_command(), "serve", *engines, "--port", "0", "--port-file", str(port_file), *flags],
         )
         ports = json.loads(await asyncio.to_thread(read_port_file, port_file, proc))
         yield proc.pid, f"127.0.0.1:{ports['grpc']}"
@@ -251,3 +254,60 @@ async def test_a_workers_rss_stays_under_the_documented_bound_under_the_memory_a
         peak = max(_peak_rss_mb(w) for w in workers)
         print(f"worker RSS: idle {idle:.0f} MiB, peak {peak:.0f} MiB")
     assert peak - idle < ATTACK_RSS_BOUND_MB, f"idle {idle:.0f} MiB, peak {peak:.0f} MiB"
+
+
+# ----------------------------------------------------------------------------- a shared prompt
+
+#: The long prompt of the sharing test, and the simulator's context that admits it.
+LONG_PROMPT = 200_000
+#: What a worker may grow by for one accepted 64-sample group over that prompt (one token each).
+#: The wire carries every sample's prompt (`Sample.tokens` is prompt then response), so the group's
+#: answer holds 64 prompts (~50 MB as protobuf ints, ~26 MB serialized) and each engine request
+#: one JSON copy while it is sent; measured 184 MiB with the prompt shared by the samples, 277 MiB
+#: when each sample held its own list (8 bytes a token: 64 x 1.6 MB more).
+SHARED_PROMPT_RSS_BOUND_MB = 230
+
+
+async def test_the_samples_of_a_group_share_one_prompt_so_64_cost_little_more_than_one(
+    tmp_path: Path,
+) -> None:
+    """Hardening round 3, item 2: "never copy a prompt n times". An accepted group of 64 over a
+    200k-token prompt, one token each, on a worker subprocess measured through /proc."""
+    with Processes(tmp_path) as procs:
+        engine = start_engine(
+            procs,
+            "engine",
+            "--max-model-len",
+            str(LONG_PROMPT + 16),
+            "--eos-probability",
+            "0",
+            token_delay_ms=0,
+        )
+        async with (
+            replica_process(tmp_path, engines=("--engine", f"http://127.0.0.1:{engine.port}")) as (
+                pid,
+                target,
+            ),
+            AsyncRolloutClient(target, retry=None) as client,
+        ):
+            await client.server_info()
+            workers = _workers(pid)
+            # A small group first, so that what every step allocates once (code paths, caches) is
+            # in the idle figure.
+            async for _ in client.rollout_step(
+                [(make_sample(PROMPT), 0)], n_samples_per_prompt=2, params={"max_new_tokens": 1}, timeout=120
+            ):
+                pass
+            idle = {w: _peak_rss_mb(w) for w in workers}
+            prompt = make_sample([1000 + i % 1000 for i in range(LONG_PROMPT)])
+            samples = 0
+            async for response in client.rollout_step(
+                [(prompt, 1)], n_samples_per_prompt=64, params={"max_new_tokens": 1}, timeout=300
+            ):
+                samples += len(response.group.samples)
+            growth = max(_peak_rss_mb(w) - idle[w] for w in workers)
+    print(
+        f"worker RSS growth for 64 x {LONG_PROMPT} tokens: {growth:.0f} MiB (idle {max(idle.values()):.0f})"
+    )
+    assert samples == 64
+    assert growth < SHARED_PROMPT_RSS_BOUND_MB, f"a worker grew by {growth:.0f} MiB"

@@ -83,13 +83,13 @@ def test_to_samples_masks_inserted_tokens_and_joins_spans_and_experts() -> None:
         _turn([1, 2, 3, 4, 5, 9, 9], [6], version="v2", new=False, experts_start=4),
     ]
     (sample,) = to_samples(session)
-    assert sample.tokens == [1, 2, 3, 4, 5, 9, 9, 6]
+    assert list(sample.iter_token_ids()) == [1, 2, 3, 4, 5, 9, 9, 6]
     assert sample.response_length == 5
     assert sample.loss_mask == [1, 1, 0, 0, 1]
     assert sample.rollout_log_probs == [-0.5, -0.5, 0.0, 0.0, -0.5]
     assert [(w.version, w.start, w.end) for w in sample.weight_versions] == [("v1", 0, 2), ("v2", 4, 5)]
     assert sample.routed_experts is not None and sample.routed_experts.start == 0
-    assert sample.routed_experts.array.shape[0] == len(sample.tokens) - 1
+    assert sample.routed_experts.array.shape[0] == sample.token_count - 1
     assert list(sample.routed_experts.array[:, 0, 0]) == [0, 0, 0, 0, 4, 4, 4]
 
 
@@ -100,8 +100,8 @@ def test_to_samples_splits_where_a_turn_starts_a_new_sample() -> None:
         _turn([1, 2, 3, 8, 9], [6], version="v1", new=True),
     ]
     first, second = to_samples(session)
-    assert first.tokens == [1, 2, 3, 4, 5] and first.loss_mask == [1, 1]
-    assert second.tokens == [1, 2, 3, 8, 9, 6] and second.loss_mask == [1]
+    assert list(first.iter_token_ids()) == [1, 2, 3, 4, 5] and first.loss_mask == [1, 1]
+    assert list(second.iter_token_ids()) == [1, 2, 3, 8, 9, 6] and second.loss_mask == [1]
 
 
 def test_append_observation_and_turn_budget() -> None:

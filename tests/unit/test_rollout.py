@@ -56,7 +56,7 @@ async def run(
     rid: str = "r",
     deadline: float | None = None,
 ) -> tuple[list[TokenBatch], Sample]:
-    sample = sample or Sample(tokens=list(PROMPT))
+    sample = sample or Sample(prompt_ids=tuple(PROMPT))
     before = sample.response_length
     params = params or SamplingParams(max_new_tokens=6)
     options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0, deadline=deadline)
@@ -70,14 +70,16 @@ async def run(
     assert result is not None
     streamed = [t for b in batches for t in b.token_ids]
     new = result.response_length - before
-    assert streamed == result.tokens[len(result.tokens) - new :], "the stream equals the final sample"
+    assert streamed == list(result.iter_token_ids())[result.token_count - new :], (
+        "the stream equals the final sample"
+    )
     return batches, result
 
 
 async def test_happy_path_fills_the_sample() -> None:
     a = FakeEngine("a", [[tokens(10, 11), tokens(12), final(FinishKind.STOP, 3)]])
     _, sample = await run(make(a))
-    assert sample.status == Status.COMPLETED and sample.tokens == [*PROMPT, 10, 11, 12]
+    assert sample.status == Status.COMPLETED and list(sample.iter_token_ids()) == [*PROMPT, 10, 11, 12]
     assert sample.rollout_log_probs == [-0.5] * 3 and sample.loss_mask == [1] * 3
     assert [(s.version, s.start, s.end) for s in sample.weight_versions] == [("v1", 0, 3)]
     assert a.calls[0].max_tokens == 6 and a.calls[0].attempt == 0
@@ -88,9 +90,9 @@ async def test_mid_stream_drop_continues_on_another_engine_from_the_tokens_so_fa
     b = FakeEngine("b", [[tokens(12), final(FinishKind.LENGTH, 1)]])
     rollout = make(a, b)
     _, sample = await run(rollout, params=SamplingParams(max_new_tokens=3))
-    assert sample.status == Status.TRUNCATED and sample.tokens == [*PROMPT, 10, 11, 12]
+    assert sample.status == Status.TRUNCATED and list(sample.iter_token_ids()) == [*PROMPT, 10, 11, 12]
     (call,) = b.calls
-    assert call.prompt_token_ids[: len(PROMPT) + 2] == [*PROMPT, 10, 11]
+    assert list(call.prompt_token_ids[: len(PROMPT) + 2]) == [*PROMPT, 10, 11]
     assert call.attempt == 1 and call.max_tokens == 1
     assert not rollout.pool.get("a").healthy  # type: ignore[union-attr]
     assert [s.version for s in sample.weight_versions] == ["unknown", "v1"]
@@ -113,7 +115,7 @@ async def test_rejection_without_param_names_the_tokens() -> None:
 async def test_rejection_after_tokens_fails_the_sample_keeping_them() -> None:
     a = FakeEngine("a", [[tokens(10), EngineRejected("a", "bad")]])
     _, sample = await run(make(a))
-    assert sample.status == Status.FAILED and sample.tokens == [*PROMPT, 10]
+    assert sample.status == Status.FAILED and list(sample.iter_token_ids()) == [*PROMPT, 10]
 
 
 async def test_request_specific_failure_never_opens_breakers() -> None:
@@ -140,7 +142,7 @@ def media(kwargs: bytes | None) -> MultimodalFeatures:
 
 async def test_media_cache_miss_resends_the_tensors_to_the_same_engine() -> None:
     a = FakeEngine("a", [[MediaCacheMiss("a", "miss")], [tokens(5), final(FinishKind.STOP, 1)]])
-    sample = Sample(tokens=[1, 9, 9, 3], features=media(b"kw"))
+    sample = Sample(prompt_ids=(1, 9, 9, 3), features=media(b"kw"))
     _, out = await run(make(a), sample)
     assert out.status == Status.COMPLETED
     assert [c.resend_media for c in a.calls] == [False, True]
@@ -149,7 +151,7 @@ async def test_media_cache_miss_resends_the_tensors_to_the_same_engine() -> None
 async def test_media_cache_miss_without_tensors_asks_to_render_again() -> None:
     a = FakeEngine("a", [[MediaCacheMiss("a", "miss")]])
     with pytest.raises(FailedPrecondition, match="render"):
-        await run(make(a), Sample(tokens=[1, 9, 9, 3], features=media(None)))
+        await run(make(a), Sample(prompt_ids=(1, 9, 9, 3), features=media(None)))
 
 
 async def test_every_engine_dying_before_any_token_is_unavailable_not_an_empty_sample() -> None:
@@ -164,7 +166,7 @@ async def test_malformed_reply_is_retried_and_nothing_is_lost() -> None:
         "a", [[tokens(10), EngineMalformed("a", "bad JSON")], [tokens(11), final(FinishKind.STOP, 1)]]
     )
     _, sample = await run(make(a))
-    assert sample.status == Status.COMPLETED and sample.tokens == [*PROMPT, 10, 11]
+    assert sample.status == Status.COMPLETED and list(sample.iter_token_ids()) == [*PROMPT, 10, 11]
     assert "bad JSON" in sample.engine_attempts[0].error
 
 
@@ -179,7 +181,7 @@ async def test_hung_engine_fails_over() -> None:
     a = FakeEngine("a", [[tokens(10), EngineHung("a", "silent")]])
     b = FakeEngine("b", [[tokens(11), final(FinishKind.STOP, 1)]])
     _, sample = await run(make(a, b))
-    assert sample.status == Status.COMPLETED and sample.tokens == [*PROMPT, 10, 11]
+    assert sample.status == Status.COMPLETED and list(sample.iter_token_ids()) == [*PROMPT, 10, 11]
 
 
 async def test_budget_exhausted_by_a_dropped_call_truncates() -> None:
@@ -201,7 +203,7 @@ async def test_abort_ends_promptly_even_if_the_engine_never_answers() -> None:
     aborter = asyncio.create_task(_abort_when_started(rollout, a, "r"))
     _, sample = await asyncio.wait_for(run(rollout, rid="r"), 5)
     await aborter
-    assert sample.status == Status.ABORTED and sample.tokens == [*PROMPT, 10, 11]
+    assert sample.status == Status.ABORTED and list(sample.iter_token_ids()) == [*PROMPT, 10, 11]
     assert [s.version for s in sample.weight_versions] == ["unknown"]
 
 
@@ -212,7 +214,7 @@ async def test_abort_with_a_hung_engine_does_not_fail_over() -> None:
     aborter = asyncio.create_task(_abort_when_started(rollout, a, "r"))
     _, sample = await asyncio.wait_for(run(rollout, rid="r"), 5)
     await aborter
-    assert sample.status == Status.ABORTED and sample.tokens[len(PROMPT) :] == [10]
+    assert sample.status == Status.ABORTED and list(sample.iter_token_ids())[len(PROMPT) :] == [10]
     assert not b.calls and rollout.pool.get("a").healthy  # type: ignore[union-attr]
 
 
@@ -230,7 +232,7 @@ async def test_a_probe_finding_the_engine_dead_fails_a_silent_stream_over_at_onc
     assert handle is not None
     assert not await rollout.pool.probe(handle)  # the probe, not the idle timeout, finds it
     _, sample = await asyncio.wait_for(task, 5)
-    assert sample.tokens == [*PROMPT, 10, 11, 12]
+    assert list(sample.iter_token_ids()) == [*PROMPT, 10, 11, 12]
     assert [e.engine for e in sample.engine_attempts] == ["a", "b"]
     assert "health probe" in sample.engine_attempts[0].error
     assert sample.engine_attempts[1].start == 2  # continued from the tokens produced
@@ -259,7 +261,7 @@ async def test_a_callers_deadline_ends_a_hung_stream_with_its_tokens_before_it_e
     deadline = time.monotonic() + 0.5  # margin: min(1 s, 10 % of 0.5 s) = 50 ms
     _, sample = await asyncio.wait_for(run(rollout, deadline=deadline), 5)
     assert time.monotonic() < deadline
-    assert sample.status == Status.ABORTED and sample.tokens == [*PROMPT, 10, 11]
+    assert sample.status == Status.ABORTED and list(sample.iter_token_ids()) == [*PROMPT, 10, 11]
     handle = rollout.pool.get("a")
     assert handle is not None and handle.healthy  # a slow engine is not blamed for a deadline
 
@@ -272,7 +274,7 @@ async def test_a_callers_deadline_aborts_the_engine_call_upstream_before_the_sam
     deadline = time.monotonic() + 0.5  # abort at 0.5 - 50 ms - 50 ms, stop at 0.5 - 50 ms
     _, sample = await asyncio.wait_for(run(rollout, deadline=deadline), 5)
     assert time.monotonic() < deadline
-    assert sample.status == Status.ABORTED and sample.tokens == [*PROMPT, 10, 11]
+    assert sample.status == Status.ABORTED and list(sample.iter_token_ids()) == [*PROMPT, 10, 11]
     (call,) = a.calls
     assert a.aborted == [a.engine_request_id(call.call_id)]
 
@@ -303,14 +305,14 @@ async def test_a_deadline_never_cancels_the_callers_own_wait_between_reads() -> 
     options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0, deadline=deadline)
     seen: list[TokenBatch | Sample] = []
     async for item in rollout.generate(
-        Sample(tokens=list(PROMPT)), SamplingParams(max_new_tokens=6), options, "r"
+        Sample(prompt_ids=tuple(PROMPT)), SamplingParams(max_new_tokens=6), options, "r"
     ):
         seen.append(item)
         if len(seen) == 1:
             await asyncio.sleep(0.4)  # the fault under test: a consumer slower than the deadline
     final_sample = seen[-1]
     assert isinstance(final_sample, Sample) and final_sample.status == Status.ABORTED
-    assert final_sample.tokens == [*PROMPT, 10]  # the next read never started
+    assert list(final_sample.iter_token_ids()) == [*PROMPT, 10]  # the next read never started
 
 
 async def test_empty_delta_marks_the_engine_started() -> None:
@@ -352,7 +354,7 @@ async def _generate_r3(rollout: Rollout) -> Sample:
     options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0, return_routed_experts=True)
     result: Sample | None = None
     async for item in rollout.generate(
-        Sample(tokens=list(PROMPT)), SamplingParams(max_new_tokens=6), options, "r3"
+        Sample(prompt_ids=tuple(PROMPT)), SamplingParams(max_new_tokens=6), options, "r3"
     ):
         if isinstance(item, Sample):
             result = item
@@ -388,7 +390,7 @@ async def test_routed_experts_engine_lost_after_tokens_keeps_them_when_no_other_
     moe = FakeEngine("moe", [[tokens(10, 11), EngineUnavailable("moe", "connection reset")]])
     dense = FakeEngine("dense", [[tokens(12), final(FinishKind.LENGTH, 1)]])
     sample = await _generate_r3(_r3_fleet((moe, MOE_R3), (dense, DENSE)))
-    assert sample.tokens == [*PROMPT, 10, 11] and sample.status == Status.ABORTED
+    assert list(sample.iter_token_ids()) == [*PROMPT, 10, 11] and sample.status == Status.ABORTED
     assert not dense.calls
 
 
@@ -511,7 +513,7 @@ async def test_an_abort_drain_never_cancels_the_callers_own_wait_between_reads()
     options = GenerateOptions(stream_batch_tokens=1, stream_batch_interval_s=0)
     seen: list[TokenBatch | Sample] = []
     async for item in rollout.generate(
-        Sample(tokens=list(PROMPT)), SamplingParams(max_new_tokens=6), options, "r"
+        Sample(prompt_ids=tuple(PROMPT)), SamplingParams(max_new_tokens=6), options, "r"
     ):
         seen.append(item)
         if len(seen) == 1:
@@ -520,4 +522,4 @@ async def test_an_abort_drain_never_cancels_the_callers_own_wait_between_reads()
             await asyncio.sleep(0.3)  # the fault under test: a consumer slower than the drain
     final_sample = seen[-1]
     assert isinstance(final_sample, Sample) and final_sample.status == Status.ABORTED
-    assert final_sample.tokens == [*PROMPT, 10]  # the next read never started
+    assert list(final_sample.iter_token_ids()) == [*PROMPT, 10]  # the next read never started

@@ -158,14 +158,20 @@ async def test_a_generate_of_the_caller_during_its_abort_window_ends_aborted_wit
     try:
         rollout.owner_aborts.begin("trainer-1")
         results = [
-            e async for e in rollout.generate(Sample(tokens=[1, 2]), SamplingParams(), GenerateOptions(), "x")
+            e
+            async for e in rollout.generate(
+                Sample(prompt_ids=(1, 2)), SamplingParams(), GenerateOptions(), "x"
+            )
         ]
         assert isinstance(results[-1], Sample) and results[-1].status is Status.ABORTED
         assert not engine.calls
         rollout.owner_aborts.begin("someone-else")
         rollout.owner_aborts.end("trainer-1")
         results = [
-            e async for e in rollout.generate(Sample(tokens=[1, 2]), SamplingParams(), GenerateOptions(), "y")
+            e
+            async for e in rollout.generate(
+                Sample(prompt_ids=(1, 2)), SamplingParams(), GenerateOptions(), "y"
+            )
         ]
         assert isinstance(results[-1], Sample) and results[-1].status is not Status.ABORTED
         assert len(engine.calls) == 1, "another caller's abort does not touch this caller"
@@ -187,7 +193,7 @@ def test_watchers_hear_an_abort_of_their_owner_only() -> None:
 def spec(**kw: object) -> StepSpec:
     base: dict[str, object] = {
         "step_id": "s",
-        "groups": [PromptGroup(0, Sample(tokens=[1, 2]))],
+        "groups": [PromptGroup(0, Sample(prompt_ids=(1, 2)))],
         "n_samples_per_prompt": 2,
         "params": SamplingParams(),
         "options": GenerateOptions(),
@@ -200,7 +206,7 @@ def spec(**kw: object) -> StepSpec:
     [
         ({"groups": []}, "groups"),
         (
-            {"groups": [PromptGroup(0, Sample(tokens=[1])), PromptGroup(0, Sample(tokens=[2]))]},
+            {"groups": [PromptGroup(0, Sample(prompt_ids=(1,))), PromptGroup(0, Sample(prompt_ids=(2,)))]},
             "groups[1].group_index",
         ),
         ({"groups": [PromptGroup(0, Sample())]}, "groups[0].prompt"),

@@ -11,7 +11,8 @@ from rollout_grpc.server.domain.model import Sample, SamplingParams, Status, Wei
 
 def partial(k: int) -> Sample:
     return Sample(
-        tokens=[1, 2, 3, *range(10, 10 + k)],
+        prompt_ids=(1, 2, 3),
+        response_ids=list(range(10, 10 + k)),
         response_length=k,
         loss_mask=[1] * k,
         rollout_log_probs=[-0.5] * k,
@@ -38,7 +39,7 @@ def test_offpolicy_mask_zeroes_the_earlier_response() -> None:
     sample_ops.prepare_masks(s, mask_offpolicy=True)
     sample_ops.append_tokens(s, [7, 8], [-1.0, -2.0], "ab")
     assert s.loss_mask == [0, 0, 0, 1, 1]
-    assert s.response_length == 5 and s.tokens[-2:] == [7, 8]
+    assert s.response_length == 5 and s.response_ids[-2:] == [7, 8]
 
 
 def test_missing_mask_means_all_trainable() -> None:
@@ -58,23 +59,31 @@ def test_spans_are_shifted_and_merged() -> None:
 @pytest.mark.parametrize(
     ("sample", "field"),
     [
-        (Sample(tokens=[1, -2]), "sample.tokens[1]"),
+        (Sample(prompt_ids=(1, -2)), "sample.tokens[1]"),
         (Sample(), "sample.tokens"),
         (
-            Sample(tokens=[1, 2], response_length=2, loss_mask=[1, 1], rollout_log_probs=[0, 0]),
+            Sample(prompt_ids=(1, 2), response_length=2, loss_mask=[1, 1], rollout_log_probs=[0, 0]),
             "sample.response_length",
         ),
         (
-            Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1, 1], rollout_log_probs=[0]),
+            Sample(
+                prompt_ids=(1, 2),
+                response_ids=[3],
+                response_length=1,
+                loss_mask=[1, 1],
+                rollout_log_probs=[0],
+            ),
             "sample.loss_mask",
         ),
         (
-            Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[2], rollout_log_probs=[0]),
+            Sample(
+                prompt_ids=(1, 2), response_ids=[3], response_length=1, loss_mask=[2], rollout_log_probs=[0]
+            ),
             "sample.loss_mask[0]",
         ),
-        (Sample(tokens=[1, 2, 3], response_length=1), "sample.rollout_log_probs"),
-        (Sample(tokens=[1, 2], status=Status.FAILED), "sample.status"),
-        (Sample(tokens=[1, 2], status=Status.COMPLETED), "sample.response_length"),
+        (Sample(prompt_ids=(1, 2), response_ids=[3], response_length=1), "sample.rollout_log_probs"),
+        (Sample(prompt_ids=(1, 2), status=Status.FAILED), "sample.status"),
+        (Sample(prompt_ids=(1, 2), status=Status.COMPLETED), "sample.response_length"),
     ],
 )
 def test_check_input_names_the_field(sample: Sample, field: str) -> None:

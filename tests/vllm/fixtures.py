@@ -109,11 +109,13 @@ def _timeout_settings(item: pytest.Item) -> Any:
 
 
 @contextlib.contextmanager
-def _timeout_paused() -> Iterator[None]:
+def timeout_paused() -> Iterator[None]:
     """Stop the current test's pytest-timeout clock while a server starts; restart it afterwards.
 
     Covers fixtures requested dynamically (``request.getfixturevalue``), which the pre-start in
-    ``pytest_runtest_protocol`` cannot see.
+    ``pytest_runtest_protocol`` cannot see, and servers a test starts itself (a fresh vLLM on a
+    checkpoint): on a machine with both cores busy a cold start took over 90 s, and pytest-timeout
+    killed it with the test inside its 120 s.
     """
     item = _current_item
     settings = _timeout_settings(item) if item is not None else None
@@ -158,7 +160,7 @@ def _url(kind: ModelKind) -> str:
         mgr.events.append(f"{kind}: requested by {item.nodeid} without @pytest.mark.vllm_server({kind!r})")
     if kind in mgr.running_kinds():
         return mgr.url(kind)
-    with _timeout_paused():
+    with timeout_paused():
         return mgr.url(kind)
 
 

@@ -32,6 +32,7 @@ from tests.harness import harness, sim_engines
 from tests.support.checkpoints import reweighted_copy, toy_checkpoint, truncate
 from tests.support.conformance import shape_diff, shape_of
 from tests.support.service import PROMPT, assert_lossless, start_stream, started
+from tests.vllm.fixtures import timeout_paused
 from tests.vllm.servers import VllmServer, VllmServerManager, cache_dir, free_port
 
 pytestmark = pytest.mark.vllm
@@ -78,7 +79,8 @@ def fresh_vllm(checkpoint: Path, tmp: Path) -> Iterator[str]:
     saved = os.environ.get("ROLLOUT_VLLM_CACHE")
     os.environ["ROLLOUT_VLLM_CACHE"] = str(cache)
     try:
-        server.start(timeout_s=300)
+        with timeout_paused():  # a cold start is not the test's time (tests/vllm/fixtures.py)
+            server.start(timeout_s=300)
     finally:
         if saved is None:
             os.environ.pop("ROLLOUT_VLLM_CACHE", None)

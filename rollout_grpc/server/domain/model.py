@@ -8,6 +8,8 @@ copied through by the transport, so they cost nothing here.
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,12 +139,21 @@ class EngineAttempt:
 
 @dataclass(slots=True)
 class Sample:
-    """The parts of a rollout sample that generation reads or writes."""
+    """The parts of a rollout sample that generation reads or writes.
+
+    The token ids are kept in two parts: `prompt_ids`, an immutable tuple that the n samples of a
+    group share (a group of 64 over a 32k-token prompt holds the prompt once, not 64 times: 8 bytes
+    a token a copy), and `response_ids`, this sample's own. The wire's single `tokens` list (prompt
+    then response) is built only where a message or an engine request carries it (`token_ids()`).
+    """
 
     session_id: str = ""
     group_index: int = 0
     prompt: str | None = None
-    tokens: list[int] = field(default_factory=list)
+    #: The prompt's token ids, never mutated (replace the tuple instead): shared between samples.
+    prompt_ids: tuple[int, ...] = ()
+    #: The response's token ids (this sample's own); `response_length` of them when the input was valid.
+    response_ids: list[int] = field(default_factory=list)
     response: str = ""
     response_length: int = 0
     loss_mask: list[int] = field(default_factory=list)
@@ -157,6 +168,32 @@ class Sample:
     features: MultimodalFeatures | None = None
     engine_attempts: list[EngineAttempt] = field(default_factory=list)
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+
+    @property
+    def token_count(self) -> int:
+        """Prompt and response tokens, without building their concatenation."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def token_ids(self) -> tuple[int, ...]:
+        """Prompt then response as one sequence (what the wire and the engines carry): the shared
+        prompt itself while there is no response, else a new tuple."""
+        if not self.response_ids:
+            return self.prompt_ids
+        return (*self.prompt_ids, *self.response_ids)
+
+    def iter_token_ids(self) -> Iterator[int]:
+        """Prompt then response ids, without a copy."""
+        return itertools.chain(self.prompt_ids, self.response_ids)
+
+
+def split_tokens(tokens: Sequence[int], response_length: int) -> tuple[tuple[int, ...], list[int]]:
+    """The (prompt, response) parts of a wire sample's `tokens`, whose last `response_length` are
+    the response. A length that does not fit (negative, or the whole list or more) leaves every id
+    in the prompt, so that `sample_ops.check_input` still sees the caller's numbers and names them."""
+    if 0 < response_length < len(tokens):
+        cut = len(tokens) - response_length
+        return tuple(tokens[:cut]), list(tokens[cut:])
+    return tuple(tokens), []
 
 
 @dataclass(slots=True)

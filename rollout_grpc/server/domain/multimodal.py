@@ -10,11 +10,13 @@ wire format of features lives in the engine adapter (`vllm.features_body`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.model import MultimodalFeatures
 
 
-def _is_run(tokens: list[int], start: int, length: int, token_id: int) -> bool:
+def _is_run(tokens: Sequence[int], start: int, length: int, token_id: int) -> bool:
     """tokens[start:start+length] is exactly a maximal run of `token_id`."""
     end = start + length
     if start < 0 or end > len(tokens) or length <= 0:
@@ -26,7 +28,7 @@ def _is_run(tokens: list[int], start: int, length: int, token_id: int) -> bool:
     return before_ok and after_ok
 
 
-def _find_run(tokens: list[int], length: int, token_id: int, cursor: int) -> int:
+def _find_run(tokens: Sequence[int], length: int, token_id: int, cursor: int) -> int:
     """First position >= cursor of a maximal run of exactly `length` copies of `token_id`, or -1."""
     i = cursor
     n = len(tokens)
@@ -43,7 +45,7 @@ def _find_run(tokens: list[int], length: int, token_id: int, cursor: int) -> int
     return -1
 
 
-def align(features: MultimodalFeatures, tokens: list[int]) -> None:
+def align(features: MultimodalFeatures, tokens: Sequence[int]) -> None:
     """Move every item's placeholder onto its run in `tokens` (in place).
 
     Raises InvalidArgument naming the modality and item index when a placeholder run cannot be found.

@@ -54,30 +54,29 @@ def merge(previous: RoutedExperts | None, new: np.ndarray, start: int, num_token
     return RoutedExperts(array=array, start=result_start)
 
 
-def check_input(given: RoutedExperts | None, tokens: list[int], options: GenerateOptions) -> None:
+def check_input(given: RoutedExperts | None, tokens: int, options: GenerateOptions) -> None:
     """Reject R3 input that a generation could only fail on afterwards (INVALID_ARGUMENT, no engine call).
 
     The sample's routing may cover fewer positions than its tokens (a trainer appended a turn) but
     never more, and an engine array starting at `options.routed_experts_start` must find the
-    positions before it in the sample's routing from position 0.
+    positions before it in the sample's routing from position 0. `tokens` is the sample's count
+    of token ids (prompt and response).
     """
     start = options.routed_experts_start
     if start < 0:
         raise InvalidArgument("options.routed_experts_start", f"must be non-negative, got {start}")
-    if options.return_routed_experts and tokens and start > len(tokens):
-        raise InvalidArgument(
-            "options.routed_experts_start", f"{start} is beyond the {len(tokens)} input tokens"
-        )
+    if options.return_routed_experts and tokens and start > tokens:
+        raise InvalidArgument("options.routed_experts_start", f"{start} is beyond the {tokens} input tokens")
     if given is None:
         return
     if given.start < 0:
         raise InvalidArgument("sample.routed_experts.start", f"must be non-negative, got {given.start}")
-    rows, limit = given.array.shape[0], max(0, len(tokens) - 1 - given.start)
+    rows, limit = given.array.shape[0], max(0, tokens - 1 - given.start)
     if rows > limit:
         raise InvalidArgument(
             "sample.routed_experts.shape",
             f"{rows} rows from position {given.start} exceed the {limit} positions of the sample's "
-            f"{len(tokens)} tokens (every token but the last)",
+            f"{tokens} tokens (every token but the last)",
         )
     if options.return_routed_experts and start > 0 and (given.start != 0 or rows < start):
         raise InvalidArgument(

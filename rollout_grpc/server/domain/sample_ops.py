@@ -6,6 +6,8 @@ free of I/O so they can be unit-tested directly.
 
 from __future__ import annotations
 
+import copy
+
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.model import Finish, Sample, SamplingParams, Status, WeightSpan
 
@@ -25,14 +27,14 @@ def check_input(sample: Sample) -> None:
             "sample.status",
             f"must be PENDING or ABORTED to generate, or COMPLETED/TRUNCATED to pass through; got {name}",
         )
-    for i, tid in enumerate(sample.tokens):
+    for i, tid in enumerate(sample.iter_token_ids()):
         if tid < 0:
             raise InvalidArgument(f"sample.tokens[{i}]", f"token ids must be non-negative, got {tid}")
     if sample.response_length < 0:
         raise InvalidArgument("sample.response_length", f"must be non-negative, got {sample.response_length}")
     if sample.status in FINISHED:
         _check_finished(sample)
-    elif sample.tokens:
+    elif sample.token_count:
         _check_response(sample)
     elif sample.response_length:
         raise InvalidArgument("sample.tokens", "is empty but response_length is not 0")
@@ -42,7 +44,7 @@ def check_input(sample: Sample) -> None:
 
 def _check_finished(sample: Sample) -> None:
     """A COMPLETED or TRUNCATED sample passes through; it must still be a whole sample."""
-    if not sample.tokens:
+    if not sample.token_count:
         raise InvalidArgument(
             "sample.tokens", f"a {sample.status.name} sample must carry its prompt and response tokens"
         )
@@ -55,10 +57,10 @@ def _check_finished(sample: Sample) -> None:
 
 def _check_response(sample: Sample) -> None:
     """A sample to generate from token ids: its response part must be consistent."""
-    if sample.response_length >= len(sample.tokens):
+    if sample.response_length >= sample.token_count:
         raise InvalidArgument(
             "sample.response_length",
-            f"{sample.response_length} response tokens leave no prompt in {len(sample.tokens)} tokens",
+            f"{sample.response_length} response tokens leave no prompt in {sample.token_count} tokens",
         )
     if sample.loss_mask and len(sample.loss_mask) != sample.response_length:
         raise InvalidArgument(
@@ -102,7 +104,7 @@ def prepare_masks(sample: Sample, mask_offpolicy: bool) -> None:
 
 def append_tokens(sample: Sample, token_ids: list[int], logprobs: list[float], text: str) -> None:
     """Append trainable response tokens with their logprobs and text."""
-    sample.tokens.extend(token_ids)
+    sample.response_ids.extend(token_ids)
     sample.rollout_log_probs.extend(logprobs)
     sample.loss_mask.extend([1] * len(token_ids))
     sample.response_length += len(token_ids)
@@ -126,6 +128,13 @@ def add_weight_spans(sample: Sample, spans: list[WeightSpan], offset: int) -> No
             sample.weight_versions.append(WeightSpan(span.version, start, end))
 
 
+def fork(sample: Sample) -> Sample:
+    """A new sample of the same group: every field copied except the prompt's ids, which are
+    shared (an immutable tuple). A deep copy would walk a long prompt once per sample and hold it n
+    times (hardening round 3, item 2)."""
+    return copy.deepcopy(sample, {id(sample.prompt_ids): sample.prompt_ids})
+
+
 def finish(sample: Sample, reason: Finish, status: Status, failure: str = "") -> None:
     """Set the terminal fields of a generation call."""
     sample.finish_reason = reason
@@ -143,7 +152,7 @@ def check_invariants(sample: Sample) -> str:
         )
     if sample.routed_experts is not None:
         rows = sample.routed_experts.array.shape[0]
-        expected = max(0, len(sample.tokens) - 1 - sample.routed_experts.start)
+        expected = max(0, sample.token_count - 1 - sample.routed_experts.start)
         if rows != expected:
             return f"invariant broken: routed experts rows {rows}, expected {expected}"
     return ""

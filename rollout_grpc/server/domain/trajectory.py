@@ -270,17 +270,17 @@ def to_samples_indexed(session: Session) -> tuple[list[Sample], list[int]]:
     current: Sample | None = None
     for turn in session.turns:
         if current is None or turn.new_sample:
-            current = Sample(session_id=session.session_id, tokens=list(turn.prompt_ids))
+            current = Sample(session_id=session.session_id, prompt_ids=tuple(turn.prompt_ids))
             samples.append(current)
         else:
-            inserted = turn.prompt_ids[len(current.tokens) :]
-            current.tokens.extend(inserted)
+            inserted = turn.prompt_ids[current.token_count :]
+            current.response_ids.extend(inserted)
             current.loss_mask.extend([0] * len(inserted))
             current.rollout_log_probs.extend([0.0] * len(inserted))
             current.response_length += len(inserted)
         indexes.append(len(samples) - 1)
         offset = current.response_length
-        current.tokens.extend(turn.response_ids)
+        current.response_ids.extend(turn.response_ids)
         current.loss_mask.extend([1] * len(turn.response_ids))
         current.rollout_log_probs.extend(turn.logprobs)
         current.response_length += len(turn.response_ids)
@@ -298,7 +298,7 @@ def to_samples_indexed(session: Session) -> tuple[list[Sample], list[int]]:
                     None if turn.new_sample else current.routed_experts,
                     turn.routed_experts.array,
                     turn.routed_experts.start,
-                    len(current.tokens),
+                    current.token_count,
                 )
             except routed_experts.RoutedExpertsError as exc:
                 current.routed_experts = None

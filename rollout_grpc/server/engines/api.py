@@ -51,7 +51,9 @@ class EngineCall:
     #: 0 for the first engine call of a Generate, then 1, 2, ... for failover calls (already part
     #: of `call_id`; for logs and engine-specific behaviour only).
     attempt: int
-    prompt_token_ids: list[int]
+    #: Prompt then response so far: the group's shared prompt tuple itself on a first call, so
+    #: that n calls of a group do not each hold a copy (read only).
+    prompt_token_ids: Sequence[int]
     sampling: SamplingParams
     #: Tokens this call may still produce (the remaining budget), None for the engine's limit.
     max_tokens: int | None

@@ -95,7 +95,7 @@ class CallRecord:
         if self.sample is None:
             return 0
         if self.prompt_tokens is not None:
-            return max(0, len(self.sample.tokens) - self.prompt_tokens)
+            return max(0, self.sample.token_count - self.prompt_tokens)
         return max(0, self.sample.response_length - self.prior_response_length)
 
     @property

@@ -81,7 +81,7 @@ class AttemptLoop:
     async def _attempt(self, run: GenerateRun, engine: EngineHandle) -> AsyncIterator[TokenBatch]:
         """One engine call; on failure, `run.decision` says what next (None: the call succeeded)."""
         sample = run.sample
-        if not sample.tokens:
+        if not sample.token_count:
             await _render_prompt(run, engine)
         attempt = Attempt.start(run, engine)
         try:
@@ -191,7 +191,7 @@ async def _render_prompt(run: GenerateRun, engine: EngineHandle) -> None:
         raise Unavailable(f"could not render the prompt: {exc.message}") from exc
     if not rendered.token_ids:
         raise InvalidArgument("sample.prompt", "the engine rendered the prompt to no tokens")
-    sample.tokens = list(rendered.token_ids)
+    sample.prompt_ids = tuple(rendered.token_ids)
 
 
 def _label_orphans(attempt: Attempt) -> None:

@@ -80,11 +80,11 @@ class EngineCaller:
         run = attempt.run
         sample, params, options = run.sample, run.params, run.options
         if sample.features:
-            multimodal.align(sample.features, sample.tokens)
+            multimodal.align(sample.features, sample.token_ids())
         return EngineCall(
             call_id=self.call_ids.call_id(run.entry.owner, run.entry.request_id, attempt.number),
             attempt=attempt.number,
-            prompt_token_ids=sample.tokens,
+            prompt_token_ids=sample.token_ids(),
             sampling=params,
             max_tokens=attempt.budget,
             min_tokens=sample_ops.remaining_min_tokens(sample, params),
@@ -232,7 +232,7 @@ def _apply_final(attempt: Attempt, final: EngineFinal) -> None:
                 sample.routed_experts,
                 final.routed_experts,
                 options.routed_experts_start,
-                len(sample.tokens),
+                sample.token_count,
             )
         except routed_experts.RoutedExpertsError as exc:
             finish, status, failure = Finish.ERROR, Status.FAILED, f"engine {engine.url}: {exc}"

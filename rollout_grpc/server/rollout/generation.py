@@ -129,7 +129,7 @@ class Rollout:
             raise Unavailable("the server is shutting down; retry on another replica")
         sample_ops.check_input(sample)
         params_mod.validate(params, skip_text=options.skip_text)
-        routed_experts.check_input(sample.routed_experts, sample.tokens, options)
+        routed_experts.check_input(sample.routed_experts, sample.token_count, options)
         if sample.status in sample_ops.FINISHED:
             yield sample
             return

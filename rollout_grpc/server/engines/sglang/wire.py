@@ -16,6 +16,7 @@ Three facts of that surface shape this module:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, Final
 
 import orjson
@@ -98,7 +99,7 @@ def sampling_params(call: EngineCall, url: str = "") -> dict[str, Any]:
 
 
 def collapse_media(
-    tokens: list[int], features: MultimodalFeatures, url: str = ""
+    tokens: Sequence[int], features: MultimodalFeatures, url: str = ""
 ) -> tuple[list[int], list[str]]:
     """`input_ids` with every media item's placeholder run collapsed to one placeholder token, and
     the items' `image_data`, in placeholder order.

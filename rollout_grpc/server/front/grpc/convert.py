@@ -136,11 +136,13 @@ def sample_from_pb(msg: pb.Sample) -> domain.Sample:
         finish = domain.Finish(int(msg.finish_reason))
     except ValueError:
         finish = domain.Finish.UNSPECIFIED
+    prompt_ids, response_ids = domain.split_tokens(msg.tokens, msg.response_length)
     return domain.Sample(
         session_id=msg.session_id,
         group_index=msg.group_index,
         prompt=msg.prompt if msg.HasField("prompt") else None,
-        tokens=list(msg.tokens),
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
         response=msg.response,
         response_length=msg.response_length,
         loss_mask=list(msg.loss_mask),
@@ -196,7 +198,7 @@ def sample_to_pb(value: domain.Sample, original: pb.Sample) -> pb.Sample:
     out.CopyFrom(original)
     if value.prompt is not None:
         out.prompt = value.prompt
-    out.tokens[:] = value.tokens
+    out.tokens[:] = value.token_ids()
     out.response = value.response
     out.response_length = value.response_length
     out.loss_mask[:] = value.loss_mask

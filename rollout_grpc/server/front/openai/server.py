@@ -298,7 +298,7 @@ class OpenAIFrontDoor:
         )
         turn_index = len(session.turns)
         request_id = f"{session.session_id}.t{turn_index}.{secrets.token_hex(4)}"
-        sample = Sample(session_id=session.session_id, tokens=list(prompt_ids))
+        sample = Sample(session_id=session.session_id, prompt_ids=tuple(prompt_ids))
         call = request[_CALL]
         call.request_id, call.prompt_tokens = request_id, len(prompt_ids)
         use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
@@ -390,7 +390,7 @@ class OpenAIFrontDoor:
         turn = Turn(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
-            response_ids=final.tokens[len(prompt_ids) :],
+            response_ids=list(final.response_ids),
             logprobs=list(final.rollout_log_probs),
             weight_versions=list(final.weight_versions),
             finish=final.finish_reason,
@@ -498,7 +498,7 @@ class OpenAIFrontDoor:
         await writer.send({}, finish)
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
-            prompt = len(final.tokens) - final.response_length
+            prompt = final.token_count - final.response_length
             await writer.raw(
                 {
                     "id": chat_id,

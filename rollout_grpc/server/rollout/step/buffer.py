@@ -34,7 +34,7 @@ MAX_LOST = 100_000
 def sample_bytes(sample: Sample) -> int:
     """An upper estimate of the memory `sample` holds (token ids are also counted once more for
     the transport message a partial sample keeps as its origin)."""
-    size = _SAMPLE_OVERHEAD + (_INT_BYTES + 8) * len(sample.tokens)
+    size = _SAMPLE_OVERHEAD + (_INT_BYTES + 8) * sample.token_count
     size += _FLOAT_BYTES * len(sample.rollout_log_probs) + 8 * len(sample.loss_mask)
     size += sys.getsizeof(sample.response) + sys.getsizeof(sample.prompt or "")
     for ids, logprobs in sample.top_logprobs:

@@ -401,7 +401,7 @@ class _Step:
         else:
             items = []
             for i in range(spec.n_samples_per_prompt):
-                sample = copy.deepcopy(group.prompt)
+                sample = sample_ops.fork(group.prompt)
                 sample.group_index = group.group_index
                 sample.session_id = sample.session_id or f"{spec.step_id}/g{group.group_index}"
                 items.append(

@@ -230,7 +230,7 @@ def _check_groups(groups: list[PromptGroup], n: int) -> None:
         if group.group_index in seen:
             raise InvalidArgument(f"groups[{i}].group_index", f"group {group.group_index} appears twice")
         seen.add(group.group_index)
-        if not group.prompt.tokens and not group.prompt.prompt:
+        if not group.prompt.token_count and not group.prompt.prompt:
             raise InvalidArgument(f"groups[{i}].prompt", "needs prompt token ids or prompt text")
         if group.partial and len(group.partial) != n:
             raise InvalidArgument(
