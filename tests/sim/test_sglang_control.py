@@ -277,12 +277,12 @@ async def test_health_model_and_server_info(session: aiohttp.ClientSession) -> N
         gone = await get(session, eng.url + "/get_weight_version")
     assert [(h.status, h.raw) for h in health] == [(200, b""), (200, b"")]
     assert old == new
-    assert list(old)[:5] == [
+    assert list(old)[:5] == [  # 0.5.23 entrypoints/http_server.py 815-825
         "model_path",
+        "served_model_name",
         "tokenizer_path",
         "is_generation",
         "preferred_sampling_params",
-        "weight_version",
     ]
     assert old["has_image_understanding"] is True
     assert s_old == s_new

@@ -24,15 +24,21 @@ async def health(request: web.Request) -> web.StreamResponse:
 
 
 async def model_info(request: web.Request) -> web.StreamResponse:
+    """The keys of SGLang 0.5.23's ``/model_info`` (``entrypoints/http_server.py`` 812-850)."""
     core = _core(request)
     cfg = core.config
     return json_response(
         {
             "model_path": cfg.root,
+            "served_model_name": cfg.model,
             "tokenizer_path": None if cfg.tokens_only else cfg.root,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": core.version,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
             "has_image_understanding": cfg.multimodal,
             "has_audio_understanding": False,
             "model_type": "qwen2_vl" if cfg.multimodal else ("qwen3_moe" if cfg.is_moe else "llama"),
@@ -65,13 +71,20 @@ def server_args(core: EngineCore) -> dict[str, Any]:
 
 
 async def server_info(request: web.Request) -> web.StreamResponse:
+    """SGLang 0.5.23's order: ``build_server_info`` (server arguments, ``launch_command``, scheduler
+    info, ``kv_events``; ``utils/common.py`` 3584-3593), then ``startup_time``, ``internal_states``,
+    ``version``, ``frontend`` (``entrypoints/http_server.py`` 885-889)."""
     core = _core(request)
     cfg = core.config
     body = server_args(core)
+    body["launch_command"] = None  # set only by the ``sglang serve`` launcher
     body["max_req_input_len"] = cfg.max_model_len - 1
     body["max_total_num_tokens"] = cfg.max_model_len * cfg.max_num_seqs
+    body["kv_events"] = None  # no KV-event publisher
+    body["startup_time"] = request.app[SGLANG_KEY].startup_time
     body["internal_states"] = [{"last_gen_throughput": 0.0}]
     body["version"] = cfg.sglang.version
+    body["frontend"] = "python"
     return json_response(body)
 
 

@@ -2,8 +2,8 @@
 
 * ``ValueError`` raised while normalising or validating a request (empty input, bad sampling value,
   duplicate rid, prompt too long) is answered ``{"error": {"message": …}}`` with status 400, or, once
-  a stream has been asked for, as one ``data: {"error": …}`` event followed by ``data: [DONE]`` with
-  status 200.
+  a stream has been asked for, as one ``data: {"error": {"message", "type", "code", "retryable"}}``
+  event followed by ``data: [DONE]`` with status 200.
 * FastAPI's ``RequestValidationError`` (a body that is not JSON, a field of the wrong type) goes
   through SGLang's handler into the flat OpenAI-style ``ErrorResponse``
   ``{"object":"error","message":…,"type":"Bad Request","param":null,"code":400}``.
@@ -40,8 +40,15 @@ class SGLangError(Exception):
         return json_response(self.body(), status=self.status)
 
     def event(self) -> bytes:
-        """The in-stream form: one SSE event (the caller writes ``[DONE]`` after it)."""
-        return b"data: " + orjson.dumps(self.body()) + b"\n\n"
+        """The in-stream form: one SSE event (the caller writes ``[DONE]`` after it), which carries
+        more than the non-streaming body (0.5.23 ``entrypoints/http_server.py`` 965-974)."""
+        error = {
+            "message": self.message,
+            "type": "invalid_request_error",
+            "code": self.status,
+            "retryable": False,
+        }
+        return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
 
 
 class SGLangValidationError(Exception):

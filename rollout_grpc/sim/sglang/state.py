@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 from aiohttp import web
 
@@ -40,6 +41,8 @@ class SGLangState:
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
+        #: ``/server_info``'s ``startup_time`` (the tokenizer manager's start, a wall-clock time).
+        self.startup_time = time.time()
         self.pause_mode: str | None = None
         self.retractions: collections.Counter[str] = collections.Counter()
         self._cache: collections.deque[tuple[int, ...]] = collections.deque(maxlen=CACHE_ENTRIES)
@@ -110,6 +113,7 @@ class SGLangState:
                 live = self.abort_all()
                 if any(not r.done.is_set() for r in live) and core.frozen and not self._queued():
                     self.wedged = True
+                    core.notify()
                 await core.wait_until(lambda: not self.admitted())
                 self.wedged = False
                 if self.pause_mode is None:
@@ -124,6 +128,7 @@ class SGLangState:
 
     async def resume(self) -> None:
         """``/continue_generation``: waits for the lock (behind a running abort pause)."""
+        self.core.notify()  # a waiter may watch for this call arriving (``stats.resume_calls``)
         async with self.pause_lock:
             self.pause_mode = None
             self.core.resume()
