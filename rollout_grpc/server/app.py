@@ -41,6 +41,7 @@ from rollout_grpc.server.engines.api import EngineTimeouts
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.engines.registry import KindOptions, adapter_factory
+from rollout_grpc.server.envs.remote import RemoteEnvironment
 from rollout_grpc.server.exposure import check_exposure
 from rollout_grpc.server.facade.calls import TimedAdmission, log_call
 from rollout_grpc.server.facade.door import CallBook, RolloutFacade
@@ -138,6 +139,8 @@ class ServerConfig:
     #: URL prefixes a RolloutStep's REMOTE reward may POST to (empty: any). A reward URL makes the
     #: replica send requests where the caller says: pin it to the reward servers you run.
     reward_urls: list[str] = field(default_factory=list)
+    #: URL prefixes a RolloutStep's episode environment may POST to (empty: any), for the same reason.
+    env_urls: list[str] = field(default_factory=list)
     #: Rule rewards (MATH, EXACT_MATCH) run in this many child processes per replica process, each
     #: call killed past the time limit, each child capped in address space (rewards/processes.py).
     rule_reward_processes: int = 2
@@ -553,6 +556,8 @@ class RolloutServer:
             self.control.abort_ids,
             functools.partial(rewards_registry.build, rules=self.rule_processes),
             reward_urls=cfg.reward_urls,
+            environments=RemoteEnvironment,
+            env_urls=cfg.env_urls,
             buffers=StepBuffers(
                 max_bytes_per_owner=cfg.step_buffer_mb_per_caller << 20,
                 max_bytes_total=cfg.step_buffer_mb << 20,
