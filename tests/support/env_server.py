@@ -51,6 +51,8 @@ class GuessEnv:
         #: Answer these token ids instead of a text observation.
         self.observation_ids = observation_ids
         self.requests: list[dict[str, Any]] = []
+        #: The observation text sent for each (episode_id, turn).
+        self.sent: dict[tuple[str, int], str] = {}
         self.probes = 0
         self.slow_waiting = asyncio.Event()
         self._release = asyncio.Event()
@@ -89,7 +91,9 @@ class GuessEnv:
             fault = await self._fault(request, body)
             if fault is not None:
                 return fault
-        return web.json_response(self._answer(body))
+        answer = self._answer(body)
+        self.sent[(str(body["episode_id"]), int(body["turn"]))] = str(answer.get("observation", ""))
+        return web.json_response(answer)
 
     async def _fault(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse | None:
         mode = self.mode
