@@ -246,6 +246,15 @@ FLAGS: Final[tuple[Flag, ...]] = (
         metavar="NAME",
     ),
     Flag(
+        "--env-url",
+        "URL prefix a RolloutStep's episode environment may use: the same scheme, host and port, a "
+        "path at or under it (repeatable; none given: any http(s) URL; docs/episodes.md)",
+        "env_urls",
+        kind="list",
+        type=_reward_prefix,
+        metavar="URL",
+    ),
+    Flag(
         "--rule-reward-processes",
         "child processes computing rule rewards (MATH, EXACT_MATCH) per replica process",
         "rule_reward_processes",
@@ -674,6 +683,7 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         (
             "--reward-url",
             "--step-plugin",
+            "--env-url",
             "--rule-reward-processes",
             "--rule-reward-timeout-s",
             "--rule-reward-memory-mb",

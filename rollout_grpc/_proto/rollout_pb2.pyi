@@ -3292,6 +3292,7 @@ class RolloutStepRequest(_message.Message):
     OVER_SAMPLING_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     CONSUMED_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     MAX_HEAD_OFFPOLICYNESS_FIELD_NUMBER: _builtins.int
+    EPISODE_FIELD_NUMBER: _builtins.int
     step_id: _builtins.str
     """The step's label (slime's rollout id), recorded as `start_step_id` on the samples it starts.
     Required, in the request-id alphabet.
@@ -3352,6 +3353,15 @@ class RolloutStepRequest(_message.Message):
     def filter(self) -> Global___FilterSpec:
         """The dynamic filter. Unset: keep all."""
 
+    @_builtins.property
+    def episode(self) -> Global___EpisodeSpec:
+        """Run each sample as a multi-turn episode driven by an environment server over HTTP
+        (docs/episodes.md): model turn -> environment reply (next observation, done, reward) -> ...
+        One Sample per episode, loss mask 0 on the environment's tokens; the episode's reward is the
+        environment's. Unset: every sample is one generation. (Numbered apart from the fields before
+        it so concurrent additions to this message do not collide.)
+        """
+
     def __init__(
         self,
         *,
@@ -3373,10 +3383,11 @@ class RolloutStepRequest(_message.Message):
         over_sampling_batch_size: _builtins.int = ...,
         consumed_weight_version: _builtins.str = ...,
         max_head_offpolicyness: _builtins.int | None = ...,
+        episode: Global___EpisodeSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "filter", b"filter", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "episode", b"episode", "filter", b"filter", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "consumed_weight_version", b"consumed_weight_version", "continue_buffered", b"continue_buffered", "filter", b"filter", "groups", b"groups", "leftovers", b"leftovers", "max_groups_in_flight", b"max_groups_in_flight", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "n_samples_per_prompt", b"n_samples_per_prompt", "on_stale", b"on_stale", "options", b"options", "over_sampling", b"over_sampling", "over_sampling_batch_size", b"over_sampling_batch_size", "reward", b"reward", "sampling_params", b"sampling_params", "step_id", b"step_id", "stream_samples", b"stream_samples", "target_groups", b"target_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "consumed_weight_version", b"consumed_weight_version", "continue_buffered", b"continue_buffered", "episode", b"episode", "filter", b"filter", "groups", b"groups", "leftovers", b"leftovers", "max_groups_in_flight", b"max_groups_in_flight", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "n_samples_per_prompt", b"n_samples_per_prompt", "on_stale", b"on_stale", "options", b"options", "over_sampling", b"over_sampling", "over_sampling_batch_size", b"over_sampling_batch_size", "reward", b"reward", "sampling_params", b"sampling_params", "step_id", b"step_id", "stream_samples", b"stream_samples", "target_groups", b"target_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_head_offpolicyness: _TypeAlias = _typing.Literal["max_head_offpolicyness"]  # noqa: Y015
     _WhichOneofArgType__max_head_offpolicyness: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness"]  # noqa: Y015
@@ -3388,6 +3399,72 @@ class RolloutStepRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
 
 Global___RolloutStepRequest: _TypeAlias = RolloutStepRequest  # noqa: Y015
+
+@_typing.final
+class EpisodeSpec(_message.Message):
+    """The environment of a step whose samples are episodes (docs/episodes.md has the protocol).
+    Needs `sampling_params.max_new_tokens` (the whole episode's budget: turns and observations) and
+    no `reward` (the environment scores the episode).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URL_FIELD_NUMBER: _builtins.int
+    MAX_TURNS_FIELD_NUMBER: _builtins.int
+    TURN_MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    MAX_RETRIES_FIELD_NUMBER: _builtins.int
+    MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
+    url: _builtins.str
+    """The environment server's URL (http or https), probed once at step start; POSTed once per
+    model turn. A replica started with `--env-url` accepts only URLs under those prefixes.
+    """
+    max_turns: _builtins.int
+    """Model turns at most; an episode that reaches it without `done` ends with the reason. Default 8,
+    at most 256.
+    """
+    turn_max_new_tokens: _builtins.int
+    """Tokens one model turn may generate at most. 0 (default): only the whole budget applies."""
+    timeout_s: _builtins.float
+    """Seconds per attempt of one environment request. Default 30."""
+    max_retries: _builtins.int
+    """Attempts after the first (connection errors, timeouts, 429, 5xx; exponential backoff from
+    0.1 s). Default 2, at most 10.
+    """
+    max_concurrency: _builtins.int
+    """Concurrent requests to the environment from this step. Default 32, at most 1024."""
+    def __init__(
+        self,
+        *,
+        url: _builtins.str = ...,
+        max_turns: _builtins.int | None = ...,
+        turn_max_new_tokens: _builtins.int = ...,
+        timeout_s: _builtins.float | None = ...,
+        max_retries: _builtins.int | None = ...,
+        max_concurrency: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_max_turns", b"_max_turns", "_timeout_s", b"_timeout_s", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "max_turns", b"max_turns", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency", "_max_retries", b"_max_retries", "_max_turns", b"_max_turns", "_timeout_s", b"_timeout_s", "max_concurrency", b"max_concurrency", "max_retries", b"max_retries", "max_turns", b"max_turns", "timeout_s", b"timeout_s", "turn_max_new_tokens", b"turn_max_new_tokens", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_concurrency: _TypeAlias = _typing.Literal["max_concurrency"]  # noqa: Y015
+    _WhichOneofArgType__max_concurrency: _TypeAlias = _typing.Literal["_max_concurrency", b"_max_concurrency"]  # noqa: Y015
+    _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
+    _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
+    _WhichOneofReturnType__max_turns: _TypeAlias = _typing.Literal["max_turns"]  # noqa: Y015
+    _WhichOneofArgType__max_turns: _TypeAlias = _typing.Literal["_max_turns", b"_max_turns"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_s: _TypeAlias = _typing.Literal["timeout_s"]  # noqa: Y015
+    _WhichOneofArgType__timeout_s: _TypeAlias = _typing.Literal["_timeout_s", b"_timeout_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_concurrency) -> _WhichOneofReturnType__max_concurrency | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_retries) -> _WhichOneofReturnType__max_retries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_turns) -> _WhichOneofReturnType__max_turns | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_s) -> _WhichOneofReturnType__timeout_s | None: ...
+
+Global___EpisodeSpec: _TypeAlias = EpisodeSpec  # noqa: Y015
 
 @_typing.final
 class GroupResult(_message.Message):

@@ -21,6 +21,8 @@ from rollout_grpc.client.samples import OptionsLike, ParamsLike, SampleLike, to_
 GroupLike = pb.PromptGroup | tuple[SampleLike, int] | tuple[SampleLike, int, str]
 RewardLike = pb.RewardSpec | Mapping[str, Any] | None
 FilterLike = pb.FilterSpec | Mapping[str, Any] | None
+#: An episode environment (docs/episodes.md): the message, or a dict such as {"url": ..., "max_turns": 4}.
+EpisodeLike = pb.EpisodeSpec | Mapping[str, Any] | None
 
 _LEFTOVERS = {"return": pb.LEFTOVER_POLICY_RETURN, "buffer": pb.LEFTOVER_POLICY_BUFFER}
 _ON_STALE = {"drop": pb.STALENESS_POLICY_DROP, "regenerate": pb.STALENESS_POLICY_REGENERATE}
@@ -77,6 +79,7 @@ def step_request(
     over_sampling_batch_size: int = 0,
     consumed_weight_version: str = "",
     max_head_offpolicyness: int | None = None,
+    episode: EpisodeLike = None,
 ) -> pb.RolloutStepRequest:
     """A RolloutStepRequest (a fresh step id when none is given)."""
     if leftovers not in _LEFTOVERS:
@@ -107,6 +110,8 @@ def step_request(
         request.max_staleness = max_staleness
     if max_head_offpolicyness is not None:
         request.max_head_offpolicyness = max_head_offpolicyness
+    if episode is not None:
+        request.episode.CopyFrom(_message(episode, pb.EpisodeSpec))
     return request
 
 

@@ -226,7 +226,7 @@ class RolloutClient:
         `stream_samples`, last the `summary`). `policies` are `step_request`'s keywords
         (step_id, target_groups, max_groups_in_flight, params, options, reward, filter, leftovers,
         continue_buffered, max_staleness, on_stale, stream_samples, over_sampling, over_sampling_batch_size,
-        consumed_weight_version, max_head_offpolicyness). Leaving early cancels the call;
+        consumed_weight_version, max_head_offpolicyness, episode). Leaving early cancels the call;
         the server then aborts the step's groups into this caller's buffer (nothing is lost).
         """
         request = step_request(groups, n_samples_per_prompt=n_samples_per_prompt, **policies)

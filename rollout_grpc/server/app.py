@@ -39,6 +39,7 @@ from rollout_grpc.server.domain.trajectory import TrajectoryStore
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.engines.registry import adapter_factory
+from rollout_grpc.server.envs.remote import RemoteEnvironment
 from rollout_grpc.server.exposure import check_exposure
 from rollout_grpc.server.facade.calls import TimedAdmission, log_call
 from rollout_grpc.server.facade.door import CallBook, RolloutFacade
@@ -299,6 +300,8 @@ class RolloutServer:
             reward_urls=cfg.reward_urls,
             plugins=StepPlugins.load(cfg.step_plugins),
             remote_filters=remote_filter.build,
+            environments=RemoteEnvironment,
+            env_urls=cfg.env_urls,
             buffers=StepBuffers(max_bytes_per_owner=per_caller_bytes, max_bytes_total=total_bytes),
         )
         self.weights = WeightUpdates(

@@ -137,6 +137,8 @@ class ServerConfig:
     reward_urls: list[str] = field(default_factory=list)
     #: RolloutStep plugins enabled by entry point name (`--step-plugin`; "*": all installed).
     step_plugins: list[str] = field(default_factory=list)
+    #: URL prefixes a RolloutStep's episode environment may POST to (empty: any), for the same reason.
+    env_urls: list[str] = field(default_factory=list)
     #: Rule rewards (MATH, EXACT_MATCH) run in this many child processes per replica process, each
     #: call killed past the time limit, each child capped in address space (rewards/processes.py).
     rule_reward_processes: int = 2

@@ -207,6 +207,13 @@ def test_a_reward_url_prefix_must_be_an_http_origin(capsys: pytest.CaptureFixtur
     assert _parse(["--reward-url", "http://rm:8000/score"]).reward_url == ["http://rm:8000/score"]
 
 
+def test_an_env_url_prefix_must_be_an_http_origin(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--env-url", "http://user@env:9000"])
+    assert "argument --env-url: 'http://user@env:9000': must be scheme://host" in capsys.readouterr().err
+    assert _parse(["--env-url", "http://env:9000/step"]).env_url == ["http://env:9000/step"]
+
+
 @pytest.mark.parametrize(
     ("peer", "problem"),
     [

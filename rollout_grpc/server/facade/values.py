@@ -10,6 +10,7 @@ can change its internals without a door noticing.
 
 from __future__ import annotations
 
+from rollout_grpc.server.envs.api import EpisodeConfig
 from rollout_grpc.server.rewards.api import RemoteFilterConfig, RewardConfig, RewardKind
 from rollout_grpc.server.rollout.control import (
     AbortResult,
@@ -53,6 +54,7 @@ __all__ = [
     "CheckpointSource",
     "DistributedSource",
     "EngineStatus",
+    "EpisodeConfig",
     "FilterKind",
     "FleetResult",
     "ForwardedAbort",

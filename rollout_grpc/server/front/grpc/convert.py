@@ -17,6 +17,7 @@ from rollout_grpc.server.domain import params
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.facade import values as step
 from rollout_grpc.server.facade.values import (
+    EpisodeConfig,
     GroupEnded,
     RemoteFilterConfig,
     RewardConfig,
@@ -458,6 +459,19 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         ),
         filter_plugin=msg.filter.plugin,
         remote_filter=_remote_filter_from_pb(msg.filter),
+        episode=episode_from_pb(msg.episode) if msg.HasField("episode") else None,
+    )
+
+
+def episode_from_pb(msg: pb.EpisodeSpec) -> EpisodeConfig:
+    """The domain view of an EpisodeSpec (checked by `rollout.step.episodes.check`)."""
+    return EpisodeConfig(
+        url=msg.url,
+        max_turns=msg.max_turns if msg.HasField("max_turns") else 8,
+        turn_max_new_tokens=msg.turn_max_new_tokens,
+        timeout_s=msg.timeout_s if msg.HasField("timeout_s") else 30.0,
+        max_retries=msg.max_retries if msg.HasField("max_retries") else 2,
+        max_concurrency=msg.max_concurrency if msg.HasField("max_concurrency") else 32,
     )
 
 

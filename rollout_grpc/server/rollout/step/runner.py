@@ -30,6 +30,7 @@ from rollout_grpc.server.domain import sample_ops
 from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument, RolloutError
 from rollout_grpc.server.domain.identity import ANONYMOUS, current_caller
 from rollout_grpc.server.domain.model import Finish, Sample, SamplingParams, Status
+from rollout_grpc.server.envs.api import Environment, EnvUnavailable, EpisodeConfig
 from rollout_grpc.server.rewards import allowlist as reward_urls
 from rollout_grpc.server.rewards.api import (
     FilterFailed,
@@ -43,7 +44,7 @@ from rollout_grpc.server.rewards.api import (
     RewardUnavailable,
 )
 from rollout_grpc.server.rollout.generation import Rollout
-from rollout_grpc.server.rollout.step import filters, hooks
+from rollout_grpc.server.rollout.step import episodes, filters, hooks
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
 from rollout_grpc.server.rollout.step.plugins import StepPlugins
 from rollout_grpc.server.rollout.step.policy import Counters, OverSampling, StartPolicy
@@ -68,6 +69,8 @@ log = structlog.get_logger(__name__)
 
 #: Builds the reward model of a step (the wiring passes `rewards.registry.build`).
 RewardFactory = Callable[[RewardConfig], RewardModel | None]
+#: Builds the environment client of an episode step (the wiring passes `envs.remote.RemoteEnvironment`).
+EnvFactory = Callable[[EpisodeConfig], Environment]
 #: Aborts request ids of the current caller (the wiring passes `Control.abort_ids`).
 AbortIds = Callable[[list[str]], Awaitable[object]]
 
@@ -163,11 +166,17 @@ class StepRunner:
         reward_urls: Sequence[str] = (),
         plugins: StepPlugins | None = None,
         remote_filters: hooks.RemoteFilterFactory | None = None,
+        environments: EnvFactory | None = None,
+        env_urls: Sequence[str] = (),
     ) -> None:
         #: Operator-installed reward and filter plugins (`--step-plugin`), and remote filters.
         self.plugins = plugins or StepPlugins()
         self._remote_filters = remote_filters
         self._rollout = rollout
+        #: Episodes (docs/episodes.md): the environment client factory (None: refused) and the URL
+        #: prefixes an environment may use (empty: any).
+        self._environments = environments
+        self._env_urls = tuple(env_urls)
         #: URL prefixes a REMOTE reward may use (empty: any).
         self._reward_urls = tuple(reward_urls)
         self._abort_ids = abort_ids
@@ -213,24 +222,40 @@ class StepRunner:
         hooks.check(spec, self._reward_urls)
         custom = hooks.custom_filter(spec, self.plugins, self._remote_filters)
         model = hooks.reward(spec, self.plugins) or self._rewards(spec.reward)
-        if model is not None:
-            try:
-                await model.probe()
-            except RewardUnavailable as exc:
-                await model.close()
-                raise FailedPrecondition(f"reward.url: {exc}") from exc
-        if custom is not None:
-            try:
-                await getattr(custom, "probe", _no_probe)()
-            except RewardUnavailable as exc:
-                await custom.close()
-                if model is not None:
-                    await model.close()
-                raise FailedPrecondition(f"filter.url: {exc}") from exc
-        step = _Step(self, spec, owner, model, self._share_groups(spec, owner))
+        try:
+            if model is not None:
+                try:
+                    await model.probe()
+                except RewardUnavailable as exc:
+                    raise FailedPrecondition(f"reward.url: {exc}") from exc
+            if custom is not None:
+                try:
+                    await getattr(custom, "probe", _no_probe)()
+                except RewardUnavailable as exc:
+                    raise FailedPrecondition(f"filter.url: {exc}") from exc
+            env = await self._environment(spec)
+        except BaseException:
+            # Nothing started: the clients made for this step close here, whichever probe failed.
+            for client in (model, custom):
+                if client is not None:
+                    await client.close()
+            raise
+        step = _Step(self, spec, owner, model, self._share_groups(spec, owner), env=env)
         step.custom_filter = custom
         async for event in step.events():
             yield event
+
+    async def _environment(self, spec: StepSpec) -> Environment | None:
+        """The step's environment client, probed (FAILED_PRECONDITION naming `episode.url`)."""
+        if spec.episode is None or self._environments is None:
+            return None
+        env = self._environments(spec.episode)
+        try:
+            await env.probe()
+        except EnvUnavailable as exc:
+            await env.close()
+            raise FailedPrecondition(f"episode.url: {exc}") from exc
+        return env
 
     def precheck(self, counts: StepCounts) -> None:
         """The checks that need only the request's counts, made by the front door on the wire
@@ -254,7 +279,7 @@ class StepRunner:
         """Every check made before anything is generated (INVALID_ARGUMENT naming the field)."""
         check(spec, self.buffers.count(owner))
         if spec.filter is FilterKind.REWARD_NONZERO_STD:
-            if spec.reward.kind is RewardKind.NONE:
+            if spec.reward.kind is RewardKind.NONE and spec.episode is None:  # episodes: the env's
                 raise InvalidArgument(
                     "filter.kind", "REWARD_NONZERO_STD needs a reward (reward.kind is unset)"
                 )
@@ -273,6 +298,9 @@ class StepRunner:
             spec.reward.kind is not RewardKind.REMOTE or spec.reward_scope is not RewardScope.GROUP
         ):
             raise InvalidArgument("reward.batch_group", "applies only to a REMOTE reward with scope GROUP")
+        if spec.episode is not None and self._environments is None:
+            raise InvalidArgument("episode", "this replica runs no episode environments")
+        episodes.check(spec, self._env_urls)
         url = spec.reward.url
         if spec.reward.kind is RewardKind.REMOTE and not reward_urls.allowed(url, self._reward_urls):
             raise InvalidArgument(
@@ -306,9 +334,18 @@ class _Step:
     """The state of one running step."""
 
     def __init__(
-        self, runner: StepRunner, spec: StepSpec, owner: str, model: RewardModel | None, share: int = 0
+        self,
+        runner: StepRunner,
+        spec: StepSpec,
+        owner: str,
+        model: RewardModel | None,
+        share: int = 0,
+        *,
+        env: Environment | None = None,
     ) -> None:
         self.runner = runner
+        #: The environment server of an episode step (None: one-turn samples).
+        self.env = env
         self.rollout = runner._rollout
         self.spec = spec
         self.owner = owner
@@ -529,11 +566,13 @@ class _Step:
         await self._close_hooks()
 
     async def _close_hooks(self) -> None:
-        """Close the reward model and the custom filter (their HTTP sessions)."""
+        """Close the reward model and the custom filter and the environment (their HTTP sessions)."""
         if self.model is not None:
             await self.model.close()
         if self.custom_filter is not None:
             await self.custom_filter.close()
+        if self.env is not None:
+            await self.env.close()
 
     def _summary(self) -> Summary:
         # Groups taken from the buffer and never started go back to it; fresh ones are listed.
@@ -638,9 +677,13 @@ class _Step:
                 return _GroupDone(
                     run, Outcome.FAILED, f"sample {item.index} failed: {item.sample.failure_reason}"
                 )
-        if self.model is None:
+        if self.model is None and self.env is None:
             return await self._custom_verdict(run)
-        if spec.reward_scope is RewardScope.GROUP and not await self._score_group(run):
+        if (
+            self.model is not None
+            and spec.reward_scope is RewardScope.GROUP
+            and not await self._score_group(run)
+        ):
             return _GroupDone(run, None, self.stop_reason or "stopped by the step")
         failed = [i for i in items if i.reward_failure]
         if failed and spec.on_reward_failure is not OnRewardFailure.KEEP_UNSCORED:
@@ -692,6 +735,16 @@ class _Step:
                 sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
             return
         params = self._params(i, run.group.params)
+        if self.env is not None and self.spec.episode is not None:
+            ctx = episodes.EpisodeContext(
+                self.rollout, self.env, self.spec.episode, params, self.options, request_id,
+                episode_id=request_id, prompt=run.group.prompt.prompt or "", label=run.group.label,
+                group_index=run.group.group_index, sample_index=item.index, stopped=run.stopped,
+            )  # fmt: skip
+            await episodes.play(ctx, item)
+            if item.reward is not None or item.reward_failure:
+                self.progress.scored += 1
+            return
         before = sample.response_length
         try:
             async for event in self.rollout.generate(sample, params, self.options, request_id):

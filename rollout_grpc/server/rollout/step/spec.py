@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, Status
+from rollout_grpc.server.envs.api import EpisodeConfig
 from rollout_grpc.server.rewards.api import RemoteFilterConfig, RewardConfig
+from rollout_grpc.server.rollout.step.episode_state import EpisodeState
 from rollout_grpc.server.rollout.step.policy import Admission, OverSampling
 
 #: Most samples per prompt one step may ask for (a group is pinned to one engine: a huge group
@@ -93,6 +95,8 @@ class StepSample:
     start_step_id: str = ""
     #: Response tokens generated for this sample by the current step (metrics, log line).
     new_tokens: int = 0
+    #: Where the sample's episode is (steps with an `episode`; docs/episodes.md), else None.
+    episode: EpisodeState | None = None
 
 
 @dataclass(slots=True)
@@ -141,6 +145,8 @@ class StepSpec:
     filter_plugin: str = ""
     #: FilterKind.REMOTE: the remote filter.
     remote_filter: RemoteFilterConfig | None = None
+    #: Each sample is a multi-turn episode driven by this environment server (None: one turn).
+    episode: EpisodeConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
