@@ -67,6 +67,8 @@ from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter, RequestLimits
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
 from rollout_grpc.server.security.tls import TlsConfig
+from rollout_grpc.server.state.api import BufferCaps, BufferStore
+from rollout_grpc.server.state.choose import store_for
 
 log = structlog.get_logger(__name__)
 
@@ -146,6 +148,13 @@ class ServerConfig:
     #: RolloutStep buffers (leftovers=BUFFER, abandoned steps), estimated MiB per caller and in all.
     step_buffer_mb_per_caller: int = 256
     step_buffer_mb: int = 512
+    #: Seconds a caller's buffer lives after its last write (expired groups are reported lost).
+    step_buffer_ttl_s: float = 3600.0
+    #: Where fleet state lives (server/state): "" this process (the supervisor's with --workers),
+    #: or redis://host:port/db, rediss://... shared by every replica; the password from a file.
+    state_store: str = ""
+    state_store_password_file: str | None = None
+    state_store_ca_file: str | None = None
     #: Directories UpdateWeights may name checkpoints under (`--weights-path-prefix`; empty: off).
     weights_path_prefixes: list[str] = field(default_factory=list)
     #: Seconds one engine may take to load a checkpoint (`--weights-load-timeout`).
@@ -352,6 +361,15 @@ def _bind(
     return bound
 
 
+def buffer_caps(cfg: ServerConfig) -> BufferCaps:
+    """The step buffers' bounds from the `--step-buffer-*` flags."""
+    return BufferCaps(
+        max_bytes_per_owner=cfg.step_buffer_mb_per_caller << 20,
+        max_bytes_total=cfg.step_buffer_mb << 20,
+        ttl_s=cfg.step_buffer_ttl_s,
+    )
+
+
 class RolloutServer:
     """One running replica."""
 
@@ -395,6 +413,18 @@ class RolloutServer:
         self.trajectories = TrajectoryStore()
         self.front_door: OpenAIFrontDoor | None = None
         self.openai_port: int | None = None
+        #: Fleet state (step buffers): checked at start (`start` exits when it does not answer).
+        self.state = self._state_store()
+
+    def _state_store(self) -> BufferStore:
+        """The store `--state-store` names (a worker of --workers N reaches its supervisor's)."""
+        cfg = self.config
+        return store_for(
+            cfg.state_store,
+            buffer_caps(cfg),
+            password_file=cfg.state_store_password_file,
+            ca_file=cfg.state_store_ca_file,
+        )
 
     @staticmethod
     def _auth_config(cfg: ServerConfig) -> AuthConfig:
@@ -444,6 +474,7 @@ class RolloutServer:
         limit = cfg.in_flight_limit()
         tls = cfg.tls()
         self._check_exposure(tls)  # before anything listens
+        await self.state.ping()  # StoreUnavailable: serve exits with one line naming the store
         session, interceptors = self._open_engine_session()
         servicer = self._build_domain(session, limit, tls)
         await self._start_engine_pool()
@@ -553,10 +584,7 @@ class RolloutServer:
             self.control.abort_ids,
             functools.partial(rewards_registry.build, rules=self.rule_processes),
             reward_urls=cfg.reward_urls,
-            buffers=StepBuffers(
-                max_bytes_per_owner=cfg.step_buffer_mb_per_caller << 20,
-                max_bytes_total=cfg.step_buffer_mb << 20,
-            ),
+            buffers=StepBuffers(self.state),
         )
         self.weights = WeightUpdates(
             self.pool,
@@ -783,5 +811,6 @@ class RolloutServer:
             await self.rule_processes.close()
         if self.peers is not None:
             await self.peers.close()
+        await self.state.close()
         if self._session is not None:
             await self._session.close()

@@ -131,6 +131,8 @@ class StepSpec:
     over_sampling_batch_size: int = 0
     #: AReaL-style admission by the trainer's consumed version (None: none).
     admission: Admission | None = None
+    #: The caller's name for its buffer (an anonymous caller must give one to buffer; buffer.py).
+    buffer_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
