@@ -23,6 +23,7 @@ from rollout_grpc import logs, settings
 from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.server.exposure import ExposureRefused
 from rollout_grpc.server.ports import PortUnavailable
+from rollout_grpc.server.state.api import StoreUnavailable
 
 log = structlog.get_logger("rollout_grpc.cli")
 
@@ -112,7 +113,7 @@ async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> i
             raise SystemExit(f"rollout-grpc serve: {exc}") from None
         try:
             await server.start()
-        except ExposureRefused as exc:  # refused before anything was opened or bound
+        except (ExposureRefused, StoreUnavailable) as exc:  # refused before anything was bound
             raise SystemExit(f"rollout-grpc serve: {exc}") from None
         except PortUnavailable as exc:
             await server.stop()

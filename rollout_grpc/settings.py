@@ -276,8 +276,33 @@ FLAGS: Final[tuple[Flag, ...]] = (
     ),
     Flag(
         "--step-buffer-mb",
-        "estimated MiB of RolloutStep groups buffered for all callers of one replica process",
+        "estimated MiB of RolloutStep groups buffered for all callers of one state store",
         "step_buffer_mb",
+    ),
+    Flag(
+        "--step-buffer-ttl-s",
+        "seconds a caller's buffered groups live after its last write (then reported lost)",
+        "step_buffer_ttl_s",
+    ),
+    Flag(
+        "--state-store",
+        "where fleet state lives: empty for this process (the supervisor's with --workers), or "
+        "redis://HOST:PORT/DB, rediss://... (TLS) shared by every replica (docs/architecture.md)",
+        "state_store",
+        type=str,
+        metavar="URL",
+    ),
+    Flag(
+        "--state-store-password-file",
+        "file holding the state store's password (never on the command line)",
+        "state_store_password_file",
+        type=str,
+    ),
+    Flag(
+        "--state-store-ca-file",
+        "PEM CA that signed a rediss:// state store's certificate (default: the system's)",
+        "state_store_ca_file",
+        type=str,
     ),
     Flag("--engines-file", "file with one engine URL per line (# comments); re-read on SIGHUP", type=str),
     Flag(
@@ -689,7 +714,12 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
             "--rule-reward-memory-mb",
             "--step-buffer-mb-per-caller",
             "--step-buffer-mb",
+            "--step-buffer-ttl-s",
         ),
+    ),
+    (
+        "fleet state (docs/architecture.md)",
+        ("--state-store", "--state-store-password-file", "--state-store-ca-file"),
     ),
     ("weight updates (docs/engines.md)", ("--weights-path-prefix", "--weights-load-timeout")),
     (

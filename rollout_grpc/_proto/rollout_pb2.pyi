@@ -3292,6 +3292,7 @@ class RolloutStepRequest(_message.Message):
     OVER_SAMPLING_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     CONSUMED_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     MAX_HEAD_OFFPOLICYNESS_FIELD_NUMBER: _builtins.int
+    BUFFER_NAME_FIELD_NUMBER: _builtins.int
     EPISODE_FIELD_NUMBER: _builtins.int
     step_id: _builtins.str
     """The step's label (slime's rollout id), recorded as `start_step_id` on the samples it starts.
@@ -3330,6 +3331,15 @@ class RolloutStepRequest(_message.Message):
     many versions behind the replica's newest weight version (the order of `max_staleness`), so
     work that would be too stale is never generated. The step then ends with the reason. Unset: no
     bound. Needs `consumed_weight_version`.
+    """
+    buffer_name: _builtins.str
+    """The caller's name for its partial-rollout buffer (at most 128 printable characters). An
+    anonymous caller (no auth) MUST name one to use `leftovers = BUFFER` or `continue_buffered`
+    (INVALID_ARGUMENT otherwise): two anonymous trainers never share a buffer, and the name is the
+    only thing that tells them apart, so make it unguessable (the Python clients use a random name
+    per trainer process by default). An authenticated caller's buffer is its identity's; a name
+    here selects a separate buffer of that identity. The buffer lives in the state store
+    (`--state-store`), so any worker or replica sharing the store continues it.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptGroup]:
@@ -3383,11 +3393,12 @@ class RolloutStepRequest(_message.Message):
         over_sampling_batch_size: _builtins.int = ...,
         consumed_weight_version: _builtins.str = ...,
         max_head_offpolicyness: _builtins.int | None = ...,
+        buffer_name: _builtins.str = ...,
         episode: Global___EpisodeSpec | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "episode", b"episode", "filter", b"filter", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "options", b"options", "reward", b"reward", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "consumed_weight_version", b"consumed_weight_version", "continue_buffered", b"continue_buffered", "episode", b"episode", "filter", b"filter", "groups", b"groups", "leftovers", b"leftovers", "max_groups_in_flight", b"max_groups_in_flight", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "n_samples_per_prompt", b"n_samples_per_prompt", "on_stale", b"on_stale", "options", b"options", "over_sampling", b"over_sampling", "over_sampling_batch_size", b"over_sampling_batch_size", "reward", b"reward", "sampling_params", b"sampling_params", "step_id", b"step_id", "stream_samples", b"stream_samples", "target_groups", b"target_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "_max_staleness", b"_max_staleness", "buffer_name", b"buffer_name", "consumed_weight_version", b"consumed_weight_version", "continue_buffered", b"continue_buffered", "episode", b"episode", "filter", b"filter", "groups", b"groups", "leftovers", b"leftovers", "max_groups_in_flight", b"max_groups_in_flight", "max_head_offpolicyness", b"max_head_offpolicyness", "max_staleness", b"max_staleness", "n_samples_per_prompt", b"n_samples_per_prompt", "on_stale", b"on_stale", "options", b"options", "over_sampling", b"over_sampling", "over_sampling_batch_size", b"over_sampling_batch_size", "reward", b"reward", "sampling_params", b"sampling_params", "step_id", b"step_id", "stream_samples", b"stream_samples", "target_groups", b"target_groups"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_head_offpolicyness: _TypeAlias = _typing.Literal["max_head_offpolicyness"]  # noqa: Y015
     _WhichOneofArgType__max_head_offpolicyness: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness"]  # noqa: Y015

@@ -59,6 +59,13 @@ def _message(value: Any, kind: Any) -> Any:
     return json_format.ParseDict(dict(value), kind())
 
 
+#: This trainer process's partial-rollout buffer name, when a step names none: random, so two
+#: anonymous trainers never share (or guess) a buffer, and stable for the life of the process, so
+#: its next step continues what its last step buffered on any replica. A trainer that restarts and
+#: must continue its old buffer passes its own stable `buffer_name` (kept secret without auth).
+DEFAULT_BUFFER_NAME = f"trainer-{uuid.uuid4().hex}"
+
+
 def step_request(
     groups: Sequence[GroupLike],
     *,
@@ -80,8 +87,10 @@ def step_request(
     consumed_weight_version: str = "",
     max_head_offpolicyness: int | None = None,
     episode: EpisodeLike = None,
+    buffer_name: str | None = None,
 ) -> pb.RolloutStepRequest:
-    """A RolloutStepRequest (a fresh step id when none is given)."""
+    """A RolloutStepRequest (a fresh step id when none is given; this process's
+    `DEFAULT_BUFFER_NAME` when no `buffer_name` is)."""
     if leftovers not in _LEFTOVERS:
         raise ValueError(f"leftovers must be one of {sorted(_LEFTOVERS)}, got {leftovers!r}")
     if on_stale not in _ON_STALE:
@@ -105,6 +114,7 @@ def step_request(
         over_sampling=_OVER_SAMPLING[over_sampling],
         over_sampling_batch_size=over_sampling_batch_size,
         consumed_weight_version=consumed_weight_version,
+        buffer_name=DEFAULT_BUFFER_NAME if buffer_name is None else buffer_name,
     )
     if max_staleness is not None:
         request.max_staleness = max_staleness

@@ -32,7 +32,13 @@ from grpc_reflection.v1alpha import reflection
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server import ports
-from rollout_grpc.server.config import PENDING_HEADROOM, ServerConfig, rollout_num_engines, worker_share
+from rollout_grpc.server.config import (
+    PENDING_HEADROOM,
+    ServerConfig,
+    buffer_caps,
+    rollout_num_engines,
+    worker_share,
+)
 from rollout_grpc.server.domain import bounds
 from rollout_grpc.server.domain.identity import Role
 from rollout_grpc.server.domain.trajectory import TrajectoryStore
@@ -68,6 +74,8 @@ from rollout_grpc.server.security.auth import AuthConfig, TokenStore
 from rollout_grpc.server.security.limits import ControlRateLimiter
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
 from rollout_grpc.server.security.tls import TlsConfig
+from rollout_grpc.server.state.api import BufferStore
+from rollout_grpc.server.state.choose import store_for
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +86,7 @@ __all__ = [
     "SERVICE_NAME",
     "RolloutServer",
     "ServerConfig",
+    "buffer_caps",
     "rollout_num_engines",
     "worker_share",
 ]
@@ -151,6 +160,18 @@ class RolloutServer:
         self.trajectories = TrajectoryStore()
         self.front_door: OpenAIFrontDoor | None = None
         self.openai_port: int | None = None
+        #: Fleet state (step buffers): checked at start (`start` exits when it does not answer).
+        self.state = self._state_store()
+
+    def _state_store(self) -> BufferStore:
+        """The store `--state-store` names (a worker of --workers N reaches its supervisor's)."""
+        cfg = self.config
+        return store_for(
+            cfg.state_store,
+            buffer_caps(cfg),
+            password_file=cfg.state_store_password_file,
+            ca_file=cfg.state_store_ca_file,
+        )
 
     @staticmethod
     def _auth_config(cfg: ServerConfig) -> AuthConfig:
@@ -200,6 +221,7 @@ class RolloutServer:
         limit = cfg.in_flight_limit()
         tls = cfg.tls()
         self._check_exposure(tls)  # before anything listens
+        await self.state.ping()  # StoreUnavailable: serve exits with one line naming the store
         session, interceptors = self._open_engine_session()
         servicer = self._build_domain(session, limit, tls)
         await self._start_engine_pool()
@@ -292,7 +314,6 @@ class RolloutServer:
         )
         #: RolloutStep: reward models are built per step from the registry of reward kinds.
         self.rule_processes = rewards_registry.rule_processes(cfg.rule_process_limits())
-        per_caller_bytes, total_bytes = cfg.step_buffer_bytes()
         steps = self.steps = StepRunner(
             self.rollout,
             self.control.abort_ids,
@@ -302,7 +323,7 @@ class RolloutServer:
             remote_filters=remote_filter.build,
             environments=RemoteEnvironment,
             env_urls=cfg.env_urls,
-            buffers=StepBuffers(max_bytes_per_owner=per_caller_bytes, max_bytes_total=total_bytes),
+            buffers=StepBuffers(self.state),
         )
         self.weights = WeightUpdates(
             self.pool,
@@ -529,5 +550,6 @@ class RolloutServer:
             await self.rule_processes.close()
         if self.peers is not None:
             await self.peers.close()
+        await self.state.close()
         if self._session is not None:
             await self._session.close()

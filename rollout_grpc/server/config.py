@@ -25,6 +25,7 @@ from rollout_grpc.server.rollout.generation import RolloutConfig
 from rollout_grpc.server.rollout.weights import DEFAULT_LOAD_TIMEOUT_S
 from rollout_grpc.server.security.limits import RequestLimits
 from rollout_grpc.server.security.tls import TlsConfig
+from rollout_grpc.server.state.api import BufferCaps
 
 #: Pending calls gRPC core holds beyond admission's running + queued generations: the unary and
 #: control calls of a burst (GetServerInfo, Abort, health). gRPC's own default soft limit.
@@ -147,6 +148,13 @@ class ServerConfig:
     #: RolloutStep buffers (leftovers=BUFFER, abandoned steps), estimated MiB per caller and in all.
     step_buffer_mb_per_caller: int = 256
     step_buffer_mb: int = 512
+    #: Seconds a caller's buffer lives after its last write (expired groups are reported lost).
+    step_buffer_ttl_s: float = 3600.0
+    #: Where fleet state lives (server/state): "" this process (the supervisor's with --workers),
+    #: or redis://host:port/db, rediss://... shared by every replica; the password from a file.
+    state_store: str = ""
+    state_store_password_file: str | None = None
+    state_store_ca_file: str | None = None
     #: Directories UpdateWeights may name checkpoints under (`--weights-path-prefix`; empty: off).
     weights_path_prefixes: list[str] = field(default_factory=list)
     #: Seconds one engine may take to load a checkpoint (`--weights-load-timeout`).
@@ -282,10 +290,6 @@ class ServerConfig:
             self.rule_reward_processes, self.rule_reward_timeout_s, self.rule_reward_memory_mb
         )
 
-    def step_buffer_bytes(self) -> tuple[int, int]:
-        """(bytes per caller, bytes in all) of the RolloutStep buffers (`--step-buffer-mb*`)."""
-        return self.step_buffer_mb_per_caller << 20, self.step_buffer_mb << 20
-
     def request_limits(self) -> RequestLimits:
         """The per-request caps."""
         return RequestLimits(
@@ -362,3 +366,12 @@ def worker_share(total: int, index: int, workers: int) -> int:
         return total
     base, extra = divmod(total, workers)
     return max(1, base + (1 if index < extra else 0))
+
+
+def buffer_caps(cfg: ServerConfig) -> BufferCaps:
+    """The step buffers' bounds from the `--step-buffer-*` flags (every store applies them)."""
+    return BufferCaps(
+        max_bytes_per_owner=cfg.step_buffer_mb_per_caller << 20,
+        max_bytes_total=cfg.step_buffer_mb << 20,
+        ttl_s=cfg.step_buffer_ttl_s,
+    )

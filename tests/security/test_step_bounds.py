@@ -27,12 +27,16 @@ import grpc
 import pytest
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
+from rollout_grpc.client.step import DEFAULT_BUFFER_NAME
 from rollout_grpc.server.front.grpc import convert
 from tests.harness import Harness, harness
 from tests.support.partials import aborted_partials
 from tests.support.processes import Processes, read_port_file, replica_command, start_engine
 from tests.support.service import PROMPT, engine_id, field_violation
 from tests.support.steps import run_step
+
+#: The store key of this test process's anonymous buffer (the client names it by default).
+ANON_BUFFER = f"anonymous#{DEFAULT_BUFFER_NAME}"
 
 #: The simulator's max_model_len.
 SIM_CONTEXT = 4096
@@ -147,7 +151,7 @@ async def test_leftovers_over_the_callers_buffer_bytes_are_handed_back_with_thei
             assert len(sample.tokens) == len(BIG_PROMPT) + sample.response_length
         assert run.summary is not None and run.summary.buffered == 1
         steps = h.server.steps
-        assert steps is not None and 0 < steps.buffers.bytes_of("anonymous") <= 1 << 20
+        assert steps is not None and 0 < await steps.buffers.bytes_of(ANON_BUFFER) <= 1 << 20
 
 
 async def test_a_caller_that_leaves_over_its_buffer_bytes_is_told_which_groups_were_lost() -> None:
@@ -168,7 +172,7 @@ async def test_a_caller_that_leaves_over_its_buffer_bytes_is_told_which_groups_w
         steps = h.server.steps
         assert steps is not None
         await steps.drained()
-        assert steps.buffers.count("anonymous") == 1
+        assert await steps.buffers.count(ANON_BUFFER) == 1
         resumed = await run_step(h, [], n_samples_per_prompt=2, params=STEP_PARAMS, continue_buffered=True)
         [kept] = resumed.groups
         assert resumed.summary is not None

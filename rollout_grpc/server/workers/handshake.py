@@ -64,6 +64,11 @@ class WorkerSpec:
         """The unix socket path of worker `index`."""
         return str(Path(self.run_dir) / f"worker-{index}.sock")
 
+    @property
+    def state_socket(self) -> str:
+        """The unix socket of the supervisor's embedded state store (server/state/socket.py)."""
+        return str(Path(self.run_dir) / "state.sock")
+
     def sibling_address(self, index: int) -> str:
         """The gRPC address of worker `index`'s private server."""
         return "unix:" + self.sibling_socket(index)

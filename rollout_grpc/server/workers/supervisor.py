@@ -46,8 +46,10 @@ from typing import Any
 
 import structlog
 
-from rollout_grpc.server.config import ServerConfig
+from rollout_grpc.server.config import ServerConfig, buffer_caps
 from rollout_grpc.server.ports import PortUnavailable
+from rollout_grpc.server.state.memory import MemoryStore
+from rollout_grpc.server.state.socket import serve_store
 from rollout_grpc.server.workers import handshake
 from rollout_grpc.server.workers.admission import create_slots, reclaim_slots
 from rollout_grpc.server.workers.handshake import WorkerSpec
@@ -166,6 +168,9 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._listeners: list[asyncio.Task[None]] = []
         self._specs: list[WorkerSpec] = []
+        #: The embedded state store every worker reaches (without --state-store): it outlives
+        #: any worker, so a worker's restart loses no caller's buffer.
+        self._state_server: asyncio.Server | None = None
         self.restarts = restarts or RestartPolicy(config.worker_restarts, config.worker_restart_window_s)
 
     def _command(self) -> list[str]:
@@ -238,6 +243,9 @@ class Supervisor:
         self._specs = specs
         if len(specs[-1].sibling_socket(self.workers - 1)) > MAX_SOCKET_PATH:
             raise SupervisorError(f"the run directory {run_dir} is too long for unix sockets (set TMPDIR)")
+        if not self.config.state_store:
+            store = MemoryStore(buffer_caps(self.config))
+            self._state_server = await serve_store(specs[0].state_socket, secret, store)
         loop = asyncio.get_running_loop()
         stop = self._stop
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -521,6 +529,8 @@ class Supervisor:
             )
 
     async def _close(self) -> None:
+        if self._state_server is not None:
+            self._state_server.close()
         if self._metrics is not None:
             await self._metrics.stop()
         if self._scraper is not None:

@@ -25,9 +25,11 @@ import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.app import RolloutServer
-from rollout_grpc.server.config import ServerConfig, worker_share
+from rollout_grpc.server.config import ServerConfig, buffer_caps, worker_share
 from rollout_grpc.server.facade.calls import TimedAdmission
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control
+from rollout_grpc.server.state.api import BufferStore
+from rollout_grpc.server.state.socket import SocketStore
 from rollout_grpc.server.workers import handshake
 from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots
 from rollout_grpc.server.workers.control import FRONT_DOOR_WORKER, WorkerControl, WorkerRolloutServicer
@@ -65,12 +67,18 @@ class WorkerServer(RolloutServer):
     serving_event = "worker_serving"
 
     def __init__(self, config: ServerConfig, spec: WorkerSpec, **kwargs: Any) -> None:
+        self.spec = spec  # before the base class picks the state store
         super().__init__(config, **kwargs)
-        self.spec = spec
         self.siblings = Siblings(spec, timeout_s=config.control_deadline_s)
         self.servicer: WorkerRolloutServicer
         self._sibling_server: grpc.aio.Server | None = None
         self.shared_admission: SharedAdmission
+
+    def _state_store(self) -> BufferStore:
+        """Without --state-store, the supervisor's embedded store: every worker shares it."""
+        if self.config.state_store:
+            return super()._state_store()
+        return SocketStore(self.spec.state_socket, self.spec.secret, buffer_caps(self.config))
 
     def _admission(self, limit: int) -> TimedAdmission:
         self.shared_admission = SharedAdmission(

@@ -447,6 +447,7 @@ def step_spec_from_pb(msg: pb.RolloutStepRequest, defaults: domain.GenerateOptio
         epsilon=msg.filter.epsilon,
         leftovers=_enum(_LEFTOVERS, msg.leftovers, "leftovers"),
         continue_buffered=msg.continue_buffered,
+        buffer_name=msg.buffer_name,
         max_staleness=msg.max_staleness if msg.HasField("max_staleness") else None,
         on_stale=_enum(_ON_STALE, msg.on_stale, "on_stale"),
         stream_samples=msg.stream_samples,

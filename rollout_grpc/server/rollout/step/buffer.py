@@ -1,9 +1,15 @@
 """Per-caller buffers of partial groups (slime's partial rollout, server side).
 
 A step that reaches its target with `leftovers=BUFFER`, or whose caller went away mid-step, puts
-its aborted groups here under the caller's identity; the caller's next step with
-`continue_buffered` takes them first. Buffers live in this replica's memory: a restart loses them
-(the trainer's own buffer is the durable one; docs/rollout-step.md says so).
+its aborted groups here under the caller's buffer owner (`buffer_owner`); the caller's next step
+with `continue_buffered` takes them first. The groups live in the state store the wiring chose
+(server/state: this process, the supervisor of `--workers N`, or Redis shared by every replica);
+this module encodes them for it and never imports a store client.
+
+No race by construction: a step holds a drain lease in the store from before it starts anything
+until it has put every group it will put (also when its caller left mid-step), and a
+`continue_buffered` step of the same owner waits for every lease of that owner first, on any
+worker or replica. A lease of a replica killed with SIGKILL expires (`lease_ttl_s`).
 
 The buffer is bounded in bytes, per caller and for the whole replica process, not only in groups:
 a buffered group of 64 long samples is ~0.7-0.9 MB, so the old 10,000-group cap let one caller
@@ -14,10 +20,24 @@ does not fit is handed back to the caller (`put` returns it); it is never droppe
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
+import pickle
 import sys
+import uuid
+from typing import Any
 
+import structlog
+
+from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.domain.identity import ANONYMOUS, Caller
 from rollout_grpc.server.domain.model import Sample
 from rollout_grpc.server.rollout.step.spec import PromptGroup, StepSample
+from rollout_grpc.server.state.api import BufferStore, StoredGroup
+from rollout_grpc.server.state.memory import MemoryStore
+
+log = structlog.get_logger(__name__)
 
 #: Bytes per element of a list of ints: an 8-byte slot and a 28-byte int object (small ids are
 #: shared objects in CPython; counting them anyway keeps the estimate an upper bound).
@@ -27,8 +47,8 @@ _FLOAT_BYTES = 32
 #: The fixed part of a sample and its step record (dataclasses, empty lists, the wire message's
 #: header kept as `origin`).
 _SAMPLE_OVERHEAD = 1024
-#: Lost group indexes remembered per owner until its next step reports them.
-MAX_LOST = 100_000
+#: Longest a buffer name may be (it is part of the store's keys).
+MAX_BUFFER_NAME = 128
 
 
 def sample_bytes(sample: Sample) -> int:
@@ -54,80 +74,152 @@ def group_bytes(group: PromptGroup) -> int:
     return sample_bytes(group.prompt) + sum(sample_bytes(i.sample) for i in items)
 
 
+def buffer_owner(caller: Caller, buffer_name: str) -> str | None:
+    """Whose buffer a step reads and writes: the authenticated identity (and, when named, its
+    sub-buffer), or for an anonymous caller the buffer it names; None for an anonymous caller that
+    names none (it has no buffer: two anonymous trainers must never share one)."""
+    if len(buffer_name) > MAX_BUFFER_NAME:
+        raise InvalidArgument("buffer_name", f"at most {MAX_BUFFER_NAME} characters")
+    if not buffer_name.isprintable():
+        raise InvalidArgument("buffer_name", "printable characters only")
+    if caller.identity == ANONYMOUS.identity:
+        return f"anonymous#{buffer_name}" if buffer_name else None
+    return f"{caller.identity}#{buffer_name}" if buffer_name else caller.identity
+
+
+#: What a buffered group's pickle may name: the step's and the domain's dataclasses and enums,
+#: the transport's messages kept as `origin`, numpy arrays (R3) and the plain containers. A blob
+#: naming anything else (a function, os.system) is refused: the store is shared, this replica's
+#: memory is not.
+_ALLOWED_GLOBALS = {
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy._core.numeric", "_frombuffer"),
+    ("numpy.core.numeric", "_frombuffer"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("copyreg", "_reconstructor"),
+    ("copyreg", "__newobj__"),
+    ("builtins", "object"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "bytearray"),
+}
+_ALLOWED_MODULES = (
+    "rollout_grpc.server.domain.",
+    "rollout_grpc.server.rollout.step.",
+    "rollout_grpc._proto.",
+)
+
+
+class _GroupUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS or (module + ".").startswith(_ALLOWED_MODULES):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a buffered group may not name {module}.{name}")
+
+
+def encode_group(group: PromptGroup) -> bytes:
+    """A group as the store keeps it."""
+    return pickle.dumps(group, protocol=5)
+
+
+def decode_group(blob: bytes) -> PromptGroup:
+    """A group the store kept (only the step's own types and plain values may appear)."""
+    group = _GroupUnpickler(io.BytesIO(blob)).load()
+    if not isinstance(group, PromptGroup):
+        raise pickle.UnpicklingError(f"a buffered group decoded to {type(group).__name__}")
+    return group
+
+
+class DrainLease:
+    """A step's lease on its owner's buffer, renewed in the background until `end`."""
+
+    def __init__(self, store: BufferStore, owner: str) -> None:
+        self.store = store
+        self.owner = owner
+        self.id = uuid.uuid4().hex
+        self._renewer: asyncio.Task[None] | None = None
+
+    async def begin(self) -> None:
+        await self.store.begin_drain(self.owner, self.id)
+        self._renewer = asyncio.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.store.caps.lease_ttl_s / 3)
+            try:
+                await self.store.renew_drain(self.owner, self.id)
+            except Exception:  # the lease expires; the next step then waits no longer for it
+                log.warning("step_lease_renew_failed", owner=self.owner, store=self.store.name)
+
+    async def end(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        await self.store.end_drain(self.owner, self.id)
+
+
 class StepBuffers:
-    """Owner identity -> its buffered groups, oldest first, bounded in groups and in bytes."""
+    """Owner -> its buffered groups, oldest first, bounded in groups and in bytes, in a store."""
 
-    def __init__(
-        self,
-        max_groups_per_owner: int = 10_000,
-        max_bytes_per_owner: int = 256 << 20,
-        max_bytes_total: int = 512 << 20,
-    ) -> None:
-        self._groups: dict[str, list[tuple[PromptGroup, int]]] = {}
-        self._bytes: dict[str, int] = {}
-        #: Per owner, indexes of groups of an abandoned step that did not fit (reported once).
-        self._lost: dict[str, list[int]] = {}
-        self.total_bytes = 0
-        self.max_groups_per_owner = max_groups_per_owner
-        self.max_bytes_per_owner = max_bytes_per_owner
-        self.max_bytes_total = max_bytes_total
+    def __init__(self, store: BufferStore | None = None) -> None:
+        self.store: BufferStore = store or MemoryStore()
 
-    def put(self, owner: str, groups: list[PromptGroup]) -> list[PromptGroup]:
+    async def put(self, owner: str, groups: list[PromptGroup]) -> list[PromptGroup]:
         """Buffer `groups` for `owner`, in order, while they fit under the caps; returns those
         that did not fit (the caller hands them back instead: a group is never dropped)."""
-        held = self._groups.setdefault(owner, [])
-        rejected: list[PromptGroup] = []
-        for group in groups:
-            size = group_bytes(group)
-            fits = (
-                not rejected
-                and len(held) < self.max_groups_per_owner
-                and self._bytes.get(owner, 0) + size <= self.max_bytes_per_owner
-                and self.total_bytes + size <= self.max_bytes_total
-            )
-            if not fits:
-                rejected.append(group)
-                continue
-            held.append((group, size))
-            self._bytes[owner] = self._bytes.get(owner, 0) + size
-            self.total_bytes += size
-        if not held:
-            self._groups.pop(owner, None)
-        return rejected
+        if not groups:
+            return []
+        stored = [StoredGroup(g.group_index, group_bytes(g), encode_group(g)) for g in groups]
+        refused = await self.store.put(owner, stored)
+        return [groups[i] for i in refused]
 
-    def full_reason(self, owner: str) -> str:
+    async def full_reason(self, owner: str) -> str:
         """Which cap a rejected group hit, for the reason handed back with it."""
+        held = await self.store.holding(owner)
+        caps = self.store.caps
         return (
-            f"the step buffer is full (this caller holds {len(self._groups.get(owner, []))} groups, "
-            f"{self._bytes.get(owner, 0)} bytes; caps {self.max_groups_per_owner} groups and "
-            f"{self.max_bytes_per_owner} bytes per caller, {self.max_bytes_total} bytes in all: "
+            f"the step buffer is full (this caller holds {held.count} groups, "
+            f"{held.bytes} bytes; caps {caps.max_groups_per_owner} groups and "
+            f"{caps.max_bytes_per_owner} bytes per caller, {caps.max_bytes_total} bytes in all: "
             "--step-buffer-mb-per-caller, --step-buffer-mb)"
         )
 
-    def note_lost(self, owner: str, indexes: list[int]) -> None:
+    async def note_lost(self, owner: str, indexes: list[int]) -> None:
         """Remember groups of `owner`'s abandoned step that did not fit: its next step reports
-        them (`take_lost`). At most `MAX_LOST` indexes are kept per owner (the oldest)."""
-        lost = self._lost.setdefault(owner, [])
-        lost.extend(indexes[: max(0, MAX_LOST - len(lost))])
+        them (`take_lost`)."""
+        await self.store.note_lost(owner, indexes)
 
-    def take_lost(self, owner: str) -> list[int]:
-        """The indexes `note_lost` kept for `owner` (forgotten once taken)."""
-        return self._lost.pop(owner, [])
+    async def take_lost(self, owner: str) -> list[int]:
+        """The indexes noted lost for `owner`, expired groups' too (forgotten once taken)."""
+        return await self.store.take_lost(owner)
 
-    def take(self, owner: str) -> list[PromptGroup]:
+    async def take(self, owner: str) -> list[PromptGroup]:
         """Every buffered group of `owner` (the buffer empties)."""
-        held = self._groups.pop(owner, [])
-        self.total_bytes -= self._bytes.pop(owner, 0)
-        return [group for group, _ in held]
+        return [decode_group(blob) for blob in await self.store.take(owner)]
 
-    def indexes(self, owner: str) -> set[int]:
+    async def indexes(self, owner: str) -> frozenset[int]:
         """The group indexes `owner` has buffered."""
-        return {g.group_index for g, _ in self._groups.get(owner, [])}
+        return (await self.store.holding(owner)).indexes
 
-    def count(self, owner: str) -> int:
+    async def count(self, owner: str) -> int:
         """How many groups `owner` has buffered."""
-        return len(self._groups.get(owner, []))
+        return (await self.store.holding(owner)).count
 
-    def bytes_of(self, owner: str) -> int:
+    async def bytes_of(self, owner: str) -> int:
         """The estimated bytes `owner`'s buffered groups hold."""
-        return self._bytes.get(owner, 0)
+        return (await self.store.holding(owner)).bytes
+
+    async def lease(self, owner: str) -> DrainLease:
+        """A lease held from now until the step has put everything it will put."""
+        lease = DrainLease(self.store, owner)
+        await lease.begin()
+        return lease
+
+    async def wait_drains(self, owner: str, timeout_s: float) -> bool:
+        """Wait until no step of `owner` may still add to its buffer (False: timed out)."""
+        return await self.store.wait_drains(owner, timeout_s)

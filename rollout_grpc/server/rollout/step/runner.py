@@ -45,10 +45,11 @@ from rollout_grpc.server.rewards.api import (
 )
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.step import episodes, filters, hooks
-from rollout_grpc.server.rollout.step.buffer import StepBuffers
+from rollout_grpc.server.rollout.step.buffer import DrainLease, StepBuffers, buffer_owner
 from rollout_grpc.server.rollout.step.plugins import StepPlugins
 from rollout_grpc.server.rollout.step.policy import Counters, OverSampling, StartPolicy
 from rollout_grpc.server.rollout.step.spec import (
+    MAX_GROUPS,
     UNKNOWN_CONTEXT_TOKENS,
     FilterKind,
     Leftovers,
@@ -184,22 +185,9 @@ class StepRunner:
         self.buffers = buffers or StepBuffers()
         self.versions = versions or VersionOrder()
         self._background: set[asyncio.Task[Any]] = set()
-        #: Per caller, the drains of its abandoned steps still moving groups into its buffer.
-        self._drains: dict[str, set[asyncio.Task[Any]]] = {}
-
-    def drain_for(self, owner: str, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run an abandoned step's drain; the owner's next step waits for it before it reads the
-        buffer, so a trainer that reconnects at once still continues every group."""
-        task = self.spawn(coro)
-        drains = self._drains.setdefault(owner, set())
-        drains.add(task)
-
-        def forget(done: asyncio.Task[Any]) -> None:
-            drains.discard(done)
-            if not drains:
-                self._drains.pop(owner, None)
-
-        task.add_done_callback(forget)
+        #: Longest a continue step waits for the drain leases of the caller's other steps (the
+        #: call's deadline ends the wait sooner; a killed replica's lease expires sooner).
+        self.drain_wait_s = 3600.0
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """A task kept referenced until it ends (aborts, drains to the buffer)."""
@@ -214,36 +202,69 @@ class StepRunner:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
     async def run(self, spec: StepSpec) -> AsyncIterator[StepEvent]:
-        """Check the request, probe the reward model, then run the loop (events as they happen)."""
+        """Check the request, probe the step's clients, then run the loop (events as they happen)."""
         owner = current_caller().identity
-        if spec.continue_buffered and owner in self._drains:
-            await asyncio.wait(list(self._drains[owner]))
-        self._check(spec, owner)
-        hooks.check(spec, self._reward_urls)
-        custom = hooks.custom_filter(spec, self.plugins, self._remote_filters)
-        model = hooks.reward(spec, self.plugins) or self._rewards(spec.reward)
+        buffer = await self._buffer_of(spec)
+        await self._check(spec, buffer)
+        clients = await self._clients(spec)
+        lease = await self.buffers.lease(buffer) if buffer is not None else None
         try:
-            if model is not None:
-                try:
-                    await model.probe()
-                except RewardUnavailable as exc:
-                    raise FailedPrecondition(f"reward.url: {exc}") from exc
-            if custom is not None:
-                try:
-                    await getattr(custom, "probe", _no_probe)()
-                except RewardUnavailable as exc:
-                    raise FailedPrecondition(f"filter.url: {exc}") from exc
-            env = await self._environment(spec)
+            buffered = await self.buffers.take(buffer) if spec.continue_buffered and buffer else []
         except BaseException:
-            # Nothing started: the clients made for this step close here, whichever probe failed.
-            for client in (model, custom):
-                if client is not None:
-                    await client.close()
+            if lease is not None:
+                await lease.end()
+            await clients.close()
             raise
-        step = _Step(self, spec, owner, model, self._share_groups(spec, owner), env=env)
-        step.custom_filter = custom
-        async for event in step.events():
-            yield event
+        step = _Step(
+            self, spec, owner, clients.model, self._share_groups(spec, owner), buffer, lease, buffered,
+            env=clients.env,
+        )  # fmt: skip
+        step.custom_filter = clients.custom
+        try:
+            async for event in step.events():
+                yield event
+        finally:
+            if not step.started and lease is not None:
+                self.spawn(lease.end())
+
+    async def _buffer_of(self, spec: StepSpec) -> str | None:
+        """The caller's buffer (None: an anonymous caller that named none), after the caller's
+        earlier steps have drained into it."""
+        buffer = buffer_owner(current_caller(), spec.buffer_name)
+        if buffer is None and (spec.continue_buffered or spec.leftovers is Leftovers.BUFFER):
+            raise InvalidArgument(
+                "buffer_name",
+                "an anonymous caller must name its buffer to buffer or continue groups (the client "
+                "library names one per trainer process); two anonymous trainers never share one",
+            )
+        # The caller's earlier steps (on any worker or replica) hold drain leases until they have
+        # put everything they will put: waiting for them first leaves no race with a disconnect.
+        wait = self.drain_wait_s
+        if spec.continue_buffered and buffer is not None and not await self.buffers.wait_drains(buffer, wait):
+            raise FailedPrecondition(
+                f"another step of this caller still drains into its buffer after {wait:.0f} s"
+            )
+        return buffer
+
+    async def _clients(self, spec: StepSpec) -> _StepClients:
+        """The step's reward model, custom filter and environment, each probed; when one does not
+        answer (FAILED_PRECONDITION naming its field) the ones already made are closed."""
+        hooks.check(spec, self._reward_urls)
+        clients = _StepClients(
+            hooks.reward(spec, self.plugins) or self._rewards(spec.reward),
+            hooks.custom_filter(spec, self.plugins, self._remote_filters),
+        )
+        try:
+            for client, field_name in ((clients.model, "reward.url"), (clients.custom, "filter.url")):
+                try:
+                    await getattr(client, "probe", _no_probe)()
+                except RewardUnavailable as exc:
+                    raise FailedPrecondition(f"{field_name}: {exc}") from exc
+            clients.env = await self._environment(spec)
+        except BaseException:
+            await clients.close()
+            raise
+        return clients
 
     async def _environment(self, spec: StepSpec) -> Environment | None:
         """The step's environment client, probed (FAILED_PRECONDITION naming `episode.url`)."""
@@ -261,7 +282,9 @@ class StepRunner:
         """The checks that need only the request's counts, made by the front door on the wire
         message before it converts anything (INVALID_ARGUMENT naming the field)."""
         owner = current_caller().identity
-        check_counts(counts, self.buffers.count(owner))
+        # The buffered count is not read here (this check is sync and the store may be remote):
+        # counted as large as it may be, and checked exactly by `_check` once the store is read.
+        check_counts(counts, MAX_GROUPS)
         self._check_share(counts, owner)
 
     def prompt_token_limit(self) -> int:
@@ -275,9 +298,11 @@ class StepRunner:
         ]
         return max(lengths) if lengths else UNKNOWN_CONTEXT_TOKENS
 
-    def _check(self, spec: StepSpec, owner: str) -> None:
+    async def _check(self, spec: StepSpec, buffer: str | None) -> None:
         """Every check made before anything is generated (INVALID_ARGUMENT naming the field)."""
-        check(spec, self.buffers.count(owner))
+        owner = current_caller().identity
+        held = await self.buffers.store.holding(buffer) if buffer is not None else None
+        check(spec, held.count if held is not None else 0)
         if spec.filter is FilterKind.REWARD_NONZERO_STD:
             if spec.reward.kind is RewardKind.NONE and spec.episode is None:  # episodes: the env's
                 raise InvalidArgument(
@@ -286,8 +311,8 @@ class StepRunner:
             if spec.n_samples_per_prompt < 2:
                 raise InvalidArgument("filter.kind", "REWARD_NONZERO_STD needs n_samples_per_prompt >= 2")
         self._check_share(StepCounts.of(spec), owner)
-        if spec.continue_buffered:
-            buffered = self.buffers.indexes(owner)
+        if spec.continue_buffered and held is not None:
+            buffered = held.indexes
             for i, group in enumerate(spec.groups):
                 if group.group_index in buffered:
                     raise InvalidArgument(
@@ -330,6 +355,21 @@ class StepRunner:
             )
 
 
+@dataclass(slots=True)
+class _StepClients:
+    """The HTTP-backed helpers one step makes and closes: its reward model, custom filter and
+    episode environment (each None when the step has none)."""
+
+    model: RewardModel | None
+    custom: GroupFilter | None
+    env: Environment | None = None
+
+    async def close(self) -> None:
+        for client in (self.model, self.custom, self.env):
+            if client is not None:
+                await client.close()
+
+
 class _Step:
     """The state of one running step."""
 
@@ -340,6 +380,9 @@ class _Step:
         owner: str,
         model: RewardModel | None,
         share: int = 0,
+        buffer: str | None = None,
+        lease: DrainLease | None = None,
+        buffered: list[PromptGroup] | None = None,
         *,
         env: Environment | None = None,
     ) -> None:
@@ -349,8 +392,13 @@ class _Step:
         self.rollout = runner._rollout
         self.spec = spec
         self.owner = owner
+        #: The store key of the caller's buffer (None: an anonymous caller that named none).
+        self.buffer = buffer
+        #: Held until every group this step will buffer is in the store (released by events() or
+        #: by the drain of an abandoned step).
+        self.lease = lease
         self.model = model
-        buffered = runner.buffers.take(owner) if spec.continue_buffered else []
+        buffered = buffered or []
         self.from_buffer = {id(g) for g in buffered}
         self.queue: deque[tuple[PromptGroup, bool]] = deque((g, False) for g in [*buffered, *spec.groups])
         self.target = spec.target_groups or len(self.queue)
@@ -374,6 +422,7 @@ class _Step:
         self.finished = False
         #: A plugin or remote filter applied after the built-in one (hooks.py).
         self.custom_filter: GroupFilter | None = None
+        self.started = False
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -382,6 +431,7 @@ class _Step:
             self._stop_all("the caller's generations were aborted (Abort mine)")
 
     async def events(self) -> AsyncIterator[StepEvent]:
+        self.started = True  # from here events() releases the lease (or its drain does)
         unwatch = self.rollout.owner_aborts.watch(self.owner, self._on_owner_abort)
         try:
             self._fill()
@@ -394,7 +444,7 @@ class _Step:
                         yield event
                     yield self._progress()
                     continue
-                for out in self._group_done(event):
+                for out in await self._group_done(event):
                     yield out
                 if not self.stop_reason and self._aborted_from_outside():
                     self._stop_all("the generations were aborted (Abort all)")
@@ -403,15 +453,23 @@ class _Step:
                 if not self.stop_reason:
                     self._fill()
                 yield self._progress()
-            summary = self._summary()
+            summary = await self._summary()
             self.finished = True  # before the yield: a caller leaving now has nothing left to lose
             yield summary
         finally:
             unwatch()
-            if not self.finished:
-                self._abandon()
-            else:
-                await self._close_hooks()
+            await self._release()
+
+    async def _release(self) -> None:
+        """The step's end (the stream is released after this): an abandoned step drains its
+        groups to the buffer, still holding its lease; a finished one gives the lease back."""
+        if not self.finished:
+            self._abandon()
+            return
+        if self.lease is not None:
+            # In the background: a cancelled call must not leave the lease to expire.
+            self.runner.spawn(self.lease.end())
+        await self._close_hooks()
 
     def _fill(self) -> None:
         """Start the prompt groups the over-sampling policy allows now (policy.py), unless
@@ -452,7 +510,7 @@ class _Step:
         run.task = asyncio.create_task(self._coordinate(run))
         self.active[group.group_index] = run
 
-    def _group_done(self, done: _GroupDone) -> list[StepEvent]:
+    async def _group_done(self, done: _GroupDone) -> list[StepEvent]:
         """Account a finished group; its events."""
         run = done.run
         self.active.pop(run.group.group_index, None)
@@ -461,7 +519,7 @@ class _Step:
                 # Aborted from outside (Abort of its group or session): the step goes on, and the
                 # over-sampling rule counts it as a group that will not be accepted.
                 self.counters.dropped += 1
-            return [self._leftover(run, done.reason)]
+            return [await self._leftover(run, done.reason)]
         lags = self._lags(run.items)
         outcome, reason = done.outcome, done.reason
         if outcome is Outcome.ACCEPTED and self.spec.max_staleness is not None:
@@ -475,7 +533,7 @@ class _Step:
                     reason += "; regenerating the group once"
                     self.queue.appendleft((run.group, True))
         if outcome is Outcome.ACCEPTED and self.progress.accepted >= self.target:
-            return [self._leftover(run, "the target was reached")]
+            return [await self._leftover(run, "the target was reached")]
         if outcome is Outcome.ACCEPTED:
             self.progress.accepted += 1
             self.max_lag = max(self.max_lag, *lags, 0)
@@ -493,19 +551,19 @@ class _Step:
             self._stop_all(done.stop_reason or f"a reward failed (on_failure FAIL_GROUP): {done.reason}")
         return [GroupEnded(run.group.group_index, outcome, reason, run.items, lags)]
 
-    def _leftover(self, run: _GroupRun, reason: str) -> GroupEnded:
+    async def _leftover(self, run: _GroupRun, reason: str) -> GroupEnded:
         """A group the step stopped (or that was aborted from outside): returned or buffered."""
         group = run.group
-        if self.spec.leftovers is Leftovers.BUFFER:
+        if self.spec.leftovers is Leftovers.BUFFER and self.buffer is not None:
             kept = PromptGroup(
                 group.group_index, group.prompt, group.origin, group.prompt_index, group.label, run.items
             )
-            if not self.runner.buffers.put(self.owner, [kept]):
+            if not await self.runner.buffers.put(self.buffer, [kept]):
                 # The samples stay on the event for accounting; the wire omits them (they are here).
                 return GroupEnded(
                     group.group_index, Outcome.BUFFERED, reason, run.items, self._lags(run.items)
                 )
-            reason += f"; {self.runner.buffers.full_reason(self.owner)}, returned instead"
+            reason += f"; {await self.runner.buffers.full_reason(self.buffer)}, returned instead"
         return GroupEnded(group.group_index, Outcome.ABORTED, reason, run.items, self._lags(run.items))
 
     def _aborted_from_outside(self) -> bool:
@@ -539,9 +597,17 @@ class _Step:
             self._stop(run)
         unstarted = [g for g, _ in self.queue if id(g) in self.from_buffer]
         log.warning("step_abandoned", step_id=self.spec.step_id, in_flight=len(runs), owner=self.owner)
-        self.runner.drain_for(self.owner, self._drain_to_buffer(runs, unstarted))
+        self.runner.spawn(self._drain_to_buffer(runs, unstarted))
 
     async def _drain_to_buffer(self, runs: list[_GroupRun], unstarted: list[PromptGroup]) -> None:
+        try:
+            await self._drain_groups(runs, unstarted)
+        finally:
+            if self.lease is not None:
+                await self.lease.end()
+            await self._close_hooks()
+
+    async def _drain_groups(self, runs: list[_GroupRun], unstarted: list[PromptGroup]) -> None:
         groups = list(unstarted)
         for run in runs:
             assert run.task is not None
@@ -552,18 +618,26 @@ class _Step:
                     group.group_index, group.prompt, group.origin, group.prompt_index, group.label, run.items
                 )
             )
-        rejected = self.runner.buffers.put(self.owner, groups)
+        if self.buffer is None:
+            # An anonymous caller that named no buffer has none: these groups cannot be kept for it.
+            log.error(
+                "step_abandoned_unbuffered",
+                step_id=self.spec.step_id,
+                lost_groups=[g.group_index for g in groups],
+                why="an anonymous caller named no buffer_name",
+            )
+            return
+        rejected = await self.runner.buffers.put(self.buffer, groups)
         if rejected:
             # The caller is gone: its next step's summary names these groups (lost_group_indexes).
             lost = [g.group_index for g in rejected]
-            self.runner.buffers.note_lost(self.owner, lost)
+            await self.runner.buffers.note_lost(self.buffer, lost)
             log.error(
                 "step_buffer_full",
                 owner=self.owner,
                 lost_groups=lost,
-                why=self.runner.buffers.full_reason(self.owner),
+                why=await self.runner.buffers.full_reason(self.buffer),
             )
-        await self._close_hooks()
 
     async def _close_hooks(self) -> None:
         """Close the reward model and the custom filter and the environment (their HTTP sessions)."""
@@ -574,14 +648,15 @@ class _Step:
         if self.env is not None:
             await self.env.close()
 
-    def _summary(self) -> Summary:
+    async def _summary(self) -> Summary:
         # Groups taken from the buffer and never started go back to it; fresh ones are listed.
         back = [g for g, _ in self.queue if id(g) in self.from_buffer]
-        if back:
+        buffers, buffer = self.runner.buffers, self.buffer
+        if back and buffer is not None:
             # They came out of this caller's buffer, so they fit back unless another step of the
             # caller filled it meanwhile: those are reported like an abandoned step's overflow.
-            rejected = self.runner.buffers.put(self.owner, back)
-            self.runner.buffers.note_lost(self.owner, [g.group_index for g in rejected])
+            rejected = await buffers.put(buffer, back)
+            await buffers.note_lost(buffer, [g.group_index for g in rejected])
         unstarted = [g.group_index for g, _ in self.queue if id(g) not in self.from_buffer]
         reached = self.progress.accepted >= self.target
         if self.stop_reason:
@@ -594,11 +669,11 @@ class _Step:
             accepted=self.progress.accepted,
             target_reached=reached,
             reason=reason,
-            buffered=self.runner.buffers.count(self.owner),
+            buffered=await buffers.count(buffer) if buffer is not None else 0,
             unstarted=unstarted,
             progress=self._progress(),
             max_version_lag=self.max_lag,
-            lost=self.runner.buffers.take_lost(self.owner),
+            lost=await buffers.take_lost(buffer) if buffer is not None else [],
         )
 
     def _progress(self) -> Progress:

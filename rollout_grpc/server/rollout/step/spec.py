@@ -147,6 +147,8 @@ class StepSpec:
     remote_filter: RemoteFilterConfig | None = None
     #: Each sample is a multi-turn episode driven by this environment server (None: one turn).
     episode: EpisodeConfig | None = None
+    #: The caller's name for its buffer (an anonymous caller must give one to buffer; buffer.py).
+    buffer_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

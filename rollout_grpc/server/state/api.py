@@ -1,0 +1,124 @@
+"""What the step needs of a state store: per-owner buffers of opaque groups, and drain leases.
+
+The store holds bytes, never domain objects: the step encodes its groups (rollout/step/buffer.py)
+so that the store has no reason to import the step, and a store client never reaches the step.
+
+Semantics every implementation keeps (tests/unit/test_state_store.py runs them all on one suite):
+
+* `put` stores groups in order while they fit under the caps (groups and bytes per owner, bytes in
+  all); from the first group that does not fit, that group and every later one are refused and
+  their positions returned: the caller hands them back, a group is never dropped;
+* an owner's buffer expires `ttl_s` after its last write; its groups are then not dropped
+  silently: their indexes move to the owner's lost list, which the owner's next step reports
+  (`lost_group_indexes`), kept `LOST_TTL_S`;
+* a drain lease (`begin_drain`) says "a step of this owner may still add groups": an owner's
+  `continue_buffered` step waits until it holds none. A lease expires `lease_ttl_s` after its
+  last renewal, so a replica killed with its lease held delays the next step by at most that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from rollout_grpc.server.domain.errors import Unavailable
+
+#: How long a lost list (groups that expired or did not fit when their owner was gone) is kept.
+LOST_TTL_S = 7 * 24 * 3600
+#: Most lost group indexes kept per owner (the oldest).
+MAX_LOST = 100_000
+
+
+class StoreUnavailable(Unavailable):
+    """The state store did not answer: the call that needs it fails UNAVAILABLE naming it."""
+
+    def __init__(self, store: str, detail: str) -> None:
+        super().__init__(f"the state store {store} is unavailable: {detail}")
+
+
+@dataclass(frozen=True, slots=True)
+class BufferCaps:
+    """The bounds of the step buffers (`--step-buffer-*`)."""
+
+    max_groups_per_owner: int = 10_000
+    max_bytes_per_owner: int = 256 << 20
+    max_bytes_total: int = 512 << 20
+    #: Seconds an owner's buffer lives after its last write.
+    ttl_s: float = 3600.0
+    #: Seconds a drain lease lives after its last renewal (its holder renews it every third).
+    lease_ttl_s: float = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredGroup:
+    """One encoded group: its index (the owner's name for it), its estimated size, its bytes."""
+
+    index: int
+    size: int
+    blob: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """What an owner holds now."""
+
+    count: int
+    bytes: int
+    indexes: frozenset[int]
+
+
+class BufferStore(Protocol):
+    """Per-owner step buffers and drain leases, shared by whoever reaches the same store."""
+
+    #: How errors name the store ("redis://host:6379/0", "embedded").
+    name: str
+    caps: BufferCaps
+
+    async def put(self, owner: str, groups: Sequence[StoredGroup]) -> list[int]:
+        """Store `groups` in order while they fit; the positions (in `groups`) refused."""
+        ...
+
+    async def take(self, owner: str) -> list[bytes]:
+        """Every buffered group of `owner`, oldest first (the buffer empties)."""
+        ...
+
+    async def holding(self, owner: str) -> Holding:
+        """How many groups and bytes `owner` holds, and their indexes."""
+        ...
+
+    async def total_bytes(self) -> int:
+        """The bytes every owner's buffer holds together."""
+        ...
+
+    async def note_lost(self, owner: str, indexes: Sequence[int]) -> None:
+        """Remember group indexes of `owner` that could not be buffered (its next step reports them)."""
+        ...
+
+    async def take_lost(self, owner: str) -> list[int]:
+        """The indexes noted lost for `owner` (forgotten once taken)."""
+        ...
+
+    async def begin_drain(self, owner: str, lease: str) -> None:
+        """Hold lease `lease` for `owner` (a step that may still buffer groups)."""
+        ...
+
+    async def renew_drain(self, owner: str, lease: str) -> None:
+        """Extend `lease` by `caps.lease_ttl_s`."""
+        ...
+
+    async def end_drain(self, owner: str, lease: str) -> None:
+        """Release `lease` (its step has put everything it will put)."""
+        ...
+
+    async def wait_drains(self, owner: str, timeout_s: float) -> bool:
+        """Wait until `owner` holds no lease (True) or `timeout_s` passed (False)."""
+        ...
+
+    async def ping(self) -> None:
+        """Reach the store once (StoreUnavailable when it does not answer)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections (the store's data stays)."""
+        ...

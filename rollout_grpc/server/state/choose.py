@@ -1,0 +1,22 @@
+"""Which store a process uses, from its flags (the wiring calls this; the step never does)."""
+
+from __future__ import annotations
+
+from rollout_grpc.server.state.api import BufferCaps, BufferStore
+from rollout_grpc.server.state.memory import MemoryStore
+
+
+def store_for(
+    url: str, caps: BufferCaps, *, password_file: str | None = None, ca_file: str | None = None
+) -> BufferStore:
+    """`--state-store`: "" for this process's memory, redis:// or rediss:// for a shared Redis
+    (ValueError naming the flag for anything else)."""
+    if not url:
+        if password_file or ca_file:
+            raise ValueError(
+                "--state-store-password-file and --state-store-ca-file need --state-store redis(s)://"
+            )
+        return MemoryStore(caps)
+    from rollout_grpc.server.state.redis_store import RedisStore
+
+    return RedisStore(url, caps, password_file=password_file or "", ca_file=ca_file or "")

@@ -1,0 +1,286 @@
+"""`BufferStore` in Redis (or Valkey): the state every replica and worker of a fleet shares.
+
+Every operation is one Lua script, so its caps, its expiry sweep and its writes are atomic on the
+server: two replicas putting for one owner at once cannot pass a cap together. Keys are built in
+the scripts from one prefix, which suits one Redis (a primary with replicas), not Redis Cluster.
+Time is the server's (`TIME`), so replicas with skewed clocks agree on expiries.
+
+Keys per owner: `g:<owner>` (list of group blobs, oldest first), `idx:<owner>` (list of
+`index:size`), `bytes:<owner>`; `lost:<owner>` (list of lost indexes, `LOST_TTL_S`);
+`lease:<owner>` (sorted set lease -> expiry ms). Shared: `total` (bytes of every buffer) and
+`expiry` (sorted set owner -> expiry ms of its buffer). Buffers carry no Redis TTL: an expired one
+is swept by the next operation (at most 64 owners per call) and its indexes move to the owner's
+lost list, so the bytes total never drifts and no group vanishes unreported.
+
+Only this module imports `redis` (an import contract in pyproject.toml says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from rollout_grpc.server.state.api import (
+    LOST_TTL_S,
+    MAX_LOST,
+    BufferCaps,
+    Holding,
+    StoredGroup,
+    StoreUnavailable,
+)
+
+T = TypeVar("T")
+
+#: Key prefix of everything this store writes.
+PREFIX = "rollout:"
+#: Poll interval bounds while a continue step waits for another step's drain lease.
+_POLL_MIN_S = 0.01
+_POLL_MAX_S = 0.2
+
+_PRELUDE = f"""
+local P = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function note_lost(o, idx)
+  local key = P .. 'lost:' .. o
+  if redis.call('LLEN', key) < {MAX_LOST} then redis.call('RPUSH', key, idx) end
+  redis.call('EXPIRE', key, {LOST_TTL_S})
+end
+local function sweep()
+  local expired = redis.call('ZRANGEBYSCORE', P .. 'expiry', '-inf', now, 'LIMIT', 0, 64)
+  for _, o in ipairs(expired) do
+    for _, e in ipairs(redis.call('LRANGE', P .. 'idx:' .. o, 0, -1)) do
+      note_lost(o, string.match(e, '^(-?%d+):'))
+    end
+    redis.call('DECRBY', P .. 'total', tonumber(redis.call('GET', P .. 'bytes:' .. o) or '0'))
+    redis.call('DEL', P .. 'g:' .. o, P .. 'idx:' .. o, P .. 'bytes:' .. o)
+    redis.call('ZREM', P .. 'expiry', o)
+  end
+end
+sweep()
+local o = ARGV[2]
+"""
+
+_PUT = (
+    _PRELUDE
+    + """
+local maxg, maxb, maxt, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local n = tonumber(ARGV[7])
+local count = redis.call('LLEN', P .. 'g:' .. o)
+local b = tonumber(redis.call('GET', P .. 'bytes:' .. o) or '0')
+local total = tonumber(redis.call('GET', P .. 'total') or '0')
+local refused = {}
+for k = 0, n - 1 do
+  local idx, size, blob = ARGV[8 + 3 * k], tonumber(ARGV[9 + 3 * k]), ARGV[10 + 3 * k]
+  if #refused == 0 and count < maxg and b + size <= maxb and total + size <= maxt then
+    redis.call('RPUSH', P .. 'g:' .. o, blob)
+    redis.call('RPUSH', P .. 'idx:' .. o, idx .. ':' .. size)
+    count, b, total = count + 1, b + size, total + size
+  else
+    table.insert(refused, k)
+  end
+end
+if count > 0 then
+  redis.call('SET', P .. 'bytes:' .. o, b)
+  redis.call('SET', P .. 'total', total)
+  redis.call('ZADD', P .. 'expiry', now + ttl, o)
+end
+return refused
+"""
+)
+
+_TAKE = (
+    _PRELUDE
+    + """
+local blobs = redis.call('LRANGE', P .. 'g:' .. o, 0, -1)
+redis.call('DECRBY', P .. 'total', tonumber(redis.call('GET', P .. 'bytes:' .. o) or '0'))
+redis.call('DEL', P .. 'g:' .. o, P .. 'idx:' .. o, P .. 'bytes:' .. o)
+redis.call('ZREM', P .. 'expiry', o)
+return blobs
+"""
+)
+
+_HOLDING = (
+    _PRELUDE
+    + """
+return {redis.call('LRANGE', P .. 'idx:' .. o, 0, -1), tonumber(redis.call('GET', P .. 'bytes:' .. o) or '0')}
+"""
+)
+
+_TOTAL = _PRELUDE + "return tonumber(redis.call('GET', P .. 'total') or '0')\n"
+
+_NOTE_LOST = (
+    _PRELUDE
+    + """
+for k = 3, #ARGV do note_lost(o, ARGV[k]) end
+return 0
+"""
+)
+
+_TAKE_LOST = (
+    _PRELUDE
+    + """
+local lost = redis.call('LRANGE', P .. 'lost:' .. o, 0, -1)
+redis.call('DEL', P .. 'lost:' .. o)
+return lost
+"""
+)
+
+#: ARGV[3] lease, ARGV[4] ttl ms, ARGV[5] "1": only extend a lease that exists.
+_LEASE = (
+    _PRELUDE
+    + """
+local key = P .. 'lease:' .. o
+if ARGV[5] == '1' and not redis.call('ZSCORE', key, ARGV[3]) then return 0 end
+redis.call('ZADD', key, now + tonumber(ARGV[4]), ARGV[3])
+redis.call('PEXPIRE', key, tonumber(ARGV[4]))
+return 1
+"""
+)
+
+_END_LEASE = _PRELUDE + "redis.call('ZREM', P .. 'lease:' .. o, ARGV[3])\nreturn 0\n"
+
+_LEASES_HELD = (
+    _PRELUDE
+    + """
+local key = P .. 'lease:' .. o
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+return redis.call('ZCARD', key)
+"""
+)
+
+
+def check_url(url: str) -> None:
+    """Refuse a store URL this module cannot use, naming the flag (ValueError)."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("redis", "rediss"):
+        raise ValueError(f"--state-store: {url!r} is neither redis:// nor rediss://")
+    if parsed.password:
+        raise ValueError(
+            "--state-store: the URL holds a password; put it in a file named by "
+            "--state-store-password-file (a command line is visible to every local user)"
+        )
+
+
+def display_url(url: str) -> str:
+    """The URL as errors name it (never with credentials: check_url refuses them anyway)."""
+    parsed = urllib.parse.urlsplit(url)
+    return f"{parsed.scheme}://{parsed.hostname}:{parsed.port or 6379}{parsed.path or '/0'}"
+
+
+class RedisStore:
+    """`BufferStore` in one Redis."""
+
+    def __init__(
+        self,
+        url: str,
+        caps: BufferCaps | None = None,
+        *,
+        password_file: str = "",
+        ca_file: str = "",
+        timeout_s: float = 5.0,
+    ) -> None:
+        check_url(url)
+        self.name = display_url(url)
+        self.caps = caps or BufferCaps()
+        kwargs: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "health_check_interval": 30,
+        }
+        if password_file:
+            try:
+                kwargs["password"] = Path(password_file).read_text().strip()
+            except OSError as exc:
+                raise ValueError(
+                    f"--state-store-password-file: cannot read {password_file}: {exc.strerror}"
+                ) from None
+        if ca_file and url.startswith("rediss://"):
+            kwargs["ssl_ca_certs"] = ca_file
+        self._client: aioredis.Redis = aioredis.Redis.from_url(url, **kwargs)
+        scripts = {
+            "put": _PUT,
+            "take": _TAKE,
+            "holding": _HOLDING,
+            "total": _TOTAL,
+            "note_lost": _NOTE_LOST,
+            "take_lost": _TAKE_LOST,
+            "lease": _LEASE,
+            "end_lease": _END_LEASE,
+            "leases_held": _LEASES_HELD,
+        }
+        self._scripts = {name: self._client.register_script(body) for name, body in scripts.items()}
+
+    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await op()
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(self.name, f"{type(exc).__name__}: {exc}") from exc
+
+    async def _run(self, script: str, owner: str, *args: Any) -> Any:
+        return await self._call(lambda: self._scripts[script](keys=[], args=[PREFIX, owner, *args]))
+
+    async def put(self, owner: str, groups: Sequence[StoredGroup]) -> list[int]:
+        caps = self.caps
+        args: list[Any] = [
+            caps.max_groups_per_owner,
+            caps.max_bytes_per_owner,
+            caps.max_bytes_total,
+            int(caps.ttl_s * 1000),
+            len(groups),
+        ]
+        for g in groups:
+            args += [g.index, g.size, g.blob]
+        refused = await self._run("put", owner, *args)
+        return [int(i) for i in refused]
+
+    async def take(self, owner: str) -> list[bytes]:
+        return list(await self._run("take", owner))
+
+    async def holding(self, owner: str) -> Holding:
+        entries, size = await self._run("holding", owner)
+        indexes = frozenset(int(e.split(b":", 1)[0]) for e in entries)
+        return Holding(len(entries), int(size), indexes)
+
+    async def total_bytes(self) -> int:
+        return int(await self._run("total", ""))
+
+    async def note_lost(self, owner: str, indexes: Sequence[int]) -> None:
+        if indexes:
+            await self._run("note_lost", owner, *indexes)
+
+    async def take_lost(self, owner: str) -> list[int]:
+        return [int(i) for i in await self._run("take_lost", owner)]
+
+    async def begin_drain(self, owner: str, lease: str) -> None:
+        await self._run("lease", owner, lease, int(self.caps.lease_ttl_s * 1000), "0")
+
+    async def renew_drain(self, owner: str, lease: str) -> None:
+        await self._run("lease", owner, lease, int(self.caps.lease_ttl_s * 1000), "1")
+
+    async def end_drain(self, owner: str, lease: str) -> None:
+        await self._run("end_lease", owner, lease)
+
+    async def wait_drains(self, owner: str, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pause = _POLL_MIN_S
+        # A poll, not pub/sub: a lease of a killed replica ends by expiring, which publishes nothing.
+        while int(await self._run("leases_held", owner)):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+            pause = min(pause * 2, _POLL_MAX_S)
+        return True
+
+    async def ping(self) -> None:
+        await self._call(self._client.ping)
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,161 @@
+"""The embedded store of `serve --workers N`: the supervisor's `MemoryStore`, reached over a unix
+socket in its 0700 run directory by every worker (`SocketStore`).
+
+One short connection per call (a unix socket connects in microseconds; no pool to keep healthy
+across a worker's restart). A frame is a 4-byte length and a pickle of plain values only (str,
+int, float, bytes, bool, None, lists and tuples): the unpickler refuses every global, so a frame
+cannot name a class or a function. The first item of a request is the per-start sibling secret,
+compared in constant time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import io
+import pickle
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from rollout_grpc.server.state.api import BufferCaps, Holding, StoredGroup, StoreUnavailable
+from rollout_grpc.server.state.memory import MemoryStore
+
+log = structlog.get_logger(__name__)
+
+_HEADER = struct.Struct(">I")
+#: Largest frame either side accepts (a put of groups up to the per-caller byte cap, plus slack).
+MAX_FRAME = 1 << 31
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a state frame names {module}.{name}; only plain values pass")
+
+
+def _dumps(value: object) -> bytes:
+    body = pickle.dumps(value, protocol=5)
+    return _HEADER.pack(len(body)) + body
+
+
+async def _read(reader: asyncio.StreamReader) -> Any:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > MAX_FRAME:
+        raise ValueError(f"a state frame of {size} bytes is over {MAX_FRAME}")
+    return _PlainUnpickler(io.BytesIO(await reader.readexactly(size))).load()
+
+
+async def _dispatch(store: MemoryStore, method: str, args: list[Any]) -> Any:
+    """Run one call on the supervisor's store; values in plain form."""
+    if method == "put":
+        owner, groups = args
+        return await store.put(owner, [StoredGroup(i, s, b) for i, s, b in groups])
+    if method == "holding":
+        held = await store.holding(args[0])
+        return (held.count, held.bytes, sorted(held.indexes))
+    if method in {
+        "take",
+        "total_bytes",
+        "note_lost",
+        "take_lost",
+        "begin_drain",
+        "renew_drain",
+        "end_drain",
+        "wait_drains",
+    }:
+        return await getattr(store, method)(*args)
+    raise ValueError(f"no state call {method!r}")
+
+
+async def serve_store(path: str, secret: str, store: MemoryStore) -> asyncio.Server:
+    """Serve `store` on the unix socket `path` to callers that present `secret`."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            given, method, args = await _read(reader)
+            if not hmac.compare_digest(str(given).encode(), secret.encode()):
+                reply: tuple[bool, Any] = (False, "wrong secret")
+            else:
+                reply = (True, await _dispatch(store, method, list(args)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        except Exception as exc:
+            log.exception("state_call_failed")
+            reply = (False, f"{type(exc).__name__}: {exc}")
+        writer.write(_dumps(reply))
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_unix_server(handle, path=path)
+
+
+class SocketStore:
+    """`BufferStore` in the supervisor's memory, reached over its unix socket."""
+
+    def __init__(self, path: str, secret: str, caps: BufferCaps | None = None) -> None:
+        self.name = f"embedded (the supervisor's, {path})"
+        self.caps = caps or BufferCaps()
+        self._path = path
+        self._secret = secret
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            reader, writer = await asyncio.open_unix_connection(self._path)
+        except OSError as exc:
+            raise StoreUnavailable(self.name, f"{type(exc).__name__}: {exc}") from exc
+        try:
+            writer.write(_dumps((self._secret, method, args)))
+            await writer.drain()
+            ok, value = await _read(reader)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            raise StoreUnavailable(self.name, f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            writer.close()
+        if not ok:
+            raise StoreUnavailable(self.name, str(value))
+        return value
+
+    async def put(self, owner: str, groups: Sequence[StoredGroup]) -> list[int]:
+        refused: list[int] = await self._call("put", owner, [(g.index, g.size, g.blob) for g in groups])
+        return refused
+
+    async def take(self, owner: str) -> list[bytes]:
+        blobs: list[bytes] = await self._call("take", owner)
+        return blobs
+
+    async def holding(self, owner: str) -> Holding:
+        count, size, indexes = await self._call("holding", owner)
+        return Holding(count, size, frozenset(indexes))
+
+    async def total_bytes(self) -> int:
+        return int(await self._call("total_bytes"))
+
+    async def note_lost(self, owner: str, indexes: Sequence[int]) -> None:
+        await self._call("note_lost", owner, list(indexes))
+
+    async def take_lost(self, owner: str) -> list[int]:
+        lost: list[int] = await self._call("take_lost", owner)
+        return lost
+
+    async def begin_drain(self, owner: str, lease: str) -> None:
+        await self._call("begin_drain", owner, lease)
+
+    async def renew_drain(self, owner: str, lease: str) -> None:
+        await self._call("renew_drain", owner, lease)
+
+    async def end_drain(self, owner: str, lease: str) -> None:
+        await self._call("end_drain", owner, lease)
+
+    async def wait_drains(self, owner: str, timeout_s: float) -> bool:
+        return bool(await self._call("wait_drains", owner, timeout_s))
+
+    async def ping(self) -> None:
+        await self._call("total_bytes")
+
+    async def close(self) -> None:
+        return None
