@@ -38,6 +38,7 @@ from rollout_grpc.server.domain.errors import (
     Unavailable,
 )
 from rollout_grpc.server.domain.identity import current_caller
+from rollout_grpc.server.domain.vocabulary import PauseMode
 from rollout_grpc.server.engines.api import (
     ControlAction,
     EngineError,
@@ -52,7 +53,8 @@ from rollout_grpc.server.rollout.inflight import InFlight, InFlightRegistry
 
 log = structlog.get_logger(__name__)
 
-PAUSE_MODES = ("abort", "wait", "keep")
+#: The pause modes by their wire names, from the one vocabulary (domain/vocabulary.py).
+PAUSE_MODES = tuple(mode.value for mode in PauseMode)
 
 
 class ControlFailure(enum.Enum):
