@@ -359,5 +359,7 @@ class RedisStore:
         return bool(ok), [v.decode() for v in order]
 
     async def version_order(self) -> list[str]:
-        order = await self._call(lambda: self._client.lrange(PREFIX + "versions", 0, -1))
+        order: list[bytes] = await self._call(
+            lambda: self._client.lrange(PREFIX + "versions", 0, -1)  # type: ignore[arg-type,return-value]
+        )
         return [v.decode() for v in order]
