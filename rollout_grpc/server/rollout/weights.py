@@ -414,8 +414,14 @@ class WeightUpdates:
         return order
 
     async def _advance_fleet_order(self, version: str) -> None:
-        """`version` is the fleet's newest now (an engine took it)."""
-        ok, order = await self._store.advance_version(version)
+        """`version` is the fleet's newest now (an engine took it). The engines already carry it, so
+        a store that does not answer now is logged, not raised: failing the call would send the
+        trainer to repeat an update that happened; steps see the label once a Resume records it."""
+        try:
+            ok, order = await self._store.advance_version(version)
+        except Exception as exc:
+            log.error("weight_version_order_not_recorded", weight_version=version, error=str(exc))
+            return
         if not ok:  # only a Resume with a newer label, racing this update, can do this
             log.error("weight_version_order_refused", weight_version=version, newest=order[-1])
 

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rollout_grpc.server.domain.errors import FailedPrecondition
+from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument
 from rollout_grpc.server.state.api import BufferStore
 from rollout_grpc.server.state.memory import MemoryStore
+
+#: Longest label the fleet's order takes (UpdateWeights' own bound, `weights.MAX_VERSION_CHARS`).
+MAX_LABEL_CHARS = 256
 
 
 def _as_int(label: str) -> int | None:
@@ -79,6 +82,8 @@ class FleetVersions:
     async def advance(self, label: str) -> None:
         """Make `label` the fleet's newest version; FAILED_PRECONDITION naming both labels when it
         would go backwards (nothing changes then)."""
+        if len(label) > MAX_LABEL_CHARS:  # the store keeps thousands of labels: bounded first
+            raise InvalidArgument("weight_version", f"must be at most {MAX_LABEL_CHARS} characters")
         ok, order = await self.store.advance_version(label)
         self._copy = VersionOrder(order)
         if not ok:
