@@ -141,6 +141,10 @@ async def test_concurrent_updates_on_two_replicas_one_proceeds_the_other_is_refu
         message = str(caught.value)
         assert "fleet lease" in message and f"pid {holder.proc.pid} " in message, message
         await _until("the running update's load", lambda: _has(_loads(fleet.engine), 1))
+        # A colocated trainer's memory release is serialised with the update too.
+        other = on_b if holder is fleet.a else on_a
+        with pytest.raises(FailedPreconditionError, match=f"release memory: .*pid {holder.proc.pid} "):
+            await other.release_memory()
         await _hang_loads(fleet.engine, False)
         result = await asyncio.wait_for(running, WAIT_S)
     assert result.weight_version == ("a-1" if holder is fleet.a else "b-1")
