@@ -598,6 +598,12 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "seconds one engine may take to load a checkpoint in UpdateWeights",
         "weights_load_timeout_s",
     ),
+    Flag(
+        "--weights-lease-ttl",
+        "seconds the fleet-wide weight-update lease outlives a replica that stopped renewing it "
+        "(a replica killed mid-update blocks updates on the others this long)",
+        "weights_lease_ttl_s",
+    ),
     Flag("--port-file", "write {grpc, health, openai, metrics, engines} as JSON here once serving", type=str),
     Flag("--log-level", "debug adds one line per engine HTTP call", type=str, default="info"),
     Flag(
@@ -721,7 +727,10 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         "fleet state (docs/architecture.md)",
         ("--state-store", "--state-store-password-file", "--state-store-ca-file"),
     ),
-    ("weight updates (docs/engines.md)", ("--weights-path-prefix", "--weights-load-timeout")),
+    (
+        "weight updates (docs/engines.md)",
+        ("--weights-path-prefix", "--weights-load-timeout", "--weights-lease-ttl"),
+    ),
     (
         "OpenAI front door (docs/agentic.md)",
         ("--openai-port", "--openai-tool-parser", "--openai-body-timeout", "--openai-drift-policy"),
@@ -795,6 +804,7 @@ ABOVE_ZERO: Final = frozenset(
         "--openai-body-timeout",
         "--max-unrequested-time",
         "--weights-load-timeout",
+        "--weights-lease-ttl",
     }
 )
 #: Port flags: 0 (any free port) to 65535.

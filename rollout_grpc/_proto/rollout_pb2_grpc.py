@@ -137,8 +137,9 @@ class RolloutServiceServicer:
         repeating the same call loads on those engines only. Errors before any engine is touched:
         INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
         `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
-        not check out, a version that goes backwards, another update in progress). Admin role only.
-        docs/engines.md "Weight updates".
+        not check out, a version that goes backwards from the fleet's order, another update in progress
+        on any replica or worker sharing the state store: the message names its holder). Admin role
+        only. docs/engines.md "Weight updates".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -85,8 +85,9 @@ class RolloutServiceStub:
     repeating the same call loads on those engines only. Errors before any engine is touched:
     INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
     `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
-    not check out, a version that goes backwards, another update in progress). Admin role only.
-    docs/engines.md "Weight updates".
+    not check out, a version that goes backwards from the fleet's order, another update in progress
+    on any replica or worker sharing the state store: the message names its holder). Admin role
+    only. docs/engines.md "Weight updates".
     """
     PlanWeightTransfer: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.PlanWeightTransferRequest, _rollout_pb2.PlanWeightTransferResponse]
     """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
@@ -177,8 +178,9 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     repeating the same call loads on those engines only. Errors before any engine is touched:
     INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
     `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
-    not check out, a version that goes backwards, another update in progress). Admin role only.
-    docs/engines.md "Weight updates".
+    not check out, a version that goes backwards from the fleet's order, another update in progress
+    on any replica or worker sharing the state store: the message names its holder). Admin role
+    only. docs/engines.md "Weight updates".
     """
     PlanWeightTransfer: _aio.UnaryUnaryMultiCallable[_rollout_pb2.PlanWeightTransferRequest, _rollout_pb2.PlanWeightTransferResponse]  # type: ignore[assignment]
     """Distributed weight transfer, step 1: the NCCL group a trainer broadcasts new weights in. The
@@ -296,8 +298,9 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         repeating the same call loads on those engines only. Errors before any engine is touched:
         INVALID_ARGUMENT (a field, named), PERMISSION_DENIED (a path outside the replica's
         `--weights-path-prefix`), FAILED_PRECONDITION (checkpoint updates off, a checkpoint that does
-        not check out, a version that goes backwards, another update in progress). Admin role only.
-        docs/engines.md "Weight updates".
+        not check out, a version that goes backwards from the fleet's order, another update in progress
+        on any replica or worker sharing the state store: the message names its holder). Admin role
+        only. docs/engines.md "Weight updates".
         """
 
     @_abc_1.abstractmethod

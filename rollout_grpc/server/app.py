@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,11 @@ class RolloutServer:
             password_file=cfg.state_store_password_file,
             ca_file=cfg.state_store_ca_file,
         )
+
+    def lease_holder(self) -> str:
+        """How this process names itself in the fleet's weight-update lease (a refused update's
+        message shows it): the host, the pid and the replica's instance token."""
+        return f"replica {socket.gethostname()} pid {os.getpid()} instance {self.rollout.call_ids.instance}"
 
     @staticmethod
     def _auth_config(cfg: ServerConfig) -> AuthConfig:
@@ -331,6 +338,9 @@ class RolloutServer:
             path_prefixes=cfg.weights_path_prefixes,
             load_timeout_s=cfg.weights_load_timeout_s,
             deadline_s=cfg.control_deadline_s,
+            store=self.state,
+            holder=self.lease_holder(),
+            lease_ttl_s=cfg.weights_lease_ttl_s,
         )
         self.facade = RolloutFacade(
             self.rollout,

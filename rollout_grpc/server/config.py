@@ -22,7 +22,7 @@ from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import allowlist as reward_allowlist
 from rollout_grpc.server.rewards.processes import ProcessLimits
 from rollout_grpc.server.rollout.generation import RolloutConfig
-from rollout_grpc.server.rollout.weights import DEFAULT_LOAD_TIMEOUT_S
+from rollout_grpc.server.rollout.weights import DEFAULT_LEASE_TTL_S, DEFAULT_LOAD_TIMEOUT_S
 from rollout_grpc.server.security.limits import RequestLimits
 from rollout_grpc.server.security.tls import TlsConfig
 from rollout_grpc.server.state.api import BufferCaps
@@ -159,6 +159,9 @@ class ServerConfig:
     weights_path_prefixes: list[str] = field(default_factory=list)
     #: Seconds one engine may take to load a checkpoint (`--weights-load-timeout`).
     weights_load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
+    #: Seconds the fleet's weight-update lease outlives a holder that stopped renewing it
+    #: (`--weights-lease-ttl`): how long a replica killed mid-update blocks the others.
+    weights_lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     default_options: domain.GenerateOptions = field(default_factory=domain.GenerateOptions)
     max_images: int = 8
     # --- security (docs/security.md) ---

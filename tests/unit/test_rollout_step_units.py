@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_grpc.server.domain.errors import InvalidArgument
+from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument
 from rollout_grpc.server.domain.identity import Caller, Role, reset_caller, set_caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, Status
 from rollout_grpc.server.engines.pool import EnginePool
@@ -19,7 +19,8 @@ from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.step import filters
 from rollout_grpc.server.rollout.step.spec import FilterKind, PromptGroup, StepSpec, check
-from rollout_grpc.server.rollout.step.versions import VersionOrder
+from rollout_grpc.server.rollout.step.versions import FleetVersions, VersionOrder
+from rollout_grpc.server.state.memory import MemoryStore
 from tests.support.fake_engine import FakeEngine, final, tokens
 
 
@@ -40,6 +41,23 @@ def test_numeric_versions_order_by_value_others_by_resume_order() -> None:
         named.advance(label)
     assert named.lag("step-c") == 0 and named.lag("step-a") == 2
     assert named.lag("default") == 3, "a label never set here is older than every set one"
+
+
+async def test_the_version_order_is_the_stores_read_once_per_refresh() -> None:
+    store = MemoryStore()
+    on_a, on_b = FleetVersions(store), FleetVersions(store)  # two replicas sharing one store
+    await on_a.advance("v1")
+    await on_a.advance("v2")
+    assert on_a.lag("v1") == 1
+    assert on_b.lag("v1") == 0, "a copy is read at a step's start, not per sample"
+    await on_b.refresh()
+    assert on_b.newest == "v2" and on_b.lag("v1") == 1
+    with pytest.raises(FailedPrecondition, match="'v1' goes backwards: the fleet's newest is 'v2'"):
+        await on_b.advance("v1")
+    assert await store.version_order() == ["v1", "v2"]
+    with pytest.raises(InvalidArgument, match="weight_version"):
+        await on_b.advance("v" * 257)
+    assert await store.version_order() == ["v1", "v2"]
 
 
 def test_the_nonzero_std_filter_keeps_only_groups_whose_rewards_vary() -> None:

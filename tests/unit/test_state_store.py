@@ -233,3 +233,52 @@ async def test_redis_with_a_password_from_a_file(tmp_path: Path) -> None:
         with pytest.raises(StoreUnavailable, match=r"Authentication|NOAUTH|auth"):
             await anonymous.put("a", [g(1)])
         await anonymous.close()
+
+
+# ----------------------------------------------------------------------------- fleet leases, versions
+
+
+async def test_a_fleet_lease_has_one_holder_and_names_it(make_store: StoreFactory) -> None:
+    store = await make_store(BufferCaps())
+    assert await store.take_lease("weights", "replica-a", 30.0) == ""
+    assert await store.take_lease("weights", "replica-a", 30.0) == ""  # its holder may take it again
+    assert await store.take_lease("weights", "replica-b", 30.0) == "replica-a"
+    assert await store.take_lease("other", "replica-b", 30.0) == ""  # per name
+    assert not await store.renew_lease("weights", "replica-b", 30.0)  # not b's to renew
+    await store.release_lease("weights", "replica-b")  # nor to release
+    assert await store.take_lease("weights", "replica-b", 30.0) == "replica-a"
+    assert await store.renew_lease("weights", "replica-a", 30.0)
+    await store.release_lease("weights", "replica-a")
+    assert await store.take_lease("weights", "replica-b", 30.0) == ""
+
+
+async def test_a_fleet_lease_expires_unless_renewed(make_store: StoreFactory) -> None:
+    store = await make_store(BufferCaps())
+    assert await store.take_lease("weights", "dead", 0.05) == ""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10.0
+    # The expiry is the event waited for (bounded): no fixed sleep decides the outcome.
+    while (holder := await store.take_lease("weights", "alive", 30.0)) == "dead":
+        assert loop.time() < deadline, "the lease of a holder that stopped renewing never expired"
+        await asyncio.sleep(0.01)
+    assert holder == ""
+    assert not await store.renew_lease("weights", "dead", 30.0)  # an expired lease is not revived
+    assert await store.take_lease("weights", "dead", 30.0) == "alive"
+
+
+async def test_the_version_order_never_goes_backwards(make_store: StoreFactory) -> None:
+    store = await make_store(BufferCaps())
+    assert await store.version_order() == []
+    assert await store.advance_version("v1") == (True, ["v1"])
+    assert await store.advance_version("v2") == (True, ["v1", "v2"])
+    assert await store.advance_version("v2") == (True, ["v1", "v2"])  # the newest again: no change
+    assert await store.advance_version("v1") == (False, ["v1", "v2"])  # an older label
+    assert await store.advance_version("7") == (True, ["v1", "v2", "7"])
+    assert await store.advance_version("12") == (True, ["v1", "v2", "7", "12"])
+    assert await store.advance_version("9") == (False, ["v1", "v2", "7", "12"])  # decimal, below
+    assert await store.advance_version("012") == (False, ["v1", "v2", "7", "12"])  # equal as numbers
+    assert await store.advance_version("100") == (True, ["v1", "v2", "7", "12", "100"])
+    assert await store.version_order() == ["v1", "v2", "7", "12", "100"]
+    other = await make_store(BufferCaps())  # another client of the same redis-server
+    if isinstance(other, RedisStore):
+        assert await other.version_order() == ["v1", "v2", "7", "12", "100"]

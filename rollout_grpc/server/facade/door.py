@@ -173,20 +173,23 @@ class RolloutFacade:
         return result
 
     async def resume(self, record: CallRecord, weight_version: str | None) -> FleetResult:
+        """Resume (`Control.resume`); a new `weight_version` first becomes the fleet's newest in
+        the state store (FAILED_PRECONDITION, no engine touched, when it would go backwards), so a
+        step on any replica measures its lags against it."""
+        if weight_version and self.steps is not None:
+            await self.steps.versions.advance(weight_version)  # the order staleness is measured in
         result = await self._control.resume(weight_version)
         record.result = result
-        if weight_version is not None and self.steps is not None:
-            self.steps.versions.advance(weight_version)  # the order staleness is measured in
         return result
 
     async def update_weights(self, record: CallRecord, update: WeightUpdate) -> WeightUpdateResult:
-        """One fleet-wide weight update (`rollout/weights.py`); the step runner's version order
-        advances like after a Resume with that version."""
+        """One fleet-wide weight update (`rollout/weights.py`, which advances the fleet's version
+        order in the store); this process's copy of the order is read again."""
         if self._weights is None:
             raise FailedPrecondition("weight updates are not available on this replica")
         result = await self._weights.update(update)
         if self.steps is not None:
-            self.steps.versions.advance(result.weight_version)
+            await self.steps.versions.refresh()
         return result
 
     async def plan_transfer(self, record: CallRecord, trainer_ranks: int) -> TransferPlan:

@@ -16,24 +16,33 @@
 
 So after the call every engine in rotation serves the new weights under the new label; when some
 engine did not, the call fails (UNAVAILABLE) naming each engine and cause, and repeating the same
-call (same version, same path) loads only those engines. A second update while one runs is refused
-(FAILED_PRECONDITION), never interleaved. When the caller disconnects mid-update, the update runs to
+call (same version, same path) loads only those engines. A second update while one runs, on any
+replica or worker sharing the state store, is refused (FAILED_PRECONDITION naming the holder),
+never interleaved: before touching any engine an update takes the fleet lease `weights` in the
+store (`BufferStore.take_lease`), renews it every third of `--weights-lease-ttl` while it runs and
+releases it at its end, so a replica killed mid-update blocks the others for at most that TTL.
+The new version must not go backwards from the fleet's order (in the store, `step/versions.py`),
+and becomes its newest once an engine took it. When the caller disconnects mid-update, the update runs to
 its end (the fleet is resumed on a consistent version) and `weight_update_done` /
 `weight_update_failed` says which version the engines ended on.
 
 Colocated training frees and takes back the engines' memory with `release_memory` /
-`resume_memory` (ReleaseMemory / ResumeMemory): serialised with the updates, the engines paused
-(ABORT) before they free anything and resumed once every region is back.
+`resume_memory` (ReleaseMemory / ResumeMemory): serialised with the updates (each holds the same
+fleet lease while it runs), the engines paused (ABORT) before they free anything and resumed once
+every region is back.
 
-Serialisation is per replica: replicas sharing engines must not update weights concurrently (one
-trainer drives updates; docs/engines.md).
+Plain Pause / Resume take no lease: they are two calls, possibly to two replicas, and a lease held
+between them would outlive a trainer that died in between with nothing to renew or release it.
+A Resume(weight_version) still goes through the fleet's version order (never backwards).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import structlog
 
@@ -56,6 +65,8 @@ from rollout_grpc.server.rollout.control import (
     FleetResult,
     describe_failure,
 )
+from rollout_grpc.server.state.api import BufferStore, decimal_backwards
+from rollout_grpc.server.state.memory import MemoryStore
 
 __all__ = [
     "CheckpointSource",
@@ -72,6 +83,13 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+#: The fleet lease every weight update and memory release/resume holds while it runs.
+WEIGHTS_LEASE = "weights"
+#: Seconds the lease lives after its last renewal (`--weights-lease-ttl`).
+DEFAULT_LEASE_TTL_S = 30.0
 
 VERSION_FIELD = "weight_version"
 #: Longest accepted version label (it is copied into every sample's weight spans).
@@ -248,7 +266,17 @@ class WeightUpdates:
         path_prefixes: Sequence[str] = (),
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         deadline_s: float = 30.0,
+        store: BufferStore | None = None,
+        holder: str = "this replica",
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     ) -> None:
+        #: The fleet's state (lease, version order); one process's memory when not given.
+        self._store: BufferStore = store or MemoryStore()
+        #: How the lease names this process to the others ("replica … pid …", "worker 1 …").
+        self._holder = holder
+        self._lease_ttl_s = lease_ttl_s
+        #: Operations that took the lease here (each token is its own).
+        self._operations = 0
         self._pool = pool
         self._control = control
         self._prefixes = tuple(path_prefixes)
@@ -288,10 +316,18 @@ class WeightUpdates:
             )
         self._refuse_if_busy("update weights")
         self._running = update.weight_version
+        try:
+            token = await self._take_lease(f"update weights to {update.weight_version!r}")
+        except BaseException:
+            self._running = None
+            raise
         task = asyncio.ensure_future(
-            self._run(update, path)
-            if isinstance(update.source, CheckpointSource)
-            else self._run_distributed(update, plan)
+            self._leased(
+                token,
+                self._run(update, path)
+                if isinstance(update.source, CheckpointSource)
+                else self._run_distributed(update, plan),
+            )
         )
         self._task = task
         task.add_done_callback(self._finished)
@@ -305,6 +341,89 @@ class WeightUpdates:
                     note="the update goes on to its end; weight_update_done/failed says where the fleet is",
                 )
             raise
+
+    # ----------------------------------------------------------------------------- the fleet lease
+
+    async def _take_lease(self, what: str) -> str:
+        """Take the fleet lease for one operation (its token names this replica or worker and the
+        operation), or FAILED_PRECONDITION naming the holder (UNAVAILABLE naming the store when it
+        does not answer). Each operation's token is its own, so two operations of one process
+        exclude each other too."""
+        self._operations += 1
+        token = f"{self._holder} ({what}, #{self._operations})"
+        holder = await self._store.take_lease(WEIGHTS_LEASE, token, self._lease_ttl_s)
+        if holder:
+            raise FailedPrecondition(
+                f"cannot {what}: a weight update or memory release holds the fleet lease on {holder}; "
+                "updates are serialised fleet-wide: retry when it has finished (a holder that died "
+                f"lets go within {self._lease_ttl_s:g} s)"
+            )
+        return token
+
+    async def _leased(self, token: str, work: Coroutine[Any, Any, T]) -> T:
+        """Run `work` holding the fleet lease `token` (already taken by `_take_lease`)."""
+        async with self._holding(token):
+            return await work
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, token: str) -> AsyncIterator[None]:
+        """The lease taken: renewed every third of its TTL meanwhile, released at the end whatever
+        the outcome (a release that fails is logged: the lease expires by itself)."""
+        renewer = asyncio.ensure_future(self._renew_lease(token))
+        try:
+            yield
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            try:
+                await self._store.release_lease(WEIGHTS_LEASE, token)
+            except Exception as exc:
+                log.error("weights_lease_release_failed", holder=token, error=str(exc))
+
+    async def _renew_lease(self, token: str) -> None:
+        while True:
+            await asyncio.sleep(self._lease_ttl_s / 3)
+            try:
+                held = await self._store.renew_lease(WEIGHTS_LEASE, token, self._lease_ttl_s)
+            except Exception as exc:
+                log.error("weights_lease_renew_failed", holder=token, error=str(exc))
+                continue
+            if not held:
+                log.error(
+                    "weights_lease_lost",
+                    holder=token,
+                    note="the lease expired while this update ran (the store was unreachable for "
+                    "longer than --weights-lease-ttl): another update may start meanwhile",
+                )
+
+    @contextlib.asynccontextmanager
+    async def _lease(self, what: str) -> AsyncIterator[None]:
+        """The fleet lease around one short operation (memory release / resume)."""
+        token = await self._take_lease(what)
+        async with self._holding(token):
+            yield
+
+    async def _check_fleet_order(self, version: str) -> list[str]:
+        """The fleet's version order, after refusing `version` when it goes backwards from it."""
+        order = await self._store.version_order()
+        if order and version != order[-1] and (version in order or decimal_backwards(version, order[-1])):
+            raise FailedPrecondition(
+                f"{VERSION_FIELD} {version!r} goes backwards: the fleet's newest is {order[-1]!r}"
+            )
+        return order
+
+    async def _advance_fleet_order(self, version: str) -> None:
+        """`version` is the fleet's newest now (an engine took it). The engines already carry it, so
+        a store that does not answer now is logged, not raised: failing the call would send the
+        trainer to repeat an update that happened; steps see the label once a Resume records it."""
+        try:
+            ok, order = await self._store.advance_version(version)
+        except Exception as exc:
+            log.error("weight_version_order_not_recorded", weight_version=version, error=str(exc))
+            return
+        if not ok:  # only a Resume with a newer label, racing this update, can do this
+            log.error("weight_version_order_refused", weight_version=version, newest=order[-1])
 
     def _finished(self, task: asyncio.Task[WeightUpdateResult]) -> None:
         self._running = None
@@ -397,6 +516,7 @@ class WeightUpdates:
             labels = await self._labels()
             in_rotation = sorted({labels.get(e.url, e.weight_version) for e in self._rotation()} - {""})
             check_version(version, in_rotation, self._used)
+            await self._check_fleet_order(version)
             offsets = {url: offset for url, offset, _ in plan.engines}
             targets = [e for e in self._pool.engines if e.url in offsets]
             result = WeightUpdateResult(version, in_rotation)
@@ -433,6 +553,7 @@ class WeightUpdates:
                 result.paused_s = loop.time() - started
             if any(e.updated for e in result.engines):
                 self._used.append(version)
+                await self._advance_fleet_order(version)
         except BaseException as exc:
             log.error(
                 "weight_update_failed",
@@ -458,6 +579,10 @@ class WeightUpdates:
             raise InvalidArgument("level", f"must be 0, 1 or 2 (vLLM's sleep levels); got {release.level}")
         tags = _memory_tags(release.tags)
         self._refuse_if_busy("release memory")
+        async with self._lease("release memory"):
+            return await self._release_memory(release, tags)
+
+    async def _release_memory(self, release: MemoryRelease, tags: tuple[str, ...]) -> FleetResult:
         paused = await self._control.pause("abort")
         engines = [e for e in self._pool.engines if e.url in paused.ok]
         result = await self._each(
@@ -480,6 +605,10 @@ class WeightUpdates:
         every region is back. (result, whether the engines were resumed)."""
         tags = _memory_tags(tags)
         self._refuse_if_busy("resume memory")
+        async with self._lease("resume memory"):
+            return await self._resume_memory(tags)
+
+    async def _resume_memory(self, tags: tuple[str, ...]) -> tuple[FleetResult, bool]:
         result = await self._each(
             self._pool.engines, WeightAction.RESUME_MEMORY, lambda e: e.client.resume_memory(tags)
         )
@@ -542,6 +671,7 @@ class WeightUpdates:
                     return WeightUpdateResult(version, in_rotation, checkpoint=summary, retry=True)
             else:
                 check_version(version, in_rotation, self._used)
+                await self._check_fleet_order(version)
                 targets = self._pool.engines
             result = WeightUpdateResult(version, in_rotation, checkpoint=summary, retry=retry)
             started = loop.time()
@@ -562,6 +692,7 @@ class WeightUpdates:
             if any(e.updated for e in result.engines):  # a version no engine took stays free
                 self._used.append(version)
                 self._last = (version, path)
+                await self._advance_fleet_order(version)
         except BaseException as exc:
             log.error("weight_update_failed", weight_version=version, path=path, error=str(exc) or repr(exc))
             raise

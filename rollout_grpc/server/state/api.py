@@ -14,6 +14,15 @@ Semantics every implementation keeps (tests/unit/test_state_store.py runs them a
 * a drain lease (`begin_drain`) says "a step of this owner may still add groups": an owner's
   `continue_buffered` step waits until it holds none. A lease expires `lease_ttl_s` after its
   last renewal, so a replica killed with its lease held delays the next step by at most that.
+
+And what the fleet's weight updates need (rollout/weights.py, rollout/step/versions.py):
+
+* a fleet lease (`take_lease`): one holder at a time per name, expiring `ttl_s` after its last
+  renewal, so a replica killed while holding it blocks the others for at most that; only its
+  holder renews or releases it;
+* the fleet's weight-version order (`advance_version`, `version_order`): labels oldest first,
+  never going backwards: a label already in the order (other than the newest), or a decimal label
+  not above a decimal newest, is refused and the order left as it was.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from rollout_grpc.server.domain.errors import Unavailable
 LOST_TTL_S = 7 * 24 * 3600
 #: Most lost group indexes kept per owner (the oldest).
 MAX_LOST = 100_000
+#: Most weight versions the fleet's order keeps (the newest; an older label counts as unknown).
+MAX_VERSIONS = 4096
 
 
 class StoreUnavailable(Unavailable):
@@ -122,3 +133,43 @@ class BufferStore(Protocol):
     async def close(self) -> None:
         """Release connections (the store's data stays)."""
         ...
+
+    async def take_lease(self, name: str, holder: str, ttl_s: float) -> str:
+        """Hold the fleet lease `name` for `holder` (for `ttl_s`) when it is free or already
+        `holder`'s: ""; otherwise the holder that has it (nothing changes)."""
+        ...
+
+    async def renew_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Extend `holder`'s lease `name` by `ttl_s`; False when `holder` does not hold it (expired)."""
+        ...
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        """Give up lease `name` if `holder` holds it (someone else's is left alone)."""
+        ...
+
+    async def advance_version(self, label: str) -> tuple[bool, list[str]]:
+        """Make `label` the fleet's newest weight version unless that goes backwards (see the
+        module docstring); (whether it is now the newest, the order oldest first)."""
+        ...
+
+    async def version_order(self) -> list[str]:
+        """The fleet's weight versions, oldest first (empty before any was set)."""
+        ...
+
+
+def decimal_backwards(new: str, newest: str) -> bool:
+    """Both labels are decimal integers ("7", "12") and `new` is not above `newest`."""
+    if not (new.isascii() and new.isdigit() and newest.isascii() and newest.isdigit()):
+        return False
+    return int(new) <= int(newest)
+
+
+def advance_order(order: list[str], label: str) -> bool:
+    """`advance_version` on a plain list (the in-memory stores' rule; Redis runs it in Lua)."""
+    if order and order[-1] == label:
+        return True
+    if label in order or (order and decimal_backwards(label, order[-1])):
+        return False
+    order.append(label)
+    del order[: max(0, len(order) - MAX_VERSIONS)]
+    return True

@@ -11,7 +11,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from rollout_grpc.server.state.api import LOST_TTL_S, MAX_LOST, BufferCaps, Holding, StoredGroup
+from rollout_grpc.server.state.api import (
+    LOST_TTL_S,
+    MAX_LOST,
+    BufferCaps,
+    Holding,
+    StoredGroup,
+    advance_order,
+)
 
 
 @dataclass(slots=True)
@@ -34,6 +41,10 @@ class MemoryStore:
         #: owner -> lease -> expiry.
         self._leases: dict[str, dict[str, float]] = {}
         self._lease_changed = asyncio.Condition()
+        #: Fleet leases: name -> (holder, expiry).
+        self._fleet_leases: dict[str, tuple[str, float]] = {}
+        #: The fleet's weight versions, oldest first.
+        self._versions: list[str] = []
 
     def _sweep(self) -> None:
         """Expired buffers hand their indexes to the lost lists (never dropped silently)."""
@@ -149,3 +160,33 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
+
+    def _lease_holder(self, name: str) -> str:
+        holder, expiry = self._fleet_leases.get(name, ("", 0.0))
+        if holder and expiry <= self._clock():
+            del self._fleet_leases[name]
+            return ""
+        return holder
+
+    async def take_lease(self, name: str, holder: str, ttl_s: float) -> str:
+        current = self._lease_holder(name)
+        if current and current != holder:
+            return current
+        self._fleet_leases[name] = (holder, self._clock() + ttl_s)
+        return ""
+
+    async def renew_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        if self._lease_holder(name) != holder:
+            return False
+        self._fleet_leases[name] = (holder, self._clock() + ttl_s)
+        return True
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        if self._lease_holder(name) == holder:
+            del self._fleet_leases[name]
+
+    async def advance_version(self, label: str) -> tuple[bool, list[str]]:
+        return advance_order(self._versions, label), list(self._versions)
+
+    async def version_order(self) -> list[str]:
+        return list(self._versions)

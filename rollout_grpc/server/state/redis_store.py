@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from rollout_grpc.server.state.api import (
     LOST_TTL_S,
     MAX_LOST,
+    MAX_VERSIONS,
     BufferCaps,
     Holding,
     StoredGroup,
@@ -156,6 +157,53 @@ return redis.call('ZCARD', key)
 )
 
 
+# Fleet leases (`fleet-lease:<name>`, the holder with a Redis TTL) and the weight-version order
+# (`versions`, a list oldest first). These take no sweep: they touch no buffer.
+#: KEYS[1] lease key; ARGV[1] holder, ARGV[2] ttl ms. "" when held now, else the holder.
+_TAKE_FLEET_LEASE = """
+local current = redis.call('GET', KEYS[1])
+if current and current ~= ARGV[1] then return current end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2]))
+return ''
+"""
+
+_RENEW_FLEET_LEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+return 1
+"""
+
+_RELEASE_FLEET_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+#: KEYS[1] the order; ARGV[1] label. {1 or 0, order}: api.advance_order, atomically.
+_ADVANCE_VERSION = f"""
+local label = ARGV[1]
+local newest = redis.call('LINDEX', KEYS[1], -1)
+local function decimal(s)
+  if not string.match(s, '^%d+$') then return nil end
+  local d = string.gsub(s, '^0+', '')
+  return d
+end
+local ok = 1
+if newest ~= label then
+  if redis.call('LPOS', KEYS[1], label) then
+    ok = 0
+  elseif newest then
+    local a, b = decimal(label), decimal(newest)
+    if a and b and (#a < #b or (#a == #b and a <= b)) then ok = 0 end
+  end
+  if ok == 1 then
+    redis.call('RPUSH', KEYS[1], label)
+    redis.call('LTRIM', KEYS[1], -{MAX_VERSIONS}, -1)
+  end
+end
+return {{ok, redis.call('LRANGE', KEYS[1], 0, -1)}}
+"""
+
+
 def check_url(url: str) -> None:
     """Refuse a store URL this module cannot use, naming the flag (ValueError)."""
     parsed = urllib.parse.urlsplit(url)
@@ -214,6 +262,10 @@ class RedisStore:
             "lease": _LEASE,
             "end_lease": _END_LEASE,
             "leases_held": _LEASES_HELD,
+            "take_fleet_lease": _TAKE_FLEET_LEASE,
+            "renew_fleet_lease": _RENEW_FLEET_LEASE,
+            "release_fleet_lease": _RELEASE_FLEET_LEASE,
+            "advance_version": _ADVANCE_VERSION,
         }
         self._scripts = {name: self._client.register_script(body) for name, body in scripts.items()}
 
@@ -284,3 +336,30 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+    async def _keyed(self, script: str, key: str, *args: Any) -> Any:
+        return await self._call(lambda: self._scripts[script](keys=[PREFIX + key], args=list(args)))
+
+    async def take_lease(self, name: str, holder: str, ttl_s: float) -> str:
+        current = await self._keyed(
+            "take_fleet_lease", f"fleet-lease:{name}", holder, max(1, int(ttl_s * 1000))
+        )
+        return current.decode() if isinstance(current, bytes) else str(current)
+
+    async def renew_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        return bool(
+            await self._keyed("renew_fleet_lease", f"fleet-lease:{name}", holder, max(1, int(ttl_s * 1000)))
+        )
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        await self._keyed("release_fleet_lease", f"fleet-lease:{name}", holder)
+
+    async def advance_version(self, label: str) -> tuple[bool, list[str]]:
+        ok, order = await self._keyed("advance_version", "versions", label)
+        return bool(ok), [v.decode() for v in order]
+
+    async def version_order(self) -> list[str]:
+        order: list[bytes] = await self._call(
+            lambda: self._client.lrange(PREFIX + "versions", 0, -1)  # type: ignore[arg-type,return-value]
+        )
+        return [v.decode() for v in order]

@@ -65,6 +65,11 @@ async def _dispatch(store: MemoryStore, method: str, args: list[Any]) -> Any:
         "renew_drain",
         "end_drain",
         "wait_drains",
+        "take_lease",
+        "renew_lease",
+        "release_lease",
+        "advance_version",
+        "version_order",
     }:
         return await getattr(store, method)(*args)
     raise ValueError(f"no state call {method!r}")
@@ -159,3 +164,20 @@ class SocketStore:
 
     async def close(self) -> None:
         return None
+
+    async def take_lease(self, name: str, holder: str, ttl_s: float) -> str:
+        return str(await self._call("take_lease", name, holder, ttl_s))
+
+    async def renew_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        return bool(await self._call("renew_lease", name, holder, ttl_s))
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        await self._call("release_lease", name, holder)
+
+    async def advance_version(self, label: str) -> tuple[bool, list[str]]:
+        ok, order = await self._call("advance_version", label)
+        return bool(ok), list(order)
+
+    async def version_order(self) -> list[str]:
+        order: list[str] = await self._call("version_order")
+        return order

@@ -80,6 +80,10 @@ class WorkerServer(RolloutServer):
             return super()._state_store()
         return SocketStore(self.spec.state_socket, self.spec.secret, buffer_caps(self.config))
 
+    def lease_holder(self) -> str:
+        """The worker's index in front of the replica's name (the lease names the worker)."""
+        return f"worker {self.spec.index} of {super().lease_holder()}"
+
     def _admission(self, limit: int) -> TimedAdmission:
         self.shared_admission = SharedAdmission(
             SharedSlots(self.spec.run_dir, self.spec.index, self.spec.workers),
@@ -140,8 +144,7 @@ class WorkerServer(RolloutServer):
             engine = self.pool.get(url)
             if engine is not None:
                 engine.weight_version = weight_version
-        if relabelled and self.steps is not None:
-            self.steps.versions.advance(weight_version)
+        # The version order is the fleet's, in the state store: the sibling advanced it there.
 
     async def finish_stop(self) -> None:
         if self._finishing:

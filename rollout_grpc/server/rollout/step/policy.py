@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from rollout_grpc.server.rollout.step.versions import VersionOrder
+from rollout_grpc.server.rollout.step.versions import FleetVersions, VersionOrder
 
 
 class OverSampling(enum.Enum):
@@ -41,7 +41,7 @@ class Admission:
     consumed_version: str
     max_head_offpolicyness: int
 
-    def refusal(self, versions: VersionOrder) -> str:
+    def refusal(self, versions: VersionOrder | FleetVersions) -> str:
         """Why no group may start now ("" when one may)."""
         lag = versions.lag(self.consumed_version)
         if lag <= self.max_head_offpolicyness:

@@ -64,7 +64,7 @@ from rollout_grpc.server.rollout.step.spec import (
     check,
     check_counts,
 )
-from rollout_grpc.server.rollout.step.versions import VersionOrder
+from rollout_grpc.server.rollout.step.versions import FleetVersions
 
 log = structlog.get_logger(__name__)
 
@@ -163,7 +163,7 @@ class StepRunner:
         rewards: RewardFactory,
         *,
         buffers: StepBuffers | None = None,
-        versions: VersionOrder | None = None,
+        versions: FleetVersions | None = None,
         reward_urls: Sequence[str] = (),
         plugins: StepPlugins | None = None,
         remote_filters: hooks.RemoteFilterFactory | None = None,
@@ -183,7 +183,8 @@ class StepRunner:
         self._abort_ids = abort_ids
         self._rewards = rewards
         self.buffers = buffers or StepBuffers()
-        self.versions = versions or VersionOrder()
+        #: The fleet's version order, read once per step (in the buffers' store by default).
+        self.versions = versions or FleetVersions(self.buffers.store)
         self._background: set[asyncio.Task[Any]] = set()
         #: Longest a continue step waits for the drain leases of the caller's other steps (the
         #: call's deadline ends the wait sooner; a killed replica's lease expires sooner).
@@ -204,6 +205,7 @@ class StepRunner:
     async def run(self, spec: StepSpec) -> AsyncIterator[StepEvent]:
         """Check the request, probe the step's clients, then run the loop (events as they happen)."""
         owner = current_caller().identity
+        await self.versions.refresh()  # one read per step: every lag of the step against one newest
         buffer = await self._buffer_of(spec)
         await self._check(spec, buffer)
         clients = await self._clients(spec)
