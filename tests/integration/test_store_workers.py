@@ -9,11 +9,14 @@ the port file): a continue served by the worker that buffered would prove nothin
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from rollout_grpc.server.state.api import BufferCaps
 from tests.support.buffered_steps import abandoned_step, assert_continued, buffering_step, continue_step
 from tests.support.processes import Processes, start_engine
 from tests.support.workers import clients_by_worker, start_replica
@@ -25,6 +28,9 @@ ROUNDS = 100
 BUDGET = 40
 #: The engines' per-token delay (ms): 40 tokens take ~0.1 s.
 TOKEN_DELAY_MS = 2
+#: A deadline under the drain lease's lifetime (`BufferCaps.lease_ttl_s`, 15 s) and far over a
+#: 40-token continue step.
+UNDER_LEASE_TTL_S = 0.6 * BufferCaps().lease_ttl_s
 
 
 @pytest.fixture
@@ -100,3 +106,32 @@ async def test_a_trainer_that_leaves_a_step_on_one_worker_continues_at_once_on_t
             except AssertionError as exc:
                 misses.append(f"round {round_} (worker {writer} -> {reader}): {exc}")
     assert not misses, f"{len(misses)} of {LEAVE_ROUNDS} rounds missed:\n" + "\n".join(misses[:10])
+
+
+async def test_groups_buffered_by_a_worker_killed_with_sigkill_continue_on_the_other(
+    procs: Processes, tmp_path: Path
+) -> None:
+    """The embedded store lives in the supervisor, not in a worker: a worker's death loses none of
+    the groups it buffered."""
+    engines = [
+        start_engine(procs, f"engine-{i}", "--eos-probability", "0", token_delay_ms=TOKEN_DELAY_MS, seed=i)
+        for i in range(2)
+    ]
+    replica = start_replica(procs, tmp_path, "--workers", "2", *(f"--engine={e.url}" for e in engines))
+    victim = replica.ports["worker_pids"][1]
+    async with clients_by_worker(replica.target, 2) as by_index:
+        buffered = await buffering_step(by_index[1], step_id="dies", buffer_name="k", budget=BUDGET)
+        os.kill(victim, signal.SIGKILL)
+        # The step's drain lease was released before its summary left: the continue step does not
+        # wait for the dead worker's lease to expire (that takes the lease's whole lifetime).
+        run = await continue_step(
+            by_index[0],
+            step_id="lives",
+            buffer_name="k",
+            budget=BUDGET,
+            fresh_index=9,
+            timeout=UNDER_LEASE_TTL_S,
+        )
+        assert (await by_index[0].server_info()).worker == 0
+    assert_continued(run, buffered, first_step="dies", budget=BUDGET)
+    assert replica.proc.popen.poll() is None

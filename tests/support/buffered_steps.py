@@ -78,7 +78,13 @@ async def buffering_step(
 
 
 async def continue_step(
-    client: AsyncRolloutClient, *, step_id: str, buffer_name: str, budget: int, fresh_index: int
+    client: AsyncRolloutClient,
+    *,
+    step_id: str,
+    buffer_name: str,
+    budget: int,
+    fresh_index: int,
+    timeout: float = 120,
 ) -> StepRun:
     """A `continue_buffered` step with one fresh group `fresh_index` (the buffered ones run first)."""
     return await step_on(
@@ -89,6 +95,7 @@ async def continue_step(
         continue_buffered=True,
         step_id=step_id,
         buffer_name=buffer_name,
+        timeout=timeout,
     )
 
 

@@ -458,6 +458,12 @@ class _Step:
                 yield handed_back
             summary = await self._summary()
             self.finished = True  # before the yield: a caller leaving now has nothing left to lose
+            if self.lease is not None:
+                # Before the summary leaves: a caller holding it finds no lease of this step, also
+                # when this process dies right after (its lease would hold the caller's next
+                # continue step until it expired). Cancelled meanwhile: `_release` ends it.
+                await self.lease.end()
+                self.lease = None
             yield summary
         finally:
             unwatch()
