@@ -22,6 +22,7 @@ from rollout_grpc.client import AsyncRolloutClient, pb
 from tests.support.buffered_steps import (
     QUICK_LEFT,
     N,
+    abandoned_step,
     assert_continued,
     buffering_step,
     continue_step,
@@ -101,3 +102,35 @@ async def test_anonymous_callers_with_different_buffer_names_never_see_each_othe
         starts = {s.start_step_id for g in run.groups for s in g.samples}
         assert starts == {f"{mine}1", f"{mine}2"}, starts
         assert sorted(g.group_index for g in run.groups) == [1, 2, 9]
+
+
+#: Rounds of the leave-and-continue test across replicas, and the left steps' budget.
+LEAVE_ROUNDS = 10
+LEAVE_BUDGET = 200
+
+
+async def test_a_trainer_that_leaves_a_step_on_one_replica_continues_at_once_on_the_other(
+    procs: Processes,
+) -> None:
+    """The left step's drain lease is in Redis before its stream is released: a continue step sent
+    to the other replica the moment the caller left waits for the drain and gets every group."""
+    fleet = store_fleet(procs)
+    a, b = fleet.replicas
+    on = [client(a.target), client(b.target)]
+    misses: list[str] = []
+    try:
+        for round_ in range(LEAVE_ROUNDS):
+            writer, reader = on[round_ % 2], on[1 - round_ % 2]
+            name = f"leaver-{round_}"
+            left = await abandoned_step(writer, step_id=f"l{round_}", buffer_name=name, budget=LEAVE_BUDGET)
+            run = await continue_step(
+                reader, step_id=f"c{round_}", buffer_name=name, budget=LEAVE_BUDGET, fresh_index=9
+            )
+            try:
+                assert_continued(run, left, first_step=f"l{round_}", budget=LEAVE_BUDGET)
+            except AssertionError as exc:
+                misses.append(f"round {round_}: {exc}")
+    finally:
+        for c in on:
+            await c.close()
+    assert not misses, f"{len(misses)} of {LEAVE_ROUNDS} rounds missed:\n" + "\n".join(misses)
