@@ -31,6 +31,7 @@ from tests.support.buffered_steps import (
     buffering_step,
     continue_step,
     params,
+    step_on,
 )
 from tests.support.partials import aborted_partials
 from tests.support.processes import (
@@ -210,3 +211,38 @@ async def test_a_store_killed_mid_step_hands_the_leftovers_back_with_their_token
             assert len(sample.rollout_log_probs) == len(sample.loss_mask) == sample.response_length
     assert run.summary is not None and run.summary.target_reached and run.summary.accepted == 2
     assert fleet.redis.url in run.summary.reason, run.summary.reason
+
+
+#: The caller's deadline on a step while the store does not answer.
+SLOW_DEADLINE_S = 3.0
+
+
+async def test_a_store_that_stops_answering_is_bounded_by_the_callers_deadline(procs: Processes) -> None:
+    """redis-server stopped (SIGSTOP: connections are accepted, nothing answers): a buffering step
+    ends by its deadline (or UNAVAILABLE naming the store, whichever comes first), Generate keeps
+    working, and once the store answers again (SIGCONT) the next step works."""
+    fleet = store_fleet(procs, replicas=1)
+    [replica] = fleet.replicas
+    async with client(replica.target) as trainer:
+        await buffering_step(trainer, step_id="warm", buffer_name="s", budget=BUDGET)
+        os.kill(fleet.redis.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.RpcError) as stuck:
+                await step_on(
+                    trainer,
+                    [(make_sample(PROMPT), 5)],
+                    params=params(BUDGET),
+                    continue_buffered=True,
+                    buffer_name="s",
+                    timeout=SLOW_DEADLINE_S,
+                )
+            assert stuck.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            if stuck.value.code() == grpc.StatusCode.UNAVAILABLE:
+                assert fleet.redis.url in str(stuck.value.details())
+            plain = await consume(trainer, "while-stopped", 8)
+            assert plain.final is not None, plain.error
+        finally:
+            os.kill(fleet.redis.proc.pid, signal.SIGCONT)
+        run = await continue_step(trainer, step_id="resumed", buffer_name="s", budget=BUDGET, fresh_index=9)
+        assert_continued(run, [1, 2], first_step="warm", budget=BUDGET)
+    assert replica.proc.popen.poll() is None
