@@ -80,8 +80,11 @@ rm -rf "$CONTEXT"
 mkdir -p "$CONTEXT/dist"
 cp "$WHEEL" "$CONTEXT/dist/"
 "$PY" -m pip freeze --exclude-editable >"$WORK/constraints.txt"
+# async-timeout: redis-py needs it below Python 3.11.3, and the base's Python is Debian 12's 3.11.2
+# while this virtualenv's may be newer (pip evaluates the markers for the Python it runs on).
 "$PY" -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
   --constraint "$WORK/constraints.txt" --dest "$CONTEXT/dist" "$CONTEXT/dist/$(basename "$WHEEL")[server]" \
+  "async-timeout>=4.0.3" \
   2> >(grep -v "^WARNING: Location" >&2)
 echo "image: wheelhouse ($(find "$CONTEXT/dist" -name '*.whl' | wc -l) wheels) in $(seconds_since "$start") s"
 

@@ -34,7 +34,7 @@ from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.identity import ANONYMOUS, Caller
 from rollout_grpc.server.domain.model import Sample
 from rollout_grpc.server.rollout.step.spec import PromptGroup, StepSample
-from rollout_grpc.server.state.api import BufferStore, StoredGroup
+from rollout_grpc.server.state.api import BufferStore, StoredGroup, StoreUnavailable
 from rollout_grpc.server.state.memory import MemoryStore
 
 log = structlog.get_logger(__name__)
@@ -160,7 +160,10 @@ class DrainLease:
             self._renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer
-        await self.store.end_drain(self.owner, self.id)
+        try:
+            await self.store.end_drain(self.owner, self.id)
+        except StoreUnavailable:  # it expires after lease_ttl_s; the owner's next step waits that long
+            log.warning("step_lease_end_failed", owner=self.owner, store=self.store.name)
 
 
 class StepBuffers:

@@ -65,6 +65,7 @@ from rollout_grpc.server.rollout.step.spec import (
     check_counts,
 )
 from rollout_grpc.server.rollout.step.versions import FleetVersions
+from rollout_grpc.server.state.api import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -455,8 +456,16 @@ class _Step:
                 if not self.stop_reason:
                     self._fill()
                 yield self._progress()
+            for handed_back in await self._put_back():
+                yield handed_back
             summary = await self._summary()
             self.finished = True  # before the yield: a caller leaving now has nothing left to lose
+            if self.lease is not None:
+                # Before the summary leaves: a caller holding it finds no lease of this step, also
+                # when this process dies right after (its lease would hold the caller's next
+                # continue step until it expired). Cancelled meanwhile: `_release` ends it.
+                await self.lease.end()
+                self.lease = None
             yield summary
         finally:
             unwatch()
@@ -560,12 +569,15 @@ class _Step:
             kept = PromptGroup(
                 group.group_index, group.prompt, group.origin, group.prompt_index, group.label, run.items
             )
-            if not await self.runner.buffers.put(self.buffer, [kept]):
-                # The samples stay on the event for accounting; the wire omits them (they are here).
-                return GroupEnded(
-                    group.group_index, Outcome.BUFFERED, reason, run.items, self._lags(run.items)
-                )
-            reason += f"; {await self.runner.buffers.full_reason(self.buffer)}, returned instead"
+            try:
+                if not await self.runner.buffers.put(self.buffer, [kept]):
+                    # The samples stay on the event for accounting; the wire omits them (they are here).
+                    return GroupEnded(
+                        group.group_index, Outcome.BUFFERED, reason, run.items, self._lags(run.items)
+                    )
+                reason += f"; {await self.runner.buffers.full_reason(self.buffer)}, returned instead"
+            except StoreUnavailable as exc:  # the caller keeps every token: the group comes back
+                reason += f"; {exc}, returned instead"
         return GroupEnded(group.group_index, Outcome.ABORTED, reason, run.items, self._lags(run.items))
 
     def _aborted_from_outside(self) -> bool:
@@ -629,7 +641,16 @@ class _Step:
                 why="an anonymous caller named no buffer_name",
             )
             return
-        rejected = await self.runner.buffers.put(self.buffer, groups)
+        try:
+            rejected = await self.runner.buffers.put(self.buffer, groups)
+        except StoreUnavailable as exc:  # nobody to hand them to: said loudly, with their indexes
+            log.error(
+                "step_abandoned_unbuffered",
+                step_id=self.spec.step_id,
+                lost_groups=[g.group_index for g in groups],
+                why=str(exc),
+            )
+            return
         if rejected:
             # The caller is gone: its next step's summary names these groups (lost_group_indexes).
             lost = [g.group_index for g in rejected]
@@ -650,15 +671,35 @@ class _Step:
         if self.env is not None:
             await self.env.close()
 
-    async def _summary(self) -> Summary:
-        # Groups taken from the buffer and never started go back to it; fresh ones are listed.
+    async def _put_back(self) -> list[GroupEnded]:
+        """Groups taken from the buffer and never started go back to it. They came out of this
+        caller's buffer, so they fit back unless another step of the caller filled it meanwhile:
+        those are reported like an abandoned step's overflow. When the store does not answer they
+        are handed to the caller instead (ABORTED with their tokens, the reason naming the store)."""
         back = [g for g, _ in self.queue if id(g) in self.from_buffer]
         buffers, buffer = self.runner.buffers, self.buffer
-        if back and buffer is not None:
-            # They came out of this caller's buffer, so they fit back unless another step of the
-            # caller filled it meanwhile: those are reported like an abandoned step's overflow.
+        if not back or buffer is None:
+            return []
+        try:
             rejected = await buffers.put(buffer, back)
             await buffers.note_lost(buffer, [g.group_index for g in rejected])
+        except StoreUnavailable as exc:
+            self.queue = deque((g, r) for g, r in self.queue if id(g) not in self.from_buffer)
+            return [
+                GroupEnded(
+                    g.group_index,
+                    Outcome.ABORTED,
+                    f"{exc}; returned instead",
+                    g.partial,
+                    self._lags(g.partial),
+                )
+                for g in back
+            ]
+        return []
+
+    async def _summary(self) -> Summary:
+        # Fresh groups never started are listed (buffered ones went back by `_put_back`).
+        buffers, buffer = self.runner.buffers, self.buffer
         unstarted = [g.group_index for g, _ in self.queue if id(g) not in self.from_buffer]
         reached = self.progress.accepted >= self.target
         if self.stop_reason:
@@ -667,15 +708,21 @@ class _Step:
             reason = "the target was reached"
         else:
             reason = self.admission_refusal or "no prompt groups left"
+        buffered, lost = 0, []
+        if buffer is not None:
+            try:
+                buffered, lost = await buffers.count(buffer), await buffers.take_lost(buffer)
+            except StoreUnavailable as exc:  # every group was reported; only the counts are unknown
+                reason += f"; {exc}: buffered and lost_group_indexes are unknown"
         return Summary(
             accepted=self.progress.accepted,
             target_reached=reached,
             reason=reason,
-            buffered=await buffers.count(buffer) if buffer is not None else 0,
+            buffered=buffered,
             unstarted=unstarted,
             progress=self._progress(),
             max_version_lag=self.max_lag,
-            lost=await buffers.take_lost(buffer) if buffer is not None else [],
+            lost=lost,
         )
 
     def _progress(self) -> Progress:
