@@ -3,22 +3,18 @@
 `POST url {"episode_id", "turn", "prompt", "label", "action", "group_index", "sample_index"}` is
 answered by `{"observation": str | "observation_ids": [int], "done": bool, "reward": number?,
 "info": object?}` (docs/episodes.md). Shaped like the remote reward (`rewards/remote.py`) and
-bounded the same way, for the same reasons: requests bounded (`max_concurrency`), each attempt
-timed out, connection failures, timeouts, 429 and 5xx retried with exponential backoff; a reply
-read up to `MAX_REPLY_BYTES` and no further; redirects never followed (they would send the
-episode to a host outside `--env-url`); `info` kept only up to `MAX_INFO_BYTES` of JSON; a failure
-reason at most `MAX_FAILURE_CHARS` characters. One episode's failure is its `EnvFailed`, never an
-exception.
+bounded the same way, by the same client (`rewards/jsonpost.py`: bounded concurrency, timeouts,
+retries with backoff, no redirects — they would send the episode to a host outside `--env-url`); a
+reply read up to `MAX_REPLY_BYTES` and no further; `info` kept only up to `MAX_INFO_BYTES` of
+JSON; a failure reason at most `MAX_FAILURE_CHARS` characters. One episode's failure is its
+`EnvFailed`, never an exception.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from collections.abc import Mapping
-
-import aiohttp
 
 from rollout_grpc.server.envs.api import (
     EnvFailed,
@@ -28,29 +24,14 @@ from rollout_grpc.server.envs.api import (
     EnvUnavailable,
     EpisodeConfig,
 )
-from rollout_grpc.server.rewards.remote import read_capped
+from rollout_grpc.server.rewards.jsonpost import JsonPoster
 
-#: Seconds the start-of-step probe may take.
-PROBE_TIMEOUT_S = 5.0
 #: Bytes of one reply read at most (an observation of 1 MiB is far beyond any context window).
 MAX_REPLY_BYTES = 1 << 20
-#: Bytes of a probe answer read at most.
-MAX_PROBE_BYTES = 64 << 10
 #: Bytes of JSON of a reply's `info` kept as the sample's reward detail.
 MAX_INFO_BYTES = 16 << 10
-#: Bytes of an error body quoted in a failure reason.
-MAX_BODY_EXCERPT = 128
 #: Characters of a failure reason.
 MAX_FAILURE_CHARS = 512
-
-
-class _Retryable(Exception):
-    """An attempt failed in a way another attempt may not."""
-
-
-def _excerpt(body: bytes) -> str:
-    more = "..." if len(body) > MAX_BODY_EXCERPT else ""
-    return f"{body[:MAX_BODY_EXCERPT]!r}{more}"
 
 
 def read_reply(answer: object) -> EnvOutcome:
@@ -107,74 +88,26 @@ def _bounded_info(info: Mapping[str, object] | None) -> dict[str, object] | None
     return dict(info)
 
 
-def _redirect(status: int) -> str | None:
-    if 300 <= status < 400:
-        return f"HTTP {status}: redirects are not followed (the environment URL must answer itself)"
-    return None
-
-
 class RemoteEnvironment:
-    """An environment server over HTTP (aiohttp), one client session per step."""
+    """An environment server over HTTP, one client session per step."""
 
     def __init__(self, config: EpisodeConfig) -> None:
         self._config = config
-        self._limit = asyncio.Semaphore(config.max_concurrency)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # trust_env stays off: an environment on the cluster network is never reached through
-            # a proxy configured for the outside world.
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._config.timeout_s))
-        return self._session
+        self._http = JsonPoster(
+            config.url,
+            what="environment",
+            timeout_s=config.timeout_s,
+            max_retries=config.max_retries,
+            backoff_s=config.backoff_s,
+            max_concurrency=config.max_concurrency,
+            max_reply_bytes=MAX_REPLY_BYTES,
+        )
 
     async def probe(self) -> None:
-        """Any HTTP answer proves the URL reachable (the server may refuse GET); a redirect does not."""
-        try:
-            async with self._http().get(
-                self._config.url, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S), allow_redirects=False
-            ) as response:
-                await read_capped(response, MAX_PROBE_BYTES)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise EnvUnavailable(f"environment {self._config.url} does not answer: {exc!r}") from exc
-        redirect = _redirect(response.status)
-        if redirect is not None:
-            raise EnvUnavailable(f"environment {self._config.url}: {redirect}")
-
-    async def _post(self, payload: Mapping[str, object]) -> object:
-        """One POST with retries: the decoded JSON, or the failure as a ValueError."""
-        config = self._config
-        delay = config.backoff_s
-        last = ""
-        for attempt in range(config.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
-                delay *= 2
-            try:
-                async with (
-                    self._limit,
-                    self._http().post(config.url, json=payload, allow_redirects=False) as response,
-                ):
-                    redirect = _redirect(response.status)
-                    if redirect is not None:
-                        raise ValueError(redirect)
-                    body = await read_capped(response, MAX_REPLY_BYTES)
-                    if body is None:
-                        raise ValueError(
-                            f"HTTP {response.status}: the reply is over the {MAX_REPLY_BYTES} byte cap "
-                            "(reading stopped there)"
-                        )
-                    if response.status == 429 or response.status >= 500:
-                        raise _Retryable(f"HTTP {response.status}")
-                    if response.status >= 400:
-                        raise ValueError(f"HTTP {response.status}: {_excerpt(body)}")
-                    try:
-                        return json.loads(body)
-                    except ValueError:
-                        raise ValueError(f"the reply is not JSON: {_excerpt(body)}") from None
-            except (_Retryable, aiohttp.ClientError, TimeoutError) as exc:
-                last = str(exc) or type(exc).__name__
-        raise ValueError(f"{last} after {config.max_retries + 1} attempts")
+        """Any HTTP answer but a redirect proves the URL reachable (the server may refuse GET)."""
+        why = await self._http.probe()
+        if why is not None:
+            raise EnvUnavailable(f"environment {self._config.url}: {why}")
 
     async def step(self, request: EnvRequest) -> EnvOutcome:
         payload = {
@@ -187,7 +120,7 @@ class RemoteEnvironment:
             "sample_index": request.sample_index,
         }
         try:
-            answer = await self._post(payload)
+            answer = await self._http.post(payload)
         except ValueError as exc:
             return EnvFailed(f"environment {self._config.url}: {exc}"[:MAX_FAILURE_CHARS])
         outcome = read_reply(answer)
@@ -196,5 +129,4 @@ class RemoteEnvironment:
         return outcome
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._http.close()

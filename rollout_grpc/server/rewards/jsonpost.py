@@ -1,0 +1,144 @@
+"""One bounded JSON POST client for the servers a caller names: reward models, remote filters and
+episode environments.
+
+A step's caller picks the URL (within the operator's allowlist), so what such a server can do to the
+replica is bounded here, once, for all of them (docs/security.md "Reward servers", "Environments"):
+requests are bounded in number (`max_concurrency`), each attempt has a timeout, and what can succeed
+on a second try (connection failures, timeouts, 429 and 5xx) is retried with exponential backoff; a
+reply is read up to `max_reply_bytes` and no further, a probe answer up to `MAX_PROBE_BYTES`;
+redirects are never followed (a redirect would send the payload to a host outside the allowlist);
+an error body is quoted in a failure reason up to `MAX_BODY_EXCERPT` bytes. A failure is a
+`ValueError` with its reason, for the caller to turn into its own per-sample outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+
+import aiohttp
+
+#: Seconds the start-of-step probe may take.
+PROBE_TIMEOUT_S = 5.0
+#: Bytes of a probe answer read at most (any answer proves the URL reachable; the rest is unread).
+MAX_PROBE_BYTES = 64 << 10
+#: Bytes of an error answer's body quoted in a failure reason.
+MAX_BODY_EXCERPT = 128
+
+
+class _Retryable(Exception):
+    """An attempt failed in a way another attempt may not."""
+
+
+def excerpt(body: bytes) -> str:
+    """The start of an error body for a failure reason (bounded, escaped)."""
+    more = "..." if len(body) > MAX_BODY_EXCERPT else ""
+    return f"{body[:MAX_BODY_EXCERPT]!r}{more}"
+
+
+async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes | None:
+    """The body, or None once it is over `cap` bytes (reading stops there; the connection is
+    closed rather than drained)."""
+    if response.content_length is not None and response.content_length > cap:
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(64 << 10):
+        body += chunk
+        if len(body) > cap:
+            return None
+    return bytes(body)
+
+
+class JsonPoster:
+    """POSTs JSON to one URL under the bounds above; one aiohttp session, made on first use.
+
+    `what` names the URL's role in failure reasons ("reward", "environment": "the reward URL must
+    answer itself").
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        what: str,
+        timeout_s: float,
+        max_retries: int,
+        backoff_s: float,
+        max_concurrency: int,
+        max_reply_bytes: int,
+    ) -> None:
+        self.url = url
+        self._what = what
+        self._timeout_s = timeout_s
+        self._max_retries = max_retries
+        self._backoff_s = backoff_s
+        self._max_reply_bytes = max_reply_bytes
+        self._limit = asyncio.Semaphore(max_concurrency)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # trust_env stays off: a server on the cluster network is never reached through a proxy
+            # configured for the outside world.
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s))
+        return self._session
+
+    def _redirect(self, status: int) -> str | None:
+        if 300 <= status < 400:
+            return f"HTTP {status}: redirects are not followed (the {self._what} URL must answer itself)"
+        return None
+
+    async def probe(self) -> str | None:
+        """Why the URL is not usable, or None: any HTTP answer but a redirect proves it reachable
+        (the server may refuse GET)."""
+        try:
+            async with self._http().get(
+                self.url, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S), allow_redirects=False
+            ) as response:
+                await read_capped(response, MAX_PROBE_BYTES)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"does not answer: {exc!r}"
+        return self._redirect(response.status)
+
+    async def post(self, payload: Mapping[str, object]) -> object:
+        """One POST with retries: the decoded JSON answer, or ValueError with the reason."""
+        delay = self._backoff_s
+        last = ""
+        for attempt in range(self._max_retries + 1):
+            if attempt:
+                await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
+                delay *= 2
+            try:
+                async with (
+                    self._limit,
+                    self._http().post(self.url, json=payload, allow_redirects=False) as response,
+                ):
+                    return await self._read(response)
+            except (_Retryable, aiohttp.ClientError, TimeoutError) as exc:
+                last = str(exc) or type(exc).__name__
+        raise ValueError(f"{last} after {self._max_retries + 1} attempts")
+
+    async def _read(self, response: aiohttp.ClientResponse) -> object:
+        """One attempt's answer; `_Retryable` when another attempt may succeed."""
+        redirect = self._redirect(response.status)
+        if redirect is not None:
+            raise ValueError(redirect)
+        cap = self._max_reply_bytes
+        body = await read_capped(response, cap)
+        if body is None:
+            raise ValueError(
+                f"HTTP {response.status}: the answer is over the {cap} byte cap (reading stopped there)"
+            )
+        if response.status == 429 or response.status >= 500:
+            raise _Retryable(f"HTTP {response.status}")
+        if response.status >= 400:
+            raise ValueError(f"HTTP {response.status}: {excerpt(body)}")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise ValueError(f"the answer is not JSON: {excerpt(body)}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
