@@ -93,15 +93,7 @@ class RemoteEnvironment:
 
     def __init__(self, config: EpisodeConfig) -> None:
         self._config = config
-        self._http = JsonPoster(
-            config.url,
-            what="environment",
-            timeout_s=config.timeout_s,
-            max_retries=config.max_retries,
-            backoff_s=config.backoff_s,
-            max_concurrency=config.max_concurrency,
-            max_reply_bytes=MAX_REPLY_BYTES,
-        )
+        self._http = JsonPoster.of(config, what="environment", max_reply_bytes=MAX_REPLY_BYTES)
 
     async def probe(self) -> None:
         """Any HTTP answer but a redirect proves the URL reachable (the server may refuse GET)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping
+from typing import Protocol
 
 import aiohttp
 
@@ -50,6 +51,21 @@ async def read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes | Non
     return bytes(body)
 
 
+class PostConfig(Protocol):
+    """What a caller's spec says of its server (a reward, a remote filter, an environment)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def max_retries(self) -> int: ...
+    @property
+    def backoff_s(self) -> float: ...
+    @property
+    def max_concurrency(self) -> int: ...
+
+
 class JsonPoster:
     """POSTs JSON to one URL under the bounds above; one aiohttp session, made on first use.
 
@@ -76,6 +92,19 @@ class JsonPoster:
         self._max_reply_bytes = max_reply_bytes
         self._limit = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def of(cls, config: PostConfig, *, what: str, max_reply_bytes: int) -> JsonPoster:
+        """The client for a spec's server."""
+        return cls(
+            config.url,
+            what=what,
+            timeout_s=config.timeout_s,
+            max_retries=config.max_retries,
+            backoff_s=config.backoff_s,
+            max_concurrency=config.max_concurrency,
+            max_reply_bytes=max_reply_bytes,
+        )
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:

@@ -70,15 +70,7 @@ class RemoteReward:
 
     def __init__(self, config: RewardConfig) -> None:
         self._config = config
-        self._http = JsonPoster(
-            config.url,
-            what="reward",
-            timeout_s=config.timeout_s,
-            max_retries=config.max_retries,
-            backoff_s=config.backoff_s,
-            max_concurrency=config.max_concurrency,
-            max_reply_bytes=MAX_REPLY_BYTES,
-        )
+        self._http = JsonPoster.of(config, what="reward", max_reply_bytes=MAX_REPLY_BYTES)
 
     async def probe(self) -> None:
         """Any HTTP answer but a redirect proves the URL reachable (a remote_rm server may refuse GET)."""
