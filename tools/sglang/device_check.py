@@ -64,10 +64,13 @@ def expect(condition: bool, detail: str) -> None:
 
 
 class Stream:
-    """A streaming Generate in the background; `first` is set at its first token."""
+    """A streaming Generate in the background; `first` is set once it streamed `ready_at` tokens."""
 
-    def __init__(self, client: AsyncRolloutClient, request_id: str, params: dict[str, object]) -> None:
+    def __init__(
+        self, client: AsyncRolloutClient, request_id: str, params: dict[str, object], ready_at: int = 1
+    ) -> None:
         self.first = asyncio.Event()
+        self.ready_at = ready_at
         self.tokens: list[int] = []
         self.task = asyncio.ensure_future(self._run(client, request_id, params))
 
@@ -76,7 +79,8 @@ class Stream:
         async for message in client.generate_stream(sample, params, request_id=request_id, timeout=300):
             if message.WhichOneof("event") == "delta":
                 self.tokens.extend(message.delta.token_ids)
-                self.first.set()
+                if len(self.tokens) >= self.ready_at:
+                    self.first.set()
             else:
                 return message.sample
         raise CheckFailed(f"{request_id}: the stream ended without a sample")
@@ -159,7 +163,9 @@ class Checks:
         return f"answered in {time.monotonic() - began:.2f} s; the engine generates after it"
 
     async def queued_abort_echo(self) -> str:
-        stream = Stream(self.client, "dc-queued", LONG)
+        # Several tokens first: the echo's one id then differs from its count (a one-token call's
+        # echo looks like a whole cumulative output and would not test the echo's handling).
+        stream = Stream(self.client, "dc-queued", LONG, ready_at=4)
         await started([stream], self.hang_s)
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{self.url}/pause_generation", json={"mode": "retract"}) as r:
@@ -172,8 +178,11 @@ class Checks:
                 async with http.post(f"{self.url}/continue_generation", json={}) as r:
                     expect(r.status == 200, f"/continue_generation: HTTP {r.status}")
         expect(sample.status == pb.SAMPLE_STATUS_ABORTED, f"status {sample.status}: {sample.failure_reason}")
-        expect(sample.response_length >= len(stream.tokens) >= 1, "tokens lost")
+        expect(sample.response_length >= len(stream.tokens) >= 4, "tokens lost")
+        expect(list(sample.tokens[len(PROMPT) :]) == stream.tokens, "the sample is not what was streamed")
         expect(len(sample.rollout_log_probs) == sample.response_length, "a logprob per token")
+        errors = [a.error for a in sample.engine_attempts if a.error]
+        expect(not errors, f"the engine's abort echo did not end the call: {errors}")
         return f"ABORTED with {sample.response_length} tokens"
 
     async def pause_continue_versions(self) -> str:
