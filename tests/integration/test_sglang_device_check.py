@@ -88,7 +88,9 @@ def test_every_check_passes_against_the_simulator_as_a_server(tmp_path: Path, in
     assert statuses == {**dict.fromkeys(CHECKS, "passed"), "multimodal_ids": "skipped"}, output
     assert all(set(c) == {"name", "status", "detail"} and c["detail"] for c in checks)
     assert summary["passed"] is True and code == 0
-    assert {c["name"]: c["detail"] for c in checks}["logprob_definition"] == "temperature_scaled_logprobs"
+    details = {c["name"]: c["detail"] for c in checks}
+    assert details["logprob_definition"] == "temperature_scaled_logprobs"
+    assert "tiny-qwen2vl" in str(details["multimodal_ids"])  # skipped, saying why
 
 
 def test_a_simulator_without_deterministic_inference_fails_the_seed_check(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ then the control paths a trainer uses):
   queue) ends ABORTED with every token it had;
 * `pause_continue_versions`: a `keep` pause, resume under a new version: the kept calls' spans are
   old -> new;
-* `multimodal_ids`: skipped (this check serves a text model; it needs a VL model served).
+* `multimodal_ids`: skipped, with the reason (`MULTIMODAL_SKIPPED`): only a text model is served.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ from rollout_grpc.server.config import ServerConfig
 
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]
 LONG: dict[str, object] = {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True}
+
+
+#: Why the multimodal check does not run: it would need a second SGLang serving tiny-qwen2vl (built,
+#: not served) and that processor's placeholder expansion for a test image, neither set up here.
+MULTIMODAL_SKIPPED = (
+    "only tiny-llama is served; a multimodal ids check needs a second SGLang on tiny-qwen2vl "
+    "(built, not started) and its processor's placeholder expansion, not set up in this check"
+)
 
 
 class CheckFailed(Exception):
@@ -226,11 +234,7 @@ async def run_checks(engine_url: str, hang_s: float) -> list[Check]:
                 except Exception as exc:  # a check's crash is its failure, the others still run
                     detail = "".join(traceback.format_exception_only(exc)).strip()
                     results.append(Check(name, "failed", detail))
-            results.append(
-                Check(
-                    "multimodal_ids", "skipped", "the device check serves a text model (no VL model served)"
-                )
-            )
+            results.append(Check("multimodal_ids", "skipped", MULTIMODAL_SKIPPED))
     finally:
         await server.stop(0.5)
     return results
