@@ -3,8 +3,10 @@
 Both simulators run the same toy model (same model seed), so greedy decoding is one sequence on
 either kind and a failover from one kind to the other continues it token for token. Checked here:
 failover both ways with the tokens exact, abort-all and pause/resume across kinds, the aborted
-samples continued to exactly their budget, session affinity that does not depend on the kind, and
-GetServerInfo naming each engine's kind.
+samples continued to exactly their budget, session affinity that does not depend on the kind,
+GetServerInfo naming each engine's kind, and a seeded RolloutStep across both kinds through a keep
+pause, an abort-all over the paused fleet (the SGLang simulator models 0.5.23's wedge there) and a
+resume under a new weight version, every sample accounted for (issue 39).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import pytest
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.sim import SimEngine
+from rollout_grpc.sim.config import SGLangOptions
 from tests.harness import running_server, sim_engines
 from tests.support.fleet import session_on
 from tests.support.service import PROMPT, Stream, assert_lossless, start_stream, started
+from tests.support.steps import StepRun
 
 GREEDY: dict[str, object] = {"temperature": 0.0, "max_new_tokens": 120, "ignore_eos": True}
 
@@ -48,15 +52,15 @@ class Mixed:
 
 
 @contextlib.asynccontextmanager
-async def mixed(token_delay_s: float = 0.002) -> AsyncIterator[Mixed]:
+async def mixed(token_delay_s: float = 0.002, sglang: SGLangOptions | None = None) -> AsyncIterator[Mixed]:
     sim = {"token_delay_s": token_delay_s, "eos_probability": 0.0}
     async with (
         sim_engines(1, **sim) as (vllm,),
-        sim_engines(1, **sim, kind="sglang") as (sglang,),
-        running_server([vllm.url, sglang.url], engine_kinds={sglang.url: "sglang"}) as server,
+        sim_engines(1, **sim, kind="sglang", sglang=sglang or SGLangOptions()) as (sglang_sim,),
+        running_server([vllm.url, sglang_sim.url], engine_kinds={sglang_sim.url: "sglang"}) as server,
         AsyncRolloutClient(f"127.0.0.1:{server.port}", retry=None) as client,
     ):
-        yield Mixed(server, client, vllm, sglang)
+        yield Mixed(server, client, vllm, sglang_sim)
 
 
 async def test_server_info_names_each_engines_kind() -> None:
@@ -168,3 +172,141 @@ async def test_session_affinity_does_not_depend_on_the_kind() -> None:
                     chosen.setdefault(sid, set()).add(sample.engine_attempts[0].engine)
     assert all(len(engines) == 1 for engines in chosen.values())
     assert {next(iter(e)) for e in chosen.values()} == set(urls), "sessions should use both kinds"
+
+
+#: Only a wedged engine takes this long (an SGLang 0.5.23 abort pause over in_place never answers).
+HANG_S = 30.0
+#: Seeded: SGLang honours `sampling_seed` only with --enable-deterministic-inference, so the fleet's
+#: SGLang engine runs with it (without it the replica refuses seeded calls: docs/engines.md).
+SEEDED: dict[str, object] = {"temperature": 1.0, "ignore_eos": True, "seed": 11}
+DETERMINISTIC = SGLangOptions(enable_deterministic_inference=True)
+
+
+def groups_on_both(m: Mixed, count: int) -> list[pb.PromptGroup]:
+    """`count` groups whose session keys alternate between the vLLM and the SGLang engine."""
+    engines = [m.vllm, m.sglang]
+    return [pb.PromptGroup(prompt=m.sample_on(engines[i % 2]), group_index=i) for i in range(count)]
+
+
+async def all_running(m: Mixed, calls: int, tokens: int) -> None:
+    """`calls` generations run on the two engines together (where each runs is the pool's choice:
+    session affinity bounded by load), each with at least `tokens` tokens."""
+    cores = [m.vllm.core, m.sglang.core]
+
+    def enough() -> bool:
+        return sum(len(core.running) for core in cores) >= calls
+
+    waits = [asyncio.ensure_future(core.wait_until(enough)) for core in cores]
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in pending:
+        wait.cancel()
+    for request in [r for core in cores for r in core.running]:
+        await request.wait_tokens(tokens)
+
+
+async def collect(events: AsyncIterator[pb.RolloutStepResponse]) -> StepRun:
+    run = StepRun()
+    async for event in events:
+        kind = event.WhichOneof("event")
+        if kind == "group":
+            run.groups.append(event.group)
+        elif kind == "sample":
+            run.samples.append(event.sample)
+        elif kind == "summary":
+            run.summary = event.summary
+    return run
+
+
+def engines_of(run: StepRun) -> dict[int, set[str]]:
+    """The engines each group's samples ended on."""
+    return {g.group_index: {s.engine_attempts[-1].engine for s in g.samples} for g in run.groups}
+
+
+async def test_seeded_step_across_kinds_is_reproducible_and_differs_per_sample() -> None:
+    async with mixed(0.0, sglang=DETERMINISTIC) as m:
+        groups = groups_on_both(m, 4)
+        params = {**SEEDED, "max_new_tokens": 12}
+        first = await collect(m.client.rollout_step(groups, n_samples_per_prompt=2, params=params))
+        again = await collect(m.client.rollout_step(groups, n_samples_per_prompt=2, params=params))
+    # The pool bounds each engine's load, so 8 calls always use both; both kinds run the same toy
+    # model, so a seeded sample is the same sequence wherever the pool puts it.
+    assert {e for es in engines_of(first).values() for e in es} == {m.vllm.url, m.sglang.url}
+    tokens = {(g.group_index, s.index): list(s.tokens) for g in first.groups for s in g.samples}
+    assert {(g.group_index, s.index): list(s.tokens) for g in again.groups for s in g.samples} == tokens
+    for group in first.groups:  # seed = base + i within a group: the samples differ
+        assert group.outcome == pb.GROUP_OUTCOME_ACCEPTED
+        assert len({tuple(s.tokens) for s in group.samples}) == 2, group.group_index
+
+
+async def test_step_across_kinds_through_pause_abort_all_and_resume_accounts_for_every_sample() -> None:
+    """A seeded step on both kinds is paused `keep`, aborted while paused (0.5.23 wedges on an abort
+    pause over in_place unless the adapter continues first), then continued by a second step that is
+    paused and resumed under "step-1": every sample comes back, first ABORTED with every token, then
+    at exactly its budget with the tokens kept and its versions split default -> step-1."""
+    budget = 400
+    async with mixed(0.003, sglang=DETERMINISTIC) as m:
+        groups = groups_on_both(m, 4)
+        params = {**SEEDED, "max_new_tokens": budget}
+        step = asyncio.ensure_future(
+            collect(
+                m.client.rollout_step(
+                    groups,
+                    n_samples_per_prompt=2,
+                    params=params,
+                    stream_samples=True,
+                    step_id="a",
+                    timeout=120,
+                )
+            )
+        )
+        await all_running(m, 8, 5)
+        paused = await m.client.pause("keep")
+        assert sorted(paused.paused_engines) == sorted([m.vllm.url, m.sglang.url])
+        async with asyncio.timeout(HANG_S):
+            aborted = await m.client.abort(all=True)
+            first = await step
+        assert aborted.aborted == 8 and not aborted.engine_errors
+        assert not any(e.paused for e in (await m.client.server_info()).engines)
+        assert first.summary is not None and "Abort all" in first.summary.reason
+        assert sorted(g.group_index for g in first.groups) == [0, 1, 2, 3]
+        assert {e for es in engines_of(first).values() for e in es} == {m.vllm.url, m.sglang.url}
+        streamed = {(s.group_index, s.index): list(s.tokens) for s in first.samples}
+        for group in first.groups:
+            assert group.outcome == pb.GROUP_OUTCOME_ABORTED and len(group.samples) == 2
+            for sample in group.samples:
+                assert sample.status == pb.SAMPLE_STATUS_ABORTED and 5 <= sample.response_length < budget
+                assert streamed[(group.group_index, sample.index)] == list(sample.tokens)
+                assert [w.version for w in sample.weight_versions] == ["default"]
+
+        partial = [
+            pb.PromptGroup(prompt=groups[g.group_index].prompt, group_index=g.group_index, partial=g.samples)
+            for g in first.groups
+        ]
+        step = asyncio.ensure_future(
+            collect(
+                m.client.rollout_step(
+                    partial, n_samples_per_prompt=2, params=params, step_id="b", timeout=120
+                )
+            )
+        )
+        await all_running(m, 8, 1)
+        paused = await m.client.pause("keep")
+        assert sorted(paused.paused_engines) == sorted([m.vllm.url, m.sglang.url])
+        assert not (await m.client.resume(weight_version="step-1")).engine_errors
+        async with asyncio.timeout(HANG_S):
+            second = await step
+    before = {(g.group_index, s.index): s for g in first.groups for s in g.samples}
+    assert {e for es in engines_of(second).values() for e in es} == {m.vllm.url, m.sglang.url}
+    assert second.summary is not None and second.summary.accepted == 4
+    assert {(g.group_index, s.index) for g in second.groups for s in g.samples} == set(before)
+    for group in second.groups:
+        assert group.outcome == pb.GROUP_OUTCOME_ACCEPTED
+        for sample in group.samples:
+            old = before[(group.group_index, sample.index)]
+            assert sample.status == pb.SAMPLE_STATUS_TRUNCATED and sample.response_length == budget
+            assert list(sample.tokens[: len(old.tokens)]) == list(old.tokens)
+            k = old.response_length
+            assert list(sample.rollout_log_probs[:k]) == list(old.rollout_log_probs)
+            spans = [(w.version, w.start, w.end) for w in sample.weight_versions]
+            assert [v for v, _, _ in spans] == ["default", "step-1"], spans
+            assert spans[0][2] > k and spans[-1][2] == budget
