@@ -270,7 +270,7 @@ class ControlAction(enum.StrEnum):
 
 
 class WeightAction(enum.StrEnum):
-    """A weight operation (`rollout/weights.py`), named so an adapter can say which route does it."""
+    """A weight operation (`rollout/weights/`), named so an adapter can say which route does it."""
 
     LOAD_CHECKPOINT = "load_checkpoint"
     RELEASE_MEMORY = "release_memory"
@@ -392,7 +392,7 @@ class EngineAdapter(Protocol):
         """The models the engine serves."""
         ...
 
-    # Weight updates (rollout/weights.py): the engine kind's module `weights.py` implements them.
+    # Weight updates (rollout/weights/): the engine kind's module `weights.py` implements them.
 
     def weight_route(self, action: WeightAction) -> str:
         """The engine route behind a weight operation, for messages naming the failed call."""

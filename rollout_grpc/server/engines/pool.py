@@ -63,7 +63,7 @@ class EngineHandle:
     #: check). The one source of the engine's capability facts.
     capabilities: EngineCapabilities | None = None
     #: Why this engine's weights are not the fleet's (a weight update failed on it, or it was not
-    #: paused for one): no generations until a later update loads on it (`rollout/weights.py`).
+    #: paused for one): no generations until a later update loads on it (`rollout/weights/`).
     #: Kept apart from `problems`, which the capability check rewrites.
     weights_problem: str = ""
     #: The engine calls in flight on this engine that want to hear when a health probe finds it
@@ -167,7 +167,7 @@ class EnginePool:
 
     def set_weights_problem(self, handle: EngineHandle, problem: str) -> None:
         """Take `handle` out of rotation because of its weights (`problem`), or, with "",
-        re-admit it after a successful load (`rollout/weights.py`)."""
+        re-admit it after a successful load (`rollout/weights/`)."""
         if handle.weights_problem != problem:
             handle.weights_problem = problem
             if problem:

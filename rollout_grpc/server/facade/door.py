@@ -183,7 +183,7 @@ class RolloutFacade:
         return result
 
     async def update_weights(self, record: CallRecord, update: WeightUpdate) -> WeightUpdateResult:
-        """One fleet-wide weight update (`rollout/weights.py`, which advances the fleet's version
+        """One fleet-wide weight update (`rollout/weights/`, which advances the fleet's version
         order in the store); this process's copy of the order is read again."""
         if self._weights is None:
             raise FailedPrecondition("weight updates are not available on this replica")
@@ -193,13 +193,13 @@ class RolloutFacade:
         return result
 
     async def plan_transfer(self, record: CallRecord, trainer_ranks: int) -> TransferPlan:
-        """Distributed weight transfer: the group's rank plan (`rollout/weights.py`)."""
+        """Distributed weight transfer: the group's rank plan (`rollout/weights/`)."""
         if self._weights is None:
             raise FailedPrecondition("weight transfers are not available on this replica")
         return await self._weights.plan_transfer(trainer_ranks)
 
     async def release_memory(self, record: CallRecord, release: MemoryRelease) -> FleetResult:
-        """Colocated training: pause every engine and free its memory (`rollout/weights.py`)."""
+        """Colocated training: pause every engine and free its memory (`rollout/weights/`)."""
         if self._weights is None:
             raise FailedPrecondition("memory release is not available on this replica")
         result = await self._weights.release_memory(release)

@@ -15,7 +15,7 @@ Semantics every implementation keeps (tests/unit/test_state_store.py runs them a
   `continue_buffered` step waits until it holds none. A lease expires `lease_ttl_s` after its
   last renewal, so a replica killed with its lease held delays the next step by at most that.
 
-And what the fleet's weight updates need (rollout/weights.py, rollout/step/versions.py):
+And what the fleet's weight updates need (rollout/weights/, rollout/step/versions.py):
 
 * a fleet lease (`take_lease`): one holder at a time per name, expiring `ttl_s` after its last
   renewal, so a replica killed while holding it blocks the others for at most that; only its
