@@ -27,7 +27,8 @@ from rollout_grpc.server.facade.views import CapabilityView, EngineView, ServerV
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control, EngineStatus, FleetResult
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
-from rollout_grpc.server.rollout.step.runner import GroupEnded, StepEvent, StepRunner, Summary
+from rollout_grpc.server.rollout.step.events import GroupEnded, StepEvent, Summary
+from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.rollout.step.spec import Outcome, StepSpec
 from rollout_grpc.server.rollout.weights import (
     MemoryRelease,

@@ -20,9 +20,9 @@ from rollout_grpc.server.rollout.control import (
     ForwardedAbort,
 )
 from rollout_grpc.server.rollout.render import Part, Rendered
+from rollout_grpc.server.rollout.step.events import GroupEnded, Progress, SampleEnded, StepEvent, Summary
 from rollout_grpc.server.rollout.step.policy import Admission as StepAdmission
 from rollout_grpc.server.rollout.step.policy import OverSampling
-from rollout_grpc.server.rollout.step.runner import GroupEnded, Progress, SampleEnded, StepEvent, Summary
 from rollout_grpc.server.rollout.step.spec import (
     MAX_GROUPS,
     FilterKind,

@@ -1,0 +1,191 @@
+"""One running step's loop: keep up to the allowed groups in flight (the over-sampling policy and
+staleness admission), account each group that ends (accepted, dropped, stale, leftover), stop on
+the target, an abort or shutdown, and end with the summary (or, when the caller left, the drain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import structlog
+
+from rollout_grpc.server.domain import sample_ops
+from rollout_grpc.server.rollout.step.drain import StepDrain
+from rollout_grpc.server.rollout.step.events import GroupEnded, SampleEnded, StepEvent, Summary
+from rollout_grpc.server.rollout.step.group import GroupWork
+from rollout_grpc.server.rollout.step.spec import (
+    OnStale,
+    Outcome,
+    PromptGroup,
+    StepSample,
+)
+from rollout_grpc.server.rollout.step.state import GroupDone, GroupRun
+from rollout_grpc.server.state.api import StoreUnavailable
+
+log = structlog.get_logger("rollout_grpc.server.rollout.step.runner")
+
+
+class Step(GroupWork, StepDrain):
+    """One running step: the loop over its groups (`GroupWork`) and its leftovers (`StepDrain`)."""
+
+    async def events(self) -> AsyncIterator[StepEvent]:
+        self.started = True  # from here events() releases the lease (or its drain does)
+        unwatch = self.rollout.owner_aborts.watch(self.owner, self._on_owner_abort)
+        try:
+            self._fill()
+            yield self._progress()
+            while self.active:
+                event = await self.events_q.get()
+                if isinstance(event, SampleEnded):
+                    self.progress.generated += 1
+                    if self.spec.stream_samples:
+                        yield event
+                    yield self._progress()
+                    continue
+                for out in await self._group_done(event):
+                    yield out
+                if not self.stop_reason and self._aborted_from_outside():
+                    self._stop_all("the generations were aborted (Abort all)")
+                if not self.stop_reason and self.rollout.closed:
+                    self._stop_all("the replica is shutting down; continue the groups on another one")
+                if not self.stop_reason:
+                    self._fill()
+                yield self._progress()
+            for handed_back in await self._put_back():
+                yield handed_back
+            summary = await self._summary()
+            self.finished = True  # before the yield: a caller leaving now has nothing left to lose
+            if self.lease is not None:
+                # Before the summary leaves: a caller holding it finds no lease of this step, also
+                # when this process dies right after (its lease would hold the caller's next
+                # continue step until it expired). Cancelled meanwhile: `_release` ends it.
+                await self.lease.end()
+                self.lease = None
+            yield summary
+        finally:
+            unwatch()
+            await self._release()
+
+    async def _release(self) -> None:
+        """The step's end (the stream is released after this): an abandoned step drains its
+        groups to the buffer, still holding its lease; a finished one gives the lease back."""
+        if not self.finished:
+            self._abandon()
+            return
+        if self.lease is not None:
+            # In the background: a cancelled call must not leave the lease to expire.
+            self.runner.spawn(self.lease.end())
+        await self._close_hooks()
+
+    def _fill(self) -> None:
+        """Start the prompt groups the over-sampling policy allows now (policy.py), unless
+        staleness admission refuses new work."""
+        admission = self.spec.admission
+        if admission is not None:
+            self.admission_refusal = admission.refusal(self.runner.versions)
+            if self.admission_refusal:
+                return
+        counters = self.counters
+        counters.accepted = self.progress.accepted
+        counters.in_flight = len(self.active)
+        for _ in range(self.policy.to_start(counters, len(self.queue))):
+            group, regenerated = self.queue.popleft()
+            counters.submitted += 1
+            self._start(group, regenerated)
+
+    def _start(self, group: PromptGroup, regenerated: bool) -> None:
+        spec = self.spec
+        if group.partial and not regenerated:
+            items = group.partial
+            for item in items:
+                item.sample.group_index = group.group_index
+        else:
+            items = []
+            for i in range(spec.n_samples_per_prompt):
+                sample = sample_ops.fork(group.prompt)
+                sample.group_index = group.group_index
+                sample.session_id = sample.session_id or f"{spec.step_id}/g{group.group_index}"
+                items.append(
+                    StepSample(
+                        sample, group.prompt_index + i, origin=group.origin, start_step_id=spec.step_id
+                    )
+                )
+        suffix = "/r" if regenerated else ""
+        ids = [f"{spec.step_id}/g{group.group_index}/s{i}{suffix}" for i in range(len(items))]
+        run = GroupRun(group, items, ids, regenerated=regenerated)
+        run.task = asyncio.create_task(self._coordinate(run))
+        self.active[group.group_index] = run
+
+    async def _group_done(self, done: GroupDone) -> list[StepEvent]:
+        """Account a finished group; its events."""
+        run = done.run
+        self.active.pop(run.group.group_index, None)
+        if done.outcome is None:
+            if not self.stop_reason:
+                # Aborted from outside (Abort of its group or session): the step goes on, and the
+                # over-sampling rule counts it as a group that will not be accepted.
+                self.counters.dropped += 1
+            return [await self._leftover(run, done.reason)]
+        lags = self._lags(run.items)
+        outcome, reason = done.outcome, done.reason
+        if outcome is Outcome.ACCEPTED and self.spec.max_staleness is not None:
+            worst = max(lags, default=0)
+            if worst > self.spec.max_staleness:
+                outcome = Outcome.STALE
+                reason = (
+                    f"a sample is {worst} weight versions behind (max_staleness {self.spec.max_staleness})"
+                )
+                if self.spec.on_stale is OnStale.REGENERATE and not run.regenerated:
+                    reason += "; regenerating the group once"
+                    self.queue.appendleft((run.group, True))
+        if outcome is Outcome.ACCEPTED and self.progress.accepted >= self.target:
+            return [await self._leftover(run, "the target was reached")]
+        if outcome is Outcome.ACCEPTED:
+            self.progress.accepted += 1
+            self.max_lag = max(self.max_lag, *lags, 0)
+            if self.progress.accepted >= self.target:
+                self._stop_all("the target was reached")
+        else:
+            kind = {
+                Outcome.FILTERED: "filter",
+                Outcome.STALE: "stale",
+                Outcome.FAILED: "reward_failed" if done.reason.startswith("reward") else "failed",
+            }.get(outcome, outcome.value)
+            self.progress.dropped[kind] = self.progress.dropped.get(kind, 0) + 1
+            self.counters.dropped += 1
+        if done.fatal and not self.stop_reason:
+            self._stop_all(done.stop_reason or f"a reward failed (on_failure FAIL_GROUP): {done.reason}")
+        return [GroupEnded(run.group.group_index, outcome, reason, run.items, lags)]
+
+    def _aborted_from_outside(self) -> bool:
+        """An Abort(all) ended samples of this step (Abort mine stops the step at once)."""
+        return self.saw_abort_all
+
+    async def _summary(self) -> Summary:
+        # Fresh groups never started are listed (buffered ones went back by `_put_back`).
+        buffers, buffer = self.runner.buffers, self.buffer
+        unstarted = [g.group_index for g, _ in self.queue if id(g) not in self.from_buffer]
+        reached = self.progress.accepted >= self.target
+        if self.stop_reason:
+            reason = self.stop_reason
+        elif reached:
+            reason = "the target was reached"
+        else:
+            reason = self.admission_refusal or "no prompt groups left"
+        buffered, lost = 0, []
+        if buffer is not None:
+            try:
+                buffered, lost = await buffers.count(buffer), await buffers.take_lost(buffer)
+            except StoreUnavailable as exc:  # every group was reported; only the counts are unknown
+                reason += f"; {exc}: buffered and lost_group_indexes are unknown"
+        return Summary(
+            accepted=self.progress.accepted,
+            target_reached=reached,
+            reason=reason,
+            buffered=buffered,
+            unstarted=unstarted,
+            progress=self._progress(),
+            max_version_lag=self.max_lag,
+            lost=lost,
+        )
