@@ -1,11 +1,11 @@
 """The replica's configuration, in one place: `ServerConfig` and the typed sub-configs carved from it.
 
-`settings.py` fills a `ServerConfig` from the command line, the environment and a TOML file (its
+`settings/` fills a `ServerConfig` from the command line, the environment and a TOML file (its
 flags name these fields); the wiring (`app.py`) and the worker supervisor read it, and build each
 room's own config through the methods here (`engine_timeouts`, `rollout_config`, `request_limits`,
 ...), so the wiring holds no field-by-field carving and the settings import nothing of the wiring
-or the doors. A field added here with its flag in `settings.FLAGS` is the whole change (a test
-checks that every field is a flag or says why not).
+or the doors. A field added here with its flag in `settings.FLAGS` (`settings/table.py`) is the
+whole change (a test checks that every field is a flag or says why not).
 """
 
 from __future__ import annotations
