@@ -78,6 +78,9 @@ async def test_cumulative_stream(session: aiohttp.ClientSession) -> None:
         assert ref["text"].startswith(c["text"])
         assert (m["finish_reason"] is None) == (i < 6)
         assert ("e2e_latency" in m) == (i == 6)
+        # Spans are computed for finished requests only (0.5.23 output_streamer.py:541-554).
+        assert ("weight_versions" in m) == (i == 6)
+    assert chunks[-1]["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 6}]
     assert chunks[-1]["text"] == ref["text"]
     assert chunks[-1]["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
 
