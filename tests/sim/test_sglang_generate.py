@@ -220,6 +220,20 @@ async def test_prompt_at_the_context_length_is_rejected(session: aiohttp.ClientS
     assert r.status == 400 and r.json["error"]["message"] == msg
 
 
+async def test_a_budget_over_the_context_is_refused_not_cut(session: aiohttp.ClientSession) -> None:
+    # 0.5.23 managers/tokenizer_manager.py:1353-1378 (vLLM cuts the output at the context instead).
+    async with sglang_engine(max_model_len=30) as eng:
+        fits = await generate(session, eng.url, body("fits", 10))
+        over = await generate(session, eng.url, body("over", 11))
+    assert fits.status == 200 and fits.json["meta_info"]["completion_tokens"] == 10
+    msg = (
+        "Requested token count exceeds the model's maximum context length of 30 tokens. You requested "
+        "a total of 31 tokens: 20 tokens from the input messages and 11 tokens for the completion. "
+        "Please reduce the number of tokens in the input messages or the completion to fit within the limit."
+    )
+    assert over.status == 400 and over.json == {"error": {"message": msg}}
+
+
 async def test_value_error_while_streaming_is_an_error_event(session: aiohttp.ClientSession) -> None:
     async with sglang_engine() as eng:
         r = await generate(session, eng.url, body("s", 2, stream=True, sp={"top_k": 0}))
