@@ -150,9 +150,10 @@ def generate_body(url: str, call: EngineCall, context_length: int | None = None)
     where vLLM ends the output `length` at the context, and the domain sends the sample's whole
     remaining budget. Capped, both engines end such a call `length` at the context.
 
-    With images, `return_prompt_token_ids` asks for the ids the engine really runs: most SGLang
-    multimodal processors decode `input_ids` to text and tokenize again (docs/sglang-http-api.md
-    §9), and `stream.ChunkReader` fails the call loudly when those differ from the sample's.
+    With images, `return_prompt_token_ids` asks for the ids the engine really runs: SGLang's
+    multimodal processors can decode `input_ids` to text and tokenize again, depending on the model
+    and the server's environment (docs/sglang-http-api.md §1a #3), and `stream.ChunkReader` fails
+    the call loudly when those differ from the sample's.
     """
     input_ids = call.prompt_token_ids
     body: dict[str, Any] = {"rid": engine_request_id(call.call_id)}
