@@ -67,6 +67,18 @@ async def test_no_budget_is_sent_as_null_not_left_to_sglangs_128() -> None:
     assert final.finish is FinishKind.LENGTH and len(tokens) == 64 - len(PROMPT)
 
 
+async def test_a_budget_over_the_context_is_capped_so_the_call_ends_length_as_on_vllm() -> None:
+    # SGLang refuses prompt + max_new_tokens > context (docs/sglang-http-api.md §2.2).
+    async with sglang(max_model_len=64) as (sim, adapter):
+        await adapter.capabilities("warn")
+        over = dataclasses.replace(call(max_tokens=100), min_tokens=90)
+        tokens, _, _, final = joined(await collect(adapter, over))
+        sent = sim.core.stats.last_requests[-1]["sampling_params"]
+    room = 64 - len(PROMPT)
+    assert sent["max_new_tokens"] == sent["min_new_tokens"] == room
+    assert final.finish is FinishKind.LENGTH and len(tokens) == room
+
+
 async def test_stop_token_and_stop_string_reasons() -> None:
     async with sglang() as (_, adapter):
         first, _, text, _ = joined(await collect(adapter, call(max_tokens=6)))

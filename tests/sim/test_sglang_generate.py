@@ -78,6 +78,9 @@ async def test_cumulative_stream(session: aiohttp.ClientSession) -> None:
         assert ref["text"].startswith(c["text"])
         assert (m["finish_reason"] is None) == (i < 6)
         assert ("e2e_latency" in m) == (i == 6)
+        # Spans are computed for finished requests only (0.5.23 output_streamer.py:541-554).
+        assert ("weight_versions" in m) == (i == 6)
+    assert chunks[-1]["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 6}]
     assert chunks[-1]["text"] == ref["text"]
     assert chunks[-1]["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
 
@@ -215,6 +218,20 @@ async def test_prompt_at_the_context_length_is_rejected(session: aiohttp.ClientS
         r = await generate(session, eng.url, body("s", 2))
     msg = "The input (20 tokens) is longer than the model's context length (20 tokens)."
     assert r.status == 400 and r.json["error"]["message"] == msg
+
+
+async def test_a_budget_over_the_context_is_refused_not_cut(session: aiohttp.ClientSession) -> None:
+    # 0.5.23 managers/tokenizer_manager.py:1353-1378 (vLLM cuts the output at the context instead).
+    async with sglang_engine(max_model_len=30) as eng:
+        fits = await generate(session, eng.url, body("fits", 10))
+        over = await generate(session, eng.url, body("over", 11))
+    assert fits.status == 200 and fits.json["meta_info"]["completion_tokens"] == 10
+    msg = (
+        "Requested token count exceeds the model's maximum context length of 30 tokens. You requested "
+        "a total of 31 tokens: 20 tokens from the input messages and 11 tokens for the completion. "
+        "Please reduce the number of tokens in the input messages or the completion to fit within the limit."
+    )
+    assert over.status == 400 and over.json == {"error": {"message": msg}}
 
 
 async def test_value_error_while_streaming_is_an_error_event(session: aiohttp.ClientSession) -> None:

@@ -66,9 +66,8 @@ def create_sglang_app(
         r.add_get(path, discovery.server_info)
     r.add_get("/v1/models", discovery.models)
     r.add_get("/v1/loads", discovery.loads)
-    r.add_get("/get_load", discovery.get_load)
-    for path in ("/get_weight_version", "/weight_version"):
-        r.add_get(path, discovery.weight_version_gone)
+    # No /get_load, /get_weight_version or /weight_version: 0.5.23 has none of these routes, so
+    # they answer the unknown-route 404 (docs/sglang-http-api.md §6).
     for extend in extensions:
         extend(app)
     return app

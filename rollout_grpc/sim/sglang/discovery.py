@@ -1,5 +1,6 @@
 """SGLang's discovery routes: health, model and server info, ``/v1/models`` and ``/v1/loads``
-(``docs/sglang-http-api.md`` §6). Both the old ``/get_*`` paths and the newer short ones answer."""
+(``docs/sglang-http-api.md`` §6). The deprecated aliases ``/get_model_info`` and ``/get_server_info`` answer
+too; ``/get_load`` and ``/get_weight_version`` do not exist in 0.5.23 and are not served."""
 
 from __future__ import annotations
 
@@ -130,32 +131,4 @@ async def loads(request: web.Request) -> web.StreamResponse:
             "num_accelerators": 1,
             "loads": [load],
         }
-    )
-
-
-async def get_load(request: web.Request) -> web.StreamResponse:
-    """The deprecated ``/get_load``: a list per DP rank in the historical field shape."""
-    c = _load_counts(request)
-    return json_response(
-        [
-            {
-                "dp_rank": 0,
-                "num_reqs": c["running"] + c["waiting"],
-                "num_waiting_reqs": c["waiting"],
-                "num_tokens": c["total"],
-                "num_pending_tokens": c["total"] - c["used"],
-                "ts_tic": time.perf_counter(),
-            }
-        ]
-    )
-
-
-async def weight_version_gone(request: web.Request) -> web.StreamResponse:
-    """``/get_weight_version`` and ``/weight_version`` are deprecated: an ``HTTPException(404)``
-    rendered by SGLang's handler (``type`` is the status as a string)."""
-    message = (
-        "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
-    )
-    return json_response(
-        {"object": "error", "message": message, "type": "404", "param": None, "code": 404}, status=404
     )

@@ -116,9 +116,12 @@ def meta_info(
     m["reasoning_tokens"] = 0
     m["completion_tokens"] = n
     m["cached_tokens"] = spec.cached_tokens
-    spans = weight_version_spans(seq, version)
-    m["weight_versions"] = spans
-    m["weight_version"] = spans[-1]["version"]
+    if fin is not None:
+        # The scheduler computes spans for finished requests only (0.5.23
+        # managers/scheduler_components/output_streamer.py:541-554): running chunks have none.
+        spans = weight_version_spans(seq, version)
+        m["weight_versions"] = spans
+        m["weight_version"] = spans[-1]["version"]
     if spec.image_tokens:
         m["image_tokens"] = spec.image_tokens
     if routed_experts is not None:

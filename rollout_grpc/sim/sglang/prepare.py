@@ -104,6 +104,15 @@ async def prepare_prompt(core: EngineCore, g: SGLangRequest) -> Prompt:
         )
     room = ctx - len(ids)
     max_new = g.sampling.max_new_tokens
+    if max_new is not None and max_new > room:
+        # validate_total_tokens (0.5.23 managers/tokenizer_manager.py:1353-1378): refused, not cut.
+        raise SGLangError(
+            "Requested token count exceeds the model's maximum context length "
+            f"of {ctx} tokens. You requested a total of {len(ids) + max_new} "
+            f"tokens: {len(ids)} tokens from the input messages and "
+            f"{max_new} tokens for the completion. Please reduce the number "
+            "of tokens in the input messages or the completion to fit within the limit."
+        )
     return Prompt(ids, room if max_new is None else min(max_new, room), image_tokens, extra)
 
 

@@ -140,7 +140,7 @@ class SglangEngine(HttpEngine, SglangWeights):
         Leaving early closes the connection; SGLang aborts a request whose stream ended (2 s
         later, `create_abort_task`), and the rid of a failover call differs, so nothing collides.
         """
-        body = wire.generate_body(self.url, call)
+        body = wire.generate_body(self.url, call, self._facts.context_length if self._facts else None)
         self._check_call(call)
         if not self._open.is_set() and await self._held_then_aborted(wire.engine_request_id(call.call_id)):
             yield EngineUsage(len(call.prompt_token_ids), 0)

@@ -89,14 +89,18 @@ class ServerFacts:
     incremental: bool | None = None
     #: The replica's `--raw-logprobs` policy (`refuse` or `warn`).
     raw_logprobs: str = "warn"
+    #: The context length (`/v1/models` `max_model_len`, else `context_length`): SGLang refuses a
+    #: call whose prompt plus `max_new_tokens` exceeds it (docs/sglang-http-api.md §2.2).
+    context_length: int | None = None
 
 
-def facts(info: dict[str, Any], raw_logprobs: str) -> ServerFacts:
-    """The per-call facts of a `/server_info` body."""
+def facts(info: dict[str, Any], raw_logprobs: str, context_length: int | None = None) -> ServerFacts:
+    """The per-call facts of a `/server_info` body (and the context length the probe found)."""
     return ServerFacts(
         deterministic=_bool(info.get("enable_deterministic_inference")),
         incremental=_bool(info.get("incremental_streaming_output")),
         raw_logprobs=raw_logprobs,
+        context_length=context_length if context_length is not None else _int(info.get("context_length")),
     )
 
 
@@ -174,4 +178,5 @@ async def check(client: SglangEngine, raw_logprobs: str) -> tuple[EngineCapabili
     """Probe one SGLang engine: its capabilities and the facts each call is checked against."""
     models = await client.models()
     info = await read_server_info(client)
-    return classify(info, models, client.experts_topk, raw_logprobs), facts(info, raw_logprobs)
+    caps = classify(info, models, client.experts_topk, raw_logprobs)
+    return caps, facts(info, raw_logprobs, caps.max_model_len)

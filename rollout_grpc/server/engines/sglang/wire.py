@@ -142,12 +142,18 @@ def truncating_knob(call: EngineCall) -> str | None:
     return None
 
 
-def generate_body(url: str, call: EngineCall) -> dict[str, Any]:
+def generate_body(url: str, call: EngineCall, context_length: int | None = None) -> dict[str, Any]:
     """The `/generate` body of one call (one prompt, one sample, always streamed with logprobs).
 
-    With images, `return_prompt_token_ids` asks for the ids the engine really runs: most SGLang
-    multimodal processors decode `input_ids` to text and tokenize again (docs/sglang-http-api.md
-    §9), and `stream.ChunkReader` fails the call loudly when those differ from the sample's.
+    With the engine's `context_length` known, the budget is capped at the room the prompt leaves:
+    SGLang 0.5.23 refuses `prompt + max_new_tokens > context` (400, docs/sglang-http-api.md §2.2)
+    where vLLM ends the output `length` at the context, and the domain sends the sample's whole
+    remaining budget. Capped, both engines end such a call `length` at the context.
+
+    With images, `return_prompt_token_ids` asks for the ids the engine really runs: SGLang's
+    multimodal processors can decode `input_ids` to text and tokenize again, depending on the model
+    and the server's environment (docs/sglang-http-api.md §1a #3), and `stream.ChunkReader` fails
+    the call loudly when those differ from the sample's.
     """
     input_ids = call.prompt_token_ids
     body: dict[str, Any] = {"rid": engine_request_id(call.call_id)}
@@ -156,6 +162,8 @@ def generate_body(url: str, call: EngineCall) -> dict[str, Any]:
         body["return_prompt_token_ids"] = True
     body["input_ids"] = input_ids
     body["sampling_params"] = sampling_params(call, url)
+    if context_length is not None:
+        _cap_to_context(body["sampling_params"], context_length - len(call.prompt_token_ids))
     body["return_logprob"] = True
     if call.top_logprobs:
         body["top_logprobs_num"] = call.top_logprobs
@@ -164,6 +172,17 @@ def generate_body(url: str, call: EngineCall) -> dict[str, Any]:
         body["return_routed_experts"] = True
         body["routed_experts_start_len"] = call.routed_experts_start
     return body
+
+
+def _cap_to_context(params: dict[str, Any], room: int) -> None:
+    """Lower `max_new_tokens` (and `min_new_tokens` with it, which must not exceed it) to `room`.
+    A null budget is left to SGLang, which caps it at the context itself."""
+    budget = params.get("max_new_tokens")
+    if budget is None or budget <= room:
+        return
+    params["max_new_tokens"] = max(room, 0)
+    if params.get("min_new_tokens", 0) > params["max_new_tokens"]:
+        params["min_new_tokens"] = params["max_new_tokens"]
 
 
 def neutral_param(message: str) -> str | None:
