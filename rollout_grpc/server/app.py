@@ -63,6 +63,7 @@ from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
 from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import registry as rewards_registry
 from rollout_grpc.server.rewards import remote_filter
+from rollout_grpc.server.rewards.connections import PostConnections
 from rollout_grpc.server.rewards.processes import RuleProcesses
 from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout
@@ -158,6 +159,8 @@ class RolloutServer:
         self.steps: StepRunner | None = None
         #: The child processes of rule rewards (started on the first MATH/EXACT_MATCH reward).
         self.rule_processes: RuleProcesses | None = None
+        #: The keep-alive pool of every step's reward, filter and environment POSTs.
+        self.post_connections = PostConnections()
         self.peers: PeerAborter | None = None
         self.trajectories = TrajectoryStore()
         self.front_door: OpenAIFrontDoor | None = None
@@ -324,11 +327,13 @@ class RolloutServer:
         steps = self.steps = StepRunner(
             self.rollout,
             self.control.abort_ids,
-            functools.partial(rewards_registry.build, rules=self.rule_processes),
+            functools.partial(
+                rewards_registry.build, rules=self.rule_processes, connections=self.post_connections
+            ),
             reward_urls=cfg.reward_urls,
             plugins=StepPlugins.load(cfg.step_plugins),
-            remote_filters=remote_filter.build,
-            environments=RemoteEnvironment,
+            remote_filters=functools.partial(remote_filter.build, connections=self.post_connections),
+            environments=functools.partial(RemoteEnvironment, connections=self.post_connections),
             env_urls=cfg.env_urls,
             buffers=StepBuffers(self.state),
         )
@@ -558,6 +563,7 @@ class RolloutServer:
         await self.control.close()
         if self.rule_processes is not None:
             await self.rule_processes.close()
+        await self.post_connections.close()
         if self.peers is not None:
             await self.peers.close()
         await self.state.close()

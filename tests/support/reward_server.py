@@ -7,7 +7,8 @@ The reward is a function of the label, so a test decides which groups the filter
 std), `"object"` -> `{"reward": 0.5, "why": "..."}`, `"text"` -> a string (not a number), `"parity"` ->
 the parity of the response's characters (a function of the response alone: bench/step.py).
 `failing` answers 503 (retried by the service, then the sample's reward fails); `stop()` takes the
-server down (connection refused).
+server down (connection refused). `connections` counts the TCP connections requests came on (the
+replica's keep-alive pool reuses them across steps: rewards/connections.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class RewardServer:
         #: GETs (the service's reachability probe at step start).
         self.probes = 0
         self.failing = False
+        #: (host, port) of each client connection a request came on.
+        self._peers: set[tuple[str, int]] = set()
         self._seen: Counter[str] = Counter()
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -45,7 +48,18 @@ class RewardServer:
             return "great answer"
         return 1.0
 
+    @property
+    def connections(self) -> int:
+        """TCP connections opened to this server so far (each request's client address, counted once)."""
+        return len(self._peers)
+
+    def _saw(self, request: web.Request) -> None:
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        if peer is not None:
+            self._peers.add((peer[0], peer[1]))
+
     async def _handle(self, request: web.Request) -> web.Response:
+        self._saw(request)
         if self.failing:
             return web.Response(status=503, text="overloaded")
         body = await request.json()
@@ -58,6 +72,7 @@ class RewardServer:
         return web.json_response(self._reward(body["label"], body["response"]))
 
     async def _probe(self, request: web.Request) -> web.Response:
+        self._saw(request)
         self.probes += 1
         return web.Response(status=405, text="POST only")
 

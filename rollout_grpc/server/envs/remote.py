@@ -24,6 +24,7 @@ from rollout_grpc.server.envs.api import (
     EnvUnavailable,
     EpisodeConfig,
 )
+from rollout_grpc.server.rewards.connections import PostConnections
 from rollout_grpc.server.rewards.jsonpost import JsonPoster
 
 #: Bytes of one reply read at most (an observation of 1 MiB is far beyond any context window).
@@ -89,11 +90,14 @@ def _bounded_info(info: Mapping[str, object] | None) -> dict[str, object] | None
 
 
 class RemoteEnvironment:
-    """An environment server over HTTP, one client session per step."""
+    """An environment server over HTTP, one client session per step (over the replica's keep-alive
+    pool when `connections` is given: rewards/connections.py)."""
 
-    def __init__(self, config: EpisodeConfig) -> None:
+    def __init__(self, config: EpisodeConfig, connections: PostConnections | None = None) -> None:
         self._config = config
-        self._http = JsonPoster.of(config, what="environment", max_reply_bytes=MAX_REPLY_BYTES)
+        self._http = JsonPoster.of(
+            config, what="environment", max_reply_bytes=MAX_REPLY_BYTES, connections=connections
+        )
 
     async def probe(self) -> None:
         """Any HTTP answer but a redirect proves the URL reachable (the server may refuse GET)."""

@@ -20,6 +20,8 @@ from typing import Protocol
 
 import aiohttp
 
+from rollout_grpc.server.rewards.connections import PostConnections
+
 #: Seconds the start-of-step probe may take.
 PROBE_TIMEOUT_S = 5.0
 #: Bytes of a probe answer read at most (any answer proves the URL reachable; the rest is unread).
@@ -70,7 +72,8 @@ class JsonPoster:
     """POSTs JSON to one URL under the bounds above; one aiohttp session, made on first use.
 
     `what` names the URL's role in failure reasons ("reward", "environment": "the reward URL must
-    answer itself").
+    answer itself"). With `connections` (the replica's pool, connections.py) the session's
+    connections are the pool's, kept warm across steps; without, the session has its own.
     """
 
     def __init__(
@@ -83,8 +86,10 @@ class JsonPoster:
         backoff_s: float,
         max_concurrency: int,
         max_reply_bytes: int,
+        connections: PostConnections | None = None,
     ) -> None:
         self.url = url
+        self._connections = connections
         self._what = what
         self._timeout_s = timeout_s
         self._max_retries = max_retries
@@ -94,8 +99,15 @@ class JsonPoster:
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def of(cls, config: PostConfig, *, what: str, max_reply_bytes: int) -> JsonPoster:
-        """The client for a spec's server."""
+    def of(
+        cls,
+        config: PostConfig,
+        *,
+        what: str,
+        max_reply_bytes: int,
+        connections: PostConnections | None = None,
+    ) -> JsonPoster:
+        """The client for a spec's server (over the replica's pool when `connections` is given)."""
         return cls(
             config.url,
             what=what,
@@ -104,10 +116,13 @@ class JsonPoster:
             backoff_s=config.backoff_s,
             max_concurrency=config.max_concurrency,
             max_reply_bytes=max_reply_bytes,
+            connections=connections,
         )
 
     def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
+        if self._session is None and self._connections is not None:
+            self._session = self._connections.session(self._timeout_s)
+        elif self._session is None:
             # trust_env stays off: a server on the cluster network is never reached through a proxy
             # configured for the outside world.
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s))
@@ -169,5 +184,6 @@ class JsonPoster:
             raise ValueError(f"the answer is not JSON: {excerpt(body)}") from None
 
     async def close(self) -> None:
+        """Close the session (a pooled one leaves its connections in the pool)."""
         if self._session is not None:
             await self._session.close()

@@ -7,6 +7,7 @@ from urllib.parse import urlsplit
 
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.rewards.api import RewardConfig, RewardKind, RewardModel
+from rollout_grpc.server.rewards.connections import PostConnections
 from rollout_grpc.server.rewards.graders import slime_hub
 from rollout_grpc.server.rewards.processes import ProcessLimits, RuleProcesses
 from rollout_grpc.server.rewards.remote import RemoteReward
@@ -32,10 +33,13 @@ def rule_processes(limits: ProcessLimits | None = None) -> RuleProcesses:
     return RuleProcesses(limits, warm=math_value)
 
 
-def build(config: RewardConfig, rules: RuleProcesses) -> RewardModel | None:
+def build(
+    config: RewardConfig, rules: RuleProcesses, connections: PostConnections | None = None
+) -> RewardModel | None:
     """The reward model of `config` (None for no reward); INVALID_ARGUMENT naming a bad field.
 
-    `rules` runs the rule kinds (MATH, EXACT_MATCH, slime's rm_hub kinds) in bounded child processes.
+    `rules` runs the rule kinds (MATH, EXACT_MATCH, slime's rm_hub kinds) in bounded child processes;
+    a REMOTE reward posts over `connections` (the replica's keep-alive pool) when given.
     """
     # NaN compares false with everything (it meant "no timeout"), inf failed every reward at once.
     if not math.isfinite(config.timeout_s) or config.timeout_s <= 0:
@@ -59,7 +63,7 @@ def build(config: RewardConfig, rules: RuleProcesses) -> RewardModel | None:
         raise InvalidArgument("reward.max_concurrency", f"must be at least 1, got {config.max_concurrency}")
     if not config.reward_key:
         raise InvalidArgument("reward.reward_key", "must not be empty")
-    return RemoteReward(config)
+    return RemoteReward(config, connections)
 
 
 def _refuse_plugin(config: RewardConfig) -> None:

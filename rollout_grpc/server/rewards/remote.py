@@ -28,6 +28,7 @@ from rollout_grpc.server.rewards.api import (
     RewardResult,
     RewardUnavailable,
 )
+from rollout_grpc.server.rewards.connections import PostConnections
 from rollout_grpc.server.rewards.jsonpost import JsonPoster
 
 #: Bytes of one reward reply (one sample's, or a whole group's) read at most; over it the
@@ -66,11 +67,14 @@ def _bounded_detail(answer: Mapping[str, object], key: str, value: float) -> dic
 
 
 class RemoteReward:
-    """A remote reward model over HTTP (aiohttp), one session per step."""
+    """A remote reward model over HTTP (aiohttp), one session per step (over the replica's
+    keep-alive pool when `connections` is given: connections.py)."""
 
-    def __init__(self, config: RewardConfig) -> None:
+    def __init__(self, config: RewardConfig, connections: PostConnections | None = None) -> None:
         self._config = config
-        self._http = JsonPoster.of(config, what="reward", max_reply_bytes=MAX_REPLY_BYTES)
+        self._http = JsonPoster.of(
+            config, what="reward", max_reply_bytes=MAX_REPLY_BYTES, connections=connections
+        )
 
     async def probe(self) -> None:
         """Any HTTP answer but a redirect proves the URL reachable (a remote_rm server may refuse GET)."""

@@ -23,6 +23,7 @@ from rollout_grpc.server.rewards.api import (
     RewardConfig,
     RewardKind,
 )
+from rollout_grpc.server.rewards.connections import PostConnections
 from rollout_grpc.server.rewards.remote import MAX_FAILURE_CHARS, RemoteReward
 
 #: Characters of a remote filter's drop reason kept (the rest is cut, marked).
@@ -48,9 +49,10 @@ def read_verdict(answer: object) -> FilterVerdict:
 
 
 class RemoteFilter:
-    """One step's remote filter (one HTTP session, closed with the step)."""
+    """One step's remote filter (one HTTP session, closed with the step; over the replica's
+    keep-alive pool when `connections` is given)."""
 
-    def __init__(self, config: RemoteFilterConfig) -> None:
+    def __init__(self, config: RemoteFilterConfig, connections: PostConnections | None = None) -> None:
         self._url = config.url
         self._http = RemoteReward(
             RewardConfig(
@@ -60,7 +62,8 @@ class RemoteFilter:
                 max_retries=config.max_retries,
                 max_concurrency=MAX_CONCURRENCY,
                 backoff_s=config.backoff_s,
-            )
+            ),
+            connections,
         )
 
     async def probe(self) -> None:
@@ -81,7 +84,7 @@ class RemoteFilter:
         await self._http.close()
 
 
-def build(config: RemoteFilterConfig) -> RemoteFilter:
+def build(config: RemoteFilterConfig, connections: PostConnections | None = None) -> RemoteFilter:
     """The remote filter of `config`; INVALID_ARGUMENT naming a bad field."""
     parts = urlsplit(config.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -90,4 +93,4 @@ def build(config: RemoteFilterConfig) -> RemoteFilter:
         raise InvalidArgument("filter.timeout_s", f"must be a positive finite number, got {config.timeout_s}")
     if config.max_retries < 0:
         raise InvalidArgument("filter.max_retries", f"must be non-negative, got {config.max_retries}")
-    return RemoteFilter(config)
+    return RemoteFilter(config, connections)
