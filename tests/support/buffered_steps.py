@@ -133,7 +133,8 @@ async def abandoned_step(
 
     With `leftovers="buffer"` the step holds its drain lease from its start, so a continue step
     sent the moment the caller left (anywhere) waits for the drain; a RETURN step takes its lease
-    only when its replica sees the caller leave (docs/rollout-step.md "Partial rollout")."""
+    only when its replica sees the caller leave (docs/rollout-step.md, "A trainer that disconnects
+    mid-step")."""
     quick = pb.PromptGroup(
         prompt=make_sample(PROMPT), group_index=0, partial=aborted_partials(PROMPT, 0, N, budget - QUICK_LEFT)
     )
