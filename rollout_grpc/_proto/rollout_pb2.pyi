@@ -3606,7 +3606,9 @@ class StepSummary(_message.Message):
     reason: _builtins.str
     """Why the step ended."""
     buffered: _builtins.int
-    """Groups the caller has in its buffer on this replica after this step."""
+    """Groups the caller has in its buffer (in the state store) after this step. 0 for a step with
+    `leftovers = RETURN` that does not `continue_buffered`: such a step does not read the buffer.
+    """
     max_version_lag: _builtins.int
     """The largest weight-version lag among accepted samples."""
     @_builtins.property
@@ -3619,10 +3621,12 @@ class StepSummary(_message.Message):
 
     @_builtins.property
     def lost_group_indexes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Groups of an earlier step of this caller that was left mid-step (so its groups in flight were
-        to be buffered) which did not fit in the buffer's group or byte caps: their generated tokens
-        were not kept; start them again from their prompts. Each is reported once, here, on the
-        caller's next step that ends on this replica.
+        """Groups of earlier steps of this caller whose generated tokens were not kept: groups of a step
+        left mid-step that did not fit in the buffer's group or byte caps, buffered groups that
+        expired, and groups a replica held only in its memory (generating, or taken from the buffer
+        and not started) when it died mid-step (reported once its drain lease expired). Start them
+        again from their prompts. Each is reported once, here, on the caller's next step that reads
+        the buffer (`leftovers = BUFFER` or `continue_buffered`; empty for any other step).
         """
 
     def __init__(

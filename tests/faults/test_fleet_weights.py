@@ -7,7 +7,9 @@ redis-server, and a `serve --workers 2` replica on its embedded store.
 * a Resume(weight_version) on replica A is the newest version for a step on replica B (its
   admission bound measures the trainer's lag against it);
 * a replica SIGKILLed while it holds the lease blocks updates only until the lease's TTL;
-* the same lease across the two workers of one replica.
+* the same lease across the two workers of one replica;
+* a Pause on replica A holds what replica B admits (the pause lives in the shared engines), until
+  A's Resume.
 
 The engine's `load_fault = "hang"` (set over its `/_sim/faults` route) holds an update in its load
 step for as long as a test needs: every wait here is on an observed event (the engine's load
@@ -244,3 +246,28 @@ async def test_the_lease_holds_across_the_workers_of_one_replica(procs: Processe
             await by_worker[1].update_weights(str(v2), "w0-1")
         assert (await by_worker[1].update_weights(str(v2), "w1-1")).weight_version == "w1-1"
     assert (await _sim(engine, "GET", "stats"))["weight_version"] == "w1-1"
+
+
+async def test_a_pause_on_one_replica_holds_what_the_other_admits_until_the_resume(fleet: Fleet) -> None:
+    """Pause lives in the engines, which the fleet shares: a Generate and a RolloutStep admitted on
+    B while A's Pause(keep) holds are held by the engine exactly as on A (not refused, not failed
+    over), B reports the engines paused, and A's Resume lets them finish with every token."""
+    budget = SHORT["max_new_tokens"]
+    async with _clients(fleet.a.target, fleet.b.target) as (on_a, on_b):
+        await on_a.pause("keep")
+        info = await on_b.server_info()
+        assert info.paused and [e.paused for e in info.engines] == [True]
+
+        async def generate() -> pb.Sample:
+            sample = await on_b.generate(make_sample([1, 2, 3]), SHORT, timeout=WAIT_S)
+            return sample
+
+        generated = asyncio.create_task(generate())
+        stepped = asyncio.create_task(_step_summary(on_b))
+        # The engine holds all three requests (one Generate, two groups of one sample).
+        await _sim(fleet.engine, "POST", "wait", {"held": 1 + len(GROUPS), "timeout_s": WAIT_S})
+        assert not generated.done() and not stepped.done()
+        await on_a.resume()
+        sample, summary = await asyncio.wait_for(asyncio.gather(generated, stepped), WAIT_S)
+    assert sample.status == pb.SAMPLE_STATUS_TRUNCATED and sample.response_length == budget
+    assert summary.accepted == len(GROUPS) and summary.target_reached

@@ -112,8 +112,10 @@ LEAVE_BUDGET = 200
 async def test_a_trainer_that_leaves_a_step_on_one_replica_continues_at_once_on_the_other(
     procs: Processes,
 ) -> None:
-    """The left step's drain lease is in Redis before its stream is released: a continue step sent
-    to the other replica the moment the caller left waits for the drain and gets every group."""
+    """A BUFFER step's drain lease is in Redis from its start: a continue step sent to the other
+    replica the moment the caller left waits for the drain and gets every group. (A RETURN step
+    takes its lease only once its replica sees the caller leave: tests/integration/
+    test_step_store_calls.py.)"""
     fleet = store_fleet(procs)
     a, b = fleet.replicas
     on = [client(a.target), client(b.target)]
@@ -122,7 +124,9 @@ async def test_a_trainer_that_leaves_a_step_on_one_replica_continues_at_once_on_
         for round_ in range(LEAVE_ROUNDS):
             writer, reader = on[round_ % 2], on[1 - round_ % 2]
             name = f"leaver-{round_}"
-            left = await abandoned_step(writer, step_id=f"l{round_}", buffer_name=name, budget=LEAVE_BUDGET)
+            left = await abandoned_step(
+                writer, step_id=f"l{round_}", buffer_name=name, budget=LEAVE_BUDGET, leftovers="buffer"
+            )
             run = await continue_step(
                 reader, step_id=f"c{round_}", buffer_name=name, budget=LEAVE_BUDGET, fresh_index=9
             )

@@ -82,9 +82,9 @@ LEAVE_BUDGET = 200
 async def test_a_trainer_that_leaves_a_step_on_one_worker_continues_at_once_on_the_other(
     procs: Processes, tmp_path: Path
 ) -> None:
-    """No race by construction: the left step's drain lease is in the shared store before its
-    stream is released, so a continue step sent the moment the caller left (on the other worker)
-    waits for it and gets every group."""
+    """No race by construction: a BUFFER step's drain lease is in the shared store from its start,
+    so a continue step sent the moment the caller left (on the other worker) waits for it and gets
+    every group."""
     engines = [
         start_engine(procs, f"engine-{i}", "--eos-probability", "0", token_delay_ms=TOKEN_DELAY_MS, seed=i)
         for i in range(2)
@@ -96,7 +96,11 @@ async def test_a_trainer_that_leaves_a_step_on_one_worker_continues_at_once_on_t
             writer, reader = (0, 1) if round_ % 2 == 0 else (1, 0)
             name = f"leaver-{round_}"
             left = await abandoned_step(
-                by_index[writer], step_id=f"l{round_}", buffer_name=name, budget=LEAVE_BUDGET
+                by_index[writer],
+                step_id=f"l{round_}",
+                buffer_name=name,
+                budget=LEAVE_BUDGET,
+                leftovers="buffer",
             )
             run = await continue_step(
                 by_index[reader], step_id=f"c{round_}", buffer_name=name, budget=LEAVE_BUDGET, fresh_index=9

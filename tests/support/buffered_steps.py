@@ -119,11 +119,22 @@ def assert_continued(run: StepRun, buffered: Sequence[int], *, first_step: str, 
 
 
 async def abandoned_step(
-    client: AsyncRolloutClient, *, step_id: str, buffer_name: str, budget: int, long_groups: int = 2
+    client: AsyncRolloutClient,
+    *,
+    step_id: str,
+    buffer_name: str,
+    budget: int,
+    long_groups: int = 2,
+    leftovers: str = "return",
 ) -> list[int]:
     """Start a step of group 0 nearly done and `long_groups` long groups, and leave it (cancel the
     call) as soon as group 0 is accepted: the long groups are then mid-generation, and the server
-    aborts them into the caller's buffer. Their indexes."""
+    aborts them into the caller's buffer. Their indexes.
+
+    With `leftovers="buffer"` the step holds its drain lease from its start, so a continue step
+    sent the moment the caller left (anywhere) waits for the drain; a RETURN step takes its lease
+    only when its replica sees the caller leave (docs/rollout-step.md, "A trainer that disconnects
+    mid-step")."""
     quick = pb.PromptGroup(
         prompt=make_sample(PROMPT), group_index=0, partial=aborted_partials(PROMPT, 0, N, budget - QUICK_LEFT)
     )
@@ -133,6 +144,7 @@ async def abandoned_step(
         n_samples_per_prompt=N,
         params=params(budget),
         max_groups_in_flight=1 + long_groups,
+        leftovers=leftovers,
         step_id=step_id,
         buffer_name=buffer_name,
         timeout=120,

@@ -149,6 +149,39 @@ async def test_renewing_an_ended_lease_does_not_revive_it(make_store: StoreFacto
     assert await store.wait_drains("a", 0.0)
 
 
+async def test_a_lease_that_expires_unended_reports_its_held_groups_lost(make_store: StoreFactory) -> None:
+    """A replica killed mid-step: the groups its step held only in its process are not silently
+    gone; those it had buffered before it died are not lost (the buffer has them)."""
+    store = await make_store(BufferCaps(lease_ttl_s=0.3))
+    await store.begin_drain("a", "dead")
+    await store.hold_groups("a", "dead", [1, 2, 3])
+    await store.hold_groups("a", "dead", [1, 2, 3, 4])  # replaces: group 4 started
+    assert await store.put("a", [g(2)]) == []  # group 2 buffered just before the kill
+    assert await store.take_lost("a") == []  # still live: nothing lost yet
+    assert await store.wait_drains("a", 10.0)  # it expires
+    assert sorted(await store.take_lost("a")) == [1, 3, 4]
+    assert await store.take_lost("a") == []  # reported once
+    assert (await store.holding("a")).indexes == {2}
+
+
+async def test_an_ended_lease_reports_nothing_and_a_dead_one_holds_nothing(make_store: StoreFactory) -> None:
+    store = await make_store(BufferCaps(lease_ttl_s=0.3))
+    await store.begin_drain("a", "done")
+    await store.hold_groups("a", "done", [1, 2])
+    await store.end_drain("a", "done")
+    await store.hold_groups("a", "done", [5])  # a late write of an ended lease names nothing
+    await store.hold_groups("a", "never", [6])  # nor one of a lease never begun
+    await store.begin_drain("a", "emptied")
+    await store.hold_groups("a", "emptied", [7])
+    await store.hold_groups("a", "emptied", [])  # its groups were all delivered
+    await store.begin_drain("b", "other")
+    await store.hold_groups("b", "other", [8])
+    assert await store.wait_drains("a", 10.0)
+    assert await store.take_lost("a") == []
+    assert await store.wait_drains("b", 10.0)
+    assert await store.take_lost("b") == [8]  # per owner
+
+
 # ------------------------------------------------------------------------------ the group codec
 
 

@@ -14,6 +14,10 @@ Semantics every implementation keeps (tests/unit/test_state_store.py runs them a
 * a drain lease (`begin_drain`) says "a step of this owner may still add groups": an owner's
   `continue_buffered` step waits until it holds none. A lease expires `lease_ttl_s` after its
   last renewal, so a replica killed with its lease held delays the next step by at most that.
+* a lease may name the groups its step holds only in its own process (`hold_groups`: in flight,
+  or taken from the buffer and not yet started). When the lease expires without `end_drain` (its
+  replica died), those indexes move to the owner's lost list, less the ones the owner has
+  buffered meanwhile: a group is reported, never silently gone. `end_drain` forgets them.
 
 And what the fleet's weight updates need (rollout/weights/, rollout/step/versions.py):
 
@@ -119,7 +123,13 @@ class BufferStore(Protocol):
         ...
 
     async def end_drain(self, owner: str, lease: str) -> None:
-        """Release `lease` (its step has put everything it will put)."""
+        """Release `lease` (its step has put everything it will put) and forget its held groups."""
+        ...
+
+    async def hold_groups(self, owner: str, lease: str, indexes: Sequence[int]) -> None:
+        """Name the group indexes `lease`'s step holds only in its process now (replacing the ones
+        named before); they are noted lost if the lease expires unended. A lease that is not live
+        (ended, expired) names none."""
         ...
 
     async def wait_drains(self, owner: str, timeout_s: float) -> bool:

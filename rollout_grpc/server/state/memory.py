@@ -41,6 +41,8 @@ class MemoryStore:
         #: owner -> lease -> expiry.
         self._leases: dict[str, dict[str, float]] = {}
         self._lease_changed = asyncio.Condition()
+        #: owner -> lease -> the group indexes its step holds only in its process (`hold_groups`).
+        self._held_groups: dict[str, dict[str, list[int]]] = {}
         #: Fleet leases: name -> (holder, expiry).
         self._fleet_leases: dict[str, tuple[str, float]] = {}
         #: The fleet's weight versions, oldest first.
@@ -110,6 +112,7 @@ class MemoryStore:
 
     async def take_lost(self, owner: str) -> list[int]:
         self._sweep()
+        self._held(owner)  # leases that expired unended add their held groups first
         lost, _ = self._lost.pop(owner, ([], 0.0))
         return lost
 
@@ -122,6 +125,7 @@ class MemoryStore:
             leases[lease] = self._clock() + self.caps.lease_ttl_s
 
     async def end_drain(self, owner: str, lease: str) -> None:
+        self._forget_groups(owner, lease)
         leases = self._leases.get(owner, {})
         leases.pop(lease, None)
         if not leases:
@@ -135,10 +139,37 @@ class MemoryStore:
         leases = self._leases.get(owner, {})
         for lease in [k for k, exp in leases.items() if exp <= now]:
             del leases[lease]
+            self._lease_died(owner, lease)
         if not leases:
             self._leases.pop(owner, None)
             return None
         return max(leases.values())
+
+    async def hold_groups(self, owner: str, lease: str, indexes: Sequence[int]) -> None:
+        expiry = self._leases.get(owner, {}).get(lease)
+        if expiry is None or expiry <= self._clock():
+            return  # not live: an ended lease names nothing, an expired one was reported already
+        if indexes:
+            self._held_groups.setdefault(owner, {})[lease] = list(indexes)
+        else:
+            self._forget_groups(owner, lease)
+
+    def _forget_groups(self, owner: str, lease: str) -> list[int]:
+        """Drop `lease`'s held groups; what they were."""
+        by_lease = self._held_groups.get(owner, {})
+        groups = by_lease.pop(lease, [])
+        if not by_lease:
+            self._held_groups.pop(owner, None)
+        return groups
+
+    def _lease_died(self, owner: str, lease: str) -> None:
+        """`lease` expired unended (its replica died): its held groups, less those buffered since,
+        go to the owner's lost list."""
+        buf = self._buffers.get(owner)
+        buffered = {g.index for g in buf.groups} if buf is not None else set()
+        lost = [i for i in self._forget_groups(owner, lease) if i not in buffered]
+        if lost:
+            self._note_lost(owner, lost)
 
     async def wait_drains(self, owner: str, timeout_s: float) -> bool:
         deadline = self._clock() + timeout_s

@@ -7,7 +7,9 @@ Time is the server's (`TIME`), so replicas with skewed clocks agree on expiries.
 
 Keys per owner: `g:<owner>` (list of group blobs, oldest first), `idx:<owner>` (list of
 `index:size`), `bytes:<owner>`; `lost:<owner>` (list of lost indexes, `LOST_TTL_S`);
-`lease:<owner>` (sorted set lease -> expiry ms). Shared: `total` (bytes of every buffer) and
+`lease:<owner>` (sorted set lease -> expiry ms); `held:<owner>` (hash lease -> the comma-separated
+group indexes its step holds only in its process, `LOST_TTL_S`: swept to the lost list when the
+lease is gone unended). Shared: `total` (bytes of every buffer) and
 `expiry` (sorted set owner -> expiry ms of its buffer). Buffers carry no Redis TTL: an expired one
 is swept by the next operation (at most 64 owners per call) and its indexes move to the owner's
 lost list, so the bytes total never drifts and no group vanishes unreported.
@@ -124,8 +126,47 @@ return 0
 """
 )
 
+#: Leases of the owner that expired unended (their replica died): their held groups, less those
+#: the owner has buffered since, go to its lost list. Run before the lost list or the leases are read.
+_SWEEP_HELD = """
+local function sweep_held()
+  local key = P .. 'held:' .. o
+  local entries = redis.call('HGETALL', key)
+  if #entries == 0 then return end
+  local buffered = {}
+  for _, e in ipairs(redis.call('LRANGE', P .. 'idx:' .. o, 0, -1)) do
+    buffered[string.match(e, '^(-?%d+):')] = true
+  end
+  for k = 1, #entries, 2 do
+    local expiry = redis.call('ZSCORE', P .. 'lease:' .. o, entries[k])
+    if not expiry or tonumber(expiry) <= now then
+      for idx in string.gmatch(entries[k + 1], '[^,]+') do
+        if not buffered[idx] then note_lost(o, idx) end
+      end
+      redis.call('HDEL', key, entries[k])
+    end
+  end
+end
+sweep_held()
+"""
+
+#: ARGV[3] lease, ARGV[4] its held indexes, comma-separated ("" : none). Only a live lease holds.
+_HOLD_GROUPS = (
+    _PRELUDE
+    + f"""
+local expiry = redis.call('ZSCORE', P .. 'lease:' .. o, ARGV[3])
+if not expiry or tonumber(expiry) <= now then return 0 end
+local key = P .. 'held:' .. o
+if ARGV[4] == '' then redis.call('HDEL', key, ARGV[3]) return 1 end
+redis.call('HSET', key, ARGV[3], ARGV[4])
+redis.call('EXPIRE', key, {LOST_TTL_S})
+return 1
+"""
+)
+
 _TAKE_LOST = (
     _PRELUDE
+    + _SWEEP_HELD
     + """
 local lost = redis.call('LRANGE', P .. 'lost:' .. o, 0, -1)
 redis.call('DEL', P .. 'lost:' .. o)
@@ -145,10 +186,18 @@ return 1
 """
 )
 
-_END_LEASE = _PRELUDE + "redis.call('ZREM', P .. 'lease:' .. o, ARGV[3])\nreturn 0\n"
+_END_LEASE = (
+    _PRELUDE
+    + """
+redis.call('ZREM', P .. 'lease:' .. o, ARGV[3])
+redis.call('HDEL', P .. 'held:' .. o, ARGV[3])
+return 0
+"""
+)
 
 _LEASES_HELD = (
     _PRELUDE
+    + _SWEEP_HELD
     + """
 local key = P .. 'lease:' .. o
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
@@ -262,6 +311,7 @@ class RedisStore:
             "lease": _LEASE,
             "end_lease": _END_LEASE,
             "leases_held": _LEASES_HELD,
+            "hold_groups": _HOLD_GROUPS,
             "take_fleet_lease": _TAKE_FLEET_LEASE,
             "renew_fleet_lease": _RENEW_FLEET_LEASE,
             "release_fleet_lease": _RELEASE_FLEET_LEASE,
@@ -318,6 +368,9 @@ class RedisStore:
 
     async def end_drain(self, owner: str, lease: str) -> None:
         await self._run("end_lease", owner, lease)
+
+    async def hold_groups(self, owner: str, lease: str, indexes: Sequence[int]) -> None:
+        await self._run("hold_groups", owner, lease, ",".join(str(int(i)) for i in indexes))
 
     async def wait_drains(self, owner: str, timeout_s: float) -> bool:
         loop = asyncio.get_running_loop()

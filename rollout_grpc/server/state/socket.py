@@ -64,6 +64,7 @@ async def _dispatch(store: MemoryStore, method: str, args: list[Any]) -> Any:
         "begin_drain",
         "renew_drain",
         "end_drain",
+        "hold_groups",
         "wait_drains",
         "take_lease",
         "renew_lease",
@@ -155,6 +156,9 @@ class SocketStore:
 
     async def end_drain(self, owner: str, lease: str) -> None:
         await self._call("end_drain", owner, lease)
+
+    async def hold_groups(self, owner: str, lease: str, indexes: Sequence[int]) -> None:
+        await self._call("hold_groups", owner, lease, list(indexes))
 
     async def wait_drains(self, owner: str, timeout_s: float) -> bool:
         return bool(await self._call("wait_drains", owner, timeout_s))

@@ -9,7 +9,12 @@ this module encodes them for it and never imports a store client.
 No race by construction: a step holds a drain lease in the store from before it starts anything
 until it has put every group it will put (also when its caller left mid-step), and a
 `continue_buffered` step of the same owner waits for every lease of that owner first, on any
-worker or replica. A lease of a replica killed with SIGKILL expires (`lease_ttl_s`).
+worker or replica. A lease of a replica killed with SIGKILL expires (`lease_ttl_s`); the groups
+its step held only in its process (in flight, or taken from the buffer and not started), which the
+lease names in the store as they change (`DrainLease.hold`), then move to the owner's lost list,
+so the owner's next step reports them (`lost_group_indexes`) instead of their vanishing silently.
+A step that returns its leftovers (`leftovers=RETURN`) and does not continue buffered groups has
+nothing to keep in the store: it takes no lease unless its caller leaves mid-step (runner.py).
 
 The buffer is bounded in bytes, per caller and for the whole replica process, not only in groups:
 a buffered group of 64 long samples is ~0.7-0.9 MB, so the old 10,000-group cap let one caller
@@ -142,6 +147,8 @@ class DrainLease:
         self.owner = owner
         self.id = uuid.uuid4().hex
         self._renewer: asyncio.Task[None] | None = None
+        #: The group indexes last named in the store (`hold`).
+        self._held: frozenset[int] = frozenset()
 
     async def begin(self) -> None:
         await self.store.begin_drain(self.owner, self.id)
@@ -154,6 +161,19 @@ class DrainLease:
                 await self.store.renew_drain(self.owner, self.id)
             except Exception:  # the lease expires; the next step then waits no longer for it
                 log.warning("step_lease_renew_failed", owner=self.owner, store=self.store.name)
+
+    async def hold(self, indexes: set[int]) -> None:
+        """Name the groups the step holds only in this process now (written when they changed):
+        if this process dies, its lease expires and they are reported lost, not silently gone."""
+        held = frozenset(indexes)
+        if held == self._held:
+            return
+        try:
+            await self.store.hold_groups(self.owner, self.id, sorted(held))
+        except StoreUnavailable:  # the step goes on; its leftovers come back if the store stays away
+            log.warning("step_lease_hold_failed", owner=self.owner, store=self.store.name)
+            return
+        self._held = held
 
     async def end(self) -> None:
         if self._renewer is not None:

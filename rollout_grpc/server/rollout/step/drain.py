@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 
 import structlog
 
@@ -42,6 +43,24 @@ class StepDrain(StepState):
             except StoreUnavailable as exc:  # the caller keeps every token: the group comes back
                 reason += f"; {exc}, returned instead"
         return GroupEnded(group.group_index, Outcome.ABORTED, reason, run.items, self._lags(run.items))
+
+    async def _hold(self, starting: Sequence[int] = ()) -> None:
+        """Name in the store the groups only this process holds (in flight, `starting`, taken from
+        the buffer and not started), so that they are reported lost if it dies (buffer.py)."""
+        if self.lease is None:
+            return
+        from_buffer = (g.group_index for g, _ in self.queue if id(g) in self.from_buffer)
+        await self.lease.hold({*self.active, *starting, *from_buffer})
+
+    async def _lease_abandoned(self) -> None:
+        """The caller left: the groups in flight go to its buffer, under a lease (taken now by a
+        step that returns its leftovers) that names them until they are there."""
+        if self.lease is None and self.buffer is not None:
+            try:
+                self.lease = await self.runner.buffers.lease(self.buffer)
+            except StoreUnavailable as exc:  # the drain then fails to put them too, and says so
+                log.warning("step_abandoned_unleased", step_id=self.spec.step_id, why=str(exc))
+        await self._hold()
 
     def _abandon(self) -> None:
         """The caller left mid-step: abort what is in flight and buffer it (and what the step took

@@ -33,7 +33,7 @@ class Step(GroupWork, StepDrain):
         self.started = True  # from here events() releases the lease (or its drain does)
         unwatch = self.rollout.owner_aborts.watch(self.owner, self._on_owner_abort)
         try:
-            self._fill()
+            await self._fill()
             yield self._progress()
             while self.active:
                 event = await self.events_q.get()
@@ -50,7 +50,9 @@ class Step(GroupWork, StepDrain):
                 if not self.stop_reason and self.rollout.closed:
                     self._stop_all("the replica is shutting down; continue the groups on another one")
                 if not self.stop_reason:
-                    self._fill()
+                    await self._fill()
+                else:
+                    await self._hold()  # the ended groups were delivered (or buffered)
                 yield self._progress()
             for handed_back in await self._put_back():
                 yield handed_back
@@ -71,6 +73,7 @@ class Step(GroupWork, StepDrain):
         """The step's end (the stream is released after this): an abandoned step drains its
         groups to the buffer, still holding its lease; a finished one gives the lease back."""
         if not self.finished:
+            await self._lease_abandoned()  # in the store before the stream is released
             self._abandon()
             return
         if self.lease is not None:
@@ -78,20 +81,23 @@ class Step(GroupWork, StepDrain):
             self.runner.spawn(self.lease.end())
         await self._close_hooks()
 
-    def _fill(self) -> None:
+    async def _fill(self) -> None:
         """Start the prompt groups the over-sampling policy allows now (policy.py), unless
-        staleness admission refuses new work."""
+        staleness admission refuses new work. The groups this process holds are named in the store
+        first (`_hold`: the ended ones gone, the starting ones in)."""
         admission = self.spec.admission
         if admission is not None:
             self.admission_refusal = admission.refusal(self.runner.versions)
             if self.admission_refusal:
+                await self._hold()
                 return
         counters = self.counters
         counters.accepted = self.progress.accepted
         counters.in_flight = len(self.active)
-        for _ in range(self.policy.to_start(counters, len(self.queue))):
-            group, regenerated = self.queue.popleft()
-            counters.submitted += 1
+        starts = [self.queue.popleft() for _ in range(self.policy.to_start(counters, len(self.queue)))]
+        counters.submitted += len(starts)
+        await self._hold([g.group_index for g, _ in starts])
+        for group, regenerated in starts:
             self._start(group, regenerated)
 
     def _start(self, group: PromptGroup, regenerated: bool) -> None:
@@ -174,7 +180,7 @@ class Step(GroupWork, StepDrain):
         else:
             reason = self.admission_refusal or "no prompt groups left"
         buffered, lost = 0, []
-        if buffer is not None:
+        if buffer is not None and self.keeps_buffer:
             try:
                 buffered, lost = await buffers.count(buffer), await buffers.take_lost(buffer)
             except StoreUnavailable as exc:  # every group was reported; only the counts are unknown

@@ -51,6 +51,7 @@ from rollout_grpc.server.rollout.step.spec import (
     check,
     check_counts,
 )
+from rollout_grpc.server.rollout.step.state import keeps_buffer
 from rollout_grpc.server.rollout.step.versions import FleetVersions
 
 log = structlog.get_logger(__name__)
@@ -132,7 +133,9 @@ class StepRunner:
         buffer = await self._buffer_of(spec)
         await self._check(spec, buffer)
         clients = await self._clients(spec)
-        lease = await self.buffers.lease(buffer) if buffer is not None else None
+        # A RETURN step that continues nothing keeps nothing in the store: no lease (its caller
+        # leaving mid-step takes one then, drain.py), no store round trip on its path.
+        lease = await self.buffers.lease(buffer) if buffer is not None and keeps_buffer(spec) else None
         try:
             buffered = await self.buffers.take(buffer) if spec.continue_buffered and buffer else []
         except BaseException:
@@ -226,7 +229,12 @@ class StepRunner:
     async def _check(self, spec: StepSpec, buffer: str | None) -> None:
         """Every check made before anything is generated (INVALID_ARGUMENT naming the field)."""
         owner = current_caller().identity
-        held = await self.buffers.store.holding(buffer) if buffer is not None else None
+        # The buffered count matters only to a continue step (the supply it adds, the index clash).
+        held = (
+            await self.buffers.store.holding(buffer)
+            if buffer is not None and spec.continue_buffered
+            else None
+        )
         check(spec, held.count if held is not None else 0)
         if spec.filter is FilterKind.REWARD_NONZERO_STD:
             if spec.reward.kind is RewardKind.NONE and spec.episode is None:  # episodes: the env's

@@ -28,6 +28,7 @@ from rollout_grpc.server.rollout.step.buffer import DrainLease, StepBuffers
 from rollout_grpc.server.rollout.step.events import Progress, SampleEnded
 from rollout_grpc.server.rollout.step.policy import Counters, OverSampling, StartPolicy
 from rollout_grpc.server.rollout.step.spec import (
+    Leftovers,
     Outcome,
     PromptGroup,
     StepSample,
@@ -36,6 +37,11 @@ from rollout_grpc.server.rollout.step.spec import (
 from rollout_grpc.server.rollout.step.versions import FleetVersions
 
 log = structlog.get_logger("rollout_grpc.server.rollout.step.runner")
+
+
+def keeps_buffer(spec: StepSpec) -> bool:
+    """Whether a step reads or writes its caller's buffer when its caller stays."""
+    return spec.continue_buffered or spec.leftovers is Leftovers.BUFFER
 
 
 class StepHost(Protocol):
@@ -106,6 +112,9 @@ class StepState:
         #: Held until every group this step will buffer is in the store (released by events() or
         #: by the drain of an abandoned step).
         self.lease = lease
+        #: The step reads or writes the caller's buffer (BUFFER leftovers or continue_buffered): a
+        #: RETURN step that continues nothing makes no buffer call unless its caller leaves.
+        self.keeps_buffer = keeps_buffer(spec)
         self.model = model
         buffered = buffered or []
         self.from_buffer = {id(g) for g in buffered}
