@@ -129,7 +129,7 @@ async def test_the_byte_cap_is_per_owner(make_store: Factory) -> None:
     assert await store.append_turn("bob", "a", 0, b"x" * 8, b"") == RECORDED
     assert await store.append_turn("bob", "a", 1, b"x" * 3, b"") == REFUSED_BYTES
     assert await store.append_turn("alice", "b", 0, b"x" * 10, b"") == RECORDED
-    await store.remove_session("bob", "a")
+    assert await store.remove_session("bob", "a", 1)
     assert await store.usage("bob") == (0, 0)
     assert await store.append_turn("bob", "c", 0, b"x" * 10, b"") == RECORDED
 
@@ -137,17 +137,19 @@ async def test_the_byte_cap_is_per_owner(make_store: Factory) -> None:
 async def test_a_collected_id_stays_its_owners(make_store: Factory) -> None:
     store = await make_store(TrajectoryCaps(max_sessions_per_owner=1))
     assert await store.append_turn("bob", "s", 0, b"t", b"") == RECORDED
-    await store.remove_session("alice", "s")  # not hers: left alone
+    await store.remove_session("alice", "s", 1)  # not hers: left alone
     assert (await store.read_session("s")) is not None and (await store.usage("bob"))[0] == 1
-    await store.remove_session("bob", "s")
+    assert not await store.remove_session("bob", "s", 2)  # holds 1 turn, not the 2 read
+    assert (await store.usage("bob"))[0] == 1
+    assert await store.remove_session("bob", "s", 1)
     found = await store.read_session("s")
     assert found is not None and found.owner == "bob" and found.turns == []
     assert await store.append_turn("alice", "s", 0, b"t", b"") == REFUSED_OWNER
     assert await store.append_turn("bob", "s", 0, b"t", b"") == RECORDED  # its owner's again
     # Collected ids are remembered per owner, at most max_sessions_per_owner of them.
-    await store.remove_session("bob", "s")
+    assert await store.remove_session("bob", "s", 1)
     assert await store.append_turn("bob", "s2", 0, b"t", b"") == RECORDED
-    await store.remove_session("bob", "s2")
+    assert await store.remove_session("bob", "s2", 1)
     assert await store.read_session("s") is None  # pushed out by bob's own newer one
     assert (await store.read_session("s2")) is not None
 

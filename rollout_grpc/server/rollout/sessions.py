@@ -182,6 +182,9 @@ class Sessions:
             owner, session = loaded
             if not session.turns or not (reader.is_admin or reader.identity == owner):
                 return None
-            if remove:
-                await self.store.remove_session(owner, session_id)
+            if remove and not await self.store.remove_session(owner, session_id, len(session.turns)):
+                raise FailedPrecondition(
+                    f"session {session_id!r}: a turn was recorded while it was collected (on another "
+                    "replica or worker); nothing was removed: collect it again"
+                )
             return session

@@ -97,16 +97,18 @@ return ''
 """
 )
 
-#: ARGV[2] owner, [3] id, [4] max sessions (kept retired ids), [5] ttl ms.
+#: ARGV[2] owner, [3] id, [4] max sessions (kept retired ids), [5] ttl ms, [6] turns read.
+#: 0: the session holds other than [6] turns now (nothing changed).
 _REMOVE = (
     _PRELUDE
     + """
 local o, sid = ARGV[2], ARGV[3]
 local c, s = P .. 'c:' .. sid, P .. 's:' .. sid
 sweep(o)
-if redis.call('GET', c) ~= o then return 0 end
+if redis.call('GET', c) ~= o then return 1 end
 local live, ob = P .. 'live:' .. o, P .. 'bytes:' .. o
 if redis.call('HGET', s, 'owner') == o then
+  if tonumber(redis.call('HGET', s, 'n') or '0') ~= tonumber(ARGV[6]) then return 0 end
   redis.call('DECRBY', ob, tonumber(redis.call('HGET', s, 'bytes') or '0'))
   redis.call('DEL', s, P .. 't:' .. sid)
   redis.call('ZREM', live, sid)
@@ -192,9 +194,10 @@ class RedisTrajectories:
         )
         return answer.decode() if isinstance(answer, bytes) else str(answer)
 
-    async def remove_session(self, owner: str, session_id: str) -> None:
+    async def remove_session(self, owner: str, session_id: str, turns: int) -> bool:
         caps = self.trajectory_caps
-        await self._run("remove", owner, session_id, caps.max_sessions_per_owner, self._ttl_ms())
+        args = (owner, session_id, caps.max_sessions_per_owner, self._ttl_ms(), turns)
+        return bool(await self._run("remove", *args))
 
     async def usage(self, owner: str) -> tuple[int, int]:
         count, size = await self._run("usage", owner)

@@ -223,8 +223,10 @@ class SocketTrajectories:
         args = (owner, session_id, expected, turn, roles)
         return str(await _call(self.name, self._path, self._secret, "append_turn", *args))
 
-    async def remove_session(self, owner: str, session_id: str) -> None:
-        await _call(self.name, self._path, self._secret, "remove_session", owner, session_id)
+    async def remove_session(self, owner: str, session_id: str, turns: int) -> bool:
+        return bool(
+            await _call(self.name, self._path, self._secret, "remove_session", owner, session_id, turns)
+        )
 
     async def usage(self, owner: str) -> tuple[int, int]:
         count, size = await _call(self.name, self._path, self._secret, "usage", owner)

@@ -8,8 +8,8 @@ Semantics every implementation keeps (tests/unit/test_trajectory_store.py runs t
 
 * a session id is claimed by its first recorded turn for that turn's owner (`append_turn`); a turn
   of another owner on it is refused (`REFUSED_OWNER`), also after the session was collected
-  (`remove_session`: its id stays its owner's, for `ttl_s` and among the owner's last
-  `max_sessions_per_owner` collected ids);
+  (`remove_session`, only of the turns the collector read: its id stays its owner's, for `ttl_s`
+  and among the owner's last `max_sessions_per_owner` collected ids);
 * a turn is appended only when the session holds `expected` turns (`REFUSED_CONFLICT` otherwise):
   two turns of one session run at once on two replicas cannot interleave;
 * per owner, at most `max_sessions_per_owner` live sessions and `max_bytes_per_owner` bytes of
@@ -71,8 +71,9 @@ class TrajectoryStore(Protocol):
         `expected` turns: `RECORDED`, or the `REFUSED_*` reason."""
         ...
 
-    async def remove_session(self, owner: str, session_id: str) -> None:
-        """Forget `owner`'s session (collected); the id stays `owner`'s. Another's is left alone."""
+    async def remove_session(self, owner: str, session_id: str, turns: int) -> bool:
+        """Forget `owner`'s session (collected) if it holds `turns` turns (False: it holds more
+        now, nothing changed); the id stays `owner`'s. Another's is left alone."""
         ...
 
     async def usage(self, owner: str) -> tuple[int, int]:
@@ -192,10 +193,13 @@ class MemoryTrajectories:
         self._claims[session_id] = (owner, sess.expires)
         return RECORDED
 
-    async def remove_session(self, owner: str, session_id: str) -> None:
+    async def remove_session(self, owner: str, session_id: str, turns: int) -> bool:
         self._sweep()
         if self._owner_of(session_id) != owner:
-            return
+            return True
+        sess = self._sessions.get(session_id)
+        if sess is not None and len(sess.turns) != turns:
+            return False
         self._drop(session_id)
         holder = self._owners.setdefault(owner, _Owner())
         holder.retired[session_id] = None
@@ -205,6 +209,7 @@ class MemoryTrajectories:
             oldest, _ = holder.retired.popitem(last=False)
             if oldest not in holder.live:
                 self._claims.pop(oldest, None)
+        return True
 
     async def usage(self, owner: str) -> tuple[int, int]:
         self._sweep()
