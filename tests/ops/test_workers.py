@@ -572,14 +572,27 @@ async def test_a_sibling_socket_refuses_calls_without_the_secret(replica: Replic
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_a_port_another_process_listens_on_is_one_clear_error_with_workers() -> None:
+@pytest.mark.parametrize(
+    ("flag", "what"), [("--port", "gRPC, --port"), ("--openai-port", "the OpenAI front door, --openai-port")]
+)
+def test_a_port_another_process_listens_on_is_one_clear_error_with_workers(flag: str, what: str) -> None:
+    """The supervisor reserves both ports every worker shares: one held by anyone is one line."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as gRPC core's default
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
+        ports = {"--port": "0", "--openai-port": "0", flag: str(port)}
         result = subprocess.run(
-            [*replica_command(), "serve", "--workers", "2", "--sim", "1", "--port", str(port)],
+            [
+                *replica_command(),
+                "serve",
+                "--workers",
+                "2",
+                "--sim",
+                "1",
+                *(a for kv in ports.items() for a in kv),
+            ],
             check=False,
             capture_output=True,
             text=True,
@@ -588,7 +601,7 @@ def test_a_port_another_process_listens_on_is_one_clear_error_with_workers() -> 
         )
     assert result.returncode == 1
     assert [line for line in result.stderr.splitlines() if line.startswith("rollout-grpc serve:")] == [
-        f"rollout-grpc serve: cannot listen on 127.0.0.1:{port} (gRPC, --port): address already in use: "
+        f"rollout-grpc serve: cannot listen on 127.0.0.1:{port} ({what}): address already in use: "
         "another process is listening there (`ss -ltnp` names it)"
     ], result.stderr
     assert '"worker_serving"' not in result.stderr
