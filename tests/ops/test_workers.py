@@ -222,16 +222,19 @@ async def test_one_metrics_scrape_shows_every_worker(
         ), index
 
 
-async def test_a_foreign_reuseport_listener_is_detected(replica: Replica) -> None:
+@pytest.mark.parametrize("which", ["grpc", "openai"])
+async def test_a_foreign_reuseport_listener_is_detected(replica: Replica, which: str) -> None:
+    port = replica.ports[which]
+    before = replica.proc.log_text().count('"foreign_listener"')
     with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as stranger:
         stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        stranger.bind(("::ffff:127.0.0.1", replica.ports["grpc"]))
+        stranger.bind(("::ffff:127.0.0.1", port))
         stranger.listen()
-        assert foreign_listeners(replica.ports["grpc"], replica.ports["worker_pids"])
+        assert foreign_listeners(port, replica.ports["worker_pids"])
         text = await scrape(replica)
         assert "rollout_grpc_foreign_listeners 1.0" in text
-    assert '"foreign_listener"' in replica.proc.log_text()
-    assert foreign_listeners(replica.ports["grpc"], replica.ports["worker_pids"]) == set()
+    assert replica.proc.log_text().count('"foreign_listener"') > before
+    assert foreign_listeners(port, replica.ports["worker_pids"]) == set()
 
 
 def test_a_second_replica_on_the_port_fails_with_one_line(replica: Replica) -> None:

@@ -395,13 +395,14 @@ class Supervisor:
             worker.link = await handshake.DrainLink.open(worker.channel)
             self._listeners.append(asyncio.ensure_future(self._listen(worker, worker.link)))
         pids = [w.process.pid for w in self._workers]
-        foreign = foreign_listeners(self.port, pids)
-        if foreign:
-            raise SupervisorError(
-                f"cannot listen on {self.config.host}:{self.port} (gRPC, --port): another process "
-                f"listens there with SO_REUSEPORT too (socket inodes {sorted(foreign)}; `ss -ltnpe` "
-                "names it)"
-            )
+        for port, what in self._shared_ports():
+            foreign = foreign_listeners(port, pids)
+            if foreign:
+                raise SupervisorError(
+                    f"cannot listen on {self.config.host}:{port} ({what}): another process "
+                    f"listens there with SO_REUSEPORT too (socket inodes {sorted(foreign)}; `ss -ltnpe` "
+                    "names it)"
+                )
         self._scraper = WorkerScraper(
             [specs[0].sibling_address(i) for i in range(self.workers)], specs[0].secret
         )
@@ -462,18 +463,29 @@ class Supervisor:
             await asyncio.sleep(LISTENER_CHECK_S)
             self.check_listeners()
 
+    def _shared_ports(self) -> list[tuple[int, str]]:
+        """The ports every worker listens on (SO_REUSEPORT), each with how errors name it."""
+        shared = [(self.port, "gRPC, --port")]
+        if self.openai_port is not None:
+            shared.append((self.openai_port, "the OpenAI front door, --openai-port"))
+        return shared
+
     def check_listeners(self) -> int:
-        """Listeners on the port no worker holds (logged as an error, exposed as a metric)."""
-        foreign = foreign_listeners(self.port, [w.process.pid for w in self._workers])
-        if foreign:
-            log.error(
-                "foreign_listener",
-                port=self.port,
-                inodes=sorted(foreign),
-                error="another process listens on the replica's port with SO_REUSEPORT and receives "
-                "a share of its connections (`ss -ltnpe` names it)",
-            )
-        return len(foreign)
+        """Listeners on the shared ports no worker holds (logged as an error, exposed as a metric)."""
+        pids = [w.process.pid for w in self._workers]
+        count = 0
+        for port, _ in self._shared_ports():
+            foreign = foreign_listeners(port, pids)
+            if foreign:
+                log.error(
+                    "foreign_listener",
+                    port=port,
+                    inodes=sorted(foreign),
+                    error="another process listens on the replica's port with SO_REUSEPORT and "
+                    "receives a share of its connections (`ss -ltnpe` names it)",
+                )
+            count += len(foreign)
+        return count
 
     async def _listen(self, worker: _Worker, link: handshake.DrainLink) -> None:
         """A worker's messages after the handshake: its answer to the drain, a signal it got."""
