@@ -2863,7 +2863,9 @@ Global___SyncControlResponse: _TypeAlias = SyncControlResponse  # noqa: Y015
 
 @_typing.final
 class SiblingTrajectoryRequest(_message.Message):
-    """A GetTrajectory that another worker received, on behalf of its caller."""
+    """A GetTrajectory that another worker received, on behalf of its caller (deprecated with
+    `WorkerService.SiblingTrajectory`).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -191,12 +191,14 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTrajectory(self, request, context):
-        """Returns a session recorded by this replica's OpenAI-compatible front door as training samples:
+        """Returns a session recorded by an OpenAI-compatible front door of the fleet as training samples:
         every turn's prompt and response tokens, loss mask 1 on model-generated tokens and 0 on the
         tokens the chat template and the environment inserted, logprobs aligned (0.0 on masked
         positions), weight-version spans over generated positions, routed experts when recorded.
-        Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
-        or the front door is off), INVALID_ARGUMENT (empty session_id).
+        Sessions live in the state store (`--state-store`): any replica or worker sharing it answers,
+        and a replica restarted keeps them (Redis). Errors: NOT_FOUND (unknown session, another
+        caller's, or the front door is off), INVALID_ARGUMENT (empty session_id), UNAVAILABLE (the
+        state store does not answer; the message names it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -788,7 +790,8 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SiblingTrajectory(self, request, context):
-        """Reads a recorded front-door session (worker 0 runs the front door and holds every session).
+        """No longer called: agent sessions are in the state store every worker reaches, and every worker
+        runs the front door. Kept so the contract stays compatible; a worker answers UNIMPLEMENTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -24,6 +24,7 @@ from collections import abc as _abc
 from grpc import aio as _aio
 from rollout_grpc._proto import rollout_pb2 as _rollout_pb2
 import abc as _abc_1
+import builtins as _builtins
 import grpc as _grpc
 import sys
 import typing as _typing
@@ -32,6 +33,11 @@ if sys.version_info >= (3, 11):
     from typing import Self as _Self
 else:
     from typing_extensions import Self as _Self
+
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
 
 _T = _typing.TypeVar("_T")
 
@@ -115,12 +121,14 @@ class RolloutServiceStub:
     placeholders expanded, plus the multimodal features to attach to a `Sample`.
     """
     GetTrajectory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetTrajectoryRequest, _rollout_pb2.GetTrajectoryResponse]
-    """Returns a session recorded by this replica's OpenAI-compatible front door as training samples:
+    """Returns a session recorded by an OpenAI-compatible front door of the fleet as training samples:
     every turn's prompt and response tokens, loss mask 1 on model-generated tokens and 0 on the
     tokens the chat template and the environment inserted, logprobs aligned (0.0 on masked
     positions), weight-version spans over generated positions, routed experts when recorded.
-    Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
-    or the front door is off), INVALID_ARGUMENT (empty session_id).
+    Sessions live in the state store (`--state-store`): any replica or worker sharing it answers,
+    and a replica restarted keeps them (Redis). Errors: NOT_FOUND (unknown session, another
+    caller's, or the front door is off), INVALID_ARGUMENT (empty session_id), UNAVAILABLE (the
+    state store does not answer; the message names it).
     """
     RolloutStep: _grpc.UnaryStreamMultiCallable[_rollout_pb2.RolloutStepRequest, _rollout_pb2.RolloutStepResponse]
     """Runs one rollout step (slime's `generate_rollout_async`) on this replica: `n_samples_per_prompt`
@@ -208,12 +216,14 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     placeholders expanded, plus the multimodal features to attach to a `Sample`.
     """
     GetTrajectory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetTrajectoryRequest, _rollout_pb2.GetTrajectoryResponse]  # type: ignore[assignment]
-    """Returns a session recorded by this replica's OpenAI-compatible front door as training samples:
+    """Returns a session recorded by an OpenAI-compatible front door of the fleet as training samples:
     every turn's prompt and response tokens, loss mask 1 on model-generated tokens and 0 on the
     tokens the chat template and the environment inserted, logprobs aligned (0.0 on masked
     positions), weight-version spans over generated positions, routed experts when recorded.
-    Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
-    or the front door is off), INVALID_ARGUMENT (empty session_id).
+    Sessions live in the state store (`--state-store`): any replica or worker sharing it answers,
+    and a replica restarted keeps them (Redis). Errors: NOT_FOUND (unknown session, another
+    caller's, or the front door is off), INVALID_ARGUMENT (empty session_id), UNAVAILABLE (the
+    state store does not answer; the message names it).
     """
     RolloutStep: _aio.UnaryStreamMultiCallable[_rollout_pb2.RolloutStepRequest, _rollout_pb2.RolloutStepResponse]  # type: ignore[assignment]
     """Runs one rollout step (slime's `generate_rollout_async`) on this replica: `n_samples_per_prompt`
@@ -364,12 +374,14 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.GetTrajectoryRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.GetTrajectoryResponse, _abc.Awaitable[_rollout_pb2.GetTrajectoryResponse]]:
-        """Returns a session recorded by this replica's OpenAI-compatible front door as training samples:
+        """Returns a session recorded by an OpenAI-compatible front door of the fleet as training samples:
         every turn's prompt and response tokens, loss mask 1 on model-generated tokens and 0 on the
         tokens the chat template and the environment inserted, logprobs aligned (0.0 on masked
         positions), weight-version spans over generated positions, routed experts when recorded.
-        Sessions live on the replica whose front door served them. Errors: NOT_FOUND (unknown session,
-        or the front door is off), INVALID_ARGUMENT (empty session_id).
+        Sessions live in the state store (`--state-store`): any replica or worker sharing it answers,
+        and a replica restarted keeps them (Redis). Errors: NOT_FOUND (unknown session, another
+        caller's, or the front door is off), INVALID_ARGUMENT (empty session_id), UNAVAILABLE (the
+        state store does not answer; the message names it).
         """
 
     @_abc_1.abstractmethod
@@ -475,8 +487,12 @@ class WorkerServiceStub:
     """
     SyncControl: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SyncControlRequest, _rollout_pb2.SyncControlResponse]
     """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
-    SiblingTrajectory: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.SiblingTrajectoryResponse]
-    """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
+    @_builtins.property
+    @_deprecated("""This method has been marked as deprecated using proto method options.""")
+    def SiblingTrajectory(self) -> _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.SiblingTrajectoryResponse]:
+        """No longer called: agent sessions are in the state store every worker reaches, and every worker
+        runs the front door. Kept so the contract stays compatible; a worker answers UNIMPLEMENTED.
+        """
     Scrape: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]
     """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
     SiblingLoad: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.SiblingLoadRequest, _rollout_pb2.SiblingLoadResponse]
@@ -504,8 +520,12 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """
     SyncControl: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SyncControlRequest, _rollout_pb2.SyncControlResponse]  # type: ignore[assignment]
     """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
-    SiblingTrajectory: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.SiblingTrajectoryResponse]  # type: ignore[assignment]
-    """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
+    @_builtins.property
+    @_deprecated("""This method has been marked as deprecated using proto method options.""")
+    def SiblingTrajectory(self) -> _aio.UnaryUnaryMultiCallable[_rollout_pb2.SiblingTrajectoryRequest, _rollout_pb2.SiblingTrajectoryResponse]:  # type: ignore[override]
+        """No longer called: agent sessions are in the state store every worker reaches, and every worker
+        runs the front door. Kept so the contract stays compatible; a worker answers UNIMPLEMENTED.
+        """
     Scrape: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ScrapeRequest, _rollout_pb2.ScrapeResponse]  # type: ignore[assignment]
     """The receiving worker's Prometheus metrics, for the supervisor's merged /metrics."""
     SiblingLoad: _aio.UnaryUnaryMultiCallable[_rollout_pb2.SiblingLoadRequest, _rollout_pb2.SiblingLoadResponse]  # type: ignore[assignment]
@@ -543,13 +563,16 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_rollout_pb2.SyncControlResponse, _abc.Awaitable[_rollout_pb2.SyncControlResponse]]:
         """Applies the worker-local part of a Pause or Resume that a sibling ran on the shared engines."""
 
+    @_deprecated("""No longer called: agent sessions are in the state store every worker reaches, and every worker\nruns the front door. Kept so the contract stays compatible; a worker answers UNIMPLEMENTED.""")
     @_abc_1.abstractmethod
     def SiblingTrajectory(
         self,
         request: _rollout_pb2.SiblingTrajectoryRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.SiblingTrajectoryResponse, _abc.Awaitable[_rollout_pb2.SiblingTrajectoryResponse]]:
-        """Reads a recorded front-door session (worker 0 runs the front door and holds every session)."""
+        """No longer called: agent sessions are in the state store every worker reaches, and every worker
+        runs the front door. Kept so the contract stays compatible; a worker answers UNIMPLEMENTED.
+        """
 
     @_abc_1.abstractmethod
     def Scrape(

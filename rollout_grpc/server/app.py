@@ -39,11 +39,11 @@ from rollout_grpc.server.config import (
     ServerConfig,
     buffer_caps,
     rollout_num_engines,
+    trajectory_caps,
     worker_share,
 )
 from rollout_grpc.server.domain import bounds
 from rollout_grpc.server.domain.identity import Role
-from rollout_grpc.server.domain.trajectory import TrajectoryStore
 from rollout_grpc.server.engines.capabilities import CapabilityChecker
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.engines.registry import adapter_factory
@@ -69,6 +69,7 @@ from rollout_grpc.server.rollout.control import Control
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
+from rollout_grpc.server.rollout.sessions import Sessions
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
 from rollout_grpc.server.rollout.step.plugins import StepPlugins
 from rollout_grpc.server.rollout.step.runner import StepRunner
@@ -78,7 +79,8 @@ from rollout_grpc.server.security.limits import ControlRateLimiter
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
 from rollout_grpc.server.security.tls import TlsConfig
 from rollout_grpc.server.state.api import BufferStore
-from rollout_grpc.server.state.choose import store_for
+from rollout_grpc.server.state.choose import store_for, trajectories_for
+from rollout_grpc.server.state.trajectories import TrajectoryStore
 
 log = structlog.get_logger(__name__)
 
@@ -162,11 +164,22 @@ class RolloutServer:
         #: The keep-alive pool of every step's reward, filter and environment POSTs.
         self.post_connections = PostConnections()
         self.peers: PeerAborter | None = None
-        self.trajectories = TrajectoryStore()
         self.front_door: OpenAIFrontDoor | None = None
         self.openai_port: int | None = None
         #: Fleet state (step buffers): checked at start (`start` exits when it does not answer).
         self.state = self._state_store()
+        #: Agent sessions, in the same store (any replica or worker sharing it serves them).
+        self.trajectories = Sessions(self._trajectory_store())
+
+    def _trajectory_store(self) -> TrajectoryStore:
+        """The sessions' store, where the step buffers are (a worker reaches its supervisor's)."""
+        cfg = self.config
+        return trajectories_for(
+            cfg.state_store,
+            trajectory_caps(cfg),
+            password_file=cfg.state_store_password_file,
+            ca_file=cfg.state_store_ca_file,
+        )
 
     def _state_store(self) -> BufferStore:
         """The store `--state-store` names (a worker of --workers N reaches its supervisor's)."""
@@ -318,7 +331,6 @@ class RolloutServer:
             deadline_s=cfg.control_deadline_s,
             peer_abort=self.peers.abort if self.peers else None,
         )
-        self.trajectories = TrajectoryStore(cfg.openai.max_sessions)
         renderer = RenderService(
             self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
         )
@@ -419,7 +431,9 @@ class RolloutServer:
                 self.facade, cfg.openai, auth=self.auth, tls=tls, limits=cfg.request_limits()
             )
             try:
-                self.openai_port = await self.front_door.start(cfg.host, cfg.openai_port)
+                self.openai_port = await self.front_door.start(
+                    cfg.host, cfg.openai_port, reuse_port=cfg.reuse_port
+                )
             except OSError as exc:
                 raise ports.unavailable(
                     "the OpenAI front door, --openai-port", cfg.host, cfg.openai_port, exc
@@ -567,5 +581,6 @@ class RolloutServer:
         if self.peers is not None:
             await self.peers.close()
         await self.state.close()
+        await self.trajectories.store.close()
         if self._session is not None:
             await self._session.close()

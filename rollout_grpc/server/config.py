@@ -26,6 +26,7 @@ from rollout_grpc.server.rollout.weights import DEFAULT_LEASE_TTL_S, DEFAULT_LOA
 from rollout_grpc.server.security.limits import RequestLimits
 from rollout_grpc.server.security.tls import TlsConfig
 from rollout_grpc.server.state.api import BufferCaps
+from rollout_grpc.server.state.trajectories import TrajectoryCaps
 
 #: Pending calls gRPC core holds beyond admission's running + queued generations: the unary and
 #: control calls of a burst (GetServerInfo, Abort, health). gRPC's own default soft limit.
@@ -77,8 +78,12 @@ class FrontDoorConfig:
 
     drift_policy: DriftPolicy = DriftPolicy.KEEP_PREFIX
     tool_parser: str = "hermes"
-    #: Sessions kept per caller identity (its own least recently used evicted beyond it).
+    #: Live sessions per caller identity in the state store (a new one beyond it is refused).
     max_sessions: int = 10_000
+    #: MiB of recorded turns per caller identity in the state store (a turn beyond it is refused).
+    max_session_mb: int = 1024
+    #: Seconds a session is kept after its last turn (and a collected id stays its owner's).
+    session_ttl_s: float = 24 * 3600.0
     #: Record routed experts (R3) per turn; the engines must run with --enable-return-routed-experts.
     return_routed_experts: bool = False
     stream_batch_tokens: int = 16
@@ -369,6 +374,15 @@ def worker_share(total: int, index: int, workers: int) -> int:
         return total
     base, extra = divmod(total, workers)
     return max(1, base + (1 if index < extra else 0))
+
+
+def trajectory_caps(cfg: ServerConfig) -> TrajectoryCaps:
+    """The recorded agent sessions' bounds (`FrontDoorConfig`; every store applies them)."""
+    return TrajectoryCaps(
+        max_sessions_per_owner=max(1, cfg.openai.max_sessions),
+        max_bytes_per_owner=cfg.openai.max_session_mb << 20,
+        ttl_s=cfg.openai.session_ttl_s,
+    )
 
 
 def buffer_caps(cfg: ServerConfig) -> BufferCaps:

@@ -31,6 +31,8 @@ NOT_FLAGS: Final[dict[str, str]] = {
 #: FrontDoorConfig (`ServerConfig.openai`) fields that are not flags yet, and why.
 NOT_OPENAI_FLAGS: Final[dict[str, str]] = {
     "max_sessions": "sessions kept per caller; the default (10 000) is sized in docs/agentic.md, set in code",
+    "max_session_mb": "recorded turns per caller (1 GiB); sized in docs/agentic.md, set in code",
+    "session_ttl_s": "a session's life after its last turn (a day); docs/agentic.md, set in code",
     "return_routed_experts": "R3 per turn needs MoE engines started for it; set in code (docs/agentic.md)",
     "stream_batch_tokens": "the front door's own stream batching, measured in docs/benchmarks.agentic.md",
     "stream_batch_interval_s": "the front door's own stream batching, measured in docs/benchmarks.agentic.md",

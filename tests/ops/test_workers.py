@@ -25,7 +25,15 @@ from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.client import AsyncRolloutClient, NotFoundError, RolloutClient, make_sample
 from rollout_grpc.server.workers.reservation import foreign_listeners
 from tests.support.processes import POLL_S, Processes, child_env, replica_command, start_engine
-from tests.support.workers import Replica, Streams, clients_by_worker, start_replica, wait_admitted
+from tests.support.workers import (
+    Replica,
+    Streams,
+    clients_by_worker,
+    front_door_worker,
+    http_by_worker,
+    start_replica,
+    wait_admitted,
+)
 from tests.support.workers import client as fresh_client
 
 pytestmark = pytest.mark.timeout(180)
@@ -169,43 +177,33 @@ async def test_the_in_flight_limit_is_the_replicas_and_a_freed_slot_wakes_anothe
     assert _statuses([*(await holders.finals()), *(await waiter.finals())]) == [pb.SAMPLE_STATUS_ABORTED] * 3
 
 
-async def test_get_trajectory_on_another_worker_asks_worker_0(
+async def test_a_sessions_turns_are_served_by_either_worker_and_read_on_both(
     replica: Replica, by_worker: dict[int, AsyncRolloutClient]
 ) -> None:
-    base = f"http://127.0.0.1:{replica.ports['openai']}/sessions/traj-workers/v1"
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"{base}/models") as models:
-            model = (await models.json())["data"][0]["id"]
-        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        async with http.post(f"{base}/chat/completions", json=body) as reply:
+    """Every worker runs the front door, and the session is in the supervisor's store: a turn on
+    worker 1 continues the turn worker 0 recorded, and either worker returns both."""
+    url = f"http://127.0.0.1:{replica.ports['openai']}/sessions/traj-workers/v1/chat/completions"
+    hello = [{"role": "user", "content": "hi"}]
+    body: dict[str, object] = {"model": "", "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}
+    async with http_by_worker(replica.ports, 2) as http:
+        async with http[0][0].post(url, json={**body, "messages": hello}) as reply:
             assert reply.status == 200, await reply.text()
+            first = await reply.json()
+        conversation = [
+            *hello,
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "and then?"},
+        ]
+        async with http[1][0].post(url, json={**body, "messages": conversation}) as reply:
+            assert reply.status == 200, await reply.text()
+        # The keep-alive connections stayed with their workers.
+        assert [await front_door_worker(replica.ports, *http[i]) for i in (0, 1)] == [0, 1]
     for on in by_worker.values():
         trajectory = await on.get_trajectory("traj-workers")
-        assert len(trajectory.turns) == 1 and trajectory.turns[0].response_token_ids
+        assert [t.sample_index for t in trajectory.turns] == [0, 0], trajectory
+        assert list(trajectory.turns[0].response_token_ids) == first["choices"][0]["token_ids"]
     with pytest.raises(NotFoundError):
         await by_worker[1].get_trajectory("no-such-session")
-
-
-async def test_get_trajectory_on_another_worker_waits_for_a_running_turn_as_worker_0_does(
-    procs: Processes, tmp_path: Path
-) -> None:
-    """GetTrajectory waits for a running turn (recorded whole or not at all) on every worker: the
-    forward to worker 0 runs on the caller's deadline, not the short control deadline."""
-    replica = start_replica(procs, tmp_path, *SIM, "--openai-port", "0", "--control-deadline", "0.5")
-    base = f"http://127.0.0.1:{replica.ports['openai']}/sessions/traj-running/v1"
-    async with aiohttp.ClientSession() as http, clients_by_worker(replica.target, 2) as by_worker:
-        async with http.get(f"{base}/models") as models:
-            model = (await models.json())["data"][0]["id"]
-        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
-        async with http.post(f"{base}/chat/completions", json={**body, "max_tokens": 2}) as reply:
-            assert reply.status == 200, await reply.text()
-        # 60 tokens at 20 ms each: the turn runs for over a second after its first chunk.
-        long_turn = {**body, "max_tokens": 60, "stream": True}
-        async with http.post(f"{base}/chat/completions", json=long_turn) as reply:
-            assert reply.status == 200, await reply.text()
-            assert (await reply.content.readline()).startswith(b"data: ")  # the turn is running
-            trajectory = await by_worker[1].get_trajectory("traj-running", timeout=60)
-    assert [len(turn.response_token_ids) for turn in trajectory.turns] == [2, 60]
 
 
 async def test_one_metrics_scrape_shows_every_worker(
@@ -224,16 +222,19 @@ async def test_one_metrics_scrape_shows_every_worker(
         ), index
 
 
-async def test_a_foreign_reuseport_listener_is_detected(replica: Replica) -> None:
+@pytest.mark.parametrize("which", ["grpc", "openai"])
+async def test_a_foreign_reuseport_listener_is_detected(replica: Replica, which: str) -> None:
+    port = replica.ports[which]
+    before = replica.proc.log_text().count('"foreign_listener"')
     with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as stranger:
         stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        stranger.bind(("::ffff:127.0.0.1", replica.ports["grpc"]))
+        stranger.bind(("::ffff:127.0.0.1", port))
         stranger.listen()
-        assert foreign_listeners(replica.ports["grpc"], replica.ports["worker_pids"])
+        assert foreign_listeners(port, replica.ports["worker_pids"])
         text = await scrape(replica)
         assert "rollout_grpc_foreign_listeners 1.0" in text
-    assert '"foreign_listener"' in replica.proc.log_text()
-    assert foreign_listeners(replica.ports["grpc"], replica.ports["worker_pids"]) == set()
+    assert replica.proc.log_text().count('"foreign_listener"') > before
+    assert foreign_listeners(port, replica.ports["worker_pids"]) == set()
 
 
 def test_a_second_replica_on_the_port_fails_with_one_line(replica: Replica) -> None:
@@ -574,14 +575,27 @@ async def test_a_sibling_socket_refuses_calls_without_the_secret(replica: Replic
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_a_port_another_process_listens_on_is_one_clear_error_with_workers() -> None:
+@pytest.mark.parametrize(
+    ("flag", "what"), [("--port", "gRPC, --port"), ("--openai-port", "the OpenAI front door, --openai-port")]
+)
+def test_a_port_another_process_listens_on_is_one_clear_error_with_workers(flag: str, what: str) -> None:
+    """The supervisor reserves both ports every worker shares: one held by anyone is one line."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as gRPC core's default
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
+        ports = {"--port": "0", "--openai-port": "0", flag: str(port)}
         result = subprocess.run(
-            [*replica_command(), "serve", "--workers", "2", "--sim", "1", "--port", str(port)],
+            [
+                *replica_command(),
+                "serve",
+                "--workers",
+                "2",
+                "--sim",
+                "1",
+                *(a for kv in ports.items() for a in kv),
+            ],
             check=False,
             capture_output=True,
             text=True,
@@ -590,7 +604,7 @@ def test_a_port_another_process_listens_on_is_one_clear_error_with_workers() -> 
         )
     assert result.returncode == 1
     assert [line for line in result.stderr.splitlines() if line.startswith("rollout-grpc serve:")] == [
-        f"rollout-grpc serve: cannot listen on 127.0.0.1:{port} (gRPC, --port): address already in use: "
+        f"rollout-grpc serve: cannot listen on 127.0.0.1:{port} ({what}): address already in use: "
         "another process is listening there (`ss -ltnp` names it)"
     ], result.stderr
     assert '"worker_serving"' not in result.stderr

@@ -1,7 +1,7 @@
 """Front-door sessions cannot be taken over (hardening issue, "sessions"): failing requests create
-no session, the session cap is per owner, and a session id stays its owner's after eviction or
-collection. The attack: failing turns from alice evicted bob's trajectory, alice then claimed bob's
-session id and bob's next turn got 403.
+no session, the session cap is per owner (a session beyond it is refused, nothing is evicted), and
+a session id stays its owner's after collection. The attack: failing turns from alice evicted bob's
+trajectory, alice then claimed bob's session id and bob's next turn got 403.
 
 Loopback: a replica with the front door over one simulated engine, the official `openai` client
 over real HTTP, trajectories read over real gRPC.
@@ -85,28 +85,30 @@ async def test_failing_turns_create_no_session_evict_nothing_and_claim_nothing(t
 async def test_one_owners_sessions_never_evict_anothers(tokens_file: Path) -> None:
     async with front_door(tokens_file, max_sessions=2) as server:
         await turn(server, TRAINER_B, "bob-sess")
-        for i in range(3):
+        for i in range(2):
             await turn(server, TRAINER_A, f"alice-{i}")
+        # The cap holds per owner: alice's third session is refused, naming the cap; nothing of
+        # anyone's is evicted, and bob still has room of his own.
+        with pytest.raises(openai.RateLimitError, match="max_sessions_per_owner"):
+            await turn(server, TRAINER_A, "alice-2")
         assert await turns_recorded(server, TRAINER_B, "bob-sess") == 1
-        # The cap holds per owner: alice's least recently used session made room for her third.
-        assert await turns_recorded(server, TRAINER_A, "alice-0") == 0
+        assert await turns_recorded(server, TRAINER_A, "alice-0") == 1
         assert await turns_recorded(server, TRAINER_A, "alice-1") == 1
-        assert await turns_recorded(server, TRAINER_A, "alice-2") == 1
+        assert await turns_recorded(server, TRAINER_A, "alice-2") == 0
+        await turn(server, TRAINER_A, "alice-1")  # a live session continues at the cap
+        await turn(server, TRAINER_B, "bob-2")
 
 
-async def test_an_evicted_or_collected_session_id_stays_its_owners(tokens_file: Path) -> None:
+async def test_a_collected_session_id_stays_its_owners(tokens_file: Path) -> None:
     async with front_door(tokens_file, max_sessions=1) as server:
         await turn(server, TRAINER_B, "bob-old")
-        await turn(server, TRAINER_B, "bob-new")  # bob's own cap evicts bob-old
+        # Collected with GetTrajectory(remove): the id is still bob's.
+        async with AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_B, retry=None) as bob:
+            assert len((await bob.get_trajectory("bob-old", remove=True)).turns) == 1
         assert await turns_recorded(server, TRAINER_B, "bob-old") == 0
         with pytest.raises(openai.PermissionDeniedError) as err:
             await turn(server, TRAINER_A, "bob-old")
         assert "another caller" in str(err.value)
-        await turn(server, TRAINER_B, "bob-old")  # its owner may use it again
-        assert await turns_recorded(server, TRAINER_B, "bob-old") == 1
-
-        # Collected with GetTrajectory(remove): the id is still bob's.
-        async with AsyncRolloutClient(f"127.0.0.1:{server.port}", token=TRAINER_B, retry=None) as bob:
-            assert len((await bob.get_trajectory("bob-old", remove=True)).turns) == 1
-        with pytest.raises(openai.PermissionDeniedError):
-            await turn(server, TRAINER_A, "bob-old")
+        await turn(server, TRAINER_B, "bob-new")  # the collected session freed bob's cap
+        await turn(server, TRAINER_B, "bob-new")
+        assert await turns_recorded(server, TRAINER_B, "bob-new") == 2

@@ -2,7 +2,9 @@
 
 The kernel hands each TCP connection to one worker, so a test that must place streams on a given
 worker opens connections until it has one per worker (`clients_by_worker`): each connection asks
-GetServerInfo which worker answered (`GetServerInfoResponse.worker`).
+GetServerInfo which worker answered (`GetServerInfoResponse.worker`). The OpenAI front door's
+connections (`http_by_worker`) are placed the same way, the worker read from the kernel: the
+process holding the accepted socket of the connection (/proc/net/tcp and /proc/<pid>/fd).
 """
 
 from __future__ import annotations
@@ -15,9 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.client import AsyncRolloutClient, make_sample
-from tests.support.processes import Proc, Processes, fresh_port_file, read_port_file, replica_command
+from rollout_grpc.server.workers.reservation import PROC_NET_TCP, socket_inodes
+from tests.support.processes import (
+    Proc,
+    Processes,
+    free_ports,
+    fresh_port_file,
+    read_port_file,
+    replica_command,
+)
 
 #: Connections tried before giving up on reaching every worker (each lands on a random worker).
 MAX_CONNECTIONS = 64
@@ -84,6 +96,66 @@ async def clients_by_worker(
         yield found
     finally:
         await asyncio.gather(*(c.close() for c in opened))
+
+
+def accepting_worker(ports: dict[str, Any], server_port: int, client_port: int) -> int:
+    """The index of the worker holding the server side of the loopback connection from
+    `client_port` to `server_port` (-1: no worker holds it)."""
+    inodes: set[int] = set()
+    for table in PROC_NET_TCP:
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote = fields[1].rpartition(":")[2], fields[2].rpartition(":")[2]
+            if int(local, 16) == server_port and int(remote, 16) == client_port:
+                inodes.add(int(fields[9]))
+    for index, pid in enumerate(ports["worker_pids"]):
+        if inodes & socket_inodes(pid):
+            return index
+    return -1
+
+
+def front_door_session() -> tuple[aiohttp.ClientSession, int]:
+    """An HTTP session with one keep-alive connection from a local port of its own (known, so
+    that `accepting_worker` finds which worker accepted it)."""
+    (port,) = free_ports(1)
+    connector = aiohttp.TCPConnector(limit=1, local_addr=("127.0.0.1", port))
+    return aiohttp.ClientSession(connector=connector), port
+
+
+async def front_door_worker(ports: dict[str, Any], http: aiohttp.ClientSession, client_port: int) -> int:
+    """Which worker serves `http`'s connection (from `client_port`) to the OpenAI port, after a
+    GET /v1/models on it."""
+    async with http.get(f"http://127.0.0.1:{ports['openai']}/v1/models") as reply:
+        assert reply.status == 200, await reply.text()
+        await reply.read()
+    return accepting_worker(ports, int(ports["openai"]), client_port)
+
+
+@contextlib.asynccontextmanager
+async def http_by_worker(
+    ports: dict[str, Any], workers: int
+) -> AsyncIterator[dict[int, tuple[aiohttp.ClientSession, int]]]:
+    """One HTTP session (and its local port) per worker index, each with its one keep-alive
+    connection to the front door served by that worker."""
+    found: dict[int, tuple[aiohttp.ClientSession, int]] = {}
+    opened: list[aiohttp.ClientSession] = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            http, port = front_door_session()
+            opened.append(http)
+            found.setdefault(await front_door_worker(ports, http, port), (http, port))
+            if len(found.keys() - {-1}) == workers:
+                break
+        assert len(found.keys() - {-1}) == workers, (
+            f"{MAX_CONNECTIONS} connections to the OpenAI port reached only workers {sorted(found)}"
+        )
+        yield found
+    finally:
+        await asyncio.gather(*(h.close() for h in opened))
 
 
 class Streams:

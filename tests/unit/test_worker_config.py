@@ -14,7 +14,13 @@ from rollout_grpc.server.workers.worker import worker_config
 
 def _spec(index: int, workers: int = 2) -> WorkerSpec:
     return WorkerSpec(
-        index=index, workers=workers, port=1234, run_dir="/run", secret="s", engines=["http://e"]
+        index=index,
+        workers=workers,
+        port=1234,
+        run_dir="/run",
+        secret="s",
+        engines=["http://e"],
+        openai_port=4321,
     )
 
 
@@ -39,7 +45,9 @@ def test_a_worker_gets_its_share_of_every_replica_wide_limit() -> None:
     assert first.max_pending_calls == second.max_pending_calls == 0  # still sized from admission
     assert first.pending_calls_limit() == 6 + 5 + 1000
     assert (first.port, first.reuse_port, first.metrics_port) == (1234, True, None)
-    assert first.openai_port == 0 and second.openai_port is None and second.health_port is None
+    # Every worker serves the front door on the port the supervisor reserved; worker 0 alone health.
+    assert first.openai_port == second.openai_port == 4321
+    assert first.health_port is not None and second.health_port is None
 
 
 def test_the_default_worker_count_follows_a_cgroup_cpu_quota(tmp_path: Path) -> None:

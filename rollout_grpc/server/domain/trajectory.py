@@ -19,23 +19,18 @@ tokenisation, tool calls re-serialised, reasoning stripped). `DriftPolicy` decid
   the recorded tokens starts a new sample. The engine sees what a fresh client would send, and the
   session becomes several samples.
 
-The module is pure (no I/O): the front door renders and generates, this module decides and records.
+The module is pure (no I/O): the front door renders and generates, this module decides, and
+rollout/sessions.py records the turns in the state store.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
 import enum
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_grpc.server.domain import routed_experts, sample_ops
-from rollout_grpc.server.domain.errors import PermissionDenied
-from rollout_grpc.server.domain.identity import ANONYMOUS, Caller
+from rollout_grpc.server.domain.identity import ANONYMOUS
 from rollout_grpc.server.domain.model import (
     EngineAttempt,
     Finish,
@@ -83,19 +78,16 @@ class Turn:
 
 @dataclass(slots=True)
 class Session:
-    """One conversation's turns; `lock` keeps its turns in order (one at a time)."""
+    """One conversation's turns, as recorded in the state store (rollout/sessions.py)."""
 
     session_id: str
-    #: Identity of the caller that opened the session: only it adds turns, only it (or an admin)
-    #: reads the trajectory (`identity.py`; "anonymous" for every caller when auth is off).
+    #: Identity of the caller whose turn first recorded in the session: only it adds turns, only
+    #: it (or an admin) reads the trajectory (`identity.py`; "anonymous" for every caller when
+    #: auth is off).
     owner: str = ANONYMOUS.identity
     turns: list[Turn] = field(default_factory=list)
     #: Roles of the last request's messages plus "assistant" for its reply (continuation check).
     roles: list[str] = field(default_factory=list)
-    updated: float = field(default_factory=time.monotonic)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-    #: Requests using the session now (`TrajectoryStore.opened`); one without turns is dropped at 0.
-    users: int = 0
 
     def tokens(self) -> list[int]:
         """Every token of the current sample so far (the last turn's input and output)."""
@@ -110,134 +102,6 @@ class Session:
         if not self.turns or len(roles) <= n or roles[:n] != self.roles:
             return None
         return n
-
-
-class TrajectoryStore:
-    """The sessions of one replica, each owned by the caller whose turn first generated in it.
-
-    Held so that no caller can take over another's session (docs/security.md):
-
-    * A session is recorded only by a turn that generated (`record`). A request that fails before
-      (an invalid request, an unknown model, a refusal) leaves nothing behind once it ended: no
-      session, no claim on its id, no eviction.
-    * `max_sessions` is per owner: beyond it the owner's own least recently used session is
-      evicted, never another owner's.
-    * An id stays its owner's after its session is evicted or collected (`pop`): the owner's last
-      `max_sessions` such ids are remembered (per owner, so no other caller can push them out),
-      and another caller's turn on one is refused as on a live session. Memory is bounded by
-      2 x `max_sessions` ids per identity; identities come from the operator's credentials.
-    """
-
-    def __init__(self, max_sessions: int = 10_000) -> None:
-        self._max = max(1, max_sessions)
-        #: Recorded sessions, and those a running request opened (no turn yet), by id.
-        self._sessions: dict[str, Session] = {}
-        #: Per owner: ids of its recorded sessions, least recently used first.
-        self._recorded: dict[str, collections.OrderedDict[str, None]] = {}
-        #: Per owner: ids of its evicted or collected sessions, oldest first (at most `_max`).
-        self._retired: dict[str, collections.OrderedDict[str, None]] = {}
-        #: Retired id -> its owner.
-        self._retired_by: dict[str, str] = {}
-
-    def __len__(self) -> int:
-        """Recorded sessions (every owner's)."""
-        return sum(len(ids) for ids in self._recorded.values())
-
-    @contextlib.contextmanager
-    def opened(self, session_id: str, owner: str = ANONYMOUS.identity) -> Iterator[Session]:
-        """`owner`'s session for one request (`open`), released when the request ends: a session
-        that no turn generated in is forgotten then."""
-        session = self._open(session_id, owner)
-        try:
-            yield session
-        finally:
-            self._release(session)
-
-    def _open(self, session_id: str, owner: str) -> Session:
-        """`owner`'s session (new and unrecorded until a turn generates in it); PermissionDenied
-        when another caller owns the id (live, opened by a running request, or retired)."""
-        holder = self._retired_by.get(session_id)
-        session = self._sessions.get(session_id)
-        if session is not None:
-            holder = session.owner
-        if holder is not None and holder != owner:
-            raise PermissionDenied(
-                f"session {session_id!r} belongs to another caller; use a session id of your own"
-            )
-        if session is None:
-            # Held against other callers while the request runs; the id stays retired (its
-            # owner's) until a turn generates in it.
-            session = self._sessions[session_id] = Session(session_id, owner)
-        recorded = self._recorded.get(owner)
-        if recorded is not None and session_id in recorded:
-            recorded.move_to_end(session_id)
-        session.users += 1
-        session.updated = time.monotonic()
-        return session
-
-    def record(self, session: Session, turn: Turn, roles: list[str]) -> None:
-        """Add a generated turn; the session's first makes it recorded (its owner's least recently
-        used session beyond `max_sessions` is evicted)."""
-        session.turns.append(turn)
-        session.roles = roles
-        session.updated = time.monotonic()
-        if self._sessions.get(session.session_id) is not session:
-            return  # evicted or collected while the turn ran: the turn is the caller's alone
-        self._unretire(session.session_id, session.owner)
-        recorded = self._recorded.setdefault(session.owner, collections.OrderedDict())
-        recorded[session.session_id] = None
-        recorded.move_to_end(session.session_id)
-        while len(recorded) > self._max:
-            oldest, _ = recorded.popitem(last=False)
-            self._sessions.pop(oldest, None)
-            self._retire(oldest, session.owner)
-
-    def get(self, session_id: str, reader: Caller | None = None) -> Session | None:
-        """The session, if recorded and readable by `reader` (its owner or an admin; None: anyone).
-
-        Another caller's session reads as missing: its existence is not disclosed.
-        """
-        session = self._sessions.get(session_id)
-        if session is None or reader is None or reader.is_admin or reader.identity == session.owner:
-            return session
-        return None
-
-    def pop(self, session_id: str) -> Session | None:
-        """Forget a session (the trainer collected it); its id stays its owner's."""
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
-            recorded = self._recorded.get(session.owner)
-            if recorded is not None:
-                recorded.pop(session_id, None)
-                if not recorded:
-                    del self._recorded[session.owner]
-            self._retire(session_id, session.owner)
-        return session
-
-    def _release(self, session: Session) -> None:
-        """One request is done with `session`; forget it if no turn generated in it."""
-        session.users -= 1
-        if session.users <= 0 and not session.turns and self._sessions.get(session.session_id) is session:
-            del self._sessions[session.session_id]
-
-    def _retire(self, session_id: str, owner: str) -> None:
-        """Remember that `session_id` is `owner`'s (bounded: the owner's last `max_sessions`)."""
-        retired = self._retired.setdefault(owner, collections.OrderedDict())
-        retired[session_id] = None
-        retired.move_to_end(session_id)
-        self._retired_by[session_id] = owner
-        while len(retired) > self._max:
-            oldest, _ = retired.popitem(last=False)
-            self._retired_by.pop(oldest, None)
-
-    def _unretire(self, session_id: str, owner: str) -> None:
-        """`owner` uses its retired id again: a live session now holds it."""
-        if self._retired_by.pop(session_id, None) is not None:
-            retired = self._retired.get(owner)
-            if retired is not None:
-                retired.pop(session_id, None)
-                if not retired:
-                    del self._retired[owner]
 
 
 def extends(previous: list[int], rendered: list[int]) -> bool:

@@ -9,6 +9,7 @@ once, for either door. Nothing here knows protobuf, gRPC or HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -19,7 +20,7 @@ from rollout_grpc.server.domain.chat import ChatRenderRequest, ServedModel
 from rollout_grpc.server.domain.errors import FailedPrecondition, Unavailable
 from rollout_grpc.server.domain.identity import Caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, TokenBatch
-from rollout_grpc.server.domain.trajectory import Session, TrajectoryStore
+from rollout_grpc.server.domain.trajectory import Session, Turn
 from rollout_grpc.server.engines.api import EngineError
 from rollout_grpc.server.engines.pool import EngineHandle
 from rollout_grpc.server.facade.calls import CURRENT_CALL, CallRecord, Door, Listener
@@ -27,6 +28,7 @@ from rollout_grpc.server.facade.views import CapabilityView, EngineView, ServerV
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control, EngineStatus, FleetResult
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.render import Part, Rendered, RenderService
+from rollout_grpc.server.rollout.sessions import Sessions
 from rollout_grpc.server.rollout.step.events import GroupEnded, StepEvent, Summary
 from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.rollout.step.spec import Outcome, StepSpec
@@ -76,7 +78,7 @@ class RolloutFacade:
         control: Control,
         renderer: RenderService,
         *,
-        trajectories: TrajectoryStore | None = None,
+        trajectories: Sessions | None = None,
         calls: CallBook | None = None,
         steps: StepRunner | None = None,
         weights: WeightUpdates | None = None,
@@ -278,11 +280,26 @@ class RolloutFacade:
     async def render_text(self, text: str, *, session_id: str, model: str) -> Rendered:
         return await self._renderer.render_text(text, session_id=session_id, model=model)
 
-    def session(self, session_id: str, caller: Caller) -> Session | None:
-        """A recorded agent session of `caller` (admins read every session), None if missing."""
+    async def session(self, session_id: str, caller: Caller, *, remove: bool = False) -> Session | None:
+        """A recorded agent session of `caller` (admins read every session), None if missing;
+        `remove` collects it. Read from the state store: any replica or worker answers."""
         if self.trajectories is None:
             return None
-        return self.trajectories.get(session_id, caller)
+        return await self.trajectories.get(session_id, caller, remove=remove)
+
+    @contextlib.asynccontextmanager
+    async def open_session(self, session_id: str, owner: str) -> AsyncIterator[Session]:
+        """`owner`'s session for one front-door request (rollout/sessions.py `Sessions.opened`)."""
+        if self.trajectories is None:
+            raise FailedPrecondition("agent sessions are not recorded on this replica")
+        async with self.trajectories.opened(session_id, owner) as session:
+            yield session
+
+    async def record_turn(self, session: Session, turn: Turn, roles: list[str]) -> None:
+        """Record a generated turn of `session` in the state store."""
+        if self.trajectories is None:
+            raise FailedPrecondition("agent sessions are not recorded on this replica")
+        await self.trajectories.record(session, turn, roles)
 
 
 def _engine_view(status: EngineStatus, engine: EngineHandle | None) -> EngineView:

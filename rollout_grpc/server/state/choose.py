@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rollout_grpc.server.state.api import BufferCaps, BufferStore
 from rollout_grpc.server.state.memory import MemoryStore
+from rollout_grpc.server.state.trajectories import MemoryTrajectories, TrajectoryCaps, TrajectoryStore
 
 
 def store_for(
@@ -20,3 +21,14 @@ def store_for(
     from rollout_grpc.server.state.redis_store import RedisStore
 
     return RedisStore(url, caps, password_file=password_file or "", ca_file=ca_file or "")
+
+
+def trajectories_for(
+    url: str, caps: TrajectoryCaps, *, password_file: str | None = None, ca_file: str | None = None
+) -> TrajectoryStore:
+    """The agent sessions' store in the same place as the step buffers (`--state-store`)."""
+    if not url:
+        return MemoryTrajectories(caps)
+    from rollout_grpc.server.state.redis_trajectories import RedisTrajectories
+
+    return RedisTrajectories(url, caps, password_file=password_file or "", ca_file=ca_file or "")

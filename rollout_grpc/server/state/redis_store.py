@@ -271,6 +271,29 @@ def display_url(url: str) -> str:
     return f"{parsed.scheme}://{parsed.hostname}:{parsed.port or 6379}{parsed.path or '/0'}"
 
 
+def connect(
+    url: str, *, password_file: str = "", ca_file: str = "", timeout_s: float = 5.0
+) -> aioredis.Redis:
+    """A client of the store at `url` (checked: ValueError naming the flag)."""
+    check_url(url)
+    kwargs: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "health_check_interval": 30,
+    }
+    if password_file:
+        try:
+            kwargs["password"] = Path(password_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(
+                f"--state-store-password-file: cannot read {password_file}: {exc.strerror}"
+            ) from None
+    if ca_file and url.startswith("rediss://"):
+        kwargs["ssl_ca_certs"] = ca_file
+    client: aioredis.Redis = aioredis.Redis.from_url(url, **kwargs)
+    return client
+
+
 class RedisStore:
     """`BufferStore` in one Redis."""
 
@@ -283,24 +306,9 @@ class RedisStore:
         ca_file: str = "",
         timeout_s: float = 5.0,
     ) -> None:
-        check_url(url)
         self.name = display_url(url)
         self.caps = caps or BufferCaps()
-        kwargs: dict[str, Any] = {
-            "socket_timeout": timeout_s,
-            "socket_connect_timeout": timeout_s,
-            "health_check_interval": 30,
-        }
-        if password_file:
-            try:
-                kwargs["password"] = Path(password_file).read_text().strip()
-            except OSError as exc:
-                raise ValueError(
-                    f"--state-store-password-file: cannot read {password_file}: {exc.strerror}"
-                ) from None
-        if ca_file and url.startswith("rediss://"):
-            kwargs["ssl_ca_certs"] = ca_file
-        self._client: aioredis.Redis = aioredis.Redis.from_url(url, **kwargs)
+        self._client = connect(url, password_file=password_file, ca_file=ca_file, timeout_s=timeout_s)
         scripts = {
             "put": _PUT,
             "take": _TAKE,

@@ -23,6 +23,7 @@ import structlog
 
 from rollout_grpc.server.state.api import BufferCaps, Holding, StoredGroup, StoreUnavailable
 from rollout_grpc.server.state.memory import MemoryStore
+from rollout_grpc.server.state.trajectories import MemoryTrajectories, StoredSession, TrajectoryCaps
 
 log = structlog.get_logger(__name__)
 
@@ -48,8 +49,19 @@ async def _read(reader: asyncio.StreamReader) -> Any:
     return _PlainUnpickler(io.BytesIO(await reader.readexactly(size))).load()
 
 
-async def _dispatch(store: MemoryStore, method: str, args: list[Any]) -> Any:
+#: The agent sessions' calls (state/trajectories.py), on the supervisor's `MemoryTrajectories`.
+_TRAJECTORY_CALLS = frozenset({"append_turn", "remove_session", "usage"})
+
+
+async def _dispatch(
+    store: MemoryStore, method: str, args: list[Any], trajectories: MemoryTrajectories | None = None
+) -> Any:
     """Run one call on the supervisor's store; values in plain form."""
+    if method == "read_session" and trajectories is not None:
+        found = await trajectories.read_session(args[0])
+        return None if found is None else (found.owner, found.turns, found.roles)
+    if method in _TRAJECTORY_CALLS and trajectories is not None:
+        return await getattr(trajectories, method)(*args)
     if method == "put":
         owner, groups = args
         return await store.put(owner, [StoredGroup(i, s, b) for i, s, b in groups])
@@ -76,8 +88,11 @@ async def _dispatch(store: MemoryStore, method: str, args: list[Any]) -> Any:
     raise ValueError(f"no state call {method!r}")
 
 
-async def serve_store(path: str, secret: str, store: MemoryStore) -> asyncio.Server:
-    """Serve `store` on the unix socket `path` to callers that present `secret`."""
+async def serve_store(
+    path: str, secret: str, store: MemoryStore, trajectories: MemoryTrajectories | None = None
+) -> asyncio.Server:
+    """Serve `store` (and the agent sessions' `trajectories`) on the unix socket `path` to callers
+    that present `secret`."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -85,7 +100,7 @@ async def serve_store(path: str, secret: str, store: MemoryStore) -> asyncio.Ser
             if not hmac.compare_digest(str(given).encode(), secret.encode()):
                 reply: tuple[bool, Any] = (False, "wrong secret")
             else:
-                reply = (True, await _dispatch(store, method, list(args)))
+                reply = (True, await _dispatch(store, method, list(args), trajectories))
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
             return
@@ -100,6 +115,25 @@ async def serve_store(path: str, secret: str, store: MemoryStore) -> asyncio.Ser
     return await asyncio.start_unix_server(handle, path=path)
 
 
+async def _call(name: str, path: str, secret: str, method: str, *args: Any) -> Any:
+    """One call on the supervisor's store (StoreUnavailable naming it when it does not answer)."""
+    try:
+        reader, writer = await asyncio.open_unix_connection(path)
+    except OSError as exc:
+        raise StoreUnavailable(name, f"{type(exc).__name__}: {exc}") from exc
+    try:
+        writer.write(_dumps((secret, method, args)))
+        await writer.drain()
+        ok, value = await _read(reader)
+    except (OSError, asyncio.IncompleteReadError) as exc:
+        raise StoreUnavailable(name, f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        writer.close()
+    if not ok:
+        raise StoreUnavailable(name, str(value))
+    return value
+
+
 class SocketStore:
     """`BufferStore` in the supervisor's memory, reached over its unix socket."""
 
@@ -110,21 +144,7 @@ class SocketStore:
         self._secret = secret
 
     async def _call(self, method: str, *args: Any) -> Any:
-        try:
-            reader, writer = await asyncio.open_unix_connection(self._path)
-        except OSError as exc:
-            raise StoreUnavailable(self.name, f"{type(exc).__name__}: {exc}") from exc
-        try:
-            writer.write(_dumps((self._secret, method, args)))
-            await writer.drain()
-            ok, value = await _read(reader)
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            raise StoreUnavailable(self.name, f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            writer.close()
-        if not ok:
-            raise StoreUnavailable(self.name, str(value))
-        return value
+        return await _call(self.name, self._path, self._secret, method, *args)
 
     async def put(self, owner: str, groups: Sequence[StoredGroup]) -> list[int]:
         refused: list[int] = await self._call("put", owner, [(g.index, g.size, g.blob) for g in groups])
@@ -185,3 +205,36 @@ class SocketStore:
     async def version_order(self) -> list[str]:
         order: list[str] = await self._call("version_order")
         return order
+
+
+class SocketTrajectories:
+    """`TrajectoryStore` in the supervisor's memory, reached over its unix socket."""
+
+    def __init__(self, path: str, secret: str, caps: TrajectoryCaps | None = None) -> None:
+        self.name = f"embedded (the supervisor's, {path})"
+        self.trajectory_caps = caps or TrajectoryCaps()
+        self._path = path
+        self._secret = secret
+
+    async def read_session(self, session_id: str) -> StoredSession | None:
+        found = await _call(self.name, self._path, self._secret, "read_session", session_id)
+        if found is None:
+            return None
+        owner, turns, roles = found
+        return StoredSession(str(owner), list(turns), bytes(roles))
+
+    async def append_turn(self, owner: str, session_id: str, expected: int, turn: bytes, roles: bytes) -> str:
+        args = (owner, session_id, expected, turn, roles)
+        return str(await _call(self.name, self._path, self._secret, "append_turn", *args))
+
+    async def remove_session(self, owner: str, session_id: str, turns: int) -> bool:
+        return bool(
+            await _call(self.name, self._path, self._secret, "remove_session", owner, session_id, turns)
+        )
+
+    async def usage(self, owner: str) -> tuple[int, int]:
+        count, size = await _call(self.name, self._path, self._secret, "usage", owner)
+        return int(count), int(size)
+
+    async def close(self) -> None:
+        return None

@@ -14,8 +14,8 @@ shared by every worker), and reaches its siblings through `WorkerService` for wh
   version of every token streamed afterwards is right on every worker;
 * UpdateWeights: the same, plus the engines the update took out of rotation or re-admitted.
 
-The RolloutServicer subclass forwards GetTrajectory to worker 0 (which runs the front door and so
-records every session) and reports the worker count in GetServerInfo.
+The RolloutServicer subclass reports the worker count in GetServerInfo. Agent sessions need no
+sibling call: they are in the state store every worker reaches (rollout/sessions.py).
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ from rollout_grpc.server.workers.siblings import Siblings
 log = structlog.get_logger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
-#: The worker that runs the OpenAI front door and holds the recorded sessions.
-FRONT_DOOR_WORKER = 0
 #: Longest Abort(all) waits for the siblings to count their generations before pausing the engines.
 SIBLING_MARK_WAIT_S = 1.0
 
@@ -163,34 +161,8 @@ async def _no_loads() -> list[pb.SiblingLoadResponse]:
     return []
 
 
-#: Codes of a SiblingTrajectory that did not reach worker 0's servicer (gRPC's text, not worker 0's).
-_UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
-_UNREACHED_MESSAGE = (
-    "worker 0 of this replica, which records the front door's sessions, did not answer; retry"
-)
-#: Trailers of worker 0's status that the caller needs: the rich status and the retry pushback.
-_FORWARDED_TRAILERS = frozenset({"grpc-status-details-bin", "grpc-retry-pushback-ms"})
-
-
-def forwarded_status(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, Any], ...]]:
-    """What the caller gets for worker 0's failed SiblingTrajectory: (code, details, trailers).
-
-    Worker 0's own answers pass whole, with the trailers that carry the rich status (a field
-    violation, a retry delay). A failure to reach it at all (UNAVAILABLE, UNKNOWN, CANCELLED) has
-    gRPC's transport text, which names the internal socket: the caller gets a message of ours.
-    """
-    code = exc.code()
-    if code in _UNREACHED:
-        log.warning("sibling_trajectory_failed", code=code.name, error=exc.details())
-        return grpc.StatusCode.UNAVAILABLE, _UNREACHED_MESSAGE, ()
-    trailers = tuple(
-        (key, value) for key, value in (exc.trailing_metadata() or ()) if key in _FORWARDED_TRAILERS
-    )
-    return code, exc.details() or "", trailers
-
-
 class WorkerRolloutServicer(RolloutServicer):
-    """RolloutService of a worker: GetTrajectory from worker 0, the worker count in GetServerInfo."""
+    """RolloutService of a worker: the worker count and the whole replica's load in GetServerInfo."""
 
     siblings: Siblings | None = None
     workers: int = 1
@@ -214,24 +186,3 @@ class WorkerRolloutServicer(RolloutServicer):
                 for url, info in zip(urls, response.engines, strict=True):
                     info.in_flight += load.engine_in_flight.get(url, 0)
         return response
-
-    async def GetTrajectory(
-        self, request: pb.GetTrajectoryRequest, context: Context
-    ) -> pb.GetTrajectoryResponse:
-        if self.index == FRONT_DOOR_WORKER or self.siblings is None:
-            return await self.local_trajectory(request, context)
-        if not request.session_id:
-            raise InvalidArgument("session_id", "must not be empty")
-        try:
-            return await self.siblings.trajectory(
-                FRONT_DOOR_WORKER, request, current_caller(), timeout_s=context.time_remaining()
-            )
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(*forwarded_status(exc))
-            raise
-
-    async def local_trajectory(
-        self, request: pb.GetTrajectoryRequest, context: Context
-    ) -> pb.GetTrajectoryResponse:
-        """This worker's own GetTrajectory (worker 0's, for its siblings)."""
-        return await super().GetTrajectory(request, context)

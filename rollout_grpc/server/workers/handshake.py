@@ -59,6 +59,8 @@ class WorkerSpec:
     engines: list[str]
     engine_kinds: dict[str, str] = field(default_factory=dict)
     simulated: bool = False
+    #: The OpenAI front door's port the supervisor reserved (None: off); every worker serves it.
+    openai_port: int | None = None
 
     def sibling_socket(self, index: int) -> str:
         """The unix socket path of worker `index`."""

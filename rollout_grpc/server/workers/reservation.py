@@ -38,7 +38,8 @@ def _family(host: str) -> socket.AddressFamily:
 class PortReservation:
     """The supervisor's hold on the workers' port (a context manager; `close()` releases it)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, what: str = "gRPC, --port") -> None:
+        """Reserve `port` on `host`; PortUnavailable naming `what` (the port and its flag)."""
         self.host = host
         family = _family(host)
         address = host.strip("[]")
@@ -50,7 +51,7 @@ class PortReservation:
             try:
                 probe.bind((address, port))
             except OSError as exc:
-                raise ports.unavailable("gRPC, --port", host, port, exc) from None
+                raise ports.unavailable(what, host, port, exc) from None
             self.port = int(probe.getsockname()[1])
         finally:
             probe.close()
@@ -62,7 +63,7 @@ class PortReservation:
         except OSError as exc:
             # Someone took the port between the probe and the hold.
             self._hold.close()
-            raise ports.unavailable("gRPC, --port", host, self.port, exc) from None
+            raise ports.unavailable(what, host, self.port, exc) from None
 
     def close(self) -> None:
         """Release the port (after the workers have stopped)."""

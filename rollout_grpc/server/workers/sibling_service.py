@@ -26,7 +26,6 @@ from rollout_grpc.server.facade.values import AbortResult, AbortScope
 from rollout_grpc.server.front.grpc.replica import abort_response, abort_scope
 from rollout_grpc.server.front.grpc.status import to_status
 from rollout_grpc.server.observe.metrics import Metrics
-from rollout_grpc.server.workers.control import WorkerRolloutServicer
 from rollout_grpc.server.workers.handshake import SIBLING_METADATA_KEY
 
 log = structlog.get_logger(__name__)
@@ -39,8 +38,6 @@ class SiblingHost(Protocol):
 
     @property
     def facade(self) -> RolloutFacade: ...
-    @property
-    def servicer(self) -> WorkerRolloutServicer: ...
     @property
     def metrics(self) -> Metrics: ...
     def sibling_paused(self, mode: str) -> int: ...
@@ -129,19 +126,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     async def SiblingTrajectory(
         self, request: pb.SiblingTrajectoryRequest, context: Context
     ) -> pb.SiblingTrajectoryResponse:
-        try:
-            role = Role(request.caller_role)
-        except ValueError:
-            await context.abort_with_status(to_status(InvalidArgument("caller_role", "unknown role")))
-            raise
-        token = set_caller(Caller(identity=request.caller_identity, role=role))
-        try:
-            trajectory: pb.GetTrajectoryResponse = await _domain_errors(
-                context, self._server.servicer.local_trajectory(request.request, context)
-            )
-        finally:
-            reset_caller(token)
-        return pb.SiblingTrajectoryResponse(trajectory=trajectory)
+        # Deprecated: sessions are in the state store, which every worker reads itself.
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "sessions are in the state store; no worker forwards them"
+        )
+        raise AssertionError("unreachable")  # abort raises
 
     async def Scrape(self, request: pb.ScrapeRequest, context: Context) -> pb.ScrapeResponse:
         return pb.ScrapeResponse(text=self._server.metrics.exposition())

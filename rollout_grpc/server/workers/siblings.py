@@ -17,7 +17,6 @@ import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
-from rollout_grpc.server.domain.identity import Caller
 from rollout_grpc.server.facade.values import AbortScope, ForwardedAbort
 from rollout_grpc.server.front.grpc.replica import abort_request
 from rollout_grpc.server.workers.handshake import SIBLING_METADATA_KEY, WorkerSpec
@@ -120,24 +119,6 @@ class Siblings:
             ),
         )
         return [answer for _, answer in answers]
-
-    async def trajectory(
-        self, index: int, request: pb.GetTrajectoryRequest, caller: Caller, timeout_s: float | None
-    ) -> pb.GetTrajectoryResponse:
-        """GetTrajectory on worker `index` on behalf of `caller` (grpc.aio.AioRpcError passes).
-
-        Bounded by `timeout_s`, the caller's own remaining time, not the control deadline: worker 0
-        waits for a running turn of the session (recorded whole or not at all), as it does for a
-        caller of its own.
-        """
-        forwarded = pb.SiblingTrajectoryRequest(
-            caller_identity=caller.identity, caller_role=str(caller.role), request=request
-        )
-        call = self._stubs[index].SiblingTrajectory(
-            forwarded, timeout=timeout_s, metadata=self._metadata, wait_for_ready=True
-        )
-        answer = await cast(Awaitable[pb.SiblingTrajectoryResponse], call)
-        return answer.trajectory
 
     async def close(self) -> None:
         """Close the channels."""

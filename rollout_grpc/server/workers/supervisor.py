@@ -46,10 +46,11 @@ from typing import Any
 
 import structlog
 
-from rollout_grpc.server.config import ServerConfig, buffer_caps
+from rollout_grpc.server.config import ServerConfig, buffer_caps, trajectory_caps
 from rollout_grpc.server.ports import PortUnavailable
 from rollout_grpc.server.state.memory import MemoryStore
 from rollout_grpc.server.state.socket import serve_store
+from rollout_grpc.server.state.trajectories import MemoryTrajectories
 from rollout_grpc.server.workers import handshake
 from rollout_grpc.server.workers.admission import create_slots, reclaim_slots
 from rollout_grpc.server.workers.handshake import WorkerSpec
@@ -164,6 +165,8 @@ class Supervisor:
         self._scraper: WorkerScraper | None = None
         self.metrics_port: int | None = None
         self.port = 0
+        #: The OpenAI front door's port every worker shares (None: the front door is off).
+        self.openai_port: int | None = None
         self._run_dir = ""
         self._stop = asyncio.Event()
         self._listeners: list[asyncio.Task[None]] = []
@@ -207,17 +210,30 @@ class Supervisor:
             reservation = PortReservation(cfg.host, cfg.port)
         except PortUnavailable as exc:
             raise SupervisorError(str(exc)) from None
+        # Every worker serves the OpenAI front door too, on one port reserved alike.
+        front_door: PortReservation | None = None
+        if cfg.openai_port is not None:
+            try:
+                front_door = PortReservation(
+                    cfg.host, cfg.openai_port, "the OpenAI front door, --openai-port"
+                )
+            except PortUnavailable as exc:
+                reservation.close()
+                raise SupervisorError(str(exc)) from None
         try:
             run_dir = tempfile.mkdtemp(prefix="rollout-grpc-")  # mode 0700
         except OSError as exc:
             reservation.close()
+            if front_door is not None:
+                front_door.close()
             raise SupervisorError(
                 f"cannot create the workers' run directory in {tempfile.gettempdir()} ({exc.strerror}): "
                 "set TMPDIR to a writable directory"
             ) from None
         try:
-            with reservation:
+            with reservation, front_door or contextlib.nullcontext():
                 self.port = reservation.port
+                self.openai_port = front_door.port if front_door is not None else None
                 # The replica's one in-flight limit, counted by all workers together.
                 create_slots(run_dir, cfg.in_flight_limit(), self.workers)
                 return await self._run(run_dir)
@@ -232,6 +248,7 @@ class Supervisor:
                 index=i,
                 workers=self.workers,
                 port=self.port,
+                openai_port=self.openai_port,
                 run_dir=run_dir,
                 secret=secret,
                 engines=list(self.config.engines),
@@ -245,7 +262,8 @@ class Supervisor:
             raise SupervisorError(f"the run directory {run_dir} is too long for unix sockets (set TMPDIR)")
         if not self.config.state_store:
             store = MemoryStore(buffer_caps(self.config))
-            self._state_server = await serve_store(specs[0].state_socket, secret, store)
+            sessions = MemoryTrajectories(trajectory_caps(self.config))
+            self._state_server = await serve_store(specs[0].state_socket, secret, store, sessions)
         loop = asyncio.get_running_loop()
         stop = self._stop
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -377,13 +395,14 @@ class Supervisor:
             worker.link = await handshake.DrainLink.open(worker.channel)
             self._listeners.append(asyncio.ensure_future(self._listen(worker, worker.link)))
         pids = [w.process.pid for w in self._workers]
-        foreign = foreign_listeners(self.port, pids)
-        if foreign:
-            raise SupervisorError(
-                f"cannot listen on {self.config.host}:{self.port} (gRPC, --port): another process "
-                f"listens there with SO_REUSEPORT too (socket inodes {sorted(foreign)}; `ss -ltnpe` "
-                "names it)"
-            )
+        for port, what in self._shared_ports():
+            foreign = foreign_listeners(port, pids)
+            if foreign:
+                raise SupervisorError(
+                    f"cannot listen on {self.config.host}:{port} ({what}): another process "
+                    f"listens there with SO_REUSEPORT too (socket inodes {sorted(foreign)}; `ss -ltnpe` "
+                    "names it)"
+                )
         self._scraper = WorkerScraper(
             [specs[0].sibling_address(i) for i in range(self.workers)], specs[0].secret
         )
@@ -444,18 +463,29 @@ class Supervisor:
             await asyncio.sleep(LISTENER_CHECK_S)
             self.check_listeners()
 
+    def _shared_ports(self) -> list[tuple[int, str]]:
+        """The ports every worker listens on (SO_REUSEPORT), each with how errors name it."""
+        shared = [(self.port, "gRPC, --port")]
+        if self.openai_port is not None:
+            shared.append((self.openai_port, "the OpenAI front door, --openai-port"))
+        return shared
+
     def check_listeners(self) -> int:
-        """Listeners on the port no worker holds (logged as an error, exposed as a metric)."""
-        foreign = foreign_listeners(self.port, [w.process.pid for w in self._workers])
-        if foreign:
-            log.error(
-                "foreign_listener",
-                port=self.port,
-                inodes=sorted(foreign),
-                error="another process listens on the replica's port with SO_REUSEPORT and receives "
-                "a share of its connections (`ss -ltnpe` names it)",
-            )
-        return len(foreign)
+        """Listeners on the shared ports no worker holds (logged as an error, exposed as a metric)."""
+        pids = [w.process.pid for w in self._workers]
+        count = 0
+        for port, _ in self._shared_ports():
+            foreign = foreign_listeners(port, pids)
+            if foreign:
+                log.error(
+                    "foreign_listener",
+                    port=port,
+                    inodes=sorted(foreign),
+                    error="another process listens on the replica's port with SO_REUSEPORT and "
+                    "receives a share of its connections (`ss -ltnpe` names it)",
+                )
+            count += len(foreign)
+        return count
 
     async def _listen(self, worker: _Worker, link: handshake.DrainLink) -> None:
         """A worker's messages after the handshake: its answer to the drain, a signal it got."""

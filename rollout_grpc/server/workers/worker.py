@@ -6,8 +6,9 @@ with SO_REUSEPORT), the shared in-flight limit (admission.py) and its share of t
 engines (with `--sim`, the simulated engines the supervisor runs) — and serves until its
 supervisor drains it (the same graceful stop as a replica of its own, in two phases so that every
 worker stops accepting before the health port says NOT_SERVING) or until its supervisor's end of
-the channel closes. Worker 0 alone runs the OpenAI front door and the health port; no worker
-serves metrics (the supervisor merges theirs).
+the channel closes. Every worker serves the OpenAI front door on the port the supervisor reserved
+(agent sessions are in the state store: any worker continues any session); worker 0 alone runs the
+health port; no worker serves metrics (the supervisor merges theirs).
 """
 
 from __future__ import annotations
@@ -25,19 +26,23 @@ import structlog
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.app import RolloutServer
-from rollout_grpc.server.config import ServerConfig, buffer_caps, worker_share
+from rollout_grpc.server.config import ServerConfig, buffer_caps, trajectory_caps, worker_share
 from rollout_grpc.server.facade.calls import TimedAdmission
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control
 from rollout_grpc.server.state.api import BufferStore
-from rollout_grpc.server.state.socket import SocketStore
+from rollout_grpc.server.state.socket import SocketStore, SocketTrajectories
+from rollout_grpc.server.state.trajectories import TrajectoryStore
 from rollout_grpc.server.workers import handshake
 from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots
-from rollout_grpc.server.workers.control import FRONT_DOOR_WORKER, WorkerControl, WorkerRolloutServicer
+from rollout_grpc.server.workers.control import WorkerControl, WorkerRolloutServicer
 from rollout_grpc.server.workers.handshake import WorkerSpec
 from rollout_grpc.server.workers.sibling_service import start_sibling_server
 from rollout_grpc.server.workers.siblings import Siblings
 
 log = structlog.get_logger(__name__)
+
+#: The worker that runs the health port.
+HEALTH_WORKER = 0
 
 
 def worker_config(config: ServerConfig, spec: WorkerSpec) -> ServerConfig:
@@ -53,9 +58,9 @@ def worker_config(config: ServerConfig, spec: WorkerSpec) -> ServerConfig:
     if config.max_pending_calls > 0:  # 0: sized from this worker's admission limits
         config.max_pending_calls = worker_share(config.max_pending_calls, spec.index, spec.workers)
     config.metrics_port = None
-    if spec.index != FRONT_DOOR_WORKER:
+    config.openai_port = spec.openai_port
+    if spec.index != HEALTH_WORKER:
         config.health_port = None
-        config.openai_port = None
     return config
 
 
@@ -79,6 +84,12 @@ class WorkerServer(RolloutServer):
         if self.config.state_store:
             return super()._state_store()
         return SocketStore(self.spec.state_socket, self.spec.secret, buffer_caps(self.config))
+
+    def _trajectory_store(self) -> TrajectoryStore:
+        """Without --state-store, the supervisor's sessions: every worker serves every session."""
+        if self.config.state_store:
+            return super()._trajectory_store()
+        return SocketTrajectories(self.spec.state_socket, self.spec.secret, trajectory_caps(self.config))
 
     def lease_holder(self) -> str:
         """The worker's index in front of the replica's name (the lease names the worker)."""

@@ -391,17 +391,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if not request.session_id:
             raise InvalidArgument("session_id", "must not be empty")
         caller = current_caller()
-        # Another caller's session reads as missing (admins read every session).
-        session = self._facade.session(request.session_id, caller)
-        missing = NotFound(f"session {request.session_id!r} is not recorded on this replica")
-        if session is None or self._facade.trajectories is None:
-            raise missing
-        async with session.lock:  # a running turn is waited for: recorded whole or not at all
-            if not session.turns:  # every request of the session failed before generating
-                raise missing
-            samples, turn_samples = trajectory.to_samples_indexed(session)
-            if request.remove:
-                self._facade.trajectories.pop(request.session_id)
+        # Another caller's session reads as missing (admins read every session); a running turn
+        # of this process is waited for: recorded whole or not at all.
+        session = await self._facade.session(request.session_id, caller, remove=request.remove)
+        if session is None:
+            raise NotFound(f"session {request.session_id!r} is not recorded")
+        samples, turn_samples = trajectory.to_samples_indexed(session)
         original = pb.Sample(session_id=request.session_id)
         finals = [convert.sample_to_pb(s, original) for s in samples]
         if not caller.is_admin:

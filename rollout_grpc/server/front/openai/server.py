@@ -4,7 +4,8 @@ Agent harnesses speak OpenAI chat completions; trainers need the exact tokens. E
 rendered with the engine's own chat template (`/v1/chat/completions/render`) and generated
 token-in/token-out through `Rollout.generate`, the same path as the Generate RPC, so admission,
 Abort/Pause/Resume, failover, session affinity and weight-version spans apply unchanged. Every turn
-is recorded in the `TrajectoryStore`; `GetTrajectory` returns a session as training samples.
+is recorded in the state store (`RolloutFacade.record_turn`, rollout/sessions.py), so any replica or
+worker sharing the store continues the session; `GetTrajectory` returns it as training samples.
 
 Sessions: `POST /sessions/{id}/v1/chat/completions` (a client that can only set a base URL uses
 `base_url=http://host:port/sessions/{id}/v1`), or the `X-Session-Id` header on `/v1/...`. A request
@@ -44,7 +45,7 @@ from rollout_grpc.server.domain import trajectory
 from rollout_grpc.server.domain.errors import FailedPrecondition, RolloutError
 from rollout_grpc.server.domain.identity import current_caller, reset_caller, set_caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, TokenBatch
-from rollout_grpc.server.domain.trajectory import DriftPolicy, Session, TrajectoryStore, Turn
+from rollout_grpc.server.domain.trajectory import DriftPolicy, Session, Turn
 from rollout_grpc.server.facade.calls import CallRecord, Door, http_code_name
 from rollout_grpc.server.facade.door import RolloutFacade
 from rollout_grpc.server.front.openai import auth as openai_auth
@@ -96,9 +97,8 @@ class OpenAIFrontDoor:
         """`auth`, `tls` and `limits` are the gRPC port's (off, plaintext and the defaults when not
         given); every request is recorded in the facade's `CallBook` (log line and metrics)."""
         if facade.trajectories is None:
-            raise ValueError("the front door records sessions: the facade needs a TrajectoryStore")
+            raise ValueError("the front door records sessions: the facade needs a session store")
         self._facade = facade
-        self.store: TrajectoryStore = facade.trajectories
         self.config = config or FrontDoorConfig()
         self._parser: ToolCallParser = get_parser(self.config.tool_parser)
         self._auth = auth or AuthConfig()
@@ -116,12 +116,15 @@ class OpenAIFrontDoor:
             app.router.add_get(prefix + "/v1/models", self._models)
         return app
 
-    async def start(self, host: str, port: int) -> int:
-        """Serve on host:port (0 = a free port); returns the bound port."""
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
+        """Serve on host:port (0 = a free port); returns the bound port. `reuse_port`: the workers
+        of `serve --workers N` share the port their supervisor reserved."""
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         context = server_ssl_context(self._tls) if self._tls is not None else None
-        await web.TCPSite(self._runner, host, port, ssl_context=context).start()
+        await web.TCPSite(
+            self._runner, host, port, ssl_context=context, reuse_port=reuse_port or None
+        ).start()
         self.port = int(self._runner.addresses[0][1])
         return self.port
 
@@ -238,10 +241,9 @@ class OpenAIFrontDoor:
             call.session_id, call.stream = session_id, bool(body.get("stream"))
             params = sampling_params(body)
             self._check_bounds(body, params)
-            # A session is recorded only once a turn generates in it (`TrajectoryStore.record`).
-            with self.store.opened(session_id, current_caller().identity) as session:
-                async with session.lock:
-                    return await self._turn(request, body, messages, session, params)
+            # A session is recorded only once a turn generates in it (`Sessions.record`).
+            async with self._facade.open_session(session_id, current_caller().identity) as session:
+                return await self._turn(request, body, messages, session, params)
         except OpenAIError as err:
             return self._error(request, err)
         except RolloutError as exc:
@@ -315,9 +317,16 @@ class OpenAIFrontDoor:
             final = first if isinstance(first, Sample) else await _last(events)
             response = None
         parsed = self._parser.parse(final.response) if use_tools else ParsedOutput(content=final.response)
-        turn = self._record(session, messages, request_id, prompt_ids, final, parsed, new_sample, drift)
+        turn = self._turn_of(request_id, prompt_ids, final, parsed, new_sample, drift)
+        roles = [str(m.get("role", "")) for m in messages] + ["assistant"]
         if response is not None:
+            try:  # the stream went out whole already: a refusal is logged, not answered
+                await self._facade.record_turn(session, turn, roles)
+            except RolloutError as exc:
+                call.details = f"the turn was streamed but not recorded: {exc}"
+                log.warning("turn_not_recorded", session=session.session_id, error=str(exc))
             return response
+        await self._facade.record_turn(session, turn, roles)
         return self._completion(
             body, chat_id, created, shown_model, turn, parsed, session.session_id, request_id
         )
@@ -376,10 +385,8 @@ class OpenAIFrontDoor:
         rendered = await self._facade.render_request(request, session_id=session_id)
         return list(rendered.token_ids)
 
-    def _record(
+    def _turn_of(
         self,
-        session: Session,
-        messages: list[dict[str, Any]],
         request_id: str,
         prompt_ids: list[int],
         final: Sample,
@@ -387,7 +394,7 @@ class OpenAIFrontDoor:
         new_sample: bool,
         drift: bool,
     ) -> Turn:
-        turn = Turn(
+        return Turn(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
             response_ids=list(final.response_ids),
@@ -404,8 +411,6 @@ class OpenAIFrontDoor:
             usage=final.usage,
             engine_attempts=list(final.engine_attempts),
         )
-        self.store.record(session, turn, [str(m.get("role", "")) for m in messages] + ["assistant"])
-        return turn
 
     # ----------------------------------------------------------------------------- responses
 
