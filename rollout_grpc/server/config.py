@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 
 from rollout_grpc.server.domain import bounds
 from rollout_grpc.server.domain import model as domain
@@ -32,6 +32,9 @@ from rollout_grpc.server.rollout.weights import DEFAULT_LEASE_TTL_S, DEFAULT_LOA
 from rollout_grpc.server.security.limits import RequestLimits
 from rollout_grpc.server.security.tls import TlsConfig
 from rollout_grpc.server.state.api import BufferCaps
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 #: Pending calls gRPC core holds beyond admission's running + queued generations: the unary and
 #: control calls of a burst (GetServerInfo, Abort, health). gRPC's own default soft limit.
@@ -424,7 +427,7 @@ SECTIONS: Final[tuple[type[Any], ...]] = (
     ObserveConfig,
 )
 
-_Section = TypeVar("_Section")
+_Section = TypeVar("_Section", bound="DataclassInstance")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -454,8 +457,7 @@ class ServerConfig(
     def section(self, kind: type[_Section]) -> _Section:
         """The section `kind` (one of `SECTIONS`) as its own frozen value: what a room is handed."""
         make: Callable[..., _Section] = kind  # a section's dataclass __init__ takes its fields
-        names = [f.name for f in dataclasses.fields(kind)]  # type: ignore[arg-type]  # a dataclass
-        return make(**{name: getattr(self, name) for name in names})
+        return make(**{f.name: getattr(self, f.name) for f in dataclasses.fields(kind)})
 
     def rollout_config(self) -> RolloutConfig:
         """The generation loop's knobs (attempts, upstream batching, deadline margins)."""
