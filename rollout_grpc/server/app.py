@@ -34,18 +34,11 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server import config as sections
 from rollout_grpc.server import ports
 from rollout_grpc.server.config import (
     PENDING_HEADROOM,
-    BoundsConfig,
-    EnginesConfig,
-    ObserveConfig,
-    OpenAIConfig,
-    SecurityConfig,
     ServerConfig,
-    StateStoreConfig,
-    StepConfig,
-    WeightsConfig,
     buffer_caps,
     rollout_num_engines,
     worker_share,
@@ -159,7 +152,7 @@ class RolloutServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.pool: EnginePool
         self.registry = InFlightRegistry(config.per_caller_limit(), config.retry_after_s)
-        self.auth = self._auth_config(config.section(SecurityConfig))
+        self.auth = self._auth_config(config.section(sections.SecurityConfig))
         self.rollout: Rollout
         self.control: Control
         self.weights: WeightUpdates
@@ -179,10 +172,10 @@ class RolloutServer:
 
     def _state_store(self) -> BufferStore:
         """The store `--state-store` names (a worker of --workers N reaches its supervisor's)."""
-        store = self.config.section(StateStoreConfig)
+        store = self.config.section(sections.StateStoreConfig)
         return store_for(
             store.state_store,
-            self.config.section(StepConfig).buffer_caps(),
+            self.config.section(sections.StepConfig).buffer_caps(),
             password_file=store.state_store_password_file,
             ca_file=store.state_store_ca_file,
         )
@@ -193,7 +186,7 @@ class RolloutServer:
         return f"replica {socket.gethostname()} pid {os.getpid()} instance {self.rollout.call_ids.instance}"
 
     @staticmethod
-    def _auth_config(security: SecurityConfig) -> AuthConfig:
+    def _auth_config(security: sections.SecurityConfig) -> AuthConfig:
         tokens = TokenStore(security.auth_tokens_file) if security.auth_tokens_file else None
         cert_roles = {name: Role(role) for name, role in security.mtls_roles.items()}
         if cert_roles and not security.tls_client_ca_file:
@@ -220,7 +213,7 @@ class RolloutServer:
         )
 
     def _peer_aborter(self, tls: TlsConfig | None) -> PeerAborter:
-        security = self.config.section(SecurityConfig)
+        security = self.config.section(sections.SecurityConfig)
         metadata: list[tuple[str, str]] = []
         if security.peer_token_file:
             token = Path(security.peer_token_file).read_text().strip()
@@ -297,7 +290,7 @@ class RolloutServer:
     ) -> RolloutServicer:
         """The engine pool, admission, metrics, Rollout, Control and the servicer over them."""
         cfg = self.config
-        engines = cfg.section(EnginesConfig)
+        engines = cfg.section(sections.EnginesConfig)
         self.pool = EnginePool(
             engines.engines,
             adapter_factory(
@@ -310,7 +303,7 @@ class RolloutServer:
             breaker_cooldown_s=engines.breaker_cooldown_s,
         )
         admission = self._admission(limit)
-        observe = cfg.section(ObserveConfig)
+        observe = cfg.section(sections.ObserveConfig)
         self.metrics = Metrics(self.pool, admission, engine_urls=observe.metrics_engine_urls)
         #: Every call's record, of either door, goes to these (log line, metrics; tests add theirs).
         self.calls = CallBook([log_call, self.metrics.observe])
@@ -330,12 +323,12 @@ class RolloutServer:
             peer_abort=self.peers.abort if self.peers else None,
         )
         self.trajectories = TrajectoryStore(cfg.openai.max_sessions)
-        bound = cfg.section(BoundsConfig)
+        bound = cfg.section(sections.BoundsConfig)
         renderer = RenderService(
             self.pool, bound.max_images, max_pixels=bound.max_image_pixels, max_bytes=bound.max_image_bytes
         )
         #: RolloutStep: reward models are built per step from the registry of reward kinds.
-        step = cfg.section(StepConfig)
+        step = cfg.section(sections.StepConfig)
         self.rule_processes = rewards_registry.rule_processes(step.rule_process_limits())
         steps = self.steps = StepRunner(
             self.rollout,
@@ -350,7 +343,7 @@ class RolloutServer:
             env_urls=step.env_urls,
             buffers=StepBuffers(self.state),
         )
-        weights = cfg.section(WeightsConfig)
+        weights = cfg.section(sections.WeightsConfig)
         self.weights = WeightUpdates(
             self.pool,
             self.control,
@@ -391,7 +384,7 @@ class RolloutServer:
     ) -> grpc.aio.Server:
         """The main gRPC server with its interceptor chain and services, bound to its port."""
         cfg = self.config
-        sec = cfg.section(SecurityConfig)
+        sec = cfg.section(sections.SecurityConfig)
         # The one per-call wrapper: record, auth, bounds, status mapping (refusals at the door are
         # recorded and counted too); tracing (when on) inside it.
         # The per-call wrapper goes first: it reads a request off the wire only once the caller
@@ -429,7 +422,7 @@ class RolloutServer:
         cfg = self.config
         if cfg.health_port is not None:
             await self._start_health_port(tls)
-        door = cfg.section(OpenAIConfig)
+        door = cfg.section(sections.OpenAIConfig)
         if door.openai_port is not None:
             self.front_door = OpenAIFrontDoor(
                 self.facade, door.openai, auth=self.auth, tls=tls, limits=cfg.request_limits()
@@ -440,7 +433,7 @@ class RolloutServer:
                 raise ports.unavailable(
                     "the OpenAI front door, --openai-port", cfg.host, door.openai_port, exc
                 ) from None
-        observe = cfg.section(ObserveConfig)
+        observe = cfg.section(sections.ObserveConfig)
         if observe.metrics_port is not None:
             self._metrics_endpoint = MetricsEndpoint(self.metrics)
             try:
