@@ -19,6 +19,7 @@ that backlog is sized from admission (`ServerConfig.pending_calls_limit`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import socket
@@ -33,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
+from rollout_grpc.server import config as sections
 from rollout_grpc.server import ports
 from rollout_grpc.server.config import (
     PENDING_HEADROOM,
@@ -152,7 +154,7 @@ class RolloutServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.pool: EnginePool
         self.registry = InFlightRegistry(config.per_caller_limit(), config.retry_after_s)
-        self.auth = self._auth_config(config)
+        self.auth = self._auth_config(config.section(sections.SecurityConfig))
         self.rollout: Rollout
         self.control: Control
         self.weights: WeightUpdates
@@ -183,12 +185,12 @@ class RolloutServer:
 
     def _state_store(self) -> BufferStore:
         """The store `--state-store` names (a worker of --workers N reaches its supervisor's)."""
-        cfg = self.config
+        store = self.config.section(sections.StateStoreConfig)
         return store_for(
-            cfg.state_store,
-            buffer_caps(cfg),
-            password_file=cfg.state_store_password_file,
-            ca_file=cfg.state_store_ca_file,
+            store.state_store,
+            self.config.section(sections.StepConfig).buffer_caps(),
+            password_file=store.state_store_password_file,
+            ca_file=store.state_store_ca_file,
         )
 
     def lease_holder(self) -> str:
@@ -197,14 +199,14 @@ class RolloutServer:
         return f"replica {socket.gethostname()} pid {os.getpid()} instance {self.rollout.call_ids.instance}"
 
     @staticmethod
-    def _auth_config(cfg: ServerConfig) -> AuthConfig:
-        tokens = TokenStore(cfg.auth_tokens_file) if cfg.auth_tokens_file else None
-        cert_roles = {name: Role(role) for name, role in cfg.mtls_roles.items()}
-        if cert_roles and not cfg.tls_client_ca_file:
+    def _auth_config(security: sections.SecurityConfig) -> AuthConfig:
+        tokens = TokenStore(security.auth_tokens_file) if security.auth_tokens_file else None
+        cert_roles = {name: Role(role) for name, role in security.mtls_roles.items()}
+        if cert_roles and not security.tls_client_ca_file:
             raise ValueError(
                 "--mtls-role needs --tls-client-ca (client certificates are only verified under mTLS)"
             )
-        return AuthConfig(tokens=tokens, cert_roles=cert_roles, reflection_open=cfg.reflection_open)
+        return AuthConfig(tokens=tokens, cert_roles=cert_roles, reflection_open=security.reflection_open)
 
     def reload_credentials(self) -> None:
         """Re-read the tokens file now (SIGHUP); certificates reload by themselves at handshakes."""
@@ -224,18 +226,18 @@ class RolloutServer:
         )
 
     def _peer_aborter(self, tls: TlsConfig | None) -> PeerAborter:
-        cfg = self.config
+        security = self.config.section(sections.SecurityConfig)
         metadata: list[tuple[str, str]] = []
-        if cfg.peer_token_file:
-            token = Path(cfg.peer_token_file).read_text().strip()
+        if security.peer_token_file:
+            token = Path(security.peer_token_file).read_text().strip()
             metadata.append(("authorization", f"Bearer {token}"))
-        credentials = peer_channel_credentials(tls, cfg.peer_ca_file) if tls is not None else None
+        credentials = peer_channel_credentials(tls, security.peer_ca_file) if tls is not None else None
         return PeerAborter(
-            cfg.peers,
-            timeout_s=cfg.control_deadline_s,
+            self.config.peers,
+            timeout_s=self.config.control_deadline_s,
             credentials=credentials,
             metadata=metadata,
-            tls_server_name=cfg.peer_tls_name,
+            tls_server_name=security.peer_tls_name,
         )
 
     async def start(self) -> None:
@@ -301,19 +303,21 @@ class RolloutServer:
     ) -> RolloutServicer:
         """The engine pool, admission, metrics, Rollout, Control and the servicer over them."""
         cfg = self.config
+        engines = cfg.section(sections.EnginesConfig)
         self.pool = EnginePool(
-            cfg.engines,
+            engines.engines,
             adapter_factory(
                 session,
-                cfg.engine_timeouts(),
+                engines.engine_timeouts(),
                 lambda: self.config.engine_kinds,  # replaced on reload, read when an engine joins
-                cfg.kind_options(),
+                engines.kind_options(),
             ),
-            health_interval_s=cfg.health_interval_s,
-            breaker_cooldown_s=cfg.breaker_cooldown_s,
+            health_interval_s=engines.health_interval_s,
+            breaker_cooldown_s=engines.breaker_cooldown_s,
         )
         admission = self._admission(limit)
-        self.metrics = Metrics(self.pool, admission, engine_urls=cfg.metrics_engine_urls)
+        observe = cfg.section(sections.ObserveConfig)
+        self.metrics = Metrics(self.pool, admission, engine_urls=observe.metrics_engine_urls)
         #: Every call's record, of either door, goes to these (log line, metrics; tests add theirs).
         self.calls = CallBook([log_call, self.metrics.observe])
         self.rollout = Rollout(
@@ -331,33 +335,36 @@ class RolloutServer:
             deadline_s=cfg.control_deadline_s,
             peer_abort=self.peers.abort if self.peers else None,
         )
+        bound = cfg.section(sections.BoundsConfig)
         renderer = RenderService(
-            self.pool, cfg.max_images, max_pixels=cfg.max_image_pixels, max_bytes=cfg.max_image_bytes
+            self.pool, bound.max_images, max_pixels=bound.max_image_pixels, max_bytes=bound.max_image_bytes
         )
         #: RolloutStep: reward models are built per step from the registry of reward kinds.
-        self.rule_processes = rewards_registry.rule_processes(cfg.rule_process_limits())
+        step = cfg.section(sections.StepConfig)
+        self.rule_processes = rewards_registry.rule_processes(step.rule_process_limits())
         steps = self.steps = StepRunner(
             self.rollout,
             self.control.abort_ids,
             functools.partial(
                 rewards_registry.build, rules=self.rule_processes, connections=self.post_connections
             ),
-            reward_urls=cfg.reward_urls,
-            plugins=StepPlugins.load(cfg.step_plugins),
+            reward_urls=step.reward_urls,
+            plugins=StepPlugins.load(step.step_plugins),
             remote_filters=functools.partial(remote_filter.build, connections=self.post_connections),
             environments=functools.partial(RemoteEnvironment, connections=self.post_connections),
-            env_urls=cfg.env_urls,
+            env_urls=step.env_urls,
             buffers=StepBuffers(self.state),
         )
+        weights = cfg.section(sections.WeightsConfig)
         self.weights = WeightUpdates(
             self.pool,
             self.control,
-            path_prefixes=cfg.weights_path_prefixes,
-            load_timeout_s=cfg.weights_load_timeout_s,
+            path_prefixes=weights.weights_path_prefixes,
+            load_timeout_s=weights.weights_load_timeout_s,
             deadline_s=cfg.control_deadline_s,
             store=self.state,
             holder=self.lease_holder(),
-            lease_ttl_s=cfg.weights_lease_ttl_s,
+            lease_ttl_s=weights.weights_lease_ttl_s,
         )
         self.facade = RolloutFacade(
             self.rollout,
@@ -389,6 +396,7 @@ class RolloutServer:
     ) -> grpc.aio.Server:
         """The main gRPC server with its interceptor chain and services, bound to its port."""
         cfg = self.config
+        sec = cfg.section(sections.SecurityConfig)
         # The one per-call wrapper: record, auth, bounds, status mapping (refusals at the door are
         # recorded and counted too); tracing (when on) inside it.
         # The per-call wrapper goes first: it reads a request off the wire only once the caller
@@ -400,8 +408,8 @@ class RolloutServer:
                 cfg.request_limits(),
                 ControlRateLimiter(cfg.control_rate_per_s, cfg.control_burst),
                 engine_urls=lambda: [e.url for e in self.pool.engines],
-                auth_failures=AuthFailureLimiter(cfg.auth_failure_rate_per_s, cfg.auth_failure_burst),
-                refusal_audit=RefusalSampler(cfg.refusal_audit_rate_per_s, cfg.refusal_audit_burst),
+                auth_failures=AuthFailureLimiter(sec.auth_failure_rate_per_s, sec.auth_failure_burst),
+                refusal_audit=RefusalSampler(sec.refusal_audit_rate_per_s, sec.refusal_audit_burst),
             ),
             *interceptors,
         ]
@@ -409,7 +417,7 @@ class RolloutServer:
         decoding.add_rollout_service(servicer, server)
         pb_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(self.facade), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        if cfg.reflection:
+        if sec.reflection:
             reflection.enable_server_reflection(
                 (SERVICE_NAME, REPLICA_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                 server,
@@ -426,24 +434,28 @@ class RolloutServer:
         cfg = self.config
         if cfg.health_port is not None:
             await self._start_health_port(tls)
-        if cfg.openai_port is not None:
+        door = cfg.section(sections.OpenAIConfig)
+        if door.openai_port is not None:
             self.front_door = OpenAIFrontDoor(
-                self.facade, cfg.openai, auth=self.auth, tls=tls, limits=cfg.request_limits()
+                self.facade, door.openai, auth=self.auth, tls=tls, limits=cfg.request_limits()
             )
             try:
                 self.openai_port = await self.front_door.start(
-                    cfg.host, cfg.openai_port, reuse_port=cfg.reuse_port
+                    cfg.host, door.openai_port, reuse_port=cfg.reuse_port
                 )
             except OSError as exc:
                 raise ports.unavailable(
-                    "the OpenAI front door, --openai-port", cfg.host, cfg.openai_port, exc
+                    "the OpenAI front door, --openai-port", cfg.host, door.openai_port, exc
                 ) from None
-        if cfg.metrics_port is not None:
+        observe = cfg.section(sections.ObserveConfig)
+        if observe.metrics_port is not None:
             self._metrics_endpoint = MetricsEndpoint(self.metrics)
             try:
-                self.metrics_port = await self._metrics_endpoint.start(cfg.host, cfg.metrics_port)
+                self.metrics_port = await self._metrics_endpoint.start(cfg.host, observe.metrics_port)
             except OSError as exc:
-                raise ports.unavailable("metrics, --metrics-port", cfg.host, cfg.metrics_port, exc) from None
+                raise ports.unavailable(
+                    "metrics, --metrics-port", cfg.host, observe.metrics_port, exc
+                ) from None
 
     async def _start_health_port(self, tls: TlsConfig | None) -> None:
         """A separate health-only server (plaintext when asked, so kubelet probes need no cert)."""
@@ -480,11 +492,10 @@ class RolloutServer:
         follows the new engine count (the HTTP connector has no limit of its own to resize).
 
         `kinds` (URL -> kind, vLLM when absent) replaces the config's table before the pool changes
-        (a new dict: the one the replica started with, or a caller holds, is never edited), since
+        (a new config: the one the replica started with, or a caller holds, is never edited), since
         the adapter factory reads the current table when an engine joins. An engine already in the
         pool keeps its adapter."""
-        self.config.engine_kinds = dict(kinds or {})
-        self.config.engines = list(urls)
+        self.config = dataclasses.replace(self.config, engines=list(urls), engine_kinds=dict(kinds or {}))
         self.pool.replace(urls)
         limit = self.config.in_flight_limit()
         self.rollout.admission.resize(limit)

@@ -1,10 +1,12 @@
 """The `serve` command's settings: one source of defaults, three sources of values.
 
-Defaults live in ONE place, the dataclasses `ServerConfig` (`server/config.py`), `GenerateOptions`
-(`server/domain/model.py`) and `FrontDoorConfig` (`server/config.py`); the command-line flags are
-derived from their fields through the `FLAGS` table (`table.py`), which adds only a flag name, a help text
-and a unit. `tests/ops/test_settings.py` checks that every `ServerConfig` and `FrontDoorConfig`
-field is a flag or is listed in `NOT_FLAGS` / `NOT_OPENAI_FLAGS`.
+Defaults live in ONE place, the dataclasses of `server/config.py` (the sections whose union is
+`ServerConfig`, and `FrontDoorConfig`) and `GenerateOptions` (`server/domain/model.py`); the
+command-line flags are derived from their fields through the `FLAGS` table (`table.py`), which adds
+only a flag name, a help text and a unit, and shown in the `--help` section of the sub-config they
+fill (`groups.py`). `tests/ops/test_config_sections.py` checks that every flag fills one field of
+its own section's sub-config (or is in `COMMAND_FLAGS`) and every field is a flag or is listed in
+`NOT_FLAGS` / `NOT_OPENAI_FLAGS`.
 
 Every flag can be given three ways; the first one found wins:
 
@@ -95,6 +97,9 @@ from rollout_grpc.settings.sources import (
 )
 from rollout_grpc.settings.sources import (
     unknown_variables as unknown_variables,
+)
+from rollout_grpc.settings.table import (
+    COMMAND_FLAGS as COMMAND_FLAGS,
 )
 from rollout_grpc.settings.table import (
     FLAGS as FLAGS,

@@ -1,16 +1,38 @@
-"""The sections of `serve --help`: which flag is shown under which title."""
+"""The sections of `serve --help`: which flag is shown under which title, and so which section
+of the config (`server/config.py`) it fills.
+
+A section's title is its sub-config's `SECTION` (`NetworkConfig.SECTION` is "network"): every flag
+listed under it fills a field of that sub-config, or is a flag of the command itself
+(`table.COMMAND_FLAGS`); tests/ops/test_config_sections.py holds the three together.
+"""
 
 from __future__ import annotations
 
 from typing import Final
 
+from rollout_grpc.server.config import (
+    AdmissionConfig,
+    BoundsConfig,
+    EnginesConfig,
+    NetworkConfig,
+    ObserveConfig,
+    OpenAIConfig,
+    SecurityConfig,
+    StateStoreConfig,
+    StepConfig,
+    StreamingConfig,
+    WeightsConfig,
+    WorkersConfig,
+)
+
 #: The sections of `serve --help` (title, flags): 77 flags in one list were hard to read. Every flag
 #: of FLAGS and `--config` sit in exactly one (tests/ops/test_cli.py); a flag missing here is listed
-#: under `UNGROUPED`, which that test refuses. The order within a section is that of FLAGS.
+#: under `UNGROUPED`, which that test refuses. The order within a section is that of FLAGS. Each
+#: title but "configuration" (the command's own `--config`, `--port-file`) is a sub-config's.
 FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
     ("configuration", ("--config", "--port-file")),
     (
-        "engines",
+        EnginesConfig.SECTION,
         (
             "--engine",
             "--engines-file",
@@ -28,7 +50,7 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         ),
     ),
     (
-        "network",
+        NetworkConfig.SECTION,
         (
             "--host",
             "--port",
@@ -44,7 +66,7 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         ),
     ),
     (
-        "TLS and authentication (docs/security.md)",
+        SecurityConfig.SECTION,
         (
             "--tls-cert",
             "--tls-key",
@@ -65,7 +87,7 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         ),
     ),
     (
-        "admission and control",
+        AdmissionConfig.SECTION,
         (
             "--server-concurrency",
             "--rollout-num-gpus",
@@ -79,7 +101,7 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         ),
     ),
     (
-        "request bounds",
+        BoundsConfig.SECTION,
         (
             "--max-images",
             "--max-image-pixels",
@@ -94,11 +116,11 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         ),
     ),
     (
-        "streaming and deadlines",
+        StreamingConfig.SECTION,
         ("--deadline-margin", "--deadline-abort-lead", "--stream-batch-tokens", "--stream-batch-interval-ms"),
     ),
     (
-        "RolloutStep and rewards (docs/rollout-step.md)",
+        StepConfig.SECTION,
         (
             "--reward-url",
             "--step-plugin",
@@ -112,23 +134,23 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         ),
     ),
     (
-        "fleet state (docs/architecture.md)",
+        StateStoreConfig.SECTION,
         ("--state-store", "--state-store-password-file", "--state-store-ca-file"),
     ),
     (
-        "weight updates (docs/engines.md)",
+        WeightsConfig.SECTION,
         ("--weights-path-prefix", "--weights-load-timeout", "--weights-lease-ttl"),
     ),
     (
-        "OpenAI front door (docs/agentic.md)",
+        OpenAIConfig.SECTION,
         ("--openai-port", "--openai-tool-parser", "--openai-body-timeout", "--openai-drift-policy"),
     ),
     (
-        "workers and shutdown (docs/workers.md)",
+        WorkersConfig.SECTION,
         ("--workers", "--worker-restarts", "--worker-restart-window", "--grace", "--abort-grace"),
     ),
     (
-        "observability (docs/operations.md)",
+        ObserveConfig.SECTION,
         ("--metrics-port", "--metrics-engine-urls", "--otlp-endpoint", "--log-level", "--log-format"),
     ),
 )

@@ -1,6 +1,8 @@
 """The `serve` flags: one `Flag` per setting, in the order of `--help`'s usage line, with the
-argument types of the flags that check their values, and the config fields that are deliberately
-not flags (and why). A new setting is a field of `server/config.py` and one row here.
+argument types of the flags that check their values, the config fields that are deliberately
+not flags (and why) and the flags of the command itself (which fill no field). A new setting is a
+field of its section's sub-config in `server/config.py`, one row here and its name in that
+section of `groups.FLAG_GROUPS` (docs/architecture.md "The config's shape").
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ NOT_FLAGS: Final[dict[str, str]] = {
     "engine_kinds": "read from the KIND+ prefix of each engine URL (--engine, --engines-file)",
     "openai": "a FrontDoorConfig, whose fields are flags of their own (--openai-*) or in NOT_OPENAI_FLAGS",
     "reuse_port": "set per worker by the `serve --workers` supervisor (the port it reserved)",
+}
+
+#: Flags of the `serve` command itself: they fill no config field (`Flag.field` ""), and why.
+COMMAND_FLAGS: Final[dict[str, str]] = {
+    "--engines-file": "read by the command into the engine list (`engines`), re-read on SIGHUP",
+    "--sim": "the command starts N simulated engines, whose URLs become the engine list",
+    "--sim-token-delay-ms": "a knob of the simulated engines the command starts, not of the replica",
+    "--workers": "the command runs a supervisor and N worker processes instead of one replica",
+    "--port-file": "written by the command once the replica serves",
+    "--log-level": "the command configures logging before the replica exists",
+    "--log-format": "the command configures logging before the replica exists",
 }
 
 #: FrontDoorConfig (`ServerConfig.openai`) fields that are not flags yet, and why.

