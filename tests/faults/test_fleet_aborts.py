@@ -5,6 +5,8 @@
   which keeps the tokens it generated (ABORTED, lossless); an id nobody holds is reported unknown;
 * the same from a worker of a `--workers 2` replica: every worker of both replicas reached, and
   counted once (not once per path: the store and the sibling channel);
+* Abort(all) on A counts B's generations too (the engines' pause ends them either way);
+* a `--peer` list next to the store is not used (logged at start): an abort is counted once;
 * the store down: the abort that needs it fails UNAVAILABLE naming the store, while a plain
   Generate keeps working and a generation of the replica itself is still aborted; the store back
   (same port), the replicas re-subscribe and the fleet's aborts reach B again.
@@ -125,6 +127,33 @@ async def test_an_abort_of_mine_reaches_the_callers_generations_on_every_replica
         await asyncio.wait_for(started(here, there), WAIT_S)
         assert (await on_a.abort(mine=True)).aborted == 2
         await _ended_aborted(here)
+        await _ended_aborted(there)
+
+
+async def test_abort_all_counts_the_other_replicas_generations(fleet: Fleet) -> None:
+    async with _clients(fleet.a.target, fleet.b.target) as (on_a, on_b):
+        there = start_stream(on_b, "all-b", LONG, _sample())
+        await asyncio.wait_for(started(there), WAIT_S)
+        # The engines' pause ends B's stream whoever asks; the store lets A count it too.
+        assert (await on_a.abort(all=True)).aborted == 1
+        await _ended_aborted(there)
+
+
+async def test_with_the_store_a_peer_list_is_not_used_and_the_abort_is_counted_once(
+    procs: Processes,
+) -> None:
+    assert REDIS is not None
+    redis = start_redis(procs, REDIS, random.Random())
+    engine = start_engine(procs, "engine", "--eos-probability", "0", token_delay_ms=5)
+    args = ["--workers", "1", "--state-store", redis.url]
+    a = start_replica(procs, "replica-a", [engine], args)
+    b = start_replica(procs, "replica-b", [engine], [*args, "--peer", a.target])
+    [warning] = b.log_events("peers_not_used")
+    assert warning["peers"] == [a.target] and redis.url in str(warning["reason"]), warning
+    async with _clients(a.target, b.target) as (on_a, on_b):
+        there = start_stream(on_a, "peer-a", LONG, _sample(session="sess-peer"))
+        await asyncio.wait_for(started(there), WAIT_S)
+        assert (await on_b.abort(session_id="sess-peer")).aborted == 1  # not once per path
         await _ended_aborted(there)
 
 
