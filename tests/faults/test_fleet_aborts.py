@@ -29,7 +29,7 @@ import pytest
 from rollout_grpc.client import AsyncRolloutClient, UnavailableError, make_sample, pb
 from tests.support.processes import Engine, Processes, Replica, start_engine, start_replica
 from tests.support.redis_server import RedisServer, redis_binary, start_redis
-from tests.support.service import PROMPT, assert_lossless, start_stream, started
+from tests.support.service import PROMPT, Stream, assert_lossless, start_stream, started
 from tests.support.workers import client, clients_by_worker
 from tests.support.workers import start_replica as start_workers
 
@@ -43,8 +43,8 @@ pytestmark = [
 #: Longest any awaited event may take on a loaded machine.
 WAIT_S = 60.0
 #: Streams that outlast every test step unless aborted (the engine's 5 ms a token: 25 s).
-LONG = {"temperature": 1.0, "max_new_tokens": 5000, "ignore_eos": True}
-SHORT = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
+LONG: dict[str, object] = {"temperature": 1.0, "max_new_tokens": 5000, "ignore_eos": True}
+SHORT: dict[str, object] = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
 
 
 @dataclass
@@ -86,12 +86,12 @@ def _sample(session: str = "", group: int = 0) -> pb.Sample:
     return make_sample(PROMPT, session_id=session, group_index=group)
 
 
-async def _ended_aborted(stream: object) -> pb.Sample:
-    """The stream's final sample: ABORTED, holding every token it streamed (and some)."""
-    sample = await asyncio.wait_for(stream.task, WAIT_S)  # type: ignore[attr-defined]
+async def _ended_aborted(stream: Stream) -> pb.Sample:
+    """The stream's final sample: ABORTED, holding exactly the tokens it streamed (some)."""
+    sample = await asyncio.wait_for(stream.task, WAIT_S)
     assert sample.status == pb.SAMPLE_STATUS_ABORTED, sample.status
     assert sample.response_length > 0
-    assert_lossless(stream, sample)  # type: ignore[arg-type]
+    assert_lossless(stream, sample)
     return sample
 
 

@@ -28,7 +28,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import structlog
+
 from rollout_grpc.server.state.bus import FleetBus
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -200,6 +204,8 @@ class StoreFanout:
         if within_replica:  # every process of the fleet got it from the store itself
             return outcome
         for answer in await self._bus.ask_all({"abort": scope_message(scope)}, self._timeout_s):
+            if "error" in answer:  # that process could not run it (logged there): it aborted nothing
+                log.warning("store_fanout_refused", error=str(answer["error"]))
             aborted, found = answer.get("aborted"), answer.get("found")
             if isinstance(aborted, int):
                 outcome.aborted += aborted

@@ -16,6 +16,7 @@ Semantics every bus keeps:
   one included, and returns the answers of the others (a process answering its own question
   counts it as delivered, so that the number of answers to wait for is exactly the number of
   processes the store says it delivered to; nothing is guessed);
+* a process whose handler fails answers `{"error": ...}` (the asker need not wait it out);
 * an answer missing at `timeout_s` is left out and logged (a hung process delays an abort by at
   most the timeout, as a hung `--peer` does);
 * the store not answering fails the call with `StoreUnavailable` naming it: an abort that needs the

@@ -148,9 +148,9 @@ class RedisBus:
             return
         try:
             answer = await self._handler(body)
-        except Exception as exc:  # the asker counts this process as not answering
+        except Exception as exc:  # answered all the same, so that the asker need not wait it out
             log.warning("fleet_bus_handler_failed", store=self.name, error=repr(exc))
-            return
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
         try:
             await self._client.publish(reply, json.dumps({"id": qid, "body": answer}))
         except (RedisError, OSError) as exc:
