@@ -157,26 +157,28 @@ class Control:
             raise PermissionDenied(
                 "Abort(all) needs the admin role; abort your own request_ids, session or group"
             )
+        deadline = self._fan_out_deadline(caller_deadline)
         # The other processes count (and mark) their generations before the engines' pause ends
         # them; bounded, so that a stuck process cannot hold the engines' pause back.
         others = asyncio.ensure_future(self._fanout.abort(AbortScope(owner=None, everything=True)))
         await asyncio.wait({others}, timeout=MARK_WAIT_S)
         try:
             with collector.HOLD:
-                result = await self._abort_all(self._fan_out_deadline(caller_deadline))
+                result = await self._abort_all(deadline)
         finally:
-            outcome = await self._forwarded(others, "abort_all")
+            outcome = await self._others_count(others, deadline)
         result.aborted += outcome.aborted
         return result
 
-    @staticmethod
-    async def _forwarded(call: asyncio.Future[ForwardedAbort], what: str) -> ForwardedAbort:
-        """Abort(all)'s count from the other processes; their failure (e.g. the state store down)
-        costs the count only: the engines' pause ended their streams anyway."""
+    async def _others_count(self, call: asyncio.Future[ForwardedAbort], deadline: float) -> ForwardedAbort:
+        """Abort(all)'s count from the other processes, by the fan-out's deadline; their failure
+        (e.g. the state store down) costs the count only: the engines' pause ended the streams."""
         try:
-            return await call
-        except Unavailable as exc:
-            log.warning("fanout_failed", action=what, error=exc.message)
+            return await asyncio.wait_for(call, max(0.0, self._timeout(deadline)))
+        except (Unavailable, TimeoutError) as exc:
+            log.warning(
+                "abort_all_count_incomplete", error=getattr(exc, "message", "no answer by the deadline")
+            )
             return ForwardedAbort()
 
     def _fan_out_deadline(self, caller_deadline: float | None) -> float:
