@@ -1420,8 +1420,10 @@ Global___RequestIds: _TypeAlias = RequestIds  # noqa: Y015
 class AbortRequest(_message.Message):
     """Which generations to abort. Exactly one target must be set; an empty target is INVALID_ARGUMENT.
     With authentication on, a caller reaches only its own generations (those it started under the
-    same identity), on this replica and on its peers; only the admin role may abort `all` or reach
-    other callers' generations.
+    same identity), on this replica and on the others (through the shared state store, or the
+    `--peer` replicas); only the admin role may abort `all` or reach other callers' generations.
+    An abort that must reach the other replicas through the shared state store fails UNAVAILABLE,
+    naming the store, when the store does not answer (this replica's generations are aborted anyway).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1438,8 +1440,8 @@ class AbortRequest(_message.Message):
     sample at once without an engine call (slime's aborted flag).
     """
     session_id: _builtins.str
-    """Abort the generations of this session (this replica's and, with peers configured, the
-    other replicas').
+    """Abort the generations of this session (this replica's and, with a shared state store or
+    peers configured, the other replicas').
     """
     group_index: _builtins.int
     """Abort the generations of this prompt group (like `session_id`). Being a oneof member, the
@@ -1447,15 +1449,16 @@ class AbortRequest(_message.Message):
     """
     mine: _builtins.bool
     """Abort every generation of the caller (its own only: Generate streams and RolloutStep
-    samples, on this replica and, with peers configured, on the others), any role. Like `all`,
+    samples, on this replica and, with a shared state store or peers configured, on the
+    others), any role. Like `all`,
     Generate calls of the same caller that arrive at this replica while the abort runs end
     ABORTED at once without an engine call, so a call already on the wire is caught too. Must be
     true when set.
     """
     @_builtins.property
     def request_ids(self) -> Global___RequestIds:
-        """Abort these generations: this replica's, and (with peers configured) the other replicas',
-        to which ids that are not in flight here are forwarded; engine ids are unique per replica
+        """Abort these generations: this replica's, and (with a shared state store or peers
+        configured) the other replicas', to which ids that are not in flight here are forwarded; engine ids are unique per replica
         and caller, so a bare id is never sent to the engines. Ids that are not in flight on this
         replica are listed in `unknown_request_ids`, not treated as errors.
         """
@@ -1489,15 +1492,18 @@ class AbortResponse(_message.Message):
     UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     ENGINE_ERRORS_FIELD_NUMBER: _builtins.int
     aborted: _builtins.int
-    """Generations of this replica that were in flight and are being ended as ABORTED. One whose
+    """Generations that were in flight and are being ended as ABORTED: this replica's, and those of
+    the other replicas and workers the abort reached (for `all`, through the shared state store
+    or the sibling workers; the engines end every replica's streams either way). One whose
     engine finished it at the same moment (its final result already on the way) still ends with
     its own status (COMPLETED, TRUNCATED), so the ABORTED samples can be fewer than this.
     """
     @_builtins.property
     def unknown_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requested ids that nobody this abort reached had in flight: not this replica (nor its
-        workers), and, with peers configured (the abort is forwarded to them), no peer that answered
-        (a peer that did not answer clears none). Already finished, or never started.
+        workers), and, with a shared state store or peers configured (the abort is forwarded to
+        them), no replica that answered (one that did not answer clears none). Already finished, or
+        never started.
         """
 
     @_builtins.property

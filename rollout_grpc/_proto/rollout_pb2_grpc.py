@@ -657,8 +657,10 @@ class ReplicaServiceServicer:
 
     def AbortLocal(self, request, context):
         """Aborts matching generations of the receiving replica only (never forwarded again). A replica
-        that receives a session, group or id abort from a caller forwards it here to its peers, with
-        the caller's identity as `owner`, so that a peer ends only that caller's generations.
+        with `--peer` and no shared state store that receives a session, group or id abort from a
+        caller forwards it here to its peers, with the caller's identity as `owner`, so that a peer
+        ends only that caller's generations. With `--state-store redis://...` the store carries
+        these aborts to every replica instead (docs/operations.md "Fleet control").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

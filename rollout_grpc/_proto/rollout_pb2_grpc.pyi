@@ -422,8 +422,10 @@ class ReplicaServiceStub:
     def __new__(cls, channel: _aio.Channel) -> ReplicaServiceAsyncStub: ...
     AbortLocal: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortLocalRequest, _rollout_pb2.AbortLocalResponse]
     """Aborts matching generations of the receiving replica only (never forwarded again). A replica
-    that receives a session, group or id abort from a caller forwards it here to its peers, with
-    the caller's identity as `owner`, so that a peer ends only that caller's generations.
+    with `--peer` and no shared state store that receives a session, group or id abort from a
+    caller forwards it here to its peers, with the caller's identity as `owner`, so that a peer
+    ends only that caller's generations. With `--state-store redis://...` the store carries
+    these aborts to every replica instead (docs/operations.md "Fleet control").
     """
 
 @_typing.type_check_only
@@ -439,8 +441,10 @@ class ReplicaServiceAsyncStub(ReplicaServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     AbortLocal: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortLocalRequest, _rollout_pb2.AbortLocalResponse]  # type: ignore[assignment]
     """Aborts matching generations of the receiving replica only (never forwarded again). A replica
-    that receives a session, group or id abort from a caller forwards it here to its peers, with
-    the caller's identity as `owner`, so that a peer ends only that caller's generations.
+    with `--peer` and no shared state store that receives a session, group or id abort from a
+    caller forwards it here to its peers, with the caller's identity as `owner`, so that a peer
+    ends only that caller's generations. With `--state-store redis://...` the store carries
+    these aborts to every replica instead (docs/operations.md "Fleet control").
     """
 
 class ReplicaServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -459,8 +463,10 @@ class ReplicaServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.AbortLocalResponse, _abc.Awaitable[_rollout_pb2.AbortLocalResponse]]:
         """Aborts matching generations of the receiving replica only (never forwarded again). A replica
-        that receives a session, group or id abort from a caller forwards it here to its peers, with
-        the caller's identity as `owner`, so that a peer ends only that caller's generations.
+        with `--peer` and no shared state store that receives a session, group or id abort from a
+        caller forwards it here to its peers, with the caller's identity as `owner`, so that a peer
+        ends only that caller's generations. With `--state-store redis://...` the store carries
+        these aborts to every replica instead (docs/operations.md "Fleet control").
         """
 
 def add_ReplicaServiceServicer_to_server(servicer: ReplicaServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -68,6 +68,7 @@ from rollout_grpc.server.rewards import remote_filter
 from rollout_grpc.server.rewards.connections import PostConnections
 from rollout_grpc.server.rewards.processes import RuleProcesses
 from rollout_grpc.server.rollout.control import Control
+from rollout_grpc.server.rollout.fanout import Fanout, Fanouts, StoreFanout
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.render import RenderService
@@ -81,7 +82,7 @@ from rollout_grpc.server.security.limits import ControlRateLimiter
 from rollout_grpc.server.security.refusals import AuthFailureLimiter, RefusalSampler
 from rollout_grpc.server.security.tls import TlsConfig
 from rollout_grpc.server.state.api import BufferStore
-from rollout_grpc.server.state.choose import store_for, trajectories_for
+from rollout_grpc.server.state.choose import bus_for, store_for, trajectories_for
 from rollout_grpc.server.state.trajectories import TrajectoryStore
 
 log = structlog.get_logger(__name__)
@@ -127,10 +128,9 @@ def _bind(
 class RolloutServer:
     """One running replica."""
 
-    #: What a worker process of `serve --workers N` replaces (workers/worker.py): the fleet
-    #: control (it also reaches the sibling workers), the servicer (GetTrajectory from worker 0,
-    #: the worker count in GetServerInfo) and the start line (the supervisor logs `serving`).
-    control_class: type[Control] = Control
+    #: What a worker process of `serve --workers N` replaces (workers/worker.py): the servicer
+    #: (the worker count and the replica's load in GetServerInfo) and the start line (the
+    #: supervisor logs `serving`); its siblings join the fanouts (`_fanouts`).
     servicer_class: type[RolloutServicer] = RolloutServicer
     serving_event: str = "serving"
 
@@ -166,6 +166,7 @@ class RolloutServer:
         #: The keep-alive pool of every step's reward, filter and environment POSTs.
         self.post_connections = PostConnections()
         self.peers: PeerAborter | None = None
+        self.store_fanout: StoreFanout | None = None
         self.front_door: OpenAIFrontDoor | None = None
         self.openai_port: int | None = None
         #: Fleet state (step buffers): checked at start (`start` exits when it does not answer).
@@ -240,6 +241,23 @@ class RolloutServer:
             tls_server_name=security.peer_tls_name,
         )
 
+    def _fanouts(self, tls: TlsConfig | None) -> list[Fanout]:
+        """Who else holds generations (rollout/fanout.py): every process on the shared store's bus
+        (`--state-store redis://...`, the recommended path), else the `--peer` replicas."""
+        cfg = self.config
+        bus = bus_for(self.state)
+        if bus is not None:
+            if cfg.peers:  # they would be asked twice (and counted twice): the store reaches them
+                log.warning(
+                    "peers_not_used", peers=cfg.peers, reason=f"aborts reach every replica via {bus.name}"
+                )
+            self.store_fanout = StoreFanout(bus, cfg.control_deadline_s)
+            return [self.store_fanout]
+        if cfg.peers:
+            self.peers = self._peer_aborter(tls)
+            return [self.peers]
+        return []
+
     async def start(self) -> None:
         """Open the engine session, build the domain and the gRPC server, then serve."""
         cfg = self.config
@@ -249,6 +267,8 @@ class RolloutServer:
         await self.state.ping()  # StoreUnavailable: serve exits with one line naming the store
         session, interceptors = self._open_engine_session()
         servicer = self._build_domain(session, limit, tls)
+        if self.store_fanout is not None:  # StoreUnavailable: serve exits naming the store
+            await self.store_fanout.start(self.control.abort_here)
         await self._start_engine_pool()
         self._server = self._build_grpc_server(servicer, interceptors, tls)
         await self._server.start()
@@ -326,14 +346,12 @@ class RolloutServer:
             self.registry,
             cfg.rollout_config(),
         )
-        if cfg.peers:
-            self.peers = self._peer_aborter(tls)
-        self.control = self.control_class(
+        self.control = Control(
             self.pool,
             self.registry,
             self.rollout,
             deadline_s=cfg.control_deadline_s,
-            peer_abort=self.peers.abort if self.peers else None,
+            fanout=Fanouts(self._fanouts(tls)),
         )
         bound = cfg.section(sections.BoundsConfig)
         renderer = RenderService(
@@ -591,6 +609,8 @@ class RolloutServer:
         await self.post_connections.close()
         if self.peers is not None:
             await self.peers.close()
+        if self.store_fanout is not None:
+            await self.store_fanout.close()
         await self.state.close()
         await self.trajectories.store.close()
         if self._session is not None:

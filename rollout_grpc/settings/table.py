@@ -191,7 +191,7 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "--workers",
         "worker processes serving the gRPC port, one replica to the outside (default: the cores this "
         "process may run on; 1 = one process, no supervisor). The serve process then supervises them: "
-        "worker 0 runs the OpenAI front door and the health port, the supervisor serves the merged "
+        "every worker serves the OpenAI front door, worker 0 the health port, the supervisor the merged "
         "metrics (label `worker`), the in-flight limit is shared, the queue divided (docs/workers.md)",
         type=int,
     ),

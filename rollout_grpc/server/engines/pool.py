@@ -165,6 +165,14 @@ class EnginePool:
             log.info("engine_draining", engine=handle.url)
             self._notify()
 
+    def relabel(self, handle: EngineHandle, weight_version: str) -> None:
+        """`handle`'s engine serves `weight_version` (it said so, or a sibling worker relabelled it)."""
+        handle.weight_version = weight_version
+
+    def name_model(self, handle: EngineHandle, model: str) -> None:
+        """The model `handle`'s engine serves, as its /v1/models lists it."""
+        handle.model = model
+
     def set_weights_problem(self, handle: EngineHandle, problem: str) -> None:
         """Take `handle` out of rotation because of its weights (`problem`), or, with "",
         re-admit it after a successful load (`rollout/weights/`)."""

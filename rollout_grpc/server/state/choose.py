@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rollout_grpc.server.state.api import BufferCaps, BufferStore
+from rollout_grpc.server.state.bus import FleetBus
 from rollout_grpc.server.state.memory import MemoryStore
 from rollout_grpc.server.state.trajectories import MemoryTrajectories, TrajectoryCaps, TrajectoryStore
 
@@ -32,3 +33,16 @@ def trajectories_for(
     from rollout_grpc.server.state.redis_trajectories import RedisTrajectories
 
     return RedisTrajectories(url, caps, password_file=password_file or "", ca_file=ca_file or "")
+
+
+def bus_for(store: BufferStore) -> FleetBus | None:
+    """The fleet bus of `store` when the fleet shares it (Redis: `state/redis_bus.py`); None for
+    the embedded stores, whose processes are one replica's workers (their sibling channels carry
+    fleet control)."""
+    from rollout_grpc.server.state.redis_store import RedisStore
+
+    if isinstance(store, RedisStore):
+        from rollout_grpc.server.state.redis_bus import RedisBus
+
+        return RedisBus(store.client, store.name)
+    return None

@@ -14,7 +14,8 @@ lease is gone unended). Shared: `total` (bytes of every buffer) and
 is swept by the next operation (at most 64 owners per call) and its indexes move to the owner's
 lost list, so the bytes total never drifts and no group vanishes unreported.
 
-Only this module imports `redis` (an import contract in pyproject.toml says so).
+Only this module and its fleet bus (`redis_bus.py`) import `redis` (an import contract in
+pyproject.toml says so).
 """
 
 from __future__ import annotations
@@ -326,6 +327,11 @@ class RedisStore:
             "advance_version": _ADVANCE_VERSION,
         }
         self._scripts = {name: self._client.register_script(body) for name, body in scripts.items()}
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The connection pool's client, shared by the fleet bus (`redis_bus.py`)."""
+        return self._client
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         try:

@@ -1,9 +1,10 @@
 """Calls to the sibling workers of this replica (`rollout.v1.WorkerService` on their unix sockets).
 
 A sibling is a peer that is always present: every Abort, Pause and Resume a worker receives is
-also applied to the others (`control.py`). Calls present the per-start secret and wait for a
-sibling that is still starting (`wait_for_ready`), each bounded by the control deadline; a sibling
-that fails is logged and left out of the counts (its supervisor stops the replica if it died).
+also applied to the others, `Siblings` being one of the fanouts `Control` calls (rollout/fanout.py).
+Calls present the per-start secret and wait for a sibling that is still starting
+(`wait_for_ready`), each bounded by the control deadline; a sibling that fails is logged and left
+out of the counts (its supervisor stops the replica if it died).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ T = TypeVar("T")
 class Siblings:
     """Channels to every other worker of this replica, opened at start and kept."""
 
-    def __init__(self, spec: WorkerSpec, timeout_s: float) -> None:
+    def __init__(self, spec: WorkerSpec, timeout_s: float, *, store_carries_aborts: bool = False) -> None:
         self.spec = spec
+        #: With a fleet bus (`--state-store redis://...`) every worker receives a fleet abort from
+        #: the store itself: the siblings then get only a `--peer` forward's relay from here.
+        self.store_carries_aborts = store_carries_aborts
         self._timeout_s = timeout_s
         self._metadata = ((SIBLING_METADATA_KEY, spec.secret),)
         self._channels = {
@@ -62,8 +66,11 @@ class Siblings:
                 answered.append((index, result))
         return answered
 
-    async def abort(self, scope: AbortScope) -> ForwardedAbort:
-        """Abort `scope` on every sibling; what they aborted and which ids they knew."""
+    async def abort(self, scope: AbortScope, *, within_replica: bool = False) -> ForwardedAbort:
+        """Abort `scope` on every sibling; what they aborted and which ids they knew (a `Fanout`,
+        rollout/fanout.py). Skipped when the store carries the fleet's aborts to them already."""
+        if self.store_carries_aborts and not within_replica:
+            return ForwardedAbort()
         request = pb.AbortSiblingRequest(abort=abort_request(scope))
         answers: list[tuple[int, pb.AbortSiblingResponse]] = await self._each(
             "AbortSibling",
@@ -77,7 +84,7 @@ class Siblings:
             outcome.found_request_ids.update(answer.result.found_request_ids)
         return outcome
 
-    async def sync_pause(self, mode: str) -> int:
+    async def paused(self, mode: str) -> int:
         """Tell every sibling a Pause ran in `mode`; the generations they aborted (ABORT)."""
         request = pb.SyncControlRequest(pause=pb.PauseMode.Value("PAUSE_MODE_" + mode.upper()))
         answers: list[tuple[int, pb.SyncControlResponse]] = await self._each(
@@ -88,7 +95,7 @@ class Siblings:
         )
         return sum(answer.aborted for _, answer in answers)
 
-    async def sync_resume(
+    async def resumed(
         self, weight_version: str | None, relabelled: list[str], rotation: dict[str, str] | None = None
     ) -> None:
         """Tell every sibling a Resume (or a weight update) ran, which engines took

@@ -29,13 +29,15 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.server.config import ServerConfig, buffer_caps, trajectory_caps, worker_share
 from rollout_grpc.server.facade.calls import TimedAdmission
-from rollout_grpc.server.rollout.control import AbortResult, AbortScope, Control
+from rollout_grpc.server.rollout.control import AbortResult, AbortScope
+from rollout_grpc.server.rollout.fanout import Fanout
+from rollout_grpc.server.security.tls import TlsConfig
 from rollout_grpc.server.state.api import BufferStore
 from rollout_grpc.server.state.socket import SocketStore, SocketTrajectories
 from rollout_grpc.server.state.trajectories import TrajectoryStore
 from rollout_grpc.server.workers import handshake
 from rollout_grpc.server.workers.admission import SharedAdmission, SharedSlots
-from rollout_grpc.server.workers.control import WorkerControl, WorkerRolloutServicer
+from rollout_grpc.server.workers.control import WorkerRolloutServicer
 from rollout_grpc.server.workers.handshake import WorkerSpec
 from rollout_grpc.server.workers.sibling_service import start_sibling_server
 from rollout_grpc.server.workers.siblings import Siblings
@@ -73,7 +75,6 @@ def worker_config(config: ServerConfig, spec: WorkerSpec) -> ServerConfig:
 class WorkerServer(RolloutServer):
     """A replica's worker: control that reaches the siblings, and their private server."""
 
-    control_class: type[Control] = WorkerControl
     servicer_class = WorkerRolloutServicer
     serving_event = "worker_serving"
 
@@ -110,10 +111,16 @@ class WorkerServer(RolloutServer):
         )
         return self.shared_admission
 
+    def _fanouts(self, tls: TlsConfig | None) -> list[Fanout]:
+        """The siblings first (their sync of Pause and Resume always; the aborts unless the store's
+        bus carries them to every worker already), then the replica's own (store or peers)."""
+        others = super()._fanouts(tls)
+        self.siblings.store_carries_aborts = self.store_fanout is not None
+        return [self.siblings, *others]
+
     def _build_domain(self, *args: Any, **kwargs: Any) -> WorkerRolloutServicer:
         servicer = super()._build_domain(*args, **kwargs)
-        assert isinstance(servicer, WorkerRolloutServicer) and isinstance(self.control, WorkerControl)
-        self.control.siblings = self.siblings
+        assert isinstance(servicer, WorkerRolloutServicer)
         servicer.siblings = self.siblings
         servicer.workers = self.spec.workers
         servicer.index = self.spec.index
@@ -129,13 +136,11 @@ class WorkerServer(RolloutServer):
 
     def sibling_paused(self, mode: str) -> int:
         """A sibling paused the engines (SyncControl)."""
-        assert isinstance(self.control, WorkerControl)
-        return self.control.sibling_paused(mode)
+        return self.control.paused_elsewhere(mode)
 
     async def abort_local_only(self, scope: AbortScope) -> AbortResult:
         """A sibling's abort (AbortSibling): this worker's generations only."""
-        assert isinstance(self.control, WorkerControl)
-        return await self.control.abort_local_only(scope)
+        return await self.control.abort_here(scope)
 
     def load(self) -> pb.SiblingLoadResponse:
         """This worker's generations in flight and queued (SiblingLoad)."""
@@ -160,7 +165,7 @@ class WorkerServer(RolloutServer):
         for url in relabelled:
             engine = self.pool.get(url)
             if engine is not None:
-                engine.weight_version = weight_version
+                self.pool.relabel(engine, weight_version)
         # The version order is the fleet's, in the state store: the sibling advanced it there.
 
     async def finish_stop(self) -> None:

@@ -115,9 +115,14 @@ class PeerAborter:
             self._channels[target] = channel
         return pb_grpc.ReplicaServiceStub(channel)
 
-    async def abort(self, scope: AbortScope) -> ForwardedAbort:
+    async def abort(self, scope: AbortScope, *, within_replica: bool = False) -> ForwardedAbort:
         """Ask every peer to abort its local generations in `scope`: how many they ended, and which
-        of the asked ids they had in flight."""
+        of the asked ids they had in flight (a `Fanout`, rollout/fanout.py).
+
+        Not for Abort(all) (the shared engines' pause ends every replica's streams), nor for a
+        peer's forward being relayed (`within_replica`: it is never forwarded again)."""
+        if within_replica or scope.everything:
+            return ForwardedAbort()
         request = abort_request(scope)
         targets = await self._targets()
         # The generated stub is typed for both sync and aio channels; on an aio channel it awaits.
@@ -137,6 +142,15 @@ class PeerAborter:
                 outcome.aborted += result.aborted
                 outcome.found_request_ids.update(result.found_request_ids)
         return outcome
+
+    async def paused(self, mode: str) -> int:
+        """Nothing for the peers: a Pause acts on the shared engines, whichever replica ran it."""
+        return 0
+
+    async def resumed(
+        self, weight_version: str | None, relabelled: list[str], rotation: dict[str, str] | None = None
+    ) -> None:
+        """Nothing for the peers (each replica reads the engines' weight version itself)."""
 
     async def close(self) -> None:
         """Close the channels."""
