@@ -171,7 +171,7 @@ async def test_cached_tokens_count_a_repeated_prefix(session: aiohttp.ClientSess
 async def test_an_unknown_sampling_key_is_the_contract_gates_bare_string_400(
     session: aiohttp.ClientSession, stream: bool
 ) -> None:
-    """SGLang 0.5.23's contract gate (http_server.py 937-939): 400 ``{"error": "<text>"}``, even
+    """SGLang 0.5.23's contract gate (entrypoints/http_server.py 937-939): 400 ``{"error": "<text>"}``, even
     for a stream (it runs before the stream opens), and nothing starts."""
     async with sglang_engine() as eng:
         payload = {"input_ids": PROMPT, "sampling_params": {"max_tokens": 4}, "stream": stream}

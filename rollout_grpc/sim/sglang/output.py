@@ -18,7 +18,7 @@ import numpy as np
 from ..sequence import Sequence, TokenLogprob
 from ..vocab import EOS_ID, Vocab
 
-#: ``_handle_abort_req``'s message for a request popped from the waiting queue (TM:3595).
+#: ``_handle_abort_req``'s message for a request popped from the waiting queue (TM:3596).
 QUEUED_ABORT_MESSAGE = "Abort in waiting queue"
 ABORT_FINISH = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
@@ -133,7 +133,7 @@ def meta_info(
 
 def queued_abort_meta(spec: OutputSpec, seq: Sequence, *, version: str, e2e_latency: float) -> dict[str, Any]:
     """``meta_info`` of a request aborted in the waiting queue, built by the tokenizer itself
-    (``_handle_abort_req``, TM:3596-3631): no ``prompt_tokens``, ``cached_tokens`` or
+    (``_handle_abort_req``, TM:3577-3637): no ``prompt_tokens``, ``cached_tokens`` or
     ``routed_experts``; the logprob lists whole (not sliced, even when streaming incrementally)."""
     m: dict[str, Any] = {
         "id": spec.rid,

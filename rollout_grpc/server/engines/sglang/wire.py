@@ -4,7 +4,7 @@ Read from SGLang 0.5.23's released source (docs/sglang-http-api.md), not from a 
 Three facts of that surface shape this module:
 
 * **Unknown `sampling_params` keys are errors** (the contract gate answers 400 `{"error":
-  "unknown field `k`, …"}`, http_server.py 937-939), so every
+  "unknown field `k`, …"}`, entrypoints/http_server.py 937-939), so every
   neutral knob is translated through `SAMPLING_NAMES`; a knob missing there is refused as the
   caller's error naming it (`EngineRejected` with the knob's neutral name), never dropped or sent.
 * **Defaults differ from vLLM's**: `max_new_tokens` defaults to 128 (an explicit null means "up to
