@@ -97,10 +97,12 @@ OUTPUT = _shape(
 #: (TM 2840, 2868-2870; top logprobs TM 2938, 2973); TM 2555-2557; the spans
 #: (``add_weight_versions_to_meta_info``, TM 2564; WV 90, 99-107, which overwrites ``weight_version``
 #: in place so its position stays the fourth); image tokens TM 2591-2592; routed experts TM
-#: 2602-2609 (base64 text); ``dp_rank`` TM 2616-2617; ``e2e_latency`` on the finished output TM 2753.
+#: 2602-2609 (base64 text); ``dp_rank`` TM 2616-2617; ``e2e_latency`` on the finished output TM 2753;
+#: ``response_sent_to_client_ts`` on the first output sent only (``_stream_one_response``, TM 1946,
+#: 2025-2029, 2055-2059).
 META_INFO = _shape(
     "meta_info",
-    f"{TM}:2507-2617,2753,2868-2870,2938,2973; {WV}:99-107",
+    f"{TM}:2507-2617,2753,2868-2870,2938,2973,2027,2057; {WV}:99-107",
     [
         ("id", (str,)),
         ("finish_reason", (dict, NULL)),
@@ -120,6 +122,7 @@ META_INFO = _shape(
         ("routed_experts", (str,)),
         ("dp_rank", (int,)),
         ("e2e_latency", NUM),
+        ("response_sent_to_client_ts", NUM),
     ],
     optional=(
         "input_token_logprobs",
@@ -132,6 +135,7 @@ META_INFO = _shape(
         "routed_experts",
         "dp_rank",
         "e2e_latency",
+        "response_sent_to_client_ts",
     ),
 )
 
@@ -142,10 +146,11 @@ INCREMENTAL_KEYS = ("output_token_logprobs", "output_top_logprobs")
 #: ``meta_info`` the tokenizer builds itself for a request aborted in the waiting queue
 #: (``_handle_abort_req``, TM 3577, 3603-3628): no ``prompt_tokens``, ``num_retractions``,
 #: ``cached_tokens`` or ``reasoning_tokens``; spans as for any output (TM 3609-3614, WV 99-107);
-#: logprobs whole (``add_logprob_to_meta_info``, TM 3617-3625, with ``finished=True``).
+#: logprobs whole (``add_logprob_to_meta_info``, TM 3617-3625, with ``finished=True``);
+#: ``response_sent_to_client_ts`` when it is the first output sent (TM 2025-2029).
 QUEUED_ABORT_META = _shape(
     "queued-abort meta_info",
-    f"{TM}:3603-3628,2868-2870,2938,2973; {WV}:99-107",
+    f"{TM}:3603-3628,2868-2870,2938,2973,2027; {WV}:99-107",
     [
         ("id", (str,)),
         ("finish_reason", (dict,)),
@@ -158,8 +163,10 @@ QUEUED_ABORT_META = _shape(
         ("input_top_logprobs", (list,)),
         ("output_top_logprobs", (list,)),
         ("completion_tokens", (int,)),
+        ("response_sent_to_client_ts", NUM),
     ],
     optional=(
+        "response_sent_to_client_ts",
         "weight_versions",
         "input_token_logprobs",
         "output_token_logprobs",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -182,10 +183,15 @@ def _object(
     text: str | None,
     start: int,
     started: float,
+    first: bool,
 ) -> bytes:
+    """One output object; ``first``: the first one this request sends (it carries the send time)."""
     fin = seq.finish_reason is not None
     if fin and spec.rid in state.queued_aborts:
-        return orjson.dumps(_queued_abort(core, spec, seq, start=start, started=started))
+        out = _queued_abort(core, spec, seq, start=start, started=started)
+        if first and isinstance(qmeta := out["meta_info"], dict):
+            _stamp_sent(qmeta)
+        return orjson.dumps(out)
     meta = meta_info(
         spec,
         seq,
@@ -195,7 +201,16 @@ def _object(
         routed_experts=_routed(core, spec, seq) if fin else None,
         e2e_latency=time.monotonic() - started if fin else None,
     )
+    if first:
+        _stamp_sent(meta)
     return orjson.dumps(output_object(spec, text, seq.token_ids[start:], meta))
+
+
+def _stamp_sent(meta: dict[str, Any]) -> None:
+    """``response_sent_to_client_ts``: the wall-clock time the **first** output of a request is sent
+    (the non-streaming body, or the first stream chunk), appended last; later outputs have none
+    (0.5.23 ``_stream_one_response``, TM:1946, 2025-2029, 2055-2059: set once per request)."""
+    meta["response_sent_to_client_ts"] = time.time()
 
 
 def _queued_abort(
@@ -220,7 +235,14 @@ def _queued_abort(
 
 
 def _error_frame(
-    core: EngineCore, state: SGLangState, spec: OutputSpec, seq: Sequence, *, incremental: bool, start: int
+    core: EngineCore,
+    state: SGLangState,
+    spec: OutputSpec,
+    seq: Sequence,
+    *,
+    incremental: bool,
+    start: int,
+    first: bool,
 ) -> bytes:
     """The final stream chunk of a request the scheduler ended with an internal error."""
     begin = start if incremental else 0
@@ -234,6 +256,8 @@ def _error_frame(
         e2e_latency=None,
     )
     meta["finish_reason"] = dict(ERROR_FINISH)
+    if first:
+        _stamp_sent(meta)
     text = (seq.take_text_delta() if incremental else seq.text) if spec.want_text else None
     return b"data: " + orjson.dumps(output_object(spec, text, seq.token_ids[begin:], meta)) + b"\n\n"
 
@@ -255,7 +279,7 @@ async def _nonstream(
     try:
         await run_to_end(request, core, ereq, plan)
         seq = ereq.seqs[0]
-        body = _object(core, state, spec, seq, text=seq.text, start=0, started=started)
+        body = _object(core, state, spec, seq, text=seq.text, start=0, started=started, first=True)
     except _Dropped:
         return web.Response(status=200)
     except _StreamFault:
@@ -284,6 +308,7 @@ async def _stream(
     interval = g.sampling.params.stream_interval or opts.stream_interval
     seq = ereq.seqs[0]
     sent = 0
+    chunks = 0
     started = time.monotonic()
     gen = core.run(ereq)
     try:
@@ -295,11 +320,16 @@ async def _stream(
                     continue
                 if incremental:
                     text = seq.take_text_delta() if spec.want_text else None
-                    obj = _object(core, state, spec, seq, text=text, start=sent, started=started)
+                    obj = _object(
+                        core, state, spec, seq, text=text, start=sent, started=started, first=not chunks
+                    )
                 else:
-                    obj = _object(core, state, spec, seq, text=seq.text, start=0, started=started)
+                    obj = _object(
+                        core, state, spec, seq, text=seq.text, start=0, started=started, first=not chunks
+                    )
                 await resp.write(b"data: " + obj + b"\n\n")
                 sent = n
+                chunks += 1
                 plan.check(request, n)
             await resp.write(DONE)
     except _Dropped:
@@ -308,7 +338,10 @@ async def _stream(
         # A scheduler-side error after the stream opened is the final output itself, an abort with
         # the error's status (docs/sglang-http-api.md §3.1, §7), then [DONE].
         with contextlib.suppress(ConnectionError):
-            await resp.write(_error_frame(core, state, spec, seq, incremental=incremental, start=sent))
+            frame = _error_frame(
+                core, state, spec, seq, incremental=incremental, start=sent, first=not chunks
+            )
+            await resp.write(frame)
             await resp.write(DONE)
         return resp
     except (ConnectionError, asyncio.CancelledError):
