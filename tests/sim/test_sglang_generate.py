@@ -222,10 +222,11 @@ async def test_prompt_at_the_context_length_is_rejected(session: aiohttp.ClientS
 
 async def test_a_budget_over_the_context_is_refused_not_cut(session: aiohttp.ClientSession) -> None:
     # 0.5.23 managers/tokenizer_manager.py:1353-1378 (vLLM cuts the output at the context instead).
-    async with sglang_engine(max_model_len=30) as eng:
+    async with sglang_engine(max_model_len=30, eos_probability=0.0) as eng:
         fits = await generate(session, eng.url, body("fits", 10))
         over = await generate(session, eng.url, body("over", 11))
-    assert fits.status == 200 and fits.json["meta_info"]["completion_tokens"] == 10
+    # Admitted, then capped by the scheduler two tokens short of the context (test_sglang_admission).
+    assert fits.status == 200 and fits.json["meta_info"]["completion_tokens"] == 8
     msg = (
         "Requested token count exceeds the model's maximum context length of 30 tokens. You requested "
         "a total of 31 tokens: 20 tokens from the input messages and 11 tokens for the completion. "
@@ -306,11 +307,17 @@ async def test_routed_experts_need_the_server_flag(session: aiohttp.ClientSessio
 
 
 async def test_routed_experts_start_out_of_range(session: aiohttp.ClientSession) -> None:
+    """The scheduler's refusal (SCH 3300-3319), a 400 ``ValueError`` when not streaming
+    (test_sglang_admission has the stream)."""
     async with sglang_engine(return_routed_experts=True) as eng:
         r = await generate(
             session, eng.url, body("a", 3, return_routed_experts=True, routed_experts_start_len=21)
         )
-    assert r.status == 400 and "routed_experts_start_len" in r.json["error"]["message"]
+    msg = (
+        "recv_req.routed_experts_start_len=21 is higher than the number of input tokens "
+        "len(req.origin_input_ids)=20. Please use a smaller routed_experts_start_len."
+    )
+    assert r.status == 400 and r.json == {"error": {"message": msg}}
 
 
 # ---------------------------------------------------------------------------- image_data

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import Any
 
@@ -26,6 +27,7 @@ from ..params import ToySampling
 from ..request import parse_json_bytes
 from ..responses import DONE
 from ..sequence import Sequence
+from . import admission
 from .errors import SGLangContractError, SGLangError, SGLangValidationError
 from .output import OutputSpec, encode_int32_b64, meta_info, output_object, queued_abort_meta
 from .prepare import Prompt, input_logprobs, prepare_prompt
@@ -66,6 +68,12 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         prompt = await prepare_prompt(core, g)
         if state.duplicate(g.rid):
             raise SGLangError(f"Duplicate request ID detected: {g.rid}")
+        refused = admission.refusal(g, len(prompt.ids), core.config.max_model_len)
+        if refused is not None:
+            stats.generate_rejected += 1
+            if not g.stream:
+                raise SGLangError(refused)
+            return await _refused_stream(request, core, state, g, prompt, refused)
         p = g.sampling.params
         if (faults.request_500_seed >= 0 and p.seed == faults.request_500_seed) or faults.take("http_500"):
             stats.generate_rejected += 1
@@ -260,6 +268,60 @@ def _error_frame(
         _stamp_sent(meta)
     text = (seq.take_text_delta() if incremental else seq.text) if spec.want_text else None
     return b"data: " + orjson.dumps(output_object(spec, text, seq.token_ids[begin:], meta)) + b"\n\n"
+
+
+async def _refused_stream(
+    request: web.Request, core: EngineCore, state: SGLangState, g: SGLangRequest, prompt: Prompt, why: str
+) -> web.StreamResponse:
+    """A streaming request the scheduler refuses (``admission.refusal``): its one-token stub takes
+    one forward pass, and the stream's only chunk ends it with the 400 abort, then ``[DONE]``
+    (TM 1922, 2042-2048). ``prompt_tokens`` is the stub's 1; no logprobs, cache or routing."""
+    spec = _spec(core, state, g, prompt)
+    stub = dataclasses.replace(
+        spec,
+        prompt_ids=list(admission.STUB_PROMPT),
+        length_limit=1,
+        return_logprob=False,
+        cached_tokens=0,
+        image_tokens=0,
+        prompt_token_ids=False,
+        routed_start=None,
+    )
+    _seed(core, g.sampling.params)
+    ereq = core.new_request(g.rid, stub.prompt_ids, g.sampling.params, max_out=1, want_text=spec.want_text)
+    resp = web.StreamResponse(status=200, headers={"Content-Type": SSE_CT})
+    await resp.prepare(request)
+    started = time.monotonic()
+    gen = core.run(ereq)
+    try:
+        async with contextlib.aclosing(gen):
+            async for _ in gen:
+                pass
+    except (ConnectionError, asyncio.CancelledError):
+        core.stats.disconnects += 1
+        raise
+    finally:
+        state.forget(g.rid)
+    seq = ereq.seqs[0]
+    meta = meta_info(
+        stub,
+        seq,
+        version=core.version,
+        retractions=0,
+        start=0,
+        routed_experts=None,
+        e2e_latency=time.monotonic() - started,
+    )
+    meta["finish_reason"] = admission.refused_finish(why)
+    _stamp_sent(meta)
+    out = output_object(stub, seq.text if spec.want_text else None, seq.token_ids, meta)
+    if spec.prompt_token_ids:
+        out["prompt_token_ids"] = spec.prompt_ids  # the tokenizer's own state keeps the real prompt
+    with contextlib.suppress(ConnectionError):
+        await resp.write(b"data: " + orjson.dumps(out) + b"\n\n")
+        await resp.write(DONE)
+        await resp.write_eof()
+    return resp
 
 
 def _finish(state: SGLangState, spec: OutputSpec, ereq: EngineRequest) -> None:
