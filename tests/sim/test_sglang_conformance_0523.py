@@ -96,6 +96,22 @@ async def test_every_stream_chunk_has_the_0523_shape(
 SENT = "response_sent_to_client_ts"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_assembled_output_reports_dp_rank_null(
+    session: aiohttp.ClientSession, stream: bool
+) -> None:
+    """One scheduler, no data-parallel controller: its rank is None and the batch still lists it, so
+    ``_handle_batch_output`` writes ``"dp_rank": null`` (TM 2616-2617) before ``e2e_latency``."""
+    async with sglang_engine(eos_probability=0.0) as eng:
+        reply = await generate(session, eng.url, body(max_new_tokens=4, stream=stream))
+    outs = stream_outputs(reply) if stream else [reply.json]
+    for out in outs:
+        meta = out["meta_info"]
+        assert "dp_rank" in meta and meta["dp_rank"] is None, meta
+        assert output_problems(out) == []
+    assert [k for k in outs[-1]["meta_info"] if k != SENT][-2:] == ["dp_rank", "e2e_latency"]
+
+
 @pytest.mark.parametrize("mode", ["body", "cumulative", "incremental"])
 async def test_only_the_first_output_carries_the_send_time(session: aiohttp.ClientSession, mode: str) -> None:
     """``response_sent_to_client_ts`` (wall-clock seconds) is set once per request, on the first
@@ -160,6 +176,7 @@ async def test_the_queued_abort_echo_has_the_tokenizers_own_shape(session: aioht
     assert last["output_ids"] == streamed[-1:] and meta["completion_tokens"] == len(streamed)
     assert [t[1] for t in meta["output_token_logprobs"]] == streamed  # whole, not sliced
     assert SENT not in meta, "the send time was on the first chunk"
+    assert "dp_rank" not in meta, "the tokenizer builds the echo itself (TM 3603-3608)"
 
 
 async def test_control_routes_answer_0523_bodies(session: aiohttp.ClientSession) -> None:

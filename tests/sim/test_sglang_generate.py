@@ -29,7 +29,14 @@ async def test_nonstream_object_and_meta_info(session: aiohttp.ClientSession) ->
     out = r.json
     assert list(out) == ["text", "output_ids", "meta_info"]
     m = out["meta_info"]
-    assert list(m) == [*META_HEAD, *META_LOGPROBS, *META_COUNTS, "e2e_latency", "response_sent_to_client_ts"]
+    assert list(m) == [
+        *META_HEAD,
+        *META_LOGPROBS,
+        *META_COUNTS,
+        "dp_rank",
+        "e2e_latency",
+        "response_sent_to_client_ts",
+    ]
     assert m["id"] == "req-a"  # the client's rid, verbatim
     assert m["finish_reason"] == {"type": "length", "length": 5}
     assert m["prompt_tokens"] == len(PROMPT) and m["completion_tokens"] == 5
@@ -288,7 +295,12 @@ async def test_routed_experts_raw_int32_rows_and_start(session: aiohttp.ClientSe
             )
         ).json
         without = (await generate(session, eng.url, body("c", 5))).json
-    assert list(full["meta_info"])[-3:] == ["routed_experts", "e2e_latency", "response_sent_to_client_ts"]
+    assert list(full["meta_info"])[-4:] == [
+        "routed_experts",
+        "dp_rank",
+        "e2e_latency",
+        "response_sent_to_client_ts",
+    ]
     rows = decode_routed(full["meta_info"]["routed_experts"], 3, 2)
     assert rows.shape == (len(PROMPT) + 5 - 1, 3, 2)
     assert ((rows >= 0) & (rows < 8)).all()

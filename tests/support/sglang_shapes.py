@@ -97,7 +97,9 @@ OUTPUT = _shape(
 #: (TM 2840, 2868-2870; top logprobs TM 2938, 2973); TM 2555-2557; the spans
 #: (``add_weight_versions_to_meta_info``, TM 2564; WV 90, 99-107, which overwrites ``weight_version``
 #: in place so its position stays the fourth); image tokens TM 2591-2592; routed experts TM
-#: 2602-2609 (base64 text); ``dp_rank`` TM 2616-2617; ``e2e_latency`` on the finished output TM 2753;
+#: 2602-2609 (base64 text); ``dp_rank`` TM 2616-2617 (null without a data-parallel controller: the
+#: scheduler's rank is None, ``managers/scheduler_components/output_streamer.py`` 723, and the list of
+#: them is still truthy); ``e2e_latency`` on the finished output TM 2753;
 #: ``response_sent_to_client_ts`` on the first output sent only (``_stream_one_response``, TM 1946,
 #: 2025-2029, 2055-2059).
 META_INFO = _shape(
@@ -120,7 +122,7 @@ META_INFO = _shape(
         ("weight_versions", (list,)),
         ("image_tokens", (int,)),
         ("routed_experts", (str,)),
-        ("dp_rank", (int,)),
+        ("dp_rank", (int, NULL)),
         ("e2e_latency", NUM),
         ("response_sent_to_client_ts", NUM),
     ],

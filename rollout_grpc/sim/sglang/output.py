@@ -126,6 +126,10 @@ def meta_info(
         m["image_tokens"] = spec.image_tokens
     if routed_experts is not None:
         m["routed_experts"] = routed_experts
+    # One scheduler and no data-parallel controller: its rank is None (``SpawnRanks.dp_rank``), and
+    # every batch output still carries ``dp_ranks = [None] * n`` (output_streamer.py:723), a list,
+    # so SGLang 0.5.23 writes ``"dp_rank": null`` into every output it assembles (TM:2616-2617).
+    m["dp_rank"] = None
     if e2e_latency is not None:
         m["e2e_latency"] = e2e_latency
     return m
