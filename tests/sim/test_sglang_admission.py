@@ -99,3 +99,17 @@ def _only_chunk(r: Reply) -> dict[str, Any]:
     chunk = chunks[0]
     assert isinstance(chunk, dict)
     return chunk
+
+
+@pytest.mark.parametrize(("context", "admitted"), [(26, False), (27, True)])
+async def test_server_info_reports_the_limit_the_scheduler_refuses_at(
+    session: aiohttp.ClientSession, context: int, admitted: bool
+) -> None:
+    """``max_req_input_len`` in ``/server_info`` (the scheduler's info, SCH 1946) is the context
+    minus 6, and a prompt of that many tokens is the first one refused."""
+    async with sglang_engine(max_model_len=context) as eng:
+        async with session.get(eng.url + "/server_info") as info:
+            limit = (await info.json())["max_req_input_len"]
+        r = await generate(session, eng.url, body("p", 1))
+    assert limit == context - 6
+    assert (r.status == 200) is admitted and (len(PROMPT) < limit) is admitted

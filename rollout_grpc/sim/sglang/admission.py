@@ -35,6 +35,12 @@ def max_req_len(context: int) -> int:
     return context - 1
 
 
+def max_req_input_len(context: int) -> int:
+    """The longest prompt the scheduler admits, exclusive (``managers/tp_worker.py`` 572): what
+    ``/server_info`` reports as ``max_req_input_len`` (SCH 1946)."""
+    return max_req_len(context) - 5
+
+
 def budget(max_new_tokens: int | None, prompt: int, context: int) -> int:
     """The output budget the scheduler allows (``init_req_max_new_tokens``, SCH 2693-2716)."""
     asked = UNLIMITED if max_new_tokens is None else max_new_tokens
@@ -43,7 +49,7 @@ def budget(max_new_tokens: int | None, prompt: int, context: int) -> int:
 
 def refusal(g: SGLangRequest, prompt: int, context: int) -> str | None:
     """The message the scheduler refuses this request with, or None when it admits it."""
-    limit = max_req_len(context) - 5  # max_req_input_len (managers/tp_worker.py:572)
+    limit = max_req_input_len(context)
     if prompt >= limit:
         return (
             f"Input length ({prompt} tokens) exceeds the maximum allowed length ({limit} tokens). "
