@@ -32,11 +32,15 @@ from aiohttp import web
 from rollout_grpc.server.rewards.connections import PostConnections
 from rollout_grpc.server.rewards.jsonpost import JsonPoster
 
+#: The minimal server's answer: the JSON number 1.0, the connection kept alive.
+ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 3\r\n\r\n1.0"
 #: Seconds a test may wait for a server to close an idle connection.
 DEADLINE_S = 5.0
 
 
-def poster(url: str, pool: PostConnections | None, *, max_retries: int = 0) -> JsonPoster:
+def poster(
+    url: str, pool: PostConnections | None, *, max_retries: int = 0, backoff_s: float = 60.0
+) -> JsonPoster:
     """No retries by default: a stale connection counted as a failed attempt fails the post.
     The backoff is long, so a stale connection retried as an ordinary attempt would show."""
     return JsonPoster(
@@ -44,7 +48,7 @@ def poster(url: str, pool: PostConnections | None, *, max_retries: int = 0) -> J
         what="reward",
         timeout_s=DEADLINE_S,
         max_retries=max_retries,
-        backoff_s=60.0,
+        backoff_s=backoff_s,
         max_concurrency=1,
         max_reply_bytes=1 << 10,
         connections=pool,
@@ -94,11 +98,13 @@ class ClosingServer:
     request arrives on it, closes it unanswered and unread (`rst`: with a reset) — to the client,
     exactly a server whose idle timer fired as the pooled connection was reused. With
     `drop_first`, the first request of a connection is read, applied and then dropped unanswered
-    (a server that dies mid-request)."""
+    (a server that dies mid-request). With `busy_first`, the server's first request of all is
+    answered 503 (retryable), the connection kept alive."""
 
-    def __init__(self, *, rst: bool = False, drop_first: bool = False) -> None:
+    def __init__(self, *, rst: bool = False, drop_first: bool = False, busy_first: bool = False) -> None:
         self.rst = rst
         self.drop_first = drop_first
+        self.busy_first = busy_first
         self.handled: list[object] = []
         self.dropped = 0
         self.connections = 0
@@ -121,9 +127,10 @@ class ClosingServer:
                     self.dropped += 1
                     self._close(writer)
                     return
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 3\r\n\r\n1.0"
-                )
+                if self.busy_first and len(self.handled) == 1:
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
+                else:
+                    writer.write(ANSWER)
                 await writer.drain()
                 answered = True
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -180,3 +187,19 @@ async def test_a_connection_the_post_opened_and_the_server_dropped_is_a_failed_a
             await client.close()
             await pool.close()
     assert server.handled == [{"n": 1}] and server.connections == 1
+
+
+async def test_a_stale_connection_met_on_a_retry_is_resent_without_a_second_backoff() -> None:
+    """The first attempt gets a 503 on a new connection (kept alive); the retry, one backoff later,
+    reuses it as the server closes it, and is sent again at once: one backoff in all (2 s), not a
+    second doubled one (4 s more, past the deadline)."""
+    async with ClosingServer(busy_first=True).running() as server:
+        pool = PostConnections()
+        client = poster(server.url, pool, max_retries=1, backoff_s=2.0)
+        try:
+            assert await asyncio.wait_for(client.post({"n": 1}), DEADLINE_S) == 1.0
+        finally:
+            await client.close()
+            await pool.close()
+    assert server.handled == [{"n": 1}, {"n": 1}], "the 503 attempt, then the re-sent retry"
+    assert server.dropped == 1 and server.connections == 2

@@ -196,19 +196,21 @@ class JsonPoster:
         delay = self._backoff_s
         last = ""
         resent = False
+        resend_now = False
         attempt = 0
         while attempt <= self._max_retries:
-            if attempt:
+            if attempt and not resend_now:
                 await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
                 delay *= 2
+            resend_now = False
             try:
                 async with self._limit:
                     response = await self._send(payload, resend=not resent)
                     async with response:
                         return await self._read(response)
             except _Stale:
-                resent = True
-                continue  # the same attempt again, on a new connection
+                resent = resend_now = True
+                continue  # the same attempt again at once, on a new connection
             except (_Retryable, aiohttp.ClientError, TimeoutError) as exc:
                 last = str(exc) or type(exc).__name__
             attempt += 1
