@@ -64,7 +64,8 @@ async def test_no_budget_is_sent_as_null_not_left_to_sglangs_128() -> None:
     async with sglang(max_model_len=64) as (sim, adapter):
         tokens, _, _, final = joined(await collect(adapter, call(max_tokens=None)))
         assert sim.core.stats.last_requests[-1]["sampling_params"]["max_new_tokens"] is None
-    assert final.finish is FinishKind.LENGTH and len(tokens) == 64 - len(PROMPT)
+    # SGLang's scheduler stops two tokens short of the context (docs/sglang-http-api.md §2.2).
+    assert final.finish is FinishKind.LENGTH and len(tokens) == 64 - len(PROMPT) - 2
 
 
 async def test_a_budget_over_the_context_is_capped_so_the_call_ends_length_as_on_vllm() -> None:
@@ -76,7 +77,8 @@ async def test_a_budget_over_the_context_is_capped_so_the_call_ends_length_as_on
         sent = sim.core.stats.last_requests[-1]["sampling_params"]
     room = 64 - len(PROMPT)
     assert sent["max_new_tokens"] == sent["min_new_tokens"] == room
-    assert final.finish is FinishKind.LENGTH and len(tokens) == room
+    # Admitted (not refused), then capped by SGLang's scheduler two tokens short of the context.
+    assert final.finish is FinishKind.LENGTH and len(tokens) == room - 2
 
 
 async def test_stop_token_and_stop_string_reasons() -> None:
@@ -185,6 +187,15 @@ async def test_an_over_long_prompt_is_a_prompt_rejection() -> None:
         with pytest.raises(EngineRejected) as err:
             await collect(adapter, call())
     assert err.value.param == "prompt"
+
+
+async def test_a_prompt_the_scheduler_refuses_is_a_prompt_rejection() -> None:
+    """Within six tokens of the context the tokenizer admits the prompt and SGLang's scheduler
+    refuses it: the stream's last chunk is a 400 abort, `Input length (…) exceeds …`."""
+    async with sglang(max_model_len=len(PROMPT) + 3) as (_, adapter):
+        with pytest.raises(EngineRejected) as err:
+            await collect(adapter, call(max_tokens=2))
+    assert err.value.param == "prompt" and err.value.message.startswith("Input length (")
 
 
 async def test_routed_experts_decode_to_rows_layers_topk() -> None:

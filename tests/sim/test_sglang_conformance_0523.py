@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any
 
 import aiohttp
@@ -92,6 +93,56 @@ async def test_every_stream_chunk_has_the_0523_shape(
             assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
 
 
+SENT = "response_sent_to_client_ts"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_assembled_output_reports_dp_rank_null(
+    session: aiohttp.ClientSession, stream: bool
+) -> None:
+    """One scheduler, no data-parallel controller: its rank is None and the batch still lists it, so
+    ``_handle_batch_output`` writes ``"dp_rank": null`` (TM 2616-2617) before ``e2e_latency``."""
+    async with sglang_engine(eos_probability=0.0) as eng:
+        reply = await generate(session, eng.url, body(max_new_tokens=4, stream=stream))
+    outs = stream_outputs(reply) if stream else [reply.json]
+    for out in outs:
+        meta = out["meta_info"]
+        assert "dp_rank" in meta and meta["dp_rank"] is None, meta
+        assert output_problems(out) == []
+    assert [k for k in outs[-1]["meta_info"] if k != SENT][-2:] == ["dp_rank", "e2e_latency"]
+
+
+@pytest.mark.parametrize("mode", ["body", "cumulative", "incremental"])
+async def test_only_the_first_output_carries_the_send_time(session: aiohttp.ClientSession, mode: str) -> None:
+    """``response_sent_to_client_ts`` (wall-clock seconds) is set once per request, on the first
+    output sent: the non-streaming body or the first stream chunk (TM 2025-2029, 2055-2059)."""
+    opts = SGLangOptions(incremental_streaming_output=mode == "incremental")
+    before = time.time()
+    async with sglang_engine(opts, eos_probability=0.0) as eng:
+        reply = await generate(session, eng.url, body(max_new_tokens=5, stream=mode != "body"))
+    after = time.time()
+    outs = [reply.json] if mode == "body" else stream_outputs(reply)
+    assert len(outs) == 1 if mode == "body" else len(outs) >= 2
+    assert [SENT in o["meta_info"] for o in outs] == [True] + [False] * (len(outs) - 1)
+    assert before <= outs[0]["meta_info"][SENT] <= after
+    assert list(outs[0]["meta_info"])[-1] == SENT, "appended after every other key"
+    assert [output_problems(o, incremental=mode == "incremental") for o in outs] == [[]] * len(outs)
+
+
+async def test_a_queued_abort_echo_sent_first_carries_the_send_time(session: aiohttp.ClientSession) -> None:
+    """A non-streaming request retracted and aborted: the tokenizer's echo is its first output."""
+    async with sglang_engine(**SLOW) as eng:
+        task = asyncio.create_task(generate(session, eng.url, body("q", 4000)))
+        await eng.core.wait_for_tokens("q", 3)
+        assert (await post(session, eng.url + "/pause_generation", {"mode": "retract"})).status == 200
+        assert (await post(session, eng.url + "/abort_request", {"rid": "q"})).status == 200
+        reply = await task
+        assert (await post(session, eng.url + "/continue_generation", {})).status == 200
+    meta = reply.json["meta_info"]
+    assert S.QUEUED_ABORT_META.problems(meta) == []
+    assert list(meta)[-1] == SENT and isinstance(meta[SENT], float)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_an_aborted_output_has_finish_abort(session: aiohttp.ClientSession, stream: bool) -> None:
     async with sglang_engine(**SLOW) as eng:
@@ -124,6 +175,8 @@ async def test_the_queued_abort_echo_has_the_tokenizers_own_shape(session: aioht
     streamed = [i for c in chunks[:-1] for i in c["output_ids"]]
     assert last["output_ids"] == streamed[-1:] and meta["completion_tokens"] == len(streamed)
     assert [t[1] for t in meta["output_token_logprobs"]] == streamed  # whole, not sliced
+    assert SENT not in meta, "the send time was on the first chunk"
+    assert "dp_rank" not in meta, "the tokenizer builds the echo itself (TM 3603-3608)"
 
 
 async def test_control_routes_answer_0523_bodies(session: aiohttp.ClientSession) -> None:

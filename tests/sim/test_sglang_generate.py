@@ -29,7 +29,14 @@ async def test_nonstream_object_and_meta_info(session: aiohttp.ClientSession) ->
     out = r.json
     assert list(out) == ["text", "output_ids", "meta_info"]
     m = out["meta_info"]
-    assert list(m) == [*META_HEAD, *META_LOGPROBS, *META_COUNTS, "e2e_latency"]
+    assert list(m) == [
+        *META_HEAD,
+        *META_LOGPROBS,
+        *META_COUNTS,
+        "dp_rank",
+        "e2e_latency",
+        "response_sent_to_client_ts",
+    ]
     assert m["id"] == "req-a"  # the client's rid, verbatim
     assert m["finish_reason"] == {"type": "length", "length": 5}
     assert m["prompt_tokens"] == len(PROMPT) and m["completion_tokens"] == 5
@@ -171,7 +178,7 @@ async def test_cached_tokens_count_a_repeated_prefix(session: aiohttp.ClientSess
 async def test_an_unknown_sampling_key_is_the_contract_gates_bare_string_400(
     session: aiohttp.ClientSession, stream: bool
 ) -> None:
-    """SGLang 0.5.23's contract gate (http_server.py 937-939): 400 ``{"error": "<text>"}``, even
+    """SGLang 0.5.23's contract gate (entrypoints/http_server.py 937-939): 400 ``{"error": "<text>"}``, even
     for a stream (it runs before the stream opens), and nothing starts."""
     async with sglang_engine() as eng:
         payload = {"input_ids": PROMPT, "sampling_params": {"max_tokens": 4}, "stream": stream}
@@ -222,10 +229,11 @@ async def test_prompt_at_the_context_length_is_rejected(session: aiohttp.ClientS
 
 async def test_a_budget_over_the_context_is_refused_not_cut(session: aiohttp.ClientSession) -> None:
     # 0.5.23 managers/tokenizer_manager.py:1353-1378 (vLLM cuts the output at the context instead).
-    async with sglang_engine(max_model_len=30) as eng:
+    async with sglang_engine(max_model_len=30, eos_probability=0.0) as eng:
         fits = await generate(session, eng.url, body("fits", 10))
         over = await generate(session, eng.url, body("over", 11))
-    assert fits.status == 200 and fits.json["meta_info"]["completion_tokens"] == 10
+    # Admitted, then capped by the scheduler two tokens short of the context (test_sglang_admission).
+    assert fits.status == 200 and fits.json["meta_info"]["completion_tokens"] == 8
     msg = (
         "Requested token count exceeds the model's maximum context length of 30 tokens. You requested "
         "a total of 31 tokens: 20 tokens from the input messages and 11 tokens for the completion. "
@@ -287,7 +295,12 @@ async def test_routed_experts_raw_int32_rows_and_start(session: aiohttp.ClientSe
             )
         ).json
         without = (await generate(session, eng.url, body("c", 5))).json
-    assert list(full["meta_info"])[-2:] == ["routed_experts", "e2e_latency"]
+    assert list(full["meta_info"])[-4:] == [
+        "routed_experts",
+        "dp_rank",
+        "e2e_latency",
+        "response_sent_to_client_ts",
+    ]
     rows = decode_routed(full["meta_info"]["routed_experts"], 3, 2)
     assert rows.shape == (len(PROMPT) + 5 - 1, 3, 2)
     assert ((rows >= 0) & (rows < 8)).all()
@@ -306,11 +319,17 @@ async def test_routed_experts_need_the_server_flag(session: aiohttp.ClientSessio
 
 
 async def test_routed_experts_start_out_of_range(session: aiohttp.ClientSession) -> None:
+    """The scheduler's refusal (SCH 3300-3319), a 400 ``ValueError`` when not streaming
+    (test_sglang_admission has the stream)."""
     async with sglang_engine(return_routed_experts=True) as eng:
         r = await generate(
             session, eng.url, body("a", 3, return_routed_experts=True, routed_experts_start_len=21)
         )
-    assert r.status == 400 and "routed_experts_start_len" in r.json["error"]["message"]
+    msg = (
+        "recv_req.routed_experts_start_len=21 is higher than the number of input tokens "
+        "len(req.origin_input_ids)=20. Please use a smaller routed_experts_start_len."
+    )
+    assert r.status == 400 and r.json == {"error": {"message": msg}}
 
 
 # ---------------------------------------------------------------------------- image_data

@@ -82,24 +82,29 @@ def _shape(
 
 
 # --------------------------------------------------------------------------- /generate outputs
-#: ``_handle_batch_output``'s out_dict (TM 2624-2660): ``text`` only with a tokenizer (the
-#: ``BatchTokenIDOutput`` branch, TM 2664-2695, has none), ``prompt_token_ids`` when asked (TM 2659).
+#: ``_handle_batch_output``'s out_dict (TM 2624-2674): ``text`` only with a tokenizer (the
+#: ``BatchTokenIDOutput`` branch, TM 2675-2713, has none), ``prompt_token_ids`` when asked (TM
+#: 2673-2674, 2712-2713).
 OUTPUT = _shape(
     "generate output",
-    f"{TM}:2624-2660,2664-2697",
+    f"{TM}:2624-2674,2675-2713",
     [("text", (str, NULL)), ("output_ids", (list,)), ("meta_info", (dict,)), ("prompt_token_ids", (list,))],
     optional=("text", "prompt_token_ids"),
 )
 
 #: ``meta_info`` of a running or finished request, keys in insertion order: the five of TM
-#: 2507-2513; logprobs via ``add_logprob_to_meta_info`` (TM 2868-2870, top logprobs TM 2938, 2973);
-#: TM 2555-2557; the spans (``add_weight_versions_to_meta_info``, WV 99-107, which overwrites
-#: ``weight_version`` in place so its position stays the fourth); image tokens TM 2591-2592; routed
-#: experts TM 2602-2609 (base64 text); ``dp_rank`` TM 2617; ``e2e_latency`` on the finished output
-#: TM 2753.
+#: 2507-2513; logprobs via ``convert_logprob_style`` (TM 2521, 3009) and ``add_logprob_to_meta_info``
+#: (TM 2840, 2868-2870; top logprobs TM 2938, 2973); TM 2555-2557; the spans
+#: (``add_weight_versions_to_meta_info``, TM 2564; WV 90, 99-107, which overwrites ``weight_version``
+#: in place so its position stays the fourth); image tokens TM 2591-2592; routed experts TM
+#: 2602-2609 (base64 text); ``dp_rank`` TM 2616-2617 (null without a data-parallel controller: the
+#: scheduler's rank is None, ``managers/scheduler_components/output_streamer.py`` 723, and the list of
+#: them is still truthy); ``e2e_latency`` on the finished output TM 2753;
+#: ``response_sent_to_client_ts`` on the first output sent only (``_stream_one_response``, TM 1946,
+#: 2025-2029, 2055-2059).
 META_INFO = _shape(
     "meta_info",
-    f"{TM}:2507-2617,2753,2868-2870; {WV}:99-107",
+    f"{TM}:2507-2617,2753,2868-2870,2938,2973,2027,2057; {WV}:99-107",
     [
         ("id", (str,)),
         ("finish_reason", (dict, NULL)),
@@ -117,8 +122,9 @@ META_INFO = _shape(
         ("weight_versions", (list,)),
         ("image_tokens", (int,)),
         ("routed_experts", (str,)),
-        ("dp_rank", (int,)),
+        ("dp_rank", (int, NULL)),
         ("e2e_latency", NUM),
+        ("response_sent_to_client_ts", NUM),
     ],
     optional=(
         "input_token_logprobs",
@@ -131,6 +137,7 @@ META_INFO = _shape(
         "routed_experts",
         "dp_rank",
         "e2e_latency",
+        "response_sent_to_client_ts",
     ),
 )
 
@@ -139,11 +146,13 @@ META_INFO = _shape(
 INCREMENTAL_KEYS = ("output_token_logprobs", "output_top_logprobs")
 
 #: ``meta_info`` the tokenizer builds itself for a request aborted in the waiting queue
-#: (``_handle_abort_req``, TM 3603-3628): no ``prompt_tokens``, ``num_retractions``,
-#: ``cached_tokens`` or ``reasoning_tokens``; logprobs whole (``finished=True``, TM 3615-3624).
+#: (``_handle_abort_req``, TM 3577, 3603-3628): no ``prompt_tokens``, ``num_retractions``,
+#: ``cached_tokens`` or ``reasoning_tokens``; spans as for any output (TM 3609-3614, WV 99-107);
+#: logprobs whole (``add_logprob_to_meta_info``, TM 3617-3625, with ``finished=True``);
+#: ``response_sent_to_client_ts`` when it is the first output sent (TM 2025-2029).
 QUEUED_ABORT_META = _shape(
     "queued-abort meta_info",
-    f"{TM}:3603-3628",
+    f"{TM}:3603-3628,2868-2870,2938,2973,2027; {WV}:99-107",
     [
         ("id", (str,)),
         ("finish_reason", (dict,)),
@@ -156,8 +165,10 @@ QUEUED_ABORT_META = _shape(
         ("input_top_logprobs", (list,)),
         ("output_top_logprobs", (list,)),
         ("completion_tokens", (int,)),
+        ("response_sent_to_client_ts", NUM),
     ],
     optional=(
+        "response_sent_to_client_ts",
         "weight_versions",
         "input_token_logprobs",
         "output_token_logprobs",
@@ -173,10 +184,11 @@ QUEUED_ABORT_OUTPUT = _shape(
     [("text", (str,)), ("output_ids", (list,)), ("meta_info", (dict,)), ("prompt_token_ids", (list,))],
     optional=("prompt_token_ids",),
 )
-#: ``finish_reason`` of that output (TM 3595-3599).
+#: ``finish_reason`` of that output (TM 3596-3600): the scheduler passes no reason of its own for a
+#: request popped by ``/abort_request`` or an abort pause (SCH 5700-5702, 6398-6403; TM 2254).
 QUEUED_ABORT_FINISH = _shape(
     "queued-abort finish_reason",
-    f"{TM}:3595-3599",
+    f"{TM}:3596-3600",
     [("type", (str,)), ("message", (str,))],
     values={"type": "abort", "message": "Abort in waiting queue"},
 )
@@ -186,9 +198,9 @@ WEIGHT_SPAN = _shape(
     "weight_versions[i]", f"{WV}:99-106", [("version", (str,)), ("start", (int,)), ("end", (int,))]
 )
 
-#: ``[logprob, token_id, text|null]`` (``detokenize_logprob_tokens``, TM 3104-3116): a tuple, JSON
+#: ``[logprob, token_id, text|null]`` (``detokenize_logprob_tokens``, TM 3098-3116): a tuple, JSON
 #: array of three.
-LOGPROB_TRIPLE_SOURCE = f"{TM}:3104-3116"
+LOGPROB_TRIPLE_SOURCE = f"{TM}:3098-3116"
 
 
 def logprob_triple_problems(triple: Any) -> list[str]:
@@ -209,7 +221,7 @@ def logprob_triple_problems(triple: Any) -> list[str]:
 # --------------------------------------------------------------------------- finish reasons
 FINISH_STOP = _shape(
     "finish_reason stop",
-    f"{SB}:284-305",
+    f"{SB}:284-317",
     [("type", (str,)), ("matched", (int, str, list))],
     values={"type": "stop"},
 )
@@ -263,7 +275,7 @@ SUCCESS_MESSAGE = _shape(
     "weights success/message", f"{HS}:1404-1417,1488-1505", [("success", (bool,)), ("message", (str,))]
 )
 #: ``/release_memory_occupation``, ``/resume_memory_occupation``: the handler returns ``None``, so
-#: FastAPI answers 200 with the JSON ``null`` (HS 1575-1597).
+#: FastAPI answers 200 with the JSON null (HS 1575-1597).
 MEMORY_SOURCE = f"{HS}:1575-1597"
 
 
@@ -275,7 +287,7 @@ MEMORY_SOURCE = f"{HS}:1575-1597"
 SERVER_INFO = _shape(
     "/server_info",
     f"{HS}:863-892; utils/common.py:3584-3593; arg_groups/fields/serving.py:58,172,262,274; "
-    "arg_groups/fields/exec_.py:158,1153; arg_groups/fields/model.py:110",
+    "arg_groups/fields/exec_.py:158,1153; arg_groups/fields/model.py:51,110",
     [
         ("model_path", (str,)),
         ("context_length", (int, NULL)),
@@ -339,10 +351,11 @@ ERROR_VALIDATION = _shape(
     [("object", (str,)), ("message", (str,)), ("type", (str,)), ("param", (str, NULL)), ("code", (int,))],
     values={"object": "error", "type": "Bad Request", "code": 400},
 )
-#: ``HTTPException`` on native routes (HS 578-631): ``type`` is the status as a string.
+#: ``HTTPException`` on native routes (HS 578-631, the envelope 625-631): ``type`` is the status as a
+#: string.
 ERROR_HTTP = _shape(
     "HTTPException",
-    f"{HS}:623-631; {PROTO}:106-111",
+    f"{HS}:625-631; {PROTO}:106-111",
     [("object", (str,)), ("message", (str,)), ("type", (str,)), ("param", (str, NULL)), ("code", (int,))],
     values={"object": "error"},
 )

@@ -22,8 +22,9 @@ import aiohttp
 #: different callers do not wait on each other for a connection in practice.
 MAX_CONNECTIONS = 1024
 #: Seconds an idle connection is kept for the next request (aiohttp's default, 15 s, covers the
-#: gap between the samples of a step and between back-to-back steps; a server that closes sooner
-#: is seen on the next request, which JsonPoster retries as a connection failure).
+#: gap between the samples of a step and between back-to-back steps). A server that closes sooner
+#: usually has its close seen first and the connection dropped from the pool; a POST that reuses
+#: it as it closes is sent again at once by JsonPoster, outside the caller's retries.
 KEEPALIVE_S = 15.0
 
 
@@ -35,8 +36,11 @@ class PostConnections:
         self._keepalive_s = keepalive_s
         self._connector: aiohttp.TCPConnector | None = None
 
-    def session(self, timeout_s: float) -> aiohttp.ClientSession:
+    def session(
+        self, timeout_s: float, *, trace_configs: list[aiohttp.TraceConfig] | None = None
+    ) -> aiohttp.ClientSession:
         """A session of one step's client over the shared pool; closing it leaves the pool open.
+        `trace_configs`: the client's hooks (JsonPoster's tells a reused connection from a new one).
 
         trust_env stays off: a server on the cluster network is never reached through a proxy
         configured for the outside world.
@@ -47,6 +51,7 @@ class PostConnections:
             connector=self._connector,
             connector_owner=False,
             timeout=aiohttp.ClientTimeout(total=timeout_s),
+            trace_configs=trace_configs,
         )
 
     async def close(self) -> None:

@@ -9,6 +9,14 @@ reply is read up to `max_reply_bytes` and no further, a probe answer up to `MAX_
 redirects are never followed (a redirect would send the payload to a host outside the allowlist);
 an error body is quoted in a failure reason up to `MAX_BODY_EXCERPT` bytes. A failure is a
 `ValueError` with its reason, for the caller to turn into its own per-sample outcome.
+
+A pooled keep-alive connection the server closed (servers close idle ones on their own clock,
+often sooner than the pool's `KEEPALIVE_S`) is not the server failing: a POST that reused one and
+lost it before any answer is sent again at once, once per POST, on a new connection, outside
+`max_retries` and without backoff (`_send`). Retries are at least once: every server POSTed to
+here is idempotent by contract (a reward is a score; an environment answers a repeated
+`(episode_id, turn)` the same way, docs/episodes.md); an idle close reads nothing, so that one
+re-send is applied once.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Protocol
 
 import aiohttp
@@ -32,6 +41,41 @@ MAX_BODY_EXCERPT = 128
 
 class _Retryable(Exception):
     """An attempt failed in a way another attempt may not."""
+
+
+class _Stale(Exception):
+    """A POST went out on a pooled connection the server had closed; nothing was answered."""
+
+
+class _Attempt:
+    """One attempt's connection, as the session's trace hook saw it."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        #: The connection came from the pool (kept alive from an earlier request).
+        self.reused = False
+
+
+async def _on_reuse(
+    session: aiohttp.ClientSession,
+    context: SimpleNamespace,
+    params: aiohttp.TraceConnectionReuseconnParams,
+) -> None:
+    attempt = context.trace_request_ctx
+    if isinstance(attempt, _Attempt):
+        attempt.reused = True
+
+
+def trace() -> aiohttp.TraceConfig:
+    """The trace hook that marks an attempt whose connection came from the pool."""
+    config = aiohttp.TraceConfig()
+    config.on_connection_reuseconn.append(_on_reuse)
+    return config
+
+
+#: How a connection that died unanswered looks: the server closed it (FIN) or reset it.
+_DEAD_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 def excerpt(body: bytes) -> str:
@@ -121,11 +165,13 @@ class JsonPoster:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None and self._connections is not None:
-            self._session = self._connections.session(self._timeout_s)
+            self._session = self._connections.session(self._timeout_s, trace_configs=[trace()])
         elif self._session is None:
             # trust_env stays off: a server on the cluster network is never reached through a proxy
             # configured for the outside world.
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self._timeout_s), trace_configs=[trace()]
+            )
         return self._session
 
     def _redirect(self, status: int) -> str | None:
@@ -149,19 +195,40 @@ class JsonPoster:
         """One POST with retries: the decoded JSON answer, or ValueError with the reason."""
         delay = self._backoff_s
         last = ""
-        for attempt in range(self._max_retries + 1):
-            if attempt:
+        resent = False
+        resend_now = False
+        attempt = 0
+        while attempt <= self._max_retries:
+            if attempt and not resend_now:
                 await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
                 delay *= 2
+            resend_now = False
             try:
-                async with (
-                    self._limit,
-                    self._http().post(self.url, json=payload, allow_redirects=False) as response,
-                ):
-                    return await self._read(response)
+                async with self._limit:
+                    response = await self._send(payload, resend=not resent)
+                    async with response:
+                        return await self._read(response)
+            except _Stale:
+                resent = resend_now = True
+                continue  # the same attempt again at once, on a new connection
             except (_Retryable, aiohttp.ClientError, TimeoutError) as exc:
                 last = str(exc) or type(exc).__name__
+            attempt += 1
         raise ValueError(f"{last} after {self._max_retries + 1} attempts")
+
+    async def _send(self, payload: Mapping[str, object], *, resend: bool) -> aiohttp.ClientResponse:
+        """Send the POST and wait for the answer's head. `_Stale` when it went out on a pooled
+        connection that died before any answer and this POST has not been re-sent yet: the
+        server's idle close, which the pool could not see in time."""
+        attempt = _Attempt()
+        try:
+            return await self._http().post(
+                self.url, json=payload, allow_redirects=False, trace_request_ctx=attempt
+            )
+        except _DEAD_CONNECTION as exc:
+            if resend and attempt.reused:
+                raise _Stale from exc
+            raise
 
     async def _read(self, response: aiohttp.ClientResponse) -> object:
         """One attempt's answer; `_Retryable` when another attempt may succeed."""

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from ..core import CORE_KEY, EngineCore
 from ..errors import json_response
+from . import admission
 from .state import SGLANG_KEY
 
 
@@ -79,7 +80,7 @@ async def server_info(request: web.Request) -> web.StreamResponse:
     cfg = core.config
     body = server_args(core)
     body["launch_command"] = None  # set only by the ``sglang serve`` launcher
-    body["max_req_input_len"] = cfg.max_model_len - 1
+    body["max_req_input_len"] = admission.max_req_input_len(cfg.max_model_len)
     body["max_total_num_tokens"] = cfg.max_model_len * cfg.max_num_seqs
     body["kv_events"] = None  # no KV-event publisher
     body["startup_time"] = request.app[SGLANG_KEY].startup_time

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -25,6 +27,7 @@ from ..params import ToySampling
 from ..request import parse_json_bytes
 from ..responses import DONE
 from ..sequence import Sequence
+from . import admission
 from .errors import SGLangContractError, SGLangError, SGLangValidationError
 from .output import OutputSpec, encode_int32_b64, meta_info, output_object, queued_abort_meta
 from .prepare import Prompt, input_logprobs, prepare_prompt
@@ -65,6 +68,12 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         prompt = await prepare_prompt(core, g)
         if state.duplicate(g.rid):
             raise SGLangError(f"Duplicate request ID detected: {g.rid}")
+        refused = admission.refusal(g, len(prompt.ids), core.config.max_model_len)
+        if refused is not None:
+            stats.generate_rejected += 1
+            if not g.stream:
+                raise SGLangError(refused)
+            return await _refused_stream(request, core, state, g, prompt, refused)
         p = g.sampling.params
         if (faults.request_500_seed >= 0 and p.seed == faults.request_500_seed) or faults.take("http_500"):
             stats.generate_rejected += 1
@@ -182,10 +191,15 @@ def _object(
     text: str | None,
     start: int,
     started: float,
+    first: bool,
 ) -> bytes:
+    """One output object; ``first``: the first one this request sends (it carries the send time)."""
     fin = seq.finish_reason is not None
     if fin and spec.rid in state.queued_aborts:
-        return orjson.dumps(_queued_abort(core, spec, seq, start=start, started=started))
+        out = _queued_abort(core, spec, seq, start=start, started=started)
+        if first and isinstance(qmeta := out["meta_info"], dict):
+            _stamp_sent(qmeta)
+        return orjson.dumps(out)
     meta = meta_info(
         spec,
         seq,
@@ -195,7 +209,16 @@ def _object(
         routed_experts=_routed(core, spec, seq) if fin else None,
         e2e_latency=time.monotonic() - started if fin else None,
     )
+    if first:
+        _stamp_sent(meta)
     return orjson.dumps(output_object(spec, text, seq.token_ids[start:], meta))
+
+
+def _stamp_sent(meta: dict[str, Any]) -> None:
+    """``response_sent_to_client_ts``: the wall-clock time the **first** output of a request is sent
+    (the non-streaming body, or the first stream chunk), appended last; later outputs have none
+    (0.5.23 ``_stream_one_response``, TM:1946, 2025-2029, 2055-2059: set once per request)."""
+    meta["response_sent_to_client_ts"] = time.time()
 
 
 def _queued_abort(
@@ -220,7 +243,14 @@ def _queued_abort(
 
 
 def _error_frame(
-    core: EngineCore, state: SGLangState, spec: OutputSpec, seq: Sequence, *, incremental: bool, start: int
+    core: EngineCore,
+    state: SGLangState,
+    spec: OutputSpec,
+    seq: Sequence,
+    *,
+    incremental: bool,
+    start: int,
+    first: bool,
 ) -> bytes:
     """The final stream chunk of a request the scheduler ended with an internal error."""
     begin = start if incremental else 0
@@ -234,8 +264,64 @@ def _error_frame(
         e2e_latency=None,
     )
     meta["finish_reason"] = dict(ERROR_FINISH)
+    if first:
+        _stamp_sent(meta)
     text = (seq.take_text_delta() if incremental else seq.text) if spec.want_text else None
     return b"data: " + orjson.dumps(output_object(spec, text, seq.token_ids[begin:], meta)) + b"\n\n"
+
+
+async def _refused_stream(
+    request: web.Request, core: EngineCore, state: SGLangState, g: SGLangRequest, prompt: Prompt, why: str
+) -> web.StreamResponse:
+    """A streaming request the scheduler refuses (``admission.refusal``): its one-token stub takes
+    one forward pass, and the stream's only chunk ends it with the 400 abort, then ``[DONE]``
+    (TM 1922, 2042-2048). ``prompt_tokens`` is the stub's 1; no logprobs, cache or routing."""
+    spec = _spec(core, state, g, prompt)
+    stub = dataclasses.replace(
+        spec,
+        prompt_ids=list(admission.STUB_PROMPT),
+        length_limit=1,
+        return_logprob=False,
+        cached_tokens=0,
+        image_tokens=0,
+        prompt_token_ids=False,
+        routed_start=None,
+    )
+    _seed(core, g.sampling.params)
+    ereq = core.new_request(g.rid, stub.prompt_ids, g.sampling.params, max_out=1, want_text=spec.want_text)
+    resp = web.StreamResponse(status=200, headers={"Content-Type": SSE_CT})
+    await resp.prepare(request)
+    started = time.monotonic()
+    gen = core.run(ereq)
+    try:
+        async with contextlib.aclosing(gen):
+            async for _ in gen:
+                pass
+    except (ConnectionError, asyncio.CancelledError):
+        core.stats.disconnects += 1
+        raise
+    finally:
+        state.forget(g.rid)
+    seq = ereq.seqs[0]
+    meta = meta_info(
+        stub,
+        seq,
+        version=core.version,
+        retractions=0,
+        start=0,
+        routed_experts=None,
+        e2e_latency=time.monotonic() - started,
+    )
+    meta["finish_reason"] = admission.refused_finish(why)
+    _stamp_sent(meta)
+    out = output_object(stub, seq.text if spec.want_text else None, seq.token_ids, meta)
+    if spec.prompt_token_ids:
+        out["prompt_token_ids"] = spec.prompt_ids  # the tokenizer's own state keeps the real prompt
+    with contextlib.suppress(ConnectionError):
+        await resp.write(b"data: " + orjson.dumps(out) + b"\n\n")
+        await resp.write(DONE)
+        await resp.write_eof()
+    return resp
 
 
 def _finish(state: SGLangState, spec: OutputSpec, ereq: EngineRequest) -> None:
@@ -255,7 +341,7 @@ async def _nonstream(
     try:
         await run_to_end(request, core, ereq, plan)
         seq = ereq.seqs[0]
-        body = _object(core, state, spec, seq, text=seq.text, start=0, started=started)
+        body = _object(core, state, spec, seq, text=seq.text, start=0, started=started, first=True)
     except _Dropped:
         return web.Response(status=200)
     except _StreamFault:
@@ -284,6 +370,7 @@ async def _stream(
     interval = g.sampling.params.stream_interval or opts.stream_interval
     seq = ereq.seqs[0]
     sent = 0
+    chunks = 0
     started = time.monotonic()
     gen = core.run(ereq)
     try:
@@ -295,11 +382,16 @@ async def _stream(
                     continue
                 if incremental:
                     text = seq.take_text_delta() if spec.want_text else None
-                    obj = _object(core, state, spec, seq, text=text, start=sent, started=started)
+                    obj = _object(
+                        core, state, spec, seq, text=text, start=sent, started=started, first=not chunks
+                    )
                 else:
-                    obj = _object(core, state, spec, seq, text=seq.text, start=0, started=started)
+                    obj = _object(
+                        core, state, spec, seq, text=seq.text, start=0, started=started, first=not chunks
+                    )
                 await resp.write(b"data: " + obj + b"\n\n")
                 sent = n
+                chunks += 1
                 plan.check(request, n)
             await resp.write(DONE)
     except _Dropped:
@@ -308,7 +400,10 @@ async def _stream(
         # A scheduler-side error after the stream opened is the final output itself, an abort with
         # the error's status (docs/sglang-http-api.md §3.1, §7), then [DONE].
         with contextlib.suppress(ConnectionError):
-            await resp.write(_error_frame(core, state, spec, seq, incremental=incremental, start=sent))
+            frame = _error_frame(
+                core, state, spec, seq, incremental=incremental, start=sent, first=not chunks
+            )
+            await resp.write(frame)
             await resp.write(DONE)
         return resp
     except (ConnectionError, asyncio.CancelledError):

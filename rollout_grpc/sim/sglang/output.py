@@ -18,7 +18,7 @@ import numpy as np
 from ..sequence import Sequence, TokenLogprob
 from ..vocab import EOS_ID, Vocab
 
-#: ``_handle_abort_req``'s message for a request popped from the waiting queue (TM:3595).
+#: ``_handle_abort_req``'s message for a request popped from the waiting queue (TM:3596).
 QUEUED_ABORT_MESSAGE = "Abort in waiting queue"
 ABORT_FINISH = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
@@ -126,6 +126,10 @@ def meta_info(
         m["image_tokens"] = spec.image_tokens
     if routed_experts is not None:
         m["routed_experts"] = routed_experts
+    # One scheduler and no data-parallel controller: its rank is None (``SpawnRanks.dp_rank``), and
+    # every batch output still carries ``dp_ranks = [None] * n`` (output_streamer.py:723), a list,
+    # so SGLang 0.5.23 writes ``"dp_rank": null`` into every output it assembles (TM:2616-2617).
+    m["dp_rank"] = None
     if e2e_latency is not None:
         m["e2e_latency"] = e2e_latency
     return m
@@ -133,7 +137,7 @@ def meta_info(
 
 def queued_abort_meta(spec: OutputSpec, seq: Sequence, *, version: str, e2e_latency: float) -> dict[str, Any]:
     """``meta_info`` of a request aborted in the waiting queue, built by the tokenizer itself
-    (``_handle_abort_req``, TM:3596-3631): no ``prompt_tokens``, ``cached_tokens`` or
+    (``_handle_abort_req``, TM:3577-3637): no ``prompt_tokens``, ``cached_tokens`` or
     ``routed_experts``; the logprob lists whole (not sliced, even when streaming incrementally)."""
     m: dict[str, Any] = {
         "id": spec.rid,

@@ -5,10 +5,11 @@ simulator's shared ``ToySampling``, with SGLang's defaults and ``verify`` messag
 The differences from vLLM that a client trips over are kept: ``max_new_tokens`` defaults to 128
 (explicit ``null`` = up to the context), ``top_k`` ``-1`` disables and ``0`` is an error, a
 temperature below 1e-6 means greedy, ``skip_special_tokens`` defaults to true, ``no_stop_trim``
-keeps the stop text, and **an unknown key is an error**: SGLang 0.5.23's JSON contract gate
-(``entrypoints/http_server.py`` 937-939, ``api/v1/api_types.py`` 97-108 and 1256-1320) answers 400
-with the bare-string envelope ``{"error": "unknown field `k`, expected one of …"}``, before any
-stream opens.
+keeps the stop text, and **an unknown key or a value of the wrong type is an error**: SGLang
+0.5.23's JSON contract gate (``contract``; ``entrypoints/http_server.py`` 937-939,
+``api/v1/api_types.py`` 97-108 and 1256-1320) answers 400 with the bare-string envelope
+``{"error": "unknown field `k`, expected one of …"}`` or ``{"error": "invalid type: …, expected
+f64"}``, before any stream opens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..params import ToySampling
-from .errors import SGLangContractError, SGLangError
+from .contract import check
+from .errors import SGLangError
 
 DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_BELOW = 1e-6
@@ -49,38 +51,6 @@ UNSUPPORTED = (
     "watermark",
     "choice",
 )
-#: The contract's ``SamplingParams`` fields, in its order (``api/v1/api_types.py`` 1256): what
-#: the unknown-field message lists.
-CONTRACT_FIELDS = (
-    "max_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "stop_regex",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_new_tokens",
-    "n",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "stream_interval",
-    "logit_bias",
-    "sampling_seed",
-    "custom_params",
-    "beam_width",
-    "watermark",
-    "choice",
-)
 KNOWN = frozenset((*_FLOATS, *_INTS, *_OPT_INTS, *_BOOLS, *_OTHER, *UNSUPPORTED))
 
 
@@ -94,40 +64,24 @@ class SGLangSampling:
     max_new_tokens: int | None
 
 
-def _number(raw: dict[str, Any], name: str, *, integer: bool) -> Any:
-    v = raw[name]
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok:
-        kind = "an integer" if integer else "a number"
-        raise SGLangError(f"sampling_params.{name} must be {kind}, got {v!r}.")
-    return v
-
-
 def parse_sampling_params(raw: Any, vocab_size: int) -> SGLangSampling:
     """Decode, default and ``verify`` one ``sampling_params`` object."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise SGLangError(f"sampling_params must be an object, got {raw!r}.")
-    unknown = [k for k in raw if k not in KNOWN]
-    if unknown:
-        listed = ", ".join(f"`{f}`" for f in CONTRACT_FIELDS)
-        raise SGLangContractError(f"unknown field `{unknown[0]}`, expected one of {listed}")
+    check(raw)  # the contract gate: unknown keys and value types, before anything else
     for name in UNSUPPORTED:
         if raw.get(name) is not None:
             raise SGLangError(f"sampling_params.{name} is not supported by the simulated engine.")
     sp = ToySampling()
     values: dict[str, Any] = {}
+    # Past the gate every value has its type (null: the default).
     for name in _FLOATS:
         if raw.get(name) is not None:
-            values[name] = float(_number(raw, name, integer=False))
-    for name in (*_INTS, *_OPT_INTS):
+            values[name] = float(raw[name])
+    for name in (*_INTS, *_OPT_INTS, *_BOOLS):
         if raw.get(name) is not None:
-            values[name] = _number(raw, name, integer=True)
-    for name in _BOOLS:
-        if raw.get(name) is not None:
-            if not isinstance(raw[name], bool):
-                raise SGLangError(f"sampling_params.{name} must be a boolean, got {raw[name]!r}.")
             values[name] = raw[name]
     max_new = values.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS if "max_new_tokens" not in raw else None)
     temperature = values.get("temperature", 1.0)
@@ -182,8 +136,6 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SGLangSampling:
 def _logit_bias(raw: Any, vocab_size: int) -> dict[int, float] | None:
     if raw is None:
         return None
-    if not isinstance(raw, dict):
-        raise SGLangError(f"sampling_params.logit_bias must be an object, got {raw!r}.")
     out: dict[int, float] = {}
     for k, v in raw.items():
         try:
@@ -192,8 +144,6 @@ def _logit_bias(raw: Any, vocab_size: int) -> dict[int, float] | None:
             tid = -1
         if not 0 <= tid < vocab_size:
             raise SGLangError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {k}.")
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise SGLangError(f"sampling_params.logit_bias[{k}] must be a number, got {v!r}.")
         out[tid] = float(v)
     return out
 
@@ -203,16 +153,10 @@ def _stop(raw: Any) -> list[str]:
         return []
     if isinstance(raw, str):
         return [raw] if raw else []
-    if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
-        return [s for s in raw if s]
-    raise SGLangError(f"sampling_params.stop must be a string or a list of strings, got {raw!r}.")
+    return [s for s in raw if s]  # a list of strings (the gate)
 
 
 def _stop_ids(raw: Any) -> list[int]:
     if raw is None:
         return []
-    if not isinstance(raw, list) or not all(
-        t is None or (isinstance(t, int) and not isinstance(t, bool)) for t in raw
-    ):
-        raise SGLangError(f"sampling_params.stop_token_ids must be a list of integers, got {raw!r}.")
-    return list(dict.fromkeys(t for t in raw if t is not None))
+    return list(dict.fromkeys(raw))  # integers (the gate)

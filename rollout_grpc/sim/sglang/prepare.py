@@ -1,5 +1,5 @@
 """From a parsed ``/generate`` call to the prompt the engine runs: tokenisation, images, the
-``TokenizerManager`` checks (vocabulary, context length, routed-experts start) and the prompt
+``TokenizerManager`` checks (vocabulary, context length, the budget) and the prompt
 logprobs asked for with ``logprob_start_len`` (``docs/sglang-http-api.md`` §2, §9).
 
 With images, the ids are decoded and tokenized again first (``retokenize``), unless the server
@@ -24,6 +24,7 @@ from ..core import EngineCore
 from ..errors import ApiError
 from ..logprobs import prompt_rows
 from ..vocab import IMAGE_PAD_ID, Vocab
+from . import admission
 from .errors import SGLangError
 from .request import SGLangRequest
 
@@ -98,10 +99,6 @@ async def prepare_prompt(core: EngineCore, g: SGLangRequest) -> Prompt:
         raise SGLangError(
             f"The input ({len(ids)} tokens) is longer than the model's context length ({ctx} tokens)."
         )
-    if g.return_routed_experts and not 0 <= g.routed_experts_start_len <= len(ids):
-        raise SGLangError(
-            f"routed_experts_start_len={g.routed_experts_start_len} must be in [0, prompt_tokens={len(ids)}]."
-        )
     room = ctx - len(ids)
     max_new = g.sampling.max_new_tokens
     if max_new is not None and max_new > room:
@@ -113,7 +110,8 @@ async def prepare_prompt(core: EngineCore, g: SGLangRequest) -> Prompt:
             f"{max_new} tokens for the completion. Please reduce the number "
             "of tokens in the input messages or the completion to fit within the limit."
         )
-    return Prompt(ids, room if max_new is None else min(max_new, room), image_tokens, extra)
+    # The scheduler's cap (admission.budget): two tokens short of the context.
+    return Prompt(ids, admission.budget(max_new, len(ids), ctx), image_tokens, extra)
 
 
 def input_logprobs(

@@ -152,6 +152,7 @@ class ChunkReader:
         if "error" in chunk:
             raise self._error(chunk["error"])
         meta = chunk["meta_info"]
+        self._raise_engine_error(meta.get("finish_reason"))
         self._check_prompt(chunk, meta)
         ids = _ints(chunk.get("output_ids") or [], "output_ids")
         total = _count(meta.get("completion_tokens"), "completion_tokens")
@@ -246,14 +247,21 @@ class ChunkReader:
         status = code if type(code) is int else 400
         return rejection(self.url, status, str(error.get("message", "")) or "error event")
 
+    def _raise_engine_error(self, finish: object) -> None:
+        """A scheduler-side error reported as an abort with an error status (docs/sglang-http-api.md
+        §3.1, §7), read before anything else of its chunk: a request the scheduler refuses (a
+        prompt within six tokens of the context, a bad start) runs a one-token stub prompt, so
+        that chunk's `prompt_tokens` and ids are the stub's, not the sample's."""
+        if not isinstance(finish, dict) or finish.get("type") != "abort":
+            return
+        status = finish.get("status_code")
+        if type(status) is int and status >= 400:
+            raise rejection(self.url, status, str(finish.get("message") or "aborted by the engine"))
+
     def _final(self, meta: dict[str, Any], finish: object) -> list[EngineEvent]:
         if not isinstance(finish, dict):
             raise ValueError(f"finish_reason must be an object, got {str(finish)[:80]}")
         kind = FINISH_MAP.get(str(finish.get("type")), FinishKind.STOP)
-        status = finish.get("status_code")
-        if kind is FinishKind.ABORT and type(status) is int and status >= 400:
-            # A scheduler-side error reported as an abort (docs/sglang-http-api.md §3.1).
-            raise rejection(self.url, status, str(finish.get("message") or "aborted by the engine"))
         # The queued-abort echo reports neither: keep what the earlier outputs said (the sample's
         # prompt when none came, as nothing contradicted it).
         prompt = self.prompt_tokens if self.prompt_tokens is not None else self.prompt_len

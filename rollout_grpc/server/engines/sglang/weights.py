@@ -17,8 +17,9 @@ Read in SGLang 0.5.23's released source (`srt/entrypoints/http_server.py`, `srt/
   "world_size", "group_name", "backend"}` (each tensor-parallel rank joins as `rank_offset + tp_rank`)
   and `/update_weights_from_distributed {"names", "dtypes", "shapes", "group_name", "flush_cache",
   "abort_all_requests", ...}`, both -> `{"success", "message"}`, 400 on failure
-  (`http_server.py:1404,1488`). Ranks per engine: `tp_size` x `pp_size` of `/get_server_info`; data
-  parallel replicas would share rank offsets and are refused. Unverified here without GPUs.
+  (`entrypoints/http_server.py:1404,1488`). Ranks per engine: `tp_size` x `pp_size` of
+  `/get_server_info`; data parallel replicas would share rank offsets and are refused. Unverified
+  here without GPUs.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Read from SGLang 0.5.23's released source (docs/sglang-http-api.md), not from a 
 Three facts of that surface shape this module:
 
 * **Unknown `sampling_params` keys are errors** (the contract gate answers 400 `{"error":
-  "unknown field `k`, …"}`, http_server.py 937-939), so every
+  "unknown field `k`, …"}`, entrypoints/http_server.py 937-939), so every
   neutral knob is translated through `SAMPLING_NAMES`; a knob missing there is refused as the
   caller's error naming it (`EngineRejected` with the knob's neutral name), never dropped or sent.
 * **Defaults differ from vLLM's**: `max_new_tokens` defaults to 128 (an explicit null means "up to
@@ -62,8 +62,10 @@ _BODY_FIELD = re.compile(r"body\.(?:sampling_params\.)?([a-z_]+)")
 _UNEXPECTED_KEY = re.compile(r"unexpected keyword argument '([a-z_]+)'")
 #: The contract gate's serde-style messages (`unknown field `k`, expected one of …`).
 _UNKNOWN_FIELD = re.compile(r"^unknown field `([a-z_]+)`")
-#: Messages about the prompt (`input_ids cannot be empty.`, too long, out of vocabulary).
-_PROMPT_WORDS: Final = ("The input ", "input_ids", "Either text, input_ids")
+#: Messages about the prompt (`input_ids cannot be empty.`, too long for the tokenizer or, within
+#: six tokens of the context, for the scheduler: `Input length (…) exceeds the maximum allowed
+#: length`, docs/sglang-http-api.md §2.1).
+_PROMPT_WORDS: Final = ("The input ", "input_ids", "Either text, input_ids", "Input length ")
 
 
 def engine_request_id(call_id: str) -> str:
@@ -148,7 +150,8 @@ def generate_body(url: str, call: EngineCall, context_length: int | None = None)
     With the engine's `context_length` known, the budget is capped at the room the prompt leaves:
     SGLang 0.5.23 refuses `prompt + max_new_tokens > context` (400, docs/sglang-http-api.md §2.2)
     where vLLM ends the output `length` at the context, and the domain sends the sample's whole
-    remaining budget. Capped, both engines end such a call `length` at the context.
+    remaining budget. Capped, both engines end such a call `length`: vLLM at the context, SGLang's
+    scheduler two tokens short of it (`max_req_len - prompt - 1`, docs/sglang-http-api.md §2.2).
 
     With images, `return_prompt_token_ids` asks for the ids the engine really runs: SGLang's
     multimodal processors can decode `input_ids` to text and tokenize again, depending on the model
