@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc._proto import rollout_pb2_grpc as pb_grpc
 from rollout_grpc.server import config as sections
-from rollout_grpc.server import ports
+from rollout_grpc.server import side_ports
 from rollout_grpc.server.config import (
     PENDING_HEADROOM,
     ServerConfig,
@@ -62,7 +62,6 @@ from rollout_grpc.server.front.grpc.tls import peer_channel_credentials, server_
 from rollout_grpc.server.front.openai.server import OpenAIFrontDoor
 from rollout_grpc.server.observe.httplog import engine_call_logging, engine_calls_logged
 from rollout_grpc.server.observe.metrics import Metrics, MetricsEndpoint
-from rollout_grpc.server.ports import NO_REUSEPORT
 from rollout_grpc.server.rewards import registry as rewards_registry
 from rollout_grpc.server.rewards import remote_filter
 from rollout_grpc.server.rewards.connections import PostConnections
@@ -101,28 +100,6 @@ __all__ = [
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 REPLICA_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReplicaService"].full_name
-
-
-def _bind(
-    server: grpc.aio.Server,
-    host: str,
-    port: int,
-    credentials: grpc.ServerCredentials | None,
-    what: str,
-) -> int:
-    """Bind a gRPC server's port (0 = a free one); `ports.PortUnavailable` when it cannot be had."""
-    address = f"{host}:{port}"
-    try:
-        bound = (
-            server.add_secure_port(address, credentials)
-            if credentials is not None
-            else server.add_insecure_port(address)
-        )
-    except RuntimeError:  # grpcio: "Failed to bind to address ..."
-        bound = 0
-    if bound == 0:
-        raise ports.unavailable(what, host, port)
-    return bound
 
 
 class RolloutServer:
@@ -440,7 +417,7 @@ class RolloutServer:
                 (SERVICE_NAME, REPLICA_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                 server,
             )
-        self.port = _bind(
+        self.port = side_ports.bind(
             server, cfg.host, cfg.port, server_credentials(tls) if tls is not None else None, "gRPC, --port"
         )
         if self.peers is not None:
@@ -451,47 +428,19 @@ class RolloutServer:
         """The optional health, OpenAI front-door and metrics ports, each when configured."""
         cfg = self.config
         if cfg.health_port is not None:
-            await self._start_health_port(tls)
+            self._health_server, self.health_port = await side_ports.start_health_server(
+                self._health, cfg, tls
+            )
         door = cfg.section(sections.OpenAIConfig)
         if door.openai_port is not None:
-            self.front_door = OpenAIFrontDoor(
-                self.facade, door.openai, auth=self.auth, tls=tls, limits=cfg.request_limits()
+            self.front_door, self.openai_port = await side_ports.start_front_door(
+                self.facade, cfg, self.auth, tls, door.openai_port
             )
-            try:
-                self.openai_port = await self.front_door.start(
-                    cfg.host, door.openai_port, reuse_port=cfg.reuse_port
-                )
-            except OSError as exc:
-                raise ports.unavailable(
-                    "the OpenAI front door, --openai-port", cfg.host, door.openai_port, exc
-                ) from None
         observe = cfg.section(sections.ObserveConfig)
         if observe.metrics_port is not None:
-            self._metrics_endpoint = MetricsEndpoint(self.metrics)
-            try:
-                self.metrics_port = await self._metrics_endpoint.start(cfg.host, observe.metrics_port)
-            except OSError as exc:
-                raise ports.unavailable(
-                    "metrics, --metrics-port", cfg.host, observe.metrics_port, exc
-                ) from None
-
-    async def _start_health_port(self, tls: TlsConfig | None) -> None:
-        """A separate health-only server (plaintext when asked, so kubelet probes need no cert)."""
-        cfg = self.config
-        # Health requests are one service name: anything larger is refused by gRPC core unread.
-        self._health_server = grpc.aio.server(
-            options=[
-                NO_REUSEPORT,
-                ("grpc.max_receive_message_length", cfg.request_limits().max_open_request_bytes),
-            ]
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-        secure = tls is not None and not cfg.health_plaintext
-        credentials = server_credentials(tls, require_client_cert=False) if secure and tls else None
-        self.health_port = _bind(
-            self._health_server, cfg.host, cfg.health_port or 0, credentials, "health, --health-port"
-        )
-        await self._health_server.start()
+            self._metrics_endpoint, self.metrics_port = await side_ports.start_metrics(
+                self.metrics, cfg.host, observe.metrics_port
+            )
 
     def _on_engines_changed(self, any_usable: bool) -> None:
         if self._stopping:
