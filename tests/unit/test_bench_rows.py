@@ -10,6 +10,7 @@ import json
 import math
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,7 +139,10 @@ def test_every_floor_ratio_key_ends_in_vs_floor_or_vs_direct_and_reaches_the_nex
             {**_row(0.012), "path": "service", "tokens_per_s": 120.0, "latency_p50_ms": 1.0},
         ]
     )
-    results = {"floor": {"reps": 2, "variants": {"service": variant, "base": variant}}, "rows": rows}
+    results: dict[str, Any] = {
+        "floor": {"reps": 2, "variants": {"service": variant, "base": variant}},
+        "rows": rows,
+    }
     summary = bench_report.ratio_summary(results)
     assert summary and all(key.endswith(bench_report.RATIO_SUFFIXES) for key in summary)
     assert summary["abort_all_1024_vs_direct"] == 3.0 and summary["base:abort_all_1024_vs_direct"] == 3.0
