@@ -350,6 +350,7 @@ def run(
     log: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> dict[str, Any]:
     """Both phases for every variant (stopping each phase's processes after it); the results by variant."""
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     port_file = procs.fresh_port_file(group.workdir / "floor.port")
     floor_proc = group.start(
         "floor", [sys.executable, "-m", "bench.grpc_floor", "--serve", str(port_file)], cwd=procs.REPO
@@ -389,7 +390,8 @@ def run(
         result["ratios"] = ratio_keys(result)
     return {
         "reps": reps,
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "targets": FLOOR_TARGETS,
         "variants": results,
     }
