@@ -97,22 +97,28 @@ def direct_session(limit: int) -> aiohttp.ClientSession:
 SIM_MODEL = "sim-llama"
 
 
-def direct_body(token_ids: list[int], max_tokens: int, request_id: str, model: str = SIM_MODEL) -> bytes:
+def direct_body(
+    token_ids: list[int], max_tokens: int, request_id: str, model: str = SIM_MODEL, stream_interval: int = 1
+) -> bytes:
     """The `/inference/v1/generate` body vime's streaming rollout sends (tokens mode).
 
-    `model` must be one the engine serves: vLLM answers 404 for any other name.
+    `model` must be one the engine serves: vLLM answers 404 for any other name. `stream_interval`
+    > 1 asks for that many tokens per SSE event, as the service does (bench/floor.py's HTTP floor).
     """
+    sampling: dict[str, object] = {
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "logprobs": 1,
+    }
+    if stream_interval > 1:
+        sampling["stream_interval"] = stream_interval
     return orjson.dumps(
         {
             "request_id": request_id,
             "token_ids": token_ids,
             "model": model,
-            "sampling_params": {
-                "max_tokens": max_tokens,
-                "ignore_eos": True,
-                "temperature": 1.0,
-                "logprobs": 1,
-            },
+            "sampling_params": sampling,
             "stream": True,
         }
     )
@@ -178,11 +184,20 @@ async def served_model(url: str) -> str:
 
 
 async def run_direct(
-    engines: list[str], concurrency: int, requests: int, max_tokens: int, seed: int, model: str = SIM_MODEL
+    engines: list[str],
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    seed: int,
+    model: str = SIM_MODEL,
+    stream_interval: int = 1,
 ) -> RunResult:
     """The workload posted straight to the engines, round-robin."""
     rng = random.Random(seed)
-    bodies = [direct_body(prompt(rng), max_tokens, f"bench-d{seed}-{i}", model) for i in range(requests)]
+    bodies = [
+        direct_body(prompt(rng), max_tokens, f"bench-d{seed}-{i}", model, stream_interval)
+        for i in range(requests)
+    ]
     async with direct_session(concurrency) as session:
         return await closed_loop(
             concurrency, requests, lambda i: direct_generate(session, engines[i % len(engines)], bodies[i])

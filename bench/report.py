@@ -106,6 +106,119 @@ def abort_table(aborts: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+#: Targets of issue 35 item 5 for the ratios of the floor section (`bench/floor.py`).
+FLOOR_TARGETS = {"cpu_per_token": 1.5, "ttft_p50": 1.3, "abort_all": 1.5}
+#: What a ratio key of `benchmarks.json` ends with: the next run compares every such key.
+RATIO_SUFFIXES = ("_vs_floor", "_vs_direct")
+
+
+def ratio_summary(results: dict[str, Any]) -> dict[str, float | None]:
+    """Every `_vs_floor` / `_vs_direct` ratio of a run, by one flat key: the floor section's
+    (`bench/floor.py`; prefixed `<variant>:` for variants other than `service`) and each
+    throughput row's `tokens_per_s_vs_direct` (`<workload> | <path>:tokens_per_s_vs_direct`)."""
+    out: dict[str, float | None] = {}
+    for name, variant in (results.get("floor") or {}).get("variants", {}).items():
+        prefix = "" if name == "service" else f"{name}:"
+        for key, value in variant.get("ratios", {}).items():
+            out[prefix + key] = value
+    for row in results.get("rows", []):
+        if row["path"] != "direct" and "tokens_per_s_vs_direct" in row:
+            out[f"{row['workload']} | {row['path']}:tokens_per_s_vs_direct"] = row["tokens_per_s_vs_direct"]
+    return out
+
+
+def floor_table(floor: dict[str, Any]) -> list[str]:
+    """The floor section (`bench/floor.py`): each ratio's median over paired repetitions, its
+    spread and its target, with the medians it was made from."""
+    out = [
+        "| variant | ratio | median | spread (min-max) | target | service | floor (or direct) |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+
+    def fmt(p: dict[str, Any]) -> tuple[str, str]:
+        if p["median"] is None:
+            return "-", "-"
+        return f"{p['median']:.2f}x", f"{p['min']:.2f}-{p['max']:.2f}"
+
+    def line(name: str, key: str, p: dict[str, Any], target: str, service: str, floor_col: str) -> str:
+        med, spread = fmt(p)
+        return f"| {name} | `{key}` | {med} | {spread} | {target} | {service} | {floor_col} |"
+
+    t = FLOOR_TARGETS
+    for name, result in floor["variants"].items():
+        for row in result["streams"]:
+            c = row["concurrency"]
+            svc_cpu = f"{row['service_cpu_us_per_token_median']:.1f} us/token"
+            out.append(
+                line(
+                    name,
+                    f"cpu_per_token_c{c}_vs_floor",
+                    row["cpu_per_token"],
+                    f"<= {t['cpu_per_token']}x",
+                    svc_cpu,
+                    f"{row['floor_cpu_us_per_token_median']:.1f} us/token (grpc.aio)",
+                )
+            )
+            if "cpu_per_token_with_http" in row:
+                both = row["floor_cpu_us_per_token_median"] + row["http_client_cpu_us_per_token_median"]
+                out.append(
+                    line(
+                        name,
+                        f"cpu_per_token_with_http_c{c}_vs_floor",
+                        row["cpu_per_token_with_http"],
+                        "-",
+                        svc_cpu,
+                        f"{both:.1f} us/token (grpc.aio + aiohttp SSE client "
+                        f"{row['http_client_cpu_us_per_token_median']:.1f})",
+                    )
+                )
+            out.append(
+                line(
+                    name,
+                    f"ttft_p50_c{c}_vs_floor",
+                    row["ttft_p50"],
+                    f"<= {t['ttft_p50']}x",
+                    f"{row['service_ttft_p50_ms_median']:,.1f} ms",
+                    f"{row['floor_ttft_p50_ms_median']:,.1f} ms",
+                )
+            )
+            added = row["service_ttft_p50_ms_median"] - row["direct_ttft_p50_ms_median"]
+            out.append(
+                line(
+                    name,
+                    f"ttft_added_p50_c{c}_vs_floor",
+                    row["ttft_added_p50"],
+                    f"<= {t['ttft_p50']}x",
+                    f"+{added:,.1f} ms over direct's {row['direct_ttft_p50_ms_median']:,.1f}",
+                    f"{row['floor_ttft_p50_ms_median']:,.1f} ms",
+                )
+            )
+            out.append(line(name, f"tokens_per_s_c{c}_vs_direct", row["tokens_per_s"], ">= 1.0x", "", ""))
+        for row in result["aborts"]:
+            n = row["in_flight"]
+            out.append(
+                line(
+                    name,
+                    f"abort_all_{n}_vs_direct",
+                    row["service"],
+                    f"<= {t['abort_all']}x",
+                    f"{num(row['service_ms_median'], ',.1f')} ms",
+                    f"direct {num(row['direct_ms_median'], ',.1f')} ms",
+                )
+            )
+            out.append(
+                line(
+                    name,
+                    f"abort_floor_{n}_vs_direct",
+                    row["floor"],
+                    "-",
+                    "",
+                    f"grpc.aio {num(row['floor_ms_median'], ',.1f')} ms",
+                )
+            )
+    return out
+
+
 def previous_summary(old: dict[str, Any]) -> dict[str, Any]:
     """What a later run compares itself with: the ratios, TTFTs and abort times of `old`."""
     env = old.get("environment", {})
@@ -124,6 +237,7 @@ def previous_summary(old: dict[str, Any]) -> dict[str, Any]:
             f"{a['in_flight']} | {a['path']}": a.get("error") or round(a["last_delivery_s"] * 1000, 1)
             for a in old.get("abort", [])
         },
+        "ratios": ratio_summary(old),
     }
 
 
@@ -161,6 +275,13 @@ def previous_table(results: dict[str, Any]) -> list[str]:
             now = row.get("error") or f"{row['last_delivery_s'] * 1000:,.1f}"
             was = before if isinstance(before, str) else f"{before:,.1f}"
             out.append(f"| {row['in_flight']} | {row['path']} | {was[:80]} | {now[:80]} |")
+    before_ratios = prev.get("ratios") or {}
+    now_ratios = ratio_summary(results)
+    shared = [key for key in now_ratios if key in before_ratios]
+    if shared:
+        out += ["", "| ratio (`_vs_floor` / `_vs_direct`) | before | now |", "| --- | ---: | ---: |"]
+        for key in shared:
+            out.append(f"| `{key}` | {num(before_ratios[key], '.2f')} | {num(now_ratios[key], '.2f')} |")
     out.append("")
     return out
 
@@ -228,6 +349,31 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             "grpc.aio itself.",
             "",
             *abort_table(results["abort"]),
+            "",
+        ]
+    if results.get("floor"):
+        floor = results["floor"]
+        env_floor = floor.get("environment") or env
+        lines += [
+            "## Against the floors: grpc.aio alone, and the engines' own abort",
+            "",
+            "`bench/floor.py`, in one run (commit "
+            f"{env_floor.get('commit', '?')}, {env_floor.get('date', '?')}, load average at its start "
+            f"{floor.get('load_average_at_start')}, at its end {floor.get('load_average_at_end', '?')}): "
+            "at 20 ms/token, as many 256-token streams as the concurrency, all started at once, through "
+            "the service (`--workers 1`); a bare grpc.aio server (`bench/grpc_floor.py`: no engines, HTTP "
+            "or service code) sending the same number of messages per call as far apart, read by a bare "
+            "grpc.aio client (its CPU scaled to the service's own message count of the repetition); "
+            "direct HTTP to the engines as vime sends it (one SSE event per token: TTFT and tokens/s); "
+            "and the HTTP floor, a bare aiohttp client reading the same streams with the engine asked "
+            "for a message's tokens per event as the service asks (`stream_interval`): the second "
+            "half of the service's work that is not its own code. "
+            "Abort(all) at 100 ms/token against the engines' own `/pause?mode=abort` + `/resume`, and "
+            "the bare server's held streams ended by one call. Paths alternate (ABBA) over "
+            f"{floor['reps']} repetitions; each ratio is the median of the per-repetition ratios, with "
+            "their spread.",
+            "",
+            *floor_table(floor),
             "",
         ]
     if results.get("previous"):

@@ -23,6 +23,7 @@ from rollout_grpc import logs, settings
 from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.server.exposure import ExposureRefused
 from rollout_grpc.server.ports import PortUnavailable
+from rollout_grpc.server.rollout import collector
 from rollout_grpc.server.state.api import StoreUnavailable
 
 log = structlog.get_logger("rollout_grpc.cli")
@@ -118,6 +119,9 @@ async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> i
         except PortUnavailable as exc:
             await server.stop()
             raise SystemExit(f"rollout-grpc serve: {exc}") from None
+        # What exists now lives as long as the process: frozen out of the collector's scans.
+        frozen, threshold = collector.settle_after_start()
+        log.info("collector_settled", frozen_objects=frozen, gen0_threshold=threshold)
         if args.port_file:
             tmp = args.port_file + ".tmp"
             Path(tmp).write_text(

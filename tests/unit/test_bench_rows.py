@@ -10,11 +10,13 @@ import json
 import math
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench import load, sections
-from bench.run import Workload, summarise
+from bench import floor, load, sections
+from bench import report as bench_report
+from bench.run import Workload, best_rows, summarise
 from bench.sections import num
 from bench.workers import report
 
@@ -66,3 +68,92 @@ def test_the_weight_update_section_shows_the_paired_ratios(tmp_path: Path) -> No
     lines = sections.render(tmp_path)
     assert lines[0].startswith("## Weight updates")
     assert "| 8 | 7.20 | 7.50 (11.0) | 1.03 [0.98-1.09] | 8.00 (12.0) | 1.08 |" in lines
+
+
+def _floor_variant() -> dict[str, object]:
+    """One variant of `bench/floor.py`'s results, built by its own summarising functions."""
+    run = load.RunResult(
+        [load.Result(5.5, 0.05, 256, "length", 17), load.Result(5.7, 0.07, 256, "length", 17)], 6.0, 0
+    )
+    shape = floor.shape_of(run, 256)
+    stream = {
+        "concurrency": 512,
+        "cpu_per_token": floor.paired([18.0, 16.0], [6.0, 8.0]),
+        "cpu_per_token_with_http": floor.paired([18.0, 16.0], [12.0, 14.0]),
+        "http_client_cpu_us_per_token_median": 6.0,
+        "ttft_p50": floor.paired([360.0, 300.0], [250.0, 250.0]),
+        "ttft_added_p50": floor.paired([110.0, 60.0], [250.0, 250.0]),
+        "tokens_per_s": floor.paired([21000.0, 20000.0], [20000.0, 20000.0]),
+        "service_cpu_us_per_token_median": 17.0,
+        "floor_cpu_us_per_token_median": 7.0,
+        "service_ttft_p50_ms_median": 330.0,
+        "direct_ttft_p50_ms_median": 250.0,
+        "floor_ttft_p50_ms_median": 250.0,
+    }
+    abort = {
+        "in_flight": 1024,
+        "service": floor.paired([600.0], [200.0]),
+        "floor": floor.paired([100.0], [200.0]),
+        "service_ms_median": 600.0,
+        "direct_ms_median": 200.0,
+        "floor_ms_median": 100.0,
+    }
+    variant: dict[str, object] = {"streams": [stream], "aborts": [abort], "shape": shape}
+    variant["ratios"] = floor.ratio_keys(variant)
+    return variant
+
+
+def test_the_floor_shape_is_the_median_calls_messages_and_spacing() -> None:
+    shape = _floor_variant()["shape"]
+    assert isinstance(shape, floor.StreamShape)
+    # 17 messages; (5.6 - 0.06) s from the first message to the end over 16 gaps.
+    assert (shape.messages, shape.interval_ms, shape.tokens_per_message) == (17, 346.2, 15)
+
+
+def test_paired_ratios_are_the_median_of_per_repetition_ratios_with_their_spread() -> None:
+    assert floor.paired([18.0, 16.0, 30.0], [6.0, 8.0, 10.0]) == {
+        "median": 3.0,
+        "min": 2.0,
+        "max": 3.0,
+        "reps": [3.0, 2.0, 3.0],
+    }
+    assert floor.paired([1.0], [0.0])["median"] is None  # nothing measured: no ratio
+
+
+def test_every_floor_ratio_key_ends_in_vs_floor_or_vs_direct_and_reaches_the_next_run() -> None:
+    variant = _floor_variant()
+    ratios = variant["ratios"]
+    assert isinstance(ratios, dict)
+    assert ratios == {
+        "cpu_per_token_c512_vs_floor": 2.5,
+        "cpu_per_token_with_http_c512_vs_floor": 1.321,
+        "ttft_p50_c512_vs_floor": 1.32,
+        "ttft_added_p50_c512_vs_floor": 0.34,
+        "tokens_per_s_c512_vs_direct": 1.025,
+        "abort_all_1024_vs_direct": 3.0,
+        "abort_floor_1024_vs_direct": 0.5,
+    }
+    rows = best_rows(
+        [
+            {**_row(0.012), "path": "direct", "tokens_per_s": 100.0, "latency_p50_ms": 1.0},
+            {**_row(0.012), "path": "service", "tokens_per_s": 120.0, "latency_p50_ms": 1.0},
+        ]
+    )
+    results: dict[str, Any] = {
+        "floor": {"reps": 2, "variants": {"service": variant, "base": variant}},
+        "rows": rows,
+    }
+    summary = bench_report.ratio_summary(results)
+    assert summary and all(key.endswith(bench_report.RATIO_SUFFIXES) for key in summary)
+    assert summary["abort_all_1024_vs_direct"] == 3.0 and summary["base:abort_all_1024_vs_direct"] == 3.0
+    assert summary["delay 0 ms, c=64 | service:tokens_per_s_vs_direct"] == 1.2
+    # The next run reads them from `previous` and shows each before / now.
+    previous = bench_report.previous_summary({"environment": {}, **results})
+    assert previous["ratios"] == summary
+    lines = bench_report.previous_table({**results, "previous": previous})
+    assert "| `cpu_per_token_c512_vs_floor` | 2.50 | 2.50 |" in lines
+    table = bench_report.floor_table(results["floor"])
+    assert any(
+        line.startswith("| service | `abort_all_1024_vs_direct` | 3.00x | 3.00-3.00 | <= 1.5x")
+        for line in table
+    )

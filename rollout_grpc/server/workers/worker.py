@@ -29,6 +29,7 @@ from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.app import RolloutServer
 from rollout_grpc.server.config import ServerConfig, buffer_caps, trajectory_caps, worker_share
 from rollout_grpc.server.facade.calls import TimedAdmission
+from rollout_grpc.server.rollout import collector
 from rollout_grpc.server.rollout.control import AbortResult, AbortScope
 from rollout_grpc.server.rollout.fanout import Fanout
 from rollout_grpc.server.security.tls import TlsConfig
@@ -177,6 +178,12 @@ class WorkerServer(RolloutServer):
         await self.siblings.close()
 
 
+def _settle_collector() -> None:
+    """The collector set for serving, once this worker listens (`collector.settle_after_start`)."""
+    frozen, threshold = collector.settle_after_start()
+    log.info("collector_settled", frozen_objects=frozen, gen0_threshold=threshold)
+
+
 async def serve_worker(server: WorkerServer, sock: socket.socket, on_sighup: Callable[[], None]) -> int:
     """Start `server`, answer the handshake, serve until the supervisor drains it; the exit code.
 
@@ -202,6 +209,7 @@ async def serve_worker(server: WorkerServer, sock: socket.socket, on_sighup: Cal
             }
         )
     )
+    _settle_collector()
     link = await handshake.DrainLink.open(sock)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
