@@ -3,15 +3,13 @@ on real answer strings, the owner abort window, and the up-front checks."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument
-from rollout_grpc.server.domain.identity import ANONYMOUS, Caller, Role, reset_caller, set_caller
+from rollout_grpc.server.domain.identity import Caller, Role, reset_caller, set_caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, Status
 from rollout_grpc.server.engines.pool import EnginePool
-from rollout_grpc.server.rewards.api import FilterGroup, RewardFailed, RewardRequest, RewardResult
+from rollout_grpc.server.rewards.api import RewardFailed, RewardRequest, RewardResult
 from rollout_grpc.server.rewards.processes import ProcessLimits
 from rollout_grpc.server.rewards.registry import rule_processes
 from rollout_grpc.server.rewards.remote import read_reward
@@ -20,10 +18,7 @@ from rollout_grpc.server.rollout.admission import Admission
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.step import filters
-from rollout_grpc.server.rollout.step.events import GroupEnded, Progress
-from rollout_grpc.server.rollout.step.loop import Step
-from rollout_grpc.server.rollout.step.runner import StepRunner
-from rollout_grpc.server.rollout.step.spec import FilterKind, Outcome, PromptGroup, StepSpec, check
+from rollout_grpc.server.rollout.step.spec import FilterKind, PromptGroup, StepSpec, check
 from rollout_grpc.server.rollout.step.versions import FleetVersions, VersionOrder
 from rollout_grpc.server.state.memory import MemoryStore
 from tests.support.fake_engine import FakeEngine, final, tokens
@@ -248,50 +243,3 @@ def test_buffered_groups_count_toward_the_supply() -> None:
     check(spec(groups=[], target_groups=2, continue_buffered=True), buffered=2)
     with pytest.raises(InvalidArgument):
         check(spec(groups=[], target_groups=2, continue_buffered=False), buffered=2)
-
-
-class _DropGroupZero:
-    """A custom filter (the GroupFilter protocol, as a plugin implements it) dropping group 0."""
-
-    async def verdict(self, group: FilterGroup) -> str | None:
-        return "group 0 is never kept" if group.group_index == 0 else None
-
-    async def close(self) -> None:
-        return None
-
-
-async def test_a_drop_starts_the_next_batch_before_the_earlier_samples_progress_is_sent() -> None:
-    """A wave of samples ends at once: the drop behind them is accounted, and slime's rule starts
-    the next batch, before the step sends anything for those samples (it used to send one progress
-    message per sample first, each a wait on the caller's stream, and the next batch waited for
-    all of them: bench/step_slime.py's "second batch" phase). One progress message carries them."""
-    n = 8
-    engine = FakeEngine("a", [[tokens(10, 11), final(n=2)]])
-    pool = EnginePool([engine.url], {engine.url: engine}.__getitem__)
-    rollout = Rollout(pool, Admission(64, 64), InFlightRegistry())
-
-    async def no_abort(request_ids: list[str]) -> object:
-        return None
-
-    runner = StepRunner(rollout, no_abort, lambda config: None)
-    groups = [PromptGroup(g, Sample(prompt_ids=(1, 2, g)), prompt_index=g * n) for g in range(3)]
-    spec = StepSpec("wave", groups, n, SamplingParams(max_new_tokens=2), GenerateOptions(), target_groups=1)
-    step = Step(runner, spec, ANONYMOUS.identity, None, 0, None, None, [])
-    step.custom_filter = _DropGroupZero()
-    events = step.events()
-    try:
-        first = await anext(events)
-        assert isinstance(first, Progress) and first.in_flight == 1, "slime's rule: one batch of 1 group"
-        # Group 0's samples end and the group is judged while the caller reads nothing.
-        deadline = asyncio.get_running_loop().time() + 10
-        while step.events_q.qsize() < n + 1:
-            assert asyncio.get_running_loop().time() < deadline, f"queued: {step.events_q.qsize()}"
-            await asyncio.sleep(0.01)
-        second = await anext(events)
-        assert isinstance(second, GroupEnded) and second.outcome is Outcome.FILTERED, second
-        assert step.counters.submitted == 2, "the drop started the next batch at once"
-        third = await anext(events)
-        assert isinstance(third, Progress) and third.generated == n and third.dropped == {"filter": 1}
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]  # an async generator (Step.events)
-        await runner.drained()

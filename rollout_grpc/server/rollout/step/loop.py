@@ -36,8 +36,21 @@ class Step(GroupWork, StepDrain):
             self._fill()
             yield self._progress()
             while self.active:
-                for out in await self._account(await self._ended()):
+                event = await self.events_q.get()
+                if isinstance(event, SampleEnded):
+                    self.progress.generated += 1
+                    if self.spec.stream_samples:
+                        yield event
+                    yield self._progress()
+                    continue
+                for out in await self._group_done(event):
                     yield out
+                if not self.stop_reason and self._aborted_from_outside():
+                    self._stop_all("the generations were aborted (Abort all)")
+                if not self.stop_reason and self.rollout.closed:
+                    self._stop_all("the replica is shutting down; continue the groups on another one")
+                if not self.stop_reason:
+                    self._fill()
                 yield self._progress()
             for handed_back in await self._put_back():
                 yield handed_back
@@ -53,42 +66,6 @@ class Step(GroupWork, StepDrain):
         finally:
             unwatch()
             await self._release()
-
-    async def _ended(self) -> list[GroupDone | SampleEnded]:
-        """What ended since the last look: the next event, and the ones already queued behind it
-        up to and including the next group.
-
-        Why not one at a time: when a wave of samples ends together, hundreds of events are queued,
-        and each yield waits for the caller's stream to take its message. Sending a progress
-        message per sample held a dropped group behind all of them, so the next over-sampling batch
-        started late (bench/step_slime.py, "second batch"); now the samples ahead of a group are
-        counted without a message and the group is accounted (the next batch started) before
-        anything of the batch is sent. One group per batch: a group's events are still sent before
-        the next group is accounted, as before.
-        """
-        events = [await self.events_q.get()]
-        while not isinstance(events[-1], GroupDone) and not self.events_q.empty():
-            events.append(self.events_q.get_nowait())
-        return events
-
-    async def _account(self, ended: list[GroupDone | SampleEnded]) -> list[StepEvent]:
-        """Account what ended, in order, then start the groups the policy allows; the events to
-        send (sample events with `stream_samples`, the group's events)."""
-        out: list[StepEvent] = []
-        for event in ended:
-            if isinstance(event, SampleEnded):
-                self.progress.generated += 1
-                if self.spec.stream_samples:
-                    out.append(event)
-                continue
-            out += await self._group_done(event)
-            if not self.stop_reason and self._aborted_from_outside():
-                self._stop_all("the generations were aborted (Abort all)")
-            if not self.stop_reason and self.rollout.closed:
-                self._stop_all("the replica is shutting down; continue the groups on another one")
-            if not self.stop_reason:
-                self._fill()
-        return out
 
     async def _release(self) -> None:
         """The step's end (the stream is released after this): an abandoned step drains its
