@@ -335,7 +335,7 @@ def step_slime_section(data: dict[str, Any]) -> list[str]:
         f"G = {row['target_groups']}, {name}: {'; '.join(path['notes'])}"
         for row in data["rows"]
         for name, path in row["paths"].items()
-        if path.get("notes")
+        if path.get("notes") and name != "engine waves"  # its notes are its wave times
     ]
     if notes:
         lines += ["", "Notes of repetitions that did not end normally: " + " | ".join(notes) + "."]

@@ -259,7 +259,8 @@ async def engine_waves(engines: list[str], w: Workload, waves: int) -> Result:
             first = wave * w.target
             await asyncio.gather(*(sample(g, i) for g in range(first, first + w.target) for i in range(w.n)))
             clock.mark(f"wave_{wave + 1}_s")
-    return Result(clock.now(), waves * w.target, 0, "", clock.phases)
+    ends = ", ".join(f"wave {k + 1} ended at {clock.phases[f'wave_{k + 1}_s']:.2f} s" for k in range(waves))
+    return Result(clock.now(), waves * w.target, 0, ends, clock.phases)
 
 
 @contextlib.contextmanager
