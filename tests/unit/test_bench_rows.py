@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench import floor, load, sections
+from bench import floor, load, sections, step_slime
 from bench import report as bench_report
 from bench.run import Workload, best_rows, summarise
 from bench.sections import num
@@ -157,3 +157,59 @@ def test_every_floor_ratio_key_ends_in_vs_floor_or_vs_direct_and_reaches_the_nex
         line.startswith("| service | `abort_all_1024_vs_direct` | 3.00x | 3.00-3.00 | <= 1.5x")
         for line in table
     )
+
+
+def _step_slime_reps() -> list[dict[str, step_slime.Result]]:
+    """Three repetitions of the three paths (made-up timings; the row's arithmetic is checked)."""
+    walls = [(10.0, 9.0, 8.0), (12.0, 12.0, 9.0), (8.0, 6.0, 7.5)]
+    return [
+        {
+            step_slime.LOOP: step_slime.Result(loop, 64, 32, phases={"target_s": loop - 0.1}),
+            step_slime.STEP: step_slime.Result(step, 66 if i == 1 else 64, 32, phases={"setup_s": 0.05}),
+            step_slime.FLOOR: step_slime.Result(floor, 64, 0),
+        }
+        for i, (loop, step, floor) in enumerate(walls)
+    ]
+
+
+def test_the_step_slime_row_has_the_paired_ratios() -> None:
+    w = step_slime.Workload(32, 8, 256, 10.0)
+    row = step_slime.row(w, _step_slime_reps(), ([3.0, 2.0, 1.0], [4.0, 2.5, 1.2]))
+    assert row["reps"] == 3 and row["load_average"] == {"start": [3.0, 2.0, 1.0], "end": [4.0, 2.5, 1.2]}
+    wall = row["wall_vs_hand_loop"]
+    assert wall["per_rep"] == [0.9, 1.0, 0.75] and wall["median"] == 0.9
+    assert wall["range"] == [0.75, 1.0] and len(wall["quartiles"]) == 2
+    assert row["groups_vs_hand_loop"]["median"] == 1.0 and row["groups_vs_hand_loop"]["range"][1] == 1.031
+    assert row["wall_vs_engine_waves"]["per_rep"] == [1.125, 1.333, 0.8]
+    assert row["hand_loop_wall_vs_engine_waves"]["median"] == 1.25
+    assert "wall_vs_before" not in row  # no --before path ran
+    assert row["paths"][step_slime.STEP]["phases_median_s"] == {"setup_s": 0.05}
+    json.loads(json.dumps(row, allow_nan=False))
+
+
+def test_the_step_slime_section_renders_the_ratios(tmp_path: Path) -> None:
+    w = step_slime.Workload(32, 8, 256, 10.0)
+    row = step_slime.row(w, _step_slime_reps(), ([3.0, 2.0, 1.0], [4.0, 2.5, 1.2]))
+    row["run"] = {"commit": "abc", "date": "2026-12-06 02:00:00 +0000"}
+    settings = {"tokens": 256, "token_delay_ms": 10.0, "engines": 2, "reward_connections": 64}
+    document = {"environment": {"commit": "abc"}, "settings": settings, "rows": [row]}
+    (tmp_path / sections.STEP_SLIME_FILE).write_text(json.dumps(document))
+    lines = sections.render(tmp_path)
+    assert lines[0].startswith("## RolloutStep vs slime's loop")
+    table_row = next(line for line in lines if line.startswith("| 32 |"))
+    assert "| 1.00 [1.00-1.02] (1.00-1.03) | 0.90 [0.82-0.95] (0.75-1.00) |" in table_row
+    assert table_row.endswith("| 9.00 / 10.00 / 8.00 |")
+
+
+@pytest.mark.parametrize("target", [32, 128])
+def test_the_committed_step_slime_rows_hold_the_goal_keys(target: int) -> None:
+    """docs/benchmarks.step_slime.json (issue 38's bench row) has a row per target with the paired
+    ratios the goal is stated in (groups and wall time vs the hand loop), its reps and the load."""
+    document = json.loads((step_slime.JSON_FILE).read_text())
+    row = next(r for r in document["rows"] if r["target_groups"] == target)
+    assert row["n"] == 8 and row["reps"] >= 2 and len(row["load_average"]["start"]) == 3
+    for key in ("groups_vs_hand_loop", "wall_vs_hand_loop"):
+        ratio = row[key]
+        assert len(ratio["per_rep"]) == row["reps"]
+        assert ratio["range"][0] <= ratio["quartiles"][0] <= ratio["median"] <= ratio["quartiles"][1]
+        assert ratio["quartiles"][1] <= ratio["range"][1]
