@@ -4,7 +4,8 @@ remote filters and episode environments (`jsonpost.JsonPoster`).
 Why: a step that made its own aiohttp connector opened a fresh TCP (and TLS) connection for each
 of its first `max_concurrency` reward requests, all inside the burst where a batch of samples ends
 at once, and built an SSL context per step; the next step threw those connections away and did it
-again. One pool per replica keeps them warm across steps (bench/profile_notes.md, eleventh pass).
+again (bench/profile_notes.md, tenth pass: the reward client was the difference between the step
+and slime's hand loop). One pool per replica keeps them warm across steps.
 
 What is shared is only the pool of idle connections. Each step still makes its own
 `aiohttp.ClientSession` over it (`session`), so its timeout and its cookie jar stay its own: a
