@@ -22,7 +22,7 @@ quartiles over the repetitions are reported, with the load average before and af
 Per store and repetition the line through G=2 and G=16 gives the cost per extra group (put + take
 + encode/decode + hold writes) and the fixed cost of a round (two steps: lease, holding, take).
 
-Memory: 16 buffered groups of `N` samples (a random prompt and `DONE` generated tokens of a
+Memory: 4 buffered groups of `N` samples (a random prompt and `DONE` generated tokens of a
 65,536-token vocabulary each, logprobs, masks), once without and once with R3 (routed experts of
 a Qwen3-30B-A3B-shaped engine: 48 MoE layers x top-8 of 128 experts, uint8 ids, asked for with
 `return_routed_experts`), through a fourth replica on the same Redis whose engine is that MoE,
@@ -68,11 +68,17 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 #: token, which would only dilute what the store costs).
 VOCAB = 65_536
 TIMED_VOCAB = 2048
-#: Samples per group, tokens each buffered sample already holds, and its budget.
+#: Samples per group, tokens each buffered sample already holds, and its budget. The continue step
+#: generates 16 more tokens a sample: enough to be a real step, few enough that the engines' time
+#: (and its noise on 2 shared cores) does not hide what the store costs.
 N = 8
 DONE = 1024
-BUDGET = DONE + 64
+BUDGET = DONE + 16
 PROMPT_TOKENS = 20
+#: Groups buffered to size them (the figures are per group and per token).
+SIZED_GROUPS = 4
+#: Repetitions of `make bench` (each runs every store at both sizes, ~4 s).
+REPS = 21
 SIZES = (2, 16)
 #: R3 shape of the sized groups with routed experts (Qwen3-30B-A3B: uint8 ids).
 LAYERS, TOPK, EXPERTS = 48, 8, 128
@@ -121,11 +127,16 @@ def _groups(g: int, r3: bool = False, vocab: int = TIMED_VOCAB) -> list[pb.Promp
 
 
 async def _drain(call: AsyncIterator[pb.RolloutStepResponse]) -> pb.StepSummary:
+    """The step's summary; a failed group fails the benchmark with its reason."""
     summary: pb.StepSummary | None = None
+    failed: list[str] = []
     async for event in call:
-        if event.WhichOneof("event") == "summary":
+        kind = event.WhichOneof("event")
+        if kind == "summary":
             summary = event.summary
-    assert summary is not None
+        elif kind == "group" and event.group.outcome == pb.GROUP_OUTCOME_FAILED:
+            failed.append(f"group {event.group.group_index}: {event.group.reason}")
+    assert summary is not None and not failed, (summary, failed[:3])
     return summary
 
 
@@ -208,12 +219,14 @@ async def _memory(group: Processes, url: str, store: aioredis.Redis) -> dict[str
     `VOCAB`-token vocabulary."""
     moe = ["--moe", "--moe-layers", str(LAYERS), "--moe-topk", str(TOPK), "--moe-experts", str(EXPERTS)]
     engine = procs.start_sim(group, "store-moe-engine", 1.0, 7, extra=[*moe, "--vocab-size", str(VOCAB)])
-    flags = ["--log-level", "warning", "--workers", "1", "--state-store", url]
+    # Not timed: a generous idle timeout, so the simulated engine computing R3 arrays on a starved
+    # core is waited for instead of failed over (nothing else to fail over to).
+    flags = ["--log-level", "warning", "--workers", "1", "--state-store", url, "--engine-idle-timeout", "120"]
     replica = start_replica(group, "store-sizing", [engine.url], flags)
     async with AsyncRolloutClient(replica.target, retry=None) as client:
         return {
-            "no_r3": await _sizes(client, store, SIZES[-1], False),
-            "r3": await _sizes(client, store, SIZES[-1], True),
+            "no_r3": await _sizes(client, store, SIZED_GROUPS, False),
+            "r3": await _sizes(client, store, SIZED_GROUPS, True),
         }
 
 
@@ -334,6 +347,8 @@ async def measure(group: Processes, rounds: int) -> dict[str, Any]:
                     for g in SIZES:
                         times[store_name][g].append(await pairs[store_name](groups[g], f"b-{r}-{g}"))
                 loads.append(os.getloadavg()[0])
+            stats = await store.info("commandstats")
+            script = stats.get("cmdstat_evalsha", {})
             memory = await _memory(group, redis.url, store)
     finally:
         await store.aclose()
@@ -353,6 +368,8 @@ async def measure(group: Processes, rounds: int) -> dict[str, Any]:
             s: {str(g): [round(t, 1) for t in v] for g, v in by_g.items()} for s, by_g in times.items()
         },
         "redis_store_calls_per_round": {str(g): n for g, n in calls.items()},
+        # Redis's own time per store call (a Lua script), over the timed rounds (and the warm-up).
+        "redis_usec_per_call": script.get("usec_per_call"),
         "memory": memory,
         "sizing": sizing(memory),
         "load_average_start": [round(x, 2) for x in load_start],
@@ -365,8 +382,8 @@ async def measure(group: Processes, rounds: int) -> dict[str, Any]:
 
 
 def run(group: Processes, quick: bool = False) -> dict[str, Any]:
-    """`make bench`'s store section: 3 repetitions with `quick`, else 15."""
-    return asyncio.run(measure(group, 3 if quick else 15))
+    """`make bench`'s store section: 3 repetitions with `quick`, else `REPS`."""
+    return asyncio.run(measure(group, 3 if quick else REPS))
 
 
 def _spread(row: dict[str, Any], key: str, fmt: str) -> str:
@@ -392,7 +409,8 @@ def markdown(data: dict[str, Any]) -> list[str]:
         "repetition, then the median over repetitions, quartiles in brackets. Each step also writes "
         "the groups it holds in its process to the store as they change (`hold_groups`, one round "
         f"trip per group start and end): Redis ran {calls.get(str(small), '?')} store calls a round "
-        f"at G={small} and {calls.get(str(large), '?')} at G={large}.",
+        f"at G={small} and {calls.get(str(large), '?')} at G={large}, "
+        f"{num(data.get('redis_usec_per_call'), '.0f')} µs each inside Redis.",
         "",
         f"**Caveat**: {data.get('cpus', '?')} shared cores; load average {data['load_average_start']} at "
         f"the start, {data['load_average_end']} at the end (1-minute peak {data['load_average_1m_max']}), "
@@ -474,11 +492,11 @@ def write(data: dict[str, Any], out_dir: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 repetitions instead of 15")
-    parser.add_argument("--reps", type=int, default=0, help="repetitions (default 15, 3 with --quick)")
+    parser.add_argument("--quick", action="store_true", help=f"3 repetitions instead of {REPS}")
+    parser.add_argument("--reps", type=int, default=0, help=f"repetitions (default {REPS}, 3 with --quick)")
     parser.add_argument("--out-dir", type=Path, default=DOCS)
     args = parser.parse_args()
-    reps = args.reps or (3 if args.quick else 15)
+    reps = args.reps or (3 if args.quick else REPS)
     with tempfile.TemporaryDirectory() as tmp, procs.Processes(Path(tmp)) as group:
         data = asyncio.run(measure(group, reps))
     print("\n".join(markdown(data)))

@@ -109,6 +109,7 @@ def test_the_store_section_renders_the_ratios_the_spread_and_the_load() -> None:
                      "token_delay_ms": 1.0, "r3": "48 layers x top-8 of 128 experts, uint8", "reps": 3},
         "rows": store.summarise(_store_times()),
         "redis_store_calls_per_round": {"2": 28, "16": 62},
+        "redis_usec_per_call": 31.5,
         "memory": memory,
         "sizing": store.sizing(memory),
         "load_average_start": [7.6, 6.0, 6.3], "load_average_end": [5.1, 5.5, 6.0],
@@ -119,6 +120,6 @@ def test_the_store_section_renders_the_ratios_the_spread_and_the_load() -> None:
     redis_row = next(line for line in lines if line.startswith("| redis |"))
     assert "| 1.19 [1.19, 1.20] |" in redis_row and "| 10.0 [10.0, 10.0] |" in redis_row
     assert any("load average [7.6, 6.0, 6.3]" in line for line in lines)
-    assert any("Redis ran 28 store calls a round at G=2 and 62 at G=16" in line for line in lines)
+    assert any("Redis ran 28 store calls a round at G=2 and 62 at G=16, 32 µs each" in line for line in lines)
     assert "| no R3 | 128 | 15.7 | 14.9 | 691 | 84.6 |" in lines
     assert any("Example, 128 groups x 8 samples x 4,096 tokens: Redis 63 MiB" in line for line in lines)
