@@ -412,7 +412,8 @@ def markdown(data: dict[str, Any]) -> list[str]:
         f"at G={small} and {calls.get(str(large), '?')} at G={large}, "
         f"{num(data.get('redis_usec_per_call'), '.0f')} µs each inside Redis.",
         "",
-        f"**Caveat**: {data.get('cpus', '?')} shared cores; load average {data['load_average_start']} at "
+        f"Code: commit {data.get('commit', '?')}. **Caveat**: {data.get('cpus', '?')} shared cores; "
+        f"load average {data['load_average_start']} at "
         f"the start, {data['load_average_end']} at the end (1-minute peak {data['load_average_1m_max']}), "
         f"{data['duration_s']} s. The absolute times carry that load; the paired ratios cancel most "
         "of it, the quartiles show what is left.",
