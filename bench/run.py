@@ -495,7 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-r3", action="store_true")
     parser.add_argument("--no-agentic", action="store_true", help="leave out the agent front door rows")
     parser.add_argument(
-        "--no-store", action="store_true", help="leave out the state store rows (bench/store.py, ~1 min)"
+        "--no-store",
+        action="store_true",
+        help="leave out the state store rows (bench/store.py, ~2 min; 30 s with --quick)",
     )
     parser.add_argument(
         "--vllm",
