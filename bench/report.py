@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench import r3, r3_e2e, sections
+from bench import r3, r3_e2e, sections, store
 from bench.sections import num
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -381,6 +381,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     lines += sections.render(path.parent)
     if results.get("r3_e2e"):
         lines += r3_e2e.markdown(results["r3_e2e"])
+    if results.get("store"):
+        lines += store.markdown(results["store"])
     if results.get("r3"):
         lines += [r3.markdown(results["r3"]), ""]
     if PROFILE_NOTES.exists():

@@ -19,6 +19,8 @@ kept for each path. The rows:
   MoE engine, direct vs through the service (bytes received and time to the array).
 * `bench/floor.py` (the "floor" phase): the service against grpc.aio's own floor and the engines'
   own abort, paired per repetition, as ratios whose keys end in `_vs_floor` / `_vs_direct`.
+* `bench/store.py`: a RolloutStep with BUFFER through the state store (embedded socket, Redis) vs
+  in-process, paired ratios `*_vs_in_process`, and the bytes per buffered group (`--no-store`).
 * extra service rows at concurrency 64 without delay: `final_only` (what `client.generate()` asks
   for: no deltas) and `text` mode (the service's default when the caller does not set `skip_text`).
 
@@ -64,7 +66,7 @@ from typing import Any
 import grpc
 import psutil
 
-from bench import agentic, load, procs, r3, r3_e2e
+from bench import agentic, load, procs, r3, r3_e2e, store
 from bench.report import previous_summary, write_markdown, write_plot
 from bench.sections import num
 from rollout_grpc.client import AsyncRolloutClient
@@ -434,6 +436,21 @@ def run_aborts(group: procs.Processes, quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+# ----------------------------------------------------------------------------------- store
+
+
+def run_store(group: procs.Processes, quick: bool, results: dict[str, Any], out_dir: Path) -> None:
+    """The state store rows (`bench/store.py`): a BUFFER round in-process vs embedded vs Redis, and
+    the bytes per buffered group; in `results["store"]`, also written to benchmarks.store.md."""
+    print("phase: state store (RolloutStep with BUFFER)", flush=True)
+    try:
+        results["store"] = store.run(group, quick)
+    finally:
+        group.stop_all()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store.write_page(results["store"], out_dir)
+
+
 # ----------------------------------------------------------------------------------- main
 
 
@@ -487,6 +504,11 @@ def main(argv: list[str] | None = None) -> int:
         help="leave out the floor phase (bench/floor.py: the `_vs_floor` ratios, ~5 min)",
     )
     parser.add_argument("--no-agentic", action="store_true", help="leave out the agent front door rows")
+    parser.add_argument(
+        "--no-store",
+        action="store_true",
+        help="leave out the state store rows (bench/store.py, ~2 min; 30 s with --quick)",
+    )
     parser.add_argument(
         "--vllm",
         action="store_true",
@@ -564,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
                     results["r3_e2e"] = r3_e2e.run(group, args.quick)
                 finally:
                     group.stop_all()
+            if not args.no_store:
+                run_store(group, args.quick, results, args.out_dir)
     except procs.StartupError as exc:
         print(f"a process did not start: {exc}", file=sys.stderr)
         return 1

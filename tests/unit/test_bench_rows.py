@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench import floor, load, sections, step_slime
+from bench import floor, load, sections, step_slime, store
 from bench import report as bench_report
 from bench.run import Workload, best_rows, summarise
 from bench.sections import num
@@ -213,3 +213,60 @@ def test_the_committed_step_slime_rows_hold_the_goal_keys(target: int) -> None:
         assert len(ratio["per_rep"]) == row["reps"]
         assert ratio["range"][0] <= ratio["quartiles"][0] <= ratio["median"] <= ratio["quartiles"][1]
         assert ratio["quartiles"][1] <= ratio["range"][1]
+
+
+def _store_times() -> dict[str, dict[int, list[float]]]:
+    base = {2: [100.0, 110.0, 105.0], 16: [520.0, 530.0, 545.0]}
+    return {
+        "in-process": base,
+        "embedded x2": {g: [t * 1.1 for t in ts] for g, ts in base.items()},  # 10 % slower throughout
+        "redis": {g: [t + 20.0 for t in ts] for g, ts in base.items()},  # 10 ms more per step, none per group
+    }
+
+
+def test_the_store_rows_carry_paired_ratios_against_in_process() -> None:
+    rows = {row["store"]: row for row in store.summarise(_store_times())}
+    assert set(rows) == {"in-process", "embedded x2", "redis"}
+    ratios = {"round_small_vs_in_process", "round_large_vs_in_process", "per_group_vs_in_process"}
+    for name in ("embedded x2", "redis"):
+        assert {k for k in rows[name] if k.endswith("_vs_in_process")} == ratios
+        for key in [*ratios, "step_overhead_ms", "group_overhead_ms"]:
+            assert len(rows[name][f"{key}_quartiles"]) == 2, key
+    embedded, redis = rows["embedded x2"], rows["redis"]
+    assert embedded["round_small_vs_in_process"] == embedded["per_group_vs_in_process"] == 1.1
+    assert redis["step_overhead_ms"] == 10.0 and redis["group_overhead_ms"] == 0.0
+    assert redis["per_group_vs_in_process"] == 1.0 and redis["round_small_vs_in_process"] == 1.19
+    assert rows["in-process"]["per_group_ms"] == 30.0 and "per_group_vs_in_process" not in rows["in-process"]
+
+
+def test_the_store_section_renders_the_ratios_the_spread_and_the_load() -> None:
+    sized = {
+        "groups": 16,
+        "redis_bytes_per_group": 128 * 1024.0,
+        "estimate_bytes_per_group": 691 * 1024.0,
+        "tokens_per_group": 8 * 1046.0,
+        "r3_bytes_per_token": 0.0,
+        "redis_bytes_per_token": 15.7,
+        "blob_bytes_per_token": 14.9,
+        "estimate_bytes_per_token": 84.6,
+    }
+    memory = {"no_r3": sized, "r3": {**sized, "r3_bytes_per_token": 384.0, "redis_bytes_per_token": 438.6}}
+    data = {
+        "settings": {"samples_per_group": 8, "done_tokens": 1024, "budget": 1088, "sizes": [2, 16],
+                     "token_delay_ms": 1.0, "r3": "48 layers x top-8 of 128 experts, uint8", "reps": 3},
+        "rows": store.summarise(_store_times()),
+        "redis_store_calls_per_round": {"2": 28, "16": 62},
+        "redis_usec_per_call": 31.5,
+        "memory": memory,
+        "sizing": store.sizing(memory),
+        "load_average_start": [7.6, 6.0, 6.3], "load_average_end": [5.1, 5.5, 6.0],
+        "load_average_1m_max": 7.9, "cpus": 2, "duration_s": 80.0,
+    }  # fmt: skip
+    json.dumps(data, allow_nan=False)
+    lines = store.markdown(data)
+    redis_row = next(line for line in lines if line.startswith("| redis |"))
+    assert "| 1.19 [1.19, 1.20] |" in redis_row and "| 10.0 [10.0, 10.0] |" in redis_row
+    assert any("load average [7.6, 6.0, 6.3]" in line for line in lines)
+    assert any("Redis ran 28 store calls a round at G=2 and 62 at G=16, 32 µs each" in line for line in lines)
+    assert "| no R3 | 128 | 15.7 | 14.9 | 691 | 84.6 |" in lines
+    assert any("Example, 128 groups x 8 samples x 4,096 tokens: Redis 63 MiB" in line for line in lines)
