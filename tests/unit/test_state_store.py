@@ -315,3 +315,15 @@ async def test_the_version_order_never_goes_backwards(make_store: StoreFactory) 
     other = await make_store(BufferCaps())  # another client of the same redis-server
     if isinstance(other, RedisStore):
         assert await other.version_order() == ["v1", "v2", "7", "12", "100"]
+
+
+async def test_the_pause_epoch_grows_by_one_per_bump_for_every_client(make_store: StoreFactory) -> None:
+    store = await make_store(BufferCaps())
+    assert await store.pause_epoch() == 0
+    assert await store.bump_pause_epoch() == 1
+    assert await store.bump_pause_epoch() == 2
+    assert await store.pause_epoch() == 2
+    other = await make_store(BufferCaps())  # another client of the same redis-server
+    if isinstance(other, RedisStore):
+        assert await other.bump_pause_epoch() == 3
+        assert await store.pause_epoch() == 3

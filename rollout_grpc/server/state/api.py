@@ -27,6 +27,13 @@ And what the fleet's weight updates need (rollout/weights/, rollout/step/version
 * the fleet's weight-version order (`advance_version`, `version_order`): labels oldest first,
   never going backwards: a label already in the order (other than the newest), or a decimal label
   not above a decimal newest, is refused and the order left as it was.
+
+And what fleet control needs (rollout/resumes.py, `PauseEpochs`):
+
+* the fleet's pause epoch: a counter every Pause on any replica bumps (`bump_pause_epoch`) before
+  it pauses the engines, read (`pause_epoch`) by a replica's background resume of an engine whose
+  resume did not answer, which stops once it moved: a pause on another replica is not undone.
+  It starts at 0 and only grows.
 """
 
 from __future__ import annotations
@@ -83,7 +90,20 @@ class Holding:
     indexes: frozenset[int]
 
 
-class BufferStore(Protocol):
+class PauseEpochs(Protocol):
+    """The fleet's pause epoch (module docstring): how a late resume on one replica learns that
+    another replica paused the shared engines since it started."""
+
+    async def bump_pause_epoch(self) -> int:
+        """A Pause starts: the epoch grows by one; the new epoch."""
+        ...
+
+    async def pause_epoch(self) -> int:
+        """The current epoch (0 before any Pause)."""
+        ...
+
+
+class BufferStore(PauseEpochs, Protocol):
     """Per-owner step buffers and drain leases, shared by whoever reaches the same store."""
 
     #: How errors name the store ("redis://host:6379/0", "embedded").

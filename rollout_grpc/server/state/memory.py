@@ -47,6 +47,8 @@ class MemoryStore:
         self._fleet_leases: dict[str, tuple[str, float]] = {}
         #: The fleet's weight versions, oldest first.
         self._versions: list[str] = []
+        #: The fleet's pause epoch (`PauseEpochs`).
+        self._pause_epoch = 0
 
     def _sweep(self) -> None:
         """Expired buffers hand their indexes to the lost lists (never dropped silently)."""
@@ -221,3 +223,10 @@ class MemoryStore:
 
     async def version_order(self) -> list[str]:
         return list(self._versions)
+
+    async def bump_pause_epoch(self) -> int:
+        self._pause_epoch += 1
+        return self._pause_epoch
+
+    async def pause_epoch(self) -> int:
+        return self._pause_epoch

@@ -430,3 +430,11 @@ class RedisStore:
             lambda: self._client.lrange(PREFIX + "versions", 0, -1)  # type: ignore[arg-type,return-value]
         )
         return [v.decode() for v in order]
+
+    async def bump_pause_epoch(self) -> int:
+        epoch = await self._call(lambda: self._client.incr(PREFIX + "pause-epoch"))
+        return int(epoch)
+
+    async def pause_epoch(self) -> int:
+        epoch = await self._call(lambda: self._client.get(PREFIX + "pause-epoch"))
+        return int(epoch or 0)

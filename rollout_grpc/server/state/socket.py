@@ -83,6 +83,8 @@ async def _dispatch(
         "release_lease",
         "advance_version",
         "version_order",
+        "bump_pause_epoch",
+        "pause_epoch",
     }:
         return await getattr(store, method)(*args)
     raise ValueError(f"no state call {method!r}")
@@ -205,6 +207,12 @@ class SocketStore:
     async def version_order(self) -> list[str]:
         order: list[str] = await self._call("version_order")
         return order
+
+    async def bump_pause_epoch(self) -> int:
+        return int(await self._call("bump_pause_epoch"))
+
+    async def pause_epoch(self) -> int:
+        return int(await self._call("pause_epoch"))
 
 
 class SocketTrajectories:
