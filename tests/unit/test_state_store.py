@@ -182,6 +182,25 @@ async def test_an_ended_lease_reports_nothing_and_a_dead_one_holds_nothing(make_
     assert await store.take_lost("b") == [8]  # per owner
 
 
+async def test_take_held_takes_the_buffer_and_names_its_groups_held_in_one_operation(
+    make_store: StoreFactory,
+) -> None:
+    """A continue step killed right after taking its buffered groups: they are reported lost, not
+    silently gone (no instant between the take and the hold)."""
+    store = await make_store(BufferCaps(lease_ttl_s=0.3))
+    await store.put("a", [g(1), g(2)])
+    assert await store.take_held("a", "never") == []  # a lease not live takes nothing
+    assert (await store.holding("a")).indexes == {1, 2}
+    await store.begin_drain("a", "dead")
+    await store.hold_groups("a", "dead", [5])  # a group it has in flight already
+    assert await store.take_held("a", "dead") == [b"blob-1", b"blob-2"]
+    assert (await store.holding("a")).count == 0 and await store.total_bytes() == 0
+    assert await store.take_held("a", "dead") == []  # the buffer is empty now
+    assert await store.take_lost("a") == []  # still live: nothing lost yet
+    assert await store.wait_drains("a", 10.0)  # killed before any other write: its lease expires
+    assert sorted(await store.take_lost("a")) == [1, 2, 5]
+
+
 # ------------------------------------------------------------------------------ the group codec
 
 

@@ -18,6 +18,9 @@ Semantics every implementation keeps (tests/unit/test_state_store.py runs them a
   or taken from the buffer and not yet started). When the lease expires without `end_drain` (its
   replica died), those indexes move to the owner's lost list, less the ones the owner has
   buffered meanwhile: a group is reported, never silently gone. `end_drain` forgets them.
+* `take_held` takes an owner's buffered groups and names them held by a lease in one atomic
+  operation, so that no instant exists (a kill between a `take` and a `hold_groups`) in which they
+  are neither buffered nor held: a continue step's taken groups are reported lost if it dies.
 
 And what the fleet's weight updates need (rollout/weights/, rollout/step/versions.py):
 
@@ -116,6 +119,12 @@ class BufferStore(PauseEpochs, Protocol):
 
     async def take(self, owner: str) -> list[bytes]:
         """Every buffered group of `owner`, oldest first (the buffer empties)."""
+        ...
+
+    async def take_held(self, owner: str, lease: str) -> list[bytes]:
+        """`take`, and the taken groups' indexes added to `lease`'s held groups (`hold_groups`), in
+        one operation. A lease that is not live takes nothing: the groups stay buffered for the
+        owner's next step."""
         ...
 
     async def holding(self, owner: str) -> Holding:

@@ -92,6 +92,18 @@ class MemoryStore:
         self._total -= buf.bytes
         return [g.blob for g in buf.groups]
 
+    async def take_held(self, owner: str, lease: str) -> list[bytes]:
+        self._sweep()
+        expiry = self._leases.get(owner, {}).get(lease)
+        if expiry is None or expiry <= self._clock():
+            return []  # not live: the groups stay buffered
+        buf = self._buffers.pop(owner, None)
+        if buf is None:
+            return []
+        self._total -= buf.bytes
+        self._held_groups.setdefault(owner, {}).setdefault(lease, []).extend(g.index for g in buf.groups)
+        return [g.blob for g in buf.groups]
+
     async def holding(self, owner: str) -> Holding:
         self._sweep()
         buf = self._buffers.get(owner)

@@ -110,6 +110,32 @@ return blobs
 """
 )
 
+#: ARGV[3] lease. `_TAKE`, and the taken indexes appended to the lease's held groups, atomically;
+#: a lease that is not live takes nothing.
+_TAKE_HELD = (
+    _PRELUDE
+    + f"""
+local expiry = redis.call('ZSCORE', P .. 'lease:' .. o, ARGV[3])
+if not expiry or tonumber(expiry) <= now then return {{}} end
+local blobs = redis.call('LRANGE', P .. 'g:' .. o, 0, -1)
+if #blobs == 0 then return blobs end
+local taken = {{}}
+for _, e in ipairs(redis.call('LRANGE', P .. 'idx:' .. o, 0, -1)) do
+  table.insert(taken, string.match(e, '^(-?%d+):'))
+end
+local key = P .. 'held:' .. o
+local held = table.concat(taken, ',')
+local before = redis.call('HGET', key, ARGV[3])
+if before and before ~= '' then held = before .. ',' .. held end
+redis.call('HSET', key, ARGV[3], held)
+redis.call('EXPIRE', key, {LOST_TTL_S})
+redis.call('DECRBY', P .. 'total', tonumber(redis.call('GET', P .. 'bytes:' .. o) or '0'))
+redis.call('DEL', P .. 'g:' .. o, P .. 'idx:' .. o, P .. 'bytes:' .. o)
+redis.call('ZREM', P .. 'expiry', o)
+return blobs
+"""
+)
+
 _HOLDING = (
     _PRELUDE
     + """
@@ -313,6 +339,7 @@ class RedisStore:
         scripts = {
             "put": _PUT,
             "take": _TAKE,
+            "take_held": _TAKE_HELD,
             "holding": _HOLDING,
             "total": _TOTAL,
             "note_lost": _NOTE_LOST,
@@ -358,6 +385,9 @@ class RedisStore:
 
     async def take(self, owner: str) -> list[bytes]:
         return list(await self._run("take", owner))
+
+    async def take_held(self, owner: str, lease: str) -> list[bytes]:
+        return list(await self._run("take_held", owner, lease))
 
     async def holding(self, owner: str) -> Holding:
         entries, size = await self._run("holding", owner)

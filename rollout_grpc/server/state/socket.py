@@ -70,6 +70,7 @@ async def _dispatch(
         return (held.count, held.bytes, sorted(held.indexes))
     if method in {
         "take",
+        "take_held",
         "total_bytes",
         "note_lost",
         "take_lost",
@@ -154,6 +155,10 @@ class SocketStore:
 
     async def take(self, owner: str) -> list[bytes]:
         blobs: list[bytes] = await self._call("take", owner)
+        return blobs
+
+    async def take_held(self, owner: str, lease: str) -> list[bytes]:
+        blobs: list[bytes] = await self._call("take_held", owner, lease)
         return blobs
 
     async def holding(self, owner: str) -> Holding:

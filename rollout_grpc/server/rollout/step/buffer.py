@@ -175,6 +175,10 @@ class DrainLease:
             return
         self._held = held
 
+    def took(self, indexes: set[int]) -> None:
+        """The store named `indexes` held by this lease as the step took them (`take_held`)."""
+        self._held = self._held | frozenset(indexes)
+
     async def end(self) -> None:
         if self._renewer is not None:
             self._renewer.cancel()
@@ -221,9 +225,15 @@ class StepBuffers:
         """The indexes noted lost for `owner`, expired groups' too (forgotten once taken)."""
         return await self.store.take_lost(owner)
 
-    async def take(self, owner: str) -> list[PromptGroup]:
-        """Every buffered group of `owner` (the buffer empties)."""
-        return [decode_group(blob) for blob in await self.store.take(owner)]
+    async def take(self, owner: str, lease: DrainLease | None = None) -> list[PromptGroup]:
+        """Every buffered group of `owner` (the buffer empties). With the step's `lease`, the store
+        names them held by it in the same operation (`take_held`): a kill right after the take
+        reports them lost instead of losing them silently."""
+        if lease is None:
+            return [decode_group(blob) for blob in await self.store.take(owner)]
+        groups = [decode_group(blob) for blob in await self.store.take_held(owner, lease.id)]
+        lease.took({group.group_index for group in groups})
+        return groups
 
     async def indexes(self, owner: str) -> frozenset[int]:
         """The group indexes `owner` has buffered."""
