@@ -144,9 +144,26 @@ async def test_drain_leases_hold_a_continue_until_released_or_expired(make_store
 async def test_renewing_an_ended_lease_does_not_revive_it(make_store: StoreFactory) -> None:
     store = await make_store(BufferCaps(lease_ttl_s=600))
     await store.begin_drain("a", "L1")
+    assert await store.renew_drain("a", "L1")
     await store.end_drain("a", "L1")
-    await store.renew_drain("a", "L1")
+    assert not await store.renew_drain("a", "L1")
     assert await store.wait_drains("a", 0.0)
+
+
+async def test_renewing_an_expired_lease_says_so_and_does_not_revive_it(make_store: StoreFactory) -> None:
+    """A live replica that lost the store for longer than the lease: its renewal learns that the
+    lease is gone (its held groups are reported lost), and the lease stays gone."""
+    store = await make_store(BufferCaps(lease_ttl_s=0.3))
+    await store.begin_drain("a", "cut-off")
+    await store.hold_groups("a", "cut-off", [4])
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10.0
+    while await store.renew_drain("a", "cut-off"):  # the expiry is the event waited for (bounded)
+        assert loop.time() < deadline, "the lease never expired"
+        await asyncio.sleep(0.4)  # longer than the TTL: renewals stop reaching it in time
+    assert not await store.renew_drain("a", "cut-off")
+    assert await store.wait_drains("a", 0.0)
+    assert await store.take_lost("a") == [4]
 
 
 async def test_a_lease_that_expires_unended_reports_its_held_groups_lost(make_store: StoreFactory) -> None:

@@ -147,8 +147,9 @@ class BufferStore(PauseEpochs, Protocol):
         """Hold lease `lease` for `owner` (a step that may still buffer groups)."""
         ...
 
-    async def renew_drain(self, owner: str, lease: str) -> None:
-        """Extend `lease` by `caps.lease_ttl_s`."""
+    async def renew_drain(self, owner: str, lease: str) -> bool:
+        """Extend `lease` by `caps.lease_ttl_s`; False when it is not live any more (it expired, so
+        its held groups are or will be reported lost, or it ended): it is not revived."""
         ...
 
     async def end_drain(self, owner: str, lease: str) -> None:

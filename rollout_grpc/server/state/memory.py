@@ -133,10 +133,12 @@ class MemoryStore:
     async def begin_drain(self, owner: str, lease: str) -> None:
         self._leases.setdefault(owner, {})[lease] = self._clock() + self.caps.lease_ttl_s
 
-    async def renew_drain(self, owner: str, lease: str) -> None:
-        leases = self._leases.get(owner)
-        if leases is not None and lease in leases:
-            leases[lease] = self._clock() + self.caps.lease_ttl_s
+    async def renew_drain(self, owner: str, lease: str) -> bool:
+        expiry = self._leases.get(owner, {}).get(lease)
+        if expiry is None or expiry <= self._clock():
+            return False  # ended, or expired: its held groups go to the lost list at the next sweep
+        self._leases[owner][lease] = self._clock() + self.caps.lease_ttl_s
+        return True
 
     async def end_drain(self, owner: str, lease: str) -> None:
         self._forget_groups(owner, lease)

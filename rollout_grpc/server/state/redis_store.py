@@ -201,12 +201,16 @@ return lost
 """
 )
 
-#: ARGV[3] lease, ARGV[4] ttl ms, ARGV[5] "1": only extend a lease that exists.
+#: ARGV[3] lease, ARGV[4] ttl ms, ARGV[5] "1": only extend a lease that is live (0 otherwise: it
+#: ended, or expired and its held groups are being reported lost; it is not revived).
 _LEASE = (
     _PRELUDE
     + """
 local key = P .. 'lease:' .. o
-if ARGV[5] == '1' and not redis.call('ZSCORE', key, ARGV[3]) then return 0 end
+if ARGV[5] == '1' then
+  local expiry = redis.call('ZSCORE', key, ARGV[3])
+  if not expiry or tonumber(expiry) <= now then return 0 end
+end
 redis.call('ZADD', key, now + tonumber(ARGV[4]), ARGV[3])
 redis.call('PEXPIRE', key, tonumber(ARGV[4]))
 return 1
@@ -407,8 +411,8 @@ class RedisStore:
     async def begin_drain(self, owner: str, lease: str) -> None:
         await self._run("lease", owner, lease, int(self.caps.lease_ttl_s * 1000), "0")
 
-    async def renew_drain(self, owner: str, lease: str) -> None:
-        await self._run("lease", owner, lease, int(self.caps.lease_ttl_s * 1000), "1")
+    async def renew_drain(self, owner: str, lease: str) -> bool:
+        return bool(await self._run("lease", owner, lease, int(self.caps.lease_ttl_s * 1000), "1"))
 
     async def end_drain(self, owner: str, lease: str) -> None:
         await self._run("end_lease", owner, lease)

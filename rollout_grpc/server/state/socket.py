@@ -178,8 +178,8 @@ class SocketStore:
     async def begin_drain(self, owner: str, lease: str) -> None:
         await self._call("begin_drain", owner, lease)
 
-    async def renew_drain(self, owner: str, lease: str) -> None:
-        await self._call("renew_drain", owner, lease)
+    async def renew_drain(self, owner: str, lease: str) -> bool:
+        return bool(await self._call("renew_drain", owner, lease))
 
     async def end_drain(self, owner: str, lease: str) -> None:
         await self._call("end_drain", owner, lease)
