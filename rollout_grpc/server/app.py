@@ -329,6 +329,7 @@ class RolloutServer:
             self.rollout,
             deadline_s=cfg.control_deadline_s,
             fanout=Fanouts(self._fanouts(tls)),
+            epochs=self.state,
         )
         bound = cfg.section(sections.BoundsConfig)
         renderer = RenderService(

@@ -331,6 +331,10 @@ class StepConfig:
     step_buffer_mb: int = 512
     #: Seconds a caller's buffer lives after its last write (expired groups are reported lost).
     step_buffer_ttl_s: float = 3600.0
+    #: Seconds a step's drain lease lives after its last renewal (renewed every third of it): how
+    #: long a killed replica's step delays the caller's next continue step, and how long a replica
+    #: may lose the store before its step's groups are reported lost (docs/rollout-step.md).
+    step_drain_lease_ttl_s: float = 15.0
 
     def rule_process_limits(self) -> ProcessLimits:
         """The bounds of rule rewards in one replica process (`--rule-reward-*`)."""
@@ -344,6 +348,7 @@ class StepConfig:
             max_bytes_per_owner=self.step_buffer_mb_per_caller << 20,
             max_bytes_total=self.step_buffer_mb << 20,
             ttl_s=self.step_buffer_ttl_s,
+            lease_ttl_s=self.step_drain_lease_ttl_s,
         )
 
 

@@ -118,6 +118,7 @@ ABOVE_ZERO: Final = frozenset(
         "--max-unrequested-time",
         "--weights-load-timeout",
         "--weights-lease-ttl",
+        "--step-drain-lease-ttl-s",
     }
 )
 #: Port flags: 0 (any free port) to 65535.

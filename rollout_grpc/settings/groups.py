@@ -131,6 +131,7 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
             "--step-buffer-mb-per-caller",
             "--step-buffer-mb",
             "--step-buffer-ttl-s",
+            "--step-drain-lease-ttl-s",
         ),
     ),
     (

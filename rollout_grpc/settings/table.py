@@ -159,6 +159,13 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "step_buffer_ttl_s",
     ),
     Flag(
+        "--step-drain-lease-ttl-s",
+        "seconds a step's drain lease outlives a replica that stopped renewing it: a replica killed "
+        "mid-step delays its caller's next continue step this long, then its held groups are "
+        "reported lost; also how long a replica may lose the store before its step's lease expires",
+        "step_drain_lease_ttl_s",
+    ),
+    Flag(
         "--state-store",
         "where fleet state lives: empty for this process (the supervisor's with --workers), or "
         "redis://HOST:PORT/DB, rediss://... (TLS) shared by every replica (docs/architecture.md)",

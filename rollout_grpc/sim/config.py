@@ -70,6 +70,9 @@ class FaultConfig:
     * ``load_fault``: how the next checkpoint loads fail (``weights.py``): ``error`` (the worker
       raises), ``hang`` (never answers), ``drop`` (the connection closes: the engine crashed).
       ``load_delay_ms`` delays every load's answer. Not counts: they stay until cleared.
+    * ``resume_fault``: how ``/resume`` fails: ``hang`` (no answer, and no resume, while it stays
+      set; what it then does follows the new value), ``error`` (answers 503 without resuming: an
+      engine that is up but cannot take control calls). Not a count: it stays until cleared.
     """
 
     http_500: int = 0
@@ -89,6 +92,7 @@ class FaultConfig:
     pause_delay_ms: int = 0
     load_fault: str = ""
     load_delay_ms: int = 0
+    resume_fault: str = ""
 
     def take(self, name: str) -> bool:
         """Consume one use of a count fault; True when it applies to this request."""

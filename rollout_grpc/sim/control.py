@@ -137,6 +137,12 @@ async def pause(request: web.Request) -> web.StreamResponse:
 async def resume(request: web.Request) -> web.StreamResponse:
     core = _core(request)
     core.stats.resume_calls += 1
+    faults = core.config.faults
+    # The fault is a plain value a test or the admin route clears: nothing signals it.
+    while faults.resume_fault == "hang":  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    if faults.resume_fault == "error":
+        raise ApiError(503, "simulated control failure: resume not run", "Service Unavailable")
     async with core.control_lock:  # after a pause sent before it (vLLM's control calls are FIFO)
         pass
     core.resume()

@@ -105,11 +105,16 @@ async def _kill_mid_step(
     assert sorted([*delivered, *buffered, *lost]) == sorted(started)
 
 
+#: The dead step's lease expires this long after the kill (the continue step waits it out): shorter
+#: than the 15 s default, with room for a renewal (every third of it) on a loaded machine.
+LEASE_ARGS = ("--step-drain-lease-ttl-s", "5")
+
+
 @pytest.mark.skipif(redis_binary() is None, reason="redis-server is not installed (.ci/run installs it)")
 async def test_a_replica_killed_mid_step_has_its_groups_in_flight_reported_lost_on_the_other(
     procs: Processes,
 ) -> None:
-    fleet = store_fleet(procs)
+    fleet = store_fleet(procs, replica_args=LEASE_ARGS)
     a, b = fleet.replicas
 
     def kill() -> None:
@@ -132,7 +137,9 @@ async def test_a_worker_killed_mid_step_has_its_groups_in_flight_reported_lost_o
         start_engine(procs, f"engine-{i}", "--eos-probability", "0", token_delay_ms=TOKEN_DELAY_MS, seed=i)
         for i in range(2)
     ]
-    replica = start_replica(procs, tmp_path, "--workers", "2", *(f"--engine={e.url}" for e in engines))
+    replica = start_replica(
+        procs, tmp_path, "--workers", "2", *LEASE_ARGS, *(f"--engine={e.url}" for e in engines)
+    )
     victim = replica.ports["worker_pids"][1]
     async with clients_by_worker(replica.target, 2) as by_index:
         await _kill_mid_step(by_index[1], by_index[0], lambda: os.kill(victim, signal.SIGKILL))

@@ -38,6 +38,7 @@ BUDGET = 60
 BUFFER_CALLS = (
     "put",
     "take",
+    "take_held",
     "holding",
     "total_bytes",
     "note_lost",

@@ -144,9 +144,26 @@ async def test_drain_leases_hold_a_continue_until_released_or_expired(make_store
 async def test_renewing_an_ended_lease_does_not_revive_it(make_store: StoreFactory) -> None:
     store = await make_store(BufferCaps(lease_ttl_s=600))
     await store.begin_drain("a", "L1")
+    assert await store.renew_drain("a", "L1")
     await store.end_drain("a", "L1")
-    await store.renew_drain("a", "L1")
+    assert not await store.renew_drain("a", "L1")
     assert await store.wait_drains("a", 0.0)
+
+
+async def test_renewing_an_expired_lease_says_so_and_does_not_revive_it(make_store: StoreFactory) -> None:
+    """A live replica that lost the store for longer than the lease: its renewal learns that the
+    lease is gone (its held groups are reported lost), and the lease stays gone."""
+    store = await make_store(BufferCaps(lease_ttl_s=0.3))
+    await store.begin_drain("a", "cut-off")
+    await store.hold_groups("a", "cut-off", [4])
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10.0
+    while await store.renew_drain("a", "cut-off"):  # the expiry is the event waited for (bounded)
+        assert loop.time() < deadline, "the lease never expired"
+        await asyncio.sleep(0.4)  # longer than the TTL: renewals stop reaching it in time
+    assert not await store.renew_drain("a", "cut-off")
+    assert await store.wait_drains("a", 0.0)
+    assert await store.take_lost("a") == [4]
 
 
 async def test_a_lease_that_expires_unended_reports_its_held_groups_lost(make_store: StoreFactory) -> None:
@@ -180,6 +197,25 @@ async def test_an_ended_lease_reports_nothing_and_a_dead_one_holds_nothing(make_
     assert await store.take_lost("a") == []
     assert await store.wait_drains("b", 10.0)
     assert await store.take_lost("b") == [8]  # per owner
+
+
+async def test_take_held_takes_the_buffer_and_names_its_groups_held_in_one_operation(
+    make_store: StoreFactory,
+) -> None:
+    """A continue step killed right after taking its buffered groups: they are reported lost, not
+    silently gone (no instant between the take and the hold)."""
+    store = await make_store(BufferCaps(lease_ttl_s=0.3))
+    await store.put("a", [g(1), g(2)])
+    assert await store.take_held("a", "never") == []  # a lease not live takes nothing
+    assert (await store.holding("a")).indexes == {1, 2}
+    await store.begin_drain("a", "dead")
+    await store.hold_groups("a", "dead", [5])  # a group it has in flight already
+    assert await store.take_held("a", "dead") == [b"blob-1", b"blob-2"]
+    assert (await store.holding("a")).count == 0 and await store.total_bytes() == 0
+    assert await store.take_held("a", "dead") == []  # the buffer is empty now
+    assert await store.take_lost("a") == []  # still live: nothing lost yet
+    assert await store.wait_drains("a", 10.0)  # killed before any other write: its lease expires
+    assert sorted(await store.take_lost("a")) == [1, 2, 5]
 
 
 # ------------------------------------------------------------------------------ the group codec
@@ -315,3 +351,15 @@ async def test_the_version_order_never_goes_backwards(make_store: StoreFactory) 
     other = await make_store(BufferCaps())  # another client of the same redis-server
     if isinstance(other, RedisStore):
         assert await other.version_order() == ["v1", "v2", "7", "12", "100"]
+
+
+async def test_the_pause_epoch_grows_by_one_per_bump_for_every_client(make_store: StoreFactory) -> None:
+    store = await make_store(BufferCaps())
+    assert await store.pause_epoch() == 0
+    assert await store.bump_pause_epoch() == 1
+    assert await store.bump_pause_epoch() == 2
+    assert await store.pause_epoch() == 2
+    other = await make_store(BufferCaps())  # another client of the same redis-server
+    if isinstance(other, RedisStore):
+        assert await other.bump_pause_epoch() == 3
+        assert await store.pause_epoch() == 3

@@ -56,6 +56,7 @@ from rollout_grpc.server.rollout.fanout import AbortResult, AbortScope, Fanout, 
 from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlight, InFlightRegistry
 from rollout_grpc.server.rollout.resumes import Resumes
+from rollout_grpc.server.state.api import PauseEpochs
 
 __all__ = [
     "PAUSE_MODES",
@@ -117,12 +118,15 @@ class Control:
         deadline_s: float = CONTROL_DEADLINE_S,
         resume_attempts: int = 3,
         fanout: Fanout | None = None,
+        epochs: PauseEpochs | None = None,
     ) -> None:
         self._pool = pool
         self._registry = registry
         self._rollout = rollout
         self._deadline_s = deadline_s
-        self._resumes = Resumes(resume_attempts)
+        #: `epochs`: the fleet's pause epoch in the shared store (resumes.py), so that a late
+        #: resume here never undoes a Pause run on another replica.
+        self._resumes = Resumes(resume_attempts, epochs)
         #: The other holders of generations (fanout.py): every fleet-wide action goes through it.
         self._fanout: Fanout = fanout or NoFanout()
 
@@ -448,6 +452,7 @@ class Control:
         if mode not in PAUSE_MODES:
             raise InvalidArgument("mode", f"must be one of ABORT, WAIT, KEEP; got {mode!r}")
         self._resumes.paused_on_purpose()
+        await self._resumes.bump_fleet()  # before the engines pause: every replica's late resumes stop
         if mode == "abort":
             for entry in self._registry.all():
                 entry.request_abort("pause abort")

@@ -18,6 +18,9 @@ Semantics every implementation keeps (tests/unit/test_state_store.py runs them a
   or taken from the buffer and not yet started). When the lease expires without `end_drain` (its
   replica died), those indexes move to the owner's lost list, less the ones the owner has
   buffered meanwhile: a group is reported, never silently gone. `end_drain` forgets them.
+* `take_held` takes an owner's buffered groups and names them held by a lease in one atomic
+  operation, so that no instant exists (a kill between a `take` and a `hold_groups`) in which they
+  are neither buffered nor held: a continue step's taken groups are reported lost if it dies.
 
 And what the fleet's weight updates need (rollout/weights/, rollout/step/versions.py):
 
@@ -27,6 +30,13 @@ And what the fleet's weight updates need (rollout/weights/, rollout/step/version
 * the fleet's weight-version order (`advance_version`, `version_order`): labels oldest first,
   never going backwards: a label already in the order (other than the newest), or a decimal label
   not above a decimal newest, is refused and the order left as it was.
+
+And what fleet control needs (rollout/resumes.py, `PauseEpochs`):
+
+* the fleet's pause epoch: a counter every Pause on any replica bumps (`bump_pause_epoch`) before
+  it pauses the engines, read (`pause_epoch`) by a replica's background resume of an engine whose
+  resume did not answer, which stops once it moved: a pause on another replica is not undone.
+  It starts at 0 and only grows.
 """
 
 from __future__ import annotations
@@ -83,7 +93,20 @@ class Holding:
     indexes: frozenset[int]
 
 
-class BufferStore(Protocol):
+class PauseEpochs(Protocol):
+    """The fleet's pause epoch (module docstring): how a late resume on one replica learns that
+    another replica paused the shared engines since it started."""
+
+    async def bump_pause_epoch(self) -> int:
+        """A Pause starts: the epoch grows by one; the new epoch."""
+        ...
+
+    async def pause_epoch(self) -> int:
+        """The current epoch (0 before any Pause)."""
+        ...
+
+
+class BufferStore(PauseEpochs, Protocol):
     """Per-owner step buffers and drain leases, shared by whoever reaches the same store."""
 
     #: How errors name the store ("redis://host:6379/0", "embedded").
@@ -96,6 +119,12 @@ class BufferStore(Protocol):
 
     async def take(self, owner: str) -> list[bytes]:
         """Every buffered group of `owner`, oldest first (the buffer empties)."""
+        ...
+
+    async def take_held(self, owner: str, lease: str) -> list[bytes]:
+        """`take`, and the taken groups' indexes added to `lease`'s held groups (`hold_groups`), in
+        one operation. A lease that is not live takes nothing: the groups stay buffered for the
+        owner's next step."""
         ...
 
     async def holding(self, owner: str) -> Holding:
@@ -118,8 +147,9 @@ class BufferStore(Protocol):
         """Hold lease `lease` for `owner` (a step that may still buffer groups)."""
         ...
 
-    async def renew_drain(self, owner: str, lease: str) -> None:
-        """Extend `lease` by `caps.lease_ttl_s`."""
+    async def renew_drain(self, owner: str, lease: str) -> bool:
+        """Extend `lease` by `caps.lease_ttl_s`; False when it is not live any more (it expired, so
+        its held groups are or will be reported lost, or it ended): it is not revived."""
         ...
 
     async def end_drain(self, owner: str, lease: str) -> None:

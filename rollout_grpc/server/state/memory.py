@@ -47,6 +47,8 @@ class MemoryStore:
         self._fleet_leases: dict[str, tuple[str, float]] = {}
         #: The fleet's weight versions, oldest first.
         self._versions: list[str] = []
+        #: The fleet's pause epoch (`PauseEpochs`).
+        self._pause_epoch = 0
 
     def _sweep(self) -> None:
         """Expired buffers hand their indexes to the lost lists (never dropped silently)."""
@@ -90,6 +92,18 @@ class MemoryStore:
         self._total -= buf.bytes
         return [g.blob for g in buf.groups]
 
+    async def take_held(self, owner: str, lease: str) -> list[bytes]:
+        self._sweep()
+        expiry = self._leases.get(owner, {}).get(lease)
+        if expiry is None or expiry <= self._clock():
+            return []  # not live: the groups stay buffered
+        buf = self._buffers.pop(owner, None)
+        if buf is None:
+            return []
+        self._total -= buf.bytes
+        self._held_groups.setdefault(owner, {}).setdefault(lease, []).extend(g.index for g in buf.groups)
+        return [g.blob for g in buf.groups]
+
     async def holding(self, owner: str) -> Holding:
         self._sweep()
         buf = self._buffers.get(owner)
@@ -119,10 +133,12 @@ class MemoryStore:
     async def begin_drain(self, owner: str, lease: str) -> None:
         self._leases.setdefault(owner, {})[lease] = self._clock() + self.caps.lease_ttl_s
 
-    async def renew_drain(self, owner: str, lease: str) -> None:
-        leases = self._leases.get(owner)
-        if leases is not None and lease in leases:
-            leases[lease] = self._clock() + self.caps.lease_ttl_s
+    async def renew_drain(self, owner: str, lease: str) -> bool:
+        expiry = self._leases.get(owner, {}).get(lease)
+        if expiry is None or expiry <= self._clock():
+            return False  # ended, or expired: its held groups go to the lost list at the next sweep
+        self._leases[owner][lease] = self._clock() + self.caps.lease_ttl_s
+        return True
 
     async def end_drain(self, owner: str, lease: str) -> None:
         self._forget_groups(owner, lease)
@@ -221,3 +237,10 @@ class MemoryStore:
 
     async def version_order(self) -> list[str]:
         return list(self._versions)
+
+    async def bump_pause_epoch(self) -> int:
+        self._pause_epoch += 1
+        return self._pause_epoch
+
+    async def pause_epoch(self) -> int:
+        return self._pause_epoch

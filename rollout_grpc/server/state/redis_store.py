@@ -110,6 +110,32 @@ return blobs
 """
 )
 
+#: ARGV[3] lease. `_TAKE`, and the taken indexes appended to the lease's held groups, atomically;
+#: a lease that is not live takes nothing.
+_TAKE_HELD = (
+    _PRELUDE
+    + f"""
+local expiry = redis.call('ZSCORE', P .. 'lease:' .. o, ARGV[3])
+if not expiry or tonumber(expiry) <= now then return {{}} end
+local blobs = redis.call('LRANGE', P .. 'g:' .. o, 0, -1)
+if #blobs == 0 then return blobs end
+local taken = {{}}
+for _, e in ipairs(redis.call('LRANGE', P .. 'idx:' .. o, 0, -1)) do
+  table.insert(taken, string.match(e, '^(-?%d+):'))
+end
+local key = P .. 'held:' .. o
+local held = table.concat(taken, ',')
+local before = redis.call('HGET', key, ARGV[3])
+if before and before ~= '' then held = before .. ',' .. held end
+redis.call('HSET', key, ARGV[3], held)
+redis.call('EXPIRE', key, {LOST_TTL_S})
+redis.call('DECRBY', P .. 'total', tonumber(redis.call('GET', P .. 'bytes:' .. o) or '0'))
+redis.call('DEL', P .. 'g:' .. o, P .. 'idx:' .. o, P .. 'bytes:' .. o)
+redis.call('ZREM', P .. 'expiry', o)
+return blobs
+"""
+)
+
 _HOLDING = (
     _PRELUDE
     + """
@@ -175,12 +201,16 @@ return lost
 """
 )
 
-#: ARGV[3] lease, ARGV[4] ttl ms, ARGV[5] "1": only extend a lease that exists.
+#: ARGV[3] lease, ARGV[4] ttl ms, ARGV[5] "1": only extend a lease that is live (0 otherwise: it
+#: ended, or expired and its held groups are being reported lost; it is not revived).
 _LEASE = (
     _PRELUDE
     + """
 local key = P .. 'lease:' .. o
-if ARGV[5] == '1' and not redis.call('ZSCORE', key, ARGV[3]) then return 0 end
+if ARGV[5] == '1' then
+  local expiry = redis.call('ZSCORE', key, ARGV[3])
+  if not expiry or tonumber(expiry) <= now then return 0 end
+end
 redis.call('ZADD', key, now + tonumber(ARGV[4]), ARGV[3])
 redis.call('PEXPIRE', key, tonumber(ARGV[4]))
 return 1
@@ -313,6 +343,7 @@ class RedisStore:
         scripts = {
             "put": _PUT,
             "take": _TAKE,
+            "take_held": _TAKE_HELD,
             "holding": _HOLDING,
             "total": _TOTAL,
             "note_lost": _NOTE_LOST,
@@ -359,6 +390,9 @@ class RedisStore:
     async def take(self, owner: str) -> list[bytes]:
         return list(await self._run("take", owner))
 
+    async def take_held(self, owner: str, lease: str) -> list[bytes]:
+        return list(await self._run("take_held", owner, lease))
+
     async def holding(self, owner: str) -> Holding:
         entries, size = await self._run("holding", owner)
         indexes = frozenset(int(e.split(b":", 1)[0]) for e in entries)
@@ -377,8 +411,8 @@ class RedisStore:
     async def begin_drain(self, owner: str, lease: str) -> None:
         await self._run("lease", owner, lease, int(self.caps.lease_ttl_s * 1000), "0")
 
-    async def renew_drain(self, owner: str, lease: str) -> None:
-        await self._run("lease", owner, lease, int(self.caps.lease_ttl_s * 1000), "1")
+    async def renew_drain(self, owner: str, lease: str) -> bool:
+        return bool(await self._run("lease", owner, lease, int(self.caps.lease_ttl_s * 1000), "1"))
 
     async def end_drain(self, owner: str, lease: str) -> None:
         await self._run("end_lease", owner, lease)
@@ -430,3 +464,11 @@ class RedisStore:
             lambda: self._client.lrange(PREFIX + "versions", 0, -1)  # type: ignore[arg-type,return-value]
         )
         return [v.decode() for v in order]
+
+    async def bump_pause_epoch(self) -> int:
+        epoch = await self._call(lambda: self._client.incr(PREFIX + "pause-epoch"))
+        return int(epoch)
+
+    async def pause_epoch(self) -> int:
+        epoch = await self._call(lambda: self._client.get(PREFIX + "pause-epoch"))
+        return int(epoch or 0)

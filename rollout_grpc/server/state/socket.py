@@ -70,6 +70,7 @@ async def _dispatch(
         return (held.count, held.bytes, sorted(held.indexes))
     if method in {
         "take",
+        "take_held",
         "total_bytes",
         "note_lost",
         "take_lost",
@@ -83,6 +84,8 @@ async def _dispatch(
         "release_lease",
         "advance_version",
         "version_order",
+        "bump_pause_epoch",
+        "pause_epoch",
     }:
         return await getattr(store, method)(*args)
     raise ValueError(f"no state call {method!r}")
@@ -154,6 +157,10 @@ class SocketStore:
         blobs: list[bytes] = await self._call("take", owner)
         return blobs
 
+    async def take_held(self, owner: str, lease: str) -> list[bytes]:
+        blobs: list[bytes] = await self._call("take_held", owner, lease)
+        return blobs
+
     async def holding(self, owner: str) -> Holding:
         count, size, indexes = await self._call("holding", owner)
         return Holding(count, size, frozenset(indexes))
@@ -171,8 +178,8 @@ class SocketStore:
     async def begin_drain(self, owner: str, lease: str) -> None:
         await self._call("begin_drain", owner, lease)
 
-    async def renew_drain(self, owner: str, lease: str) -> None:
-        await self._call("renew_drain", owner, lease)
+    async def renew_drain(self, owner: str, lease: str) -> bool:
+        return bool(await self._call("renew_drain", owner, lease))
 
     async def end_drain(self, owner: str, lease: str) -> None:
         await self._call("end_drain", owner, lease)
@@ -205,6 +212,12 @@ class SocketStore:
     async def version_order(self) -> list[str]:
         order: list[str] = await self._call("version_order")
         return order
+
+    async def bump_pause_epoch(self) -> int:
+        return int(await self._call("bump_pause_epoch"))
+
+    async def pause_epoch(self) -> int:
+        return int(await self._call("pause_epoch"))
 
 
 class SocketTrajectories:

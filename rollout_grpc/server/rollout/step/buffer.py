@@ -149,6 +149,10 @@ class DrainLease:
         self._renewer: asyncio.Task[None] | None = None
         #: The group indexes last named in the store (`hold`).
         self._held: frozenset[int] = frozenset()
+        #: A renewal found the lease gone (this process did not reach the store for longer than
+        #: `lease_ttl_s`): the store reports the groups it held lost, so the step buffers nothing
+        #: more and hands its leftovers back instead (drain.py).
+        self.expired = False
 
     async def begin(self) -> None:
         await self.store.begin_drain(self.owner, self.id)
@@ -158,9 +162,20 @@ class DrainLease:
         while True:
             await asyncio.sleep(self.store.caps.lease_ttl_s / 3)
             try:
-                await self.store.renew_drain(self.owner, self.id)
+                live = await self.store.renew_drain(self.owner, self.id)
             except Exception:  # the lease expires; the next step then waits no longer for it
                 log.warning("step_lease_renew_failed", owner=self.owner, store=self.store.name)
+                continue
+            if not live:
+                self.expired = True
+                log.error(
+                    "step_lease_expired",
+                    owner=self.owner,
+                    store=self.store.name,
+                    held_groups=sorted(self._held),
+                    why="the store was not reached for longer than --step-drain-lease-ttl-s",
+                )
+                return
 
     async def hold(self, indexes: set[int]) -> None:
         """Name the groups the step holds only in this process now (written when they changed):
@@ -174,6 +189,10 @@ class DrainLease:
             log.warning("step_lease_hold_failed", owner=self.owner, store=self.store.name)
             return
         self._held = held
+
+    def took(self, indexes: set[int]) -> None:
+        """The store named `indexes` held by this lease as the step took them (`take_held`)."""
+        self._held = self._held | frozenset(indexes)
 
     async def end(self) -> None:
         if self._renewer is not None:
@@ -218,12 +237,20 @@ class StepBuffers:
         await self.store.note_lost(owner, indexes)
 
     async def take_lost(self, owner: str) -> list[int]:
-        """The indexes noted lost for `owner`, expired groups' too (forgotten once taken)."""
-        return await self.store.take_lost(owner)
+        """The indexes noted lost for `owner`, expired groups' too (forgotten once taken), each
+        once: a step whose lease expired notes its abandoned groups itself, and the store may have
+        noted some of them already from the lease (drain.py)."""
+        return list(dict.fromkeys(await self.store.take_lost(owner)))
 
-    async def take(self, owner: str) -> list[PromptGroup]:
-        """Every buffered group of `owner` (the buffer empties)."""
-        return [decode_group(blob) for blob in await self.store.take(owner)]
+    async def take(self, owner: str, lease: DrainLease | None = None) -> list[PromptGroup]:
+        """Every buffered group of `owner` (the buffer empties). With the step's `lease`, the store
+        names them held by it in the same operation (`take_held`): a kill right after the take
+        reports them lost instead of losing them silently."""
+        if lease is None:
+            return [decode_group(blob) for blob in await self.store.take(owner)]
+        groups = [decode_group(blob) for blob in await self.store.take_held(owner, lease.id)]
+        lease.took({group.group_index for group in groups})
+        return groups
 
     async def indexes(self, owner: str) -> frozenset[int]:
         """The group indexes `owner` has buffered."""

@@ -23,13 +23,33 @@ from rollout_grpc.server.state.api import StoreUnavailable
 log = structlog.get_logger("rollout_grpc.server.rollout.step.runner")
 
 
+#: Why a group is handed back instead of buffered once the step's drain lease expired.
+LEASE_EXPIRED = (
+    "this step's drain lease expired (the replica did not reach the state store for longer than "
+    "--step-drain-lease-ttl-s) and the groups it held are reported lost to your next step; "
+    "returned instead of buffered"
+)
+
+
 class StepDrain(StepState):
-    """The part of a step that keeps the groups it does not finish."""
+    """The part of a step that keeps the groups it does not finish.
+
+    Once a renewal found the step's drain lease gone (`DrainLease.expired`), the store has reported
+    (or will report) the groups the lease held as lost: the step buffers nothing more, so that no
+    group is both in the buffer and in the lost list (a continue step would then continue a group
+    and report it lost at once). Its leftovers come back to the caller ABORTED with their tokens
+    (`LEASE_EXPIRED`), and an abandoned step's groups, with nobody to hand them to, are noted lost.
+    """
+
+    def _lease_expired(self) -> bool:
+        return self.lease is not None and self.lease.expired
 
     async def _leftover(self, run: GroupRun, reason: str) -> GroupEnded:
         """A group the step stopped (or that was aborted from outside): returned or buffered."""
         group = run.group
-        if self.spec.leftovers is Leftovers.BUFFER and self.buffer is not None:
+        if self._lease_expired():
+            reason += f"; {LEASE_EXPIRED}"
+        elif self.spec.leftovers is Leftovers.BUFFER and self.buffer is not None:
             kept = PromptGroup(
                 group.group_index, group.prompt, group.origin, group.prompt_index, group.label, run.items
             )
@@ -100,6 +120,13 @@ class StepDrain(StepState):
                 why="an anonymous caller named no buffer_name",
             )
             return
+        if self._lease_expired():  # reported lost, never buffered too (class docstring)
+            lost = [g.group_index for g in groups]
+            await self.runner.buffers.note_lost(self.buffer, lost)
+            log.error(
+                "step_abandoned_unbuffered", step_id=self.spec.step_id, lost_groups=lost, why=LEASE_EXPIRED
+            )
+            return
         try:
             rejected = await self.runner.buffers.put(self.buffer, groups)
         except StoreUnavailable as exc:  # nobody to hand them to: said loudly, with their indexes
@@ -130,19 +157,15 @@ class StepDrain(StepState):
         buffers, buffer = self.runner.buffers, self.buffer
         if not back or buffer is None:
             return []
+        why = LEASE_EXPIRED
         try:
-            rejected = await buffers.put(buffer, back)
-            await buffers.note_lost(buffer, [g.group_index for g in rejected])
+            if not self._lease_expired():
+                rejected = await buffers.put(buffer, back)
+                await buffers.note_lost(buffer, [g.group_index for g in rejected])
+                return []
         except StoreUnavailable as exc:
-            self.queue = deque((g, r) for g, r in self.queue if id(g) not in self.from_buffer)
-            return [
-                GroupEnded(
-                    g.group_index,
-                    Outcome.ABORTED,
-                    f"{exc}; returned instead",
-                    g.partial,
-                    self._lags(g.partial),
-                )
-                for g in back
-            ]
-        return []
+            why = f"{exc}; returned instead"
+        self.queue = deque((g, r) for g, r in self.queue if id(g) not in self.from_buffer)
+        return [
+            GroupEnded(g.group_index, Outcome.ABORTED, why, g.partial, self._lags(g.partial)) for g in back
+        ]

@@ -32,6 +32,7 @@ class Step(GroupWork, StepDrain):
     async def events(self) -> AsyncIterator[StepEvent]:
         self.started = True  # from here events() releases the lease (or its drain does)
         unwatch = self.rollout.owner_aborts.watch(self.owner, self._on_owner_abort)
+        returned: set[int] = set()  # group indexes this step hands the caller (not buffered)
         try:
             await self._fill()
             yield self._progress()
@@ -44,6 +45,7 @@ class Step(GroupWork, StepDrain):
                     yield self._progress()
                     continue
                 for out in await self._group_done(event):
+                    _note_returned(out, returned)
                     yield out
                 if not self.stop_reason and self._aborted_from_outside():
                     self._stop_all("the generations were aborted (Abort all)")
@@ -55,8 +57,9 @@ class Step(GroupWork, StepDrain):
                     await self._hold()  # the ended groups were delivered (or buffered)
                 yield self._progress()
             for handed_back in await self._put_back():
+                _note_returned(handed_back, returned)
                 yield handed_back
-            summary = await self._summary()
+            summary = await self._summary(returned)
             self.finished = True  # before the yield: a caller leaving now has nothing left to lose
             if self.lease is not None:
                 # Before the summary leaves: a caller holding it finds no lease of this step, also
@@ -168,7 +171,10 @@ class Step(GroupWork, StepDrain):
         """An Abort(all) ended samples of this step (Abort mine stops the step at once)."""
         return self.saw_abort_all
 
-    async def _summary(self) -> Summary:
+    async def _summary(self, returned: set[int]) -> Summary:
+        """The step's summary. `lost` leaves out the groups this step returned itself: a lease
+        that expired while this process lived (it lost the store) had them reported lost, but
+        the caller has them (drain.py)."""
         # Fresh groups never started are listed (buffered ones went back by `_put_back`).
         buffers, buffer = self.runner.buffers, self.buffer
         unstarted = [g.group_index for g, _ in self.queue if id(g) not in self.from_buffer]
@@ -183,6 +189,7 @@ class Step(GroupWork, StepDrain):
         if buffer is not None and self.keeps_buffer:
             try:
                 buffered, lost = await buffers.count(buffer), await buffers.take_lost(buffer)
+                lost = [i for i in lost if i not in returned]
             except StoreUnavailable as exc:  # every group was reported; only the counts are unknown
                 reason += f"; {exc}: buffered and lost_group_indexes are unknown"
         return Summary(
@@ -195,3 +202,9 @@ class Step(GroupWork, StepDrain):
             max_version_lag=self.max_lag,
             lost=lost,
         )
+
+
+def _note_returned(event: StepEvent, returned: set[int]) -> None:
+    """Count a group this step hands the caller (any outcome but BUFFERED) in `returned`."""
+    if isinstance(event, GroupEnded) and event.outcome is not Outcome.BUFFERED:
+        returned.add(event.group_index)

@@ -137,7 +137,7 @@ class StepRunner:
         # leaving mid-step takes one then, drain.py), no store round trip on its path.
         lease = await self.buffers.lease(buffer) if buffer is not None and keeps_buffer(spec) else None
         try:
-            buffered = await self.buffers.take(buffer) if spec.continue_buffered and buffer else []
+            buffered = await self.buffers.take(buffer, lease) if spec.continue_buffered and buffer else []
         except BaseException:
             if lease is not None:
                 await lease.end()
