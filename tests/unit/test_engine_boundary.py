@@ -153,7 +153,7 @@ def test_token_ids_and_logprobs_of_a_chunk_keep_their_values() -> None:
     logprobs = {"content": [{"logprob": -0.5}, {"logprob": 0}, {"logprob": -1.25}]}
     (delta,) = vllm.parse_chunk("u", chunk(token_ids=[0, 7, 9], logprobs=logprobs), CALL)
     assert delta == EngineDelta([0, 7, 9], [-0.5, 0.0, -1.25], None, "")
-    assert all(type(x) is float for x in delta.logprobs)  # type: ignore[union-attr]
+    assert all(type(x) is float for x in delta.logprobs)
     empty = vllm.parse_chunk("u", chunk(token_ids=[], logprobs={"content": []}), CALL)
     assert empty == [EngineDelta([], [], None, "")]
 
