@@ -144,6 +144,20 @@ def test_usage_chunk() -> None:
     assert usage.cached_tokens == 1  # type: ignore[union-attr]
 
 
+def _lps(n: int) -> dict[str, object]:
+    return {"content": [{"logprob": -0.5} for _ in range(n)]}
+
+
+def test_token_ids_and_logprobs_of_a_chunk_keep_their_values() -> None:
+    """Several tokens, an integer logprob (JSON `0`) read as a float, a chunk of no tokens."""
+    logprobs = {"content": [{"logprob": -0.5}, {"logprob": 0}, {"logprob": -1.25}]}
+    (delta,) = vllm.parse_chunk("u", chunk(token_ids=[0, 7, 9], logprobs=logprobs), CALL)
+    assert delta == EngineDelta([0, 7, 9], [-0.5, 0.0, -1.25], None, "")
+    assert all(type(x) is float for x in delta.logprobs)
+    empty = vllm.parse_chunk("u", chunk(token_ids=[], logprobs={"content": []}), CALL)
+    assert empty == [EngineDelta([], [], None, "")]
+
+
 MALFORMED = {
     "invalid json": b'{"request_id": "x", "choices": [',
     "array chunk": b"[1, 2, 3]",
@@ -152,6 +166,15 @@ MALFORMED = {
     "negative token ids": chunk(token_ids=[-3]),
     "bool token id": chunk(token_ids=[True]),
     "string logprob": chunk(logprobs={"content": [{"logprob": "-0.1"}]}),
+    # One bad value among good ones (the checks are whole-list C loops, not a test per token).
+    "a bool among token ids": chunk(token_ids=[5, 6, True], logprobs=_lps(3)),
+    "a negative among token ids": chunk(token_ids=[5, -1, 6], logprobs=_lps(3)),
+    "a float among token ids": chunk(token_ids=[5, 6.0], logprobs=_lps(2)),
+    "a string among logprobs": chunk(
+        token_ids=[5, 6], logprobs={"content": [{"logprob": -0.1}, {"logprob": "-0.2"}]}
+    ),
+    "a null logprob": chunk(token_ids=[5, 6], logprobs={"content": [{"logprob": -0.1}, {"logprob": None}]}),
+    "a logprob entry not an object": chunk(token_ids=[5, 6], logprobs={"content": [{"logprob": -0.1}, 7]}),
     "too few logprobs": chunk(token_ids=[5, 6]),
     "non-integer spans": chunk(
         finish_reason="stop", weight_versions=[{"version": "v", "start": "0", "end": 1.5}]

@@ -197,8 +197,8 @@ def test_data_received_just_before_the_connection_broke_is_still_read() -> None:
                     await broken.wait()
                     assert resp.content.exception() is not None
                     with pytest.raises(aiohttp.ClientPayloadError):
-                        async for payload in engine._events(resp):
-                            got.append(payload)
+                        async for payloads in engine._events(resp):
+                            got.extend(payloads)
         finally:
             server.close()
             await server.wait_closed()

@@ -95,7 +95,7 @@ class RolloutFacade:
 
     # ----------------------------------------------------------------------------- generation
 
-    async def generate(
+    def generate(
         self,
         record: CallRecord,
         sample: Sample,
@@ -104,24 +104,27 @@ class RolloutFacade:
         request_id: str,
     ) -> AsyncIterator[TokenBatch | Sample]:
         """One sample's generation (`Rollout.generate`), observed into `record`: its identity,
-        the first token's time and the final sample."""
+        the first token's time and the final sample.
+
+        The rollout's own iterator, observed through its callbacks, not a generator re-yielding
+        every message: each streamed message resumes every generator of the chain
+        (bench/profile_notes.md, thirteenth pass)."""
         record.request_id = request_id
         record.session_id = sample.session_id
         record.group_index = sample.group_index
         record.prior_response_length = sample.response_length
         record.prior_attempts = len(sample.engine_attempts)
+
+        def on_sample(final: Sample) -> None:
+            record.sample = final
+            if record.ttft_s is None and record.new_tokens > 0:
+                record.mark_token()
+
         # The time to first token is the engine's first token, whatever the caller asked for (a
         # `final_only` caller gets no batch, and its TTFT would be its whole latency).
-        events = self._rollout.generate(sample, params, options, request_id, on_first_token=record.mark_token)
-        async for event in events:
-            if type(event) is TokenBatch:
-                if record.ttft_s is None and event.token_ids:
-                    record.mark_token()
-            else:
-                record.sample = event  # type: ignore[assignment]
-                if record.ttft_s is None and record.new_tokens > 0:
-                    record.mark_token()
-            yield event
+        return self._rollout.generate(
+            sample, params, options, request_id, on_first_token=record.mark_token, on_sample=on_sample
+        )
 
     async def rollout_step(self, record: CallRecord, spec: StepSpec) -> AsyncIterator[StepEvent]:
         """One rollout step (`StepRunner.run`); the record gets the step id and the summary."""

@@ -58,19 +58,26 @@ class AttemptLoop:
                 budget = sample_ops.remaining_budget(sample, run.params)
                 run.decision = _decide(self._situation(CallFailure.NO_ENGINE, run, 0, budget), entry)
             else:
-                async for batch in self._attempt(run, engine):
-                    yield batch
-            decision = run.decision
-            if decision is None:
-                _blame_the_deadline(run)
-                break  # the call ended normally
-            if decision.action is Action.RAISE:
-                unusable = self.pool.unusable_reasons() if engine is None else []
-                raise _domain_error(decision, run.error, unusable) from run.error
-            if decision.action is Action.FINISH:
-                sample_ops.finish(sample, decision.finish, decision.status, decision.reason)
+                # One engine call, inline (not a generator re-yielding its batches: each streamed
+                # message resumes every generator of the chain, bench/profile_notes.md, twelfth
+                # pass); on failure `run.decision` says what next (None: the call succeeded).
+                if not sample.token_count:
+                    await _render_prompt(run, engine)
+                attempt = Attempt.start(run, engine)
+                failure: CallFailure | None = None
+                try:
+                    with self.pool.lease(engine):
+                        async for batch in self.caller.stream(attempt):
+                            yield batch
+                    self.pool.report_success(engine)
+                except (EngineError, DrainExpired, Interrupted) as exc:
+                    failure = await self._note_failure(run, attempt, exc)
+                finally:
+                    attempt.record.end = sample.response_length
+                if failure is not None:
+                    self._after_failure(run, attempt, failure)
+            if self._ended(run, engine):
                 break
-            run.media_resent = run.media_resent or decision.action is Action.RETRY_WITH_MEDIA
         else:
             reason = "" if entry.abort_requested else deadline.reason
             sample_ops.finish(sample, Finish.ABORT, Status.ABORTED, reason)
@@ -78,24 +85,33 @@ class AttemptLoop:
         if last is not None:
             yield last
 
-    async def _attempt(self, run: GenerateRun, engine: EngineHandle) -> AsyncIterator[TokenBatch]:
-        """One engine call; on failure, `run.decision` says what next (None: the call succeeded)."""
-        sample = run.sample
-        if not sample.token_count:
-            await _render_prompt(run, engine)
-        attempt = Attempt.start(run, engine)
-        try:
-            with self.pool.lease(engine):
-                async for batch in self.caller.stream(attempt):
-                    yield batch
-            self.pool.report_success(engine)
-            return
-        except (EngineError, DrainExpired, Interrupted) as exc:
-            run.error = exc if isinstance(exc, EngineError) else None
-            failure = await self._classify(engine, exc)
-            attempt.record.error = f"{failure.value}: {exc}"
-        finally:
-            attempt.record.end = sample.response_length
+    def _ended(self, run: GenerateRun, engine: EngineHandle | None) -> bool:
+        """After an engine call (or none to call): True when the generation ends here; raises the
+        domain error of a RAISE decision."""
+        decision = run.decision
+        if decision is None:
+            _blame_the_deadline(run)
+            return True  # the call ended normally
+        if decision.action is Action.RAISE:
+            unusable = self.pool.unusable_reasons() if engine is None else []
+            raise _domain_error(decision, run.error, unusable) from run.error
+        if decision.action is Action.FINISH:
+            sample_ops.finish(run.sample, decision.finish, decision.status, decision.reason)
+            return True
+        run.media_resent = run.media_resent or decision.action is Action.RETRY_WITH_MEDIA
+        return False
+
+    async def _note_failure(self, run: GenerateRun, attempt: Attempt, exc: BaseException) -> CallFailure:
+        """A failed engine call's kind, noted in `run.error` and the call's record."""
+        run.error = exc if isinstance(exc, EngineError) else None
+        failure = await self._classify(attempt.engine, exc)
+        attempt.record.error = f"{failure.value}: {exc}"
+        return failure
+
+    def _after_failure(self, run: GenerateRun, attempt: Attempt, failure: CallFailure) -> None:
+        """What `failover.decide` says after a failed call, in `run.decision`; the engine's
+        health and exclusion as it says."""
+        engine = attempt.engine
         if failure is CallFailure.REQUEST_FAILED:
             run.request_failures += 1
         _label_orphans(attempt)

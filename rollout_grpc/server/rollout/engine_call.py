@@ -25,6 +25,7 @@ from rollout_grpc.server.engines.api import (
     EngineCall,
     EngineDelta,
     EngineError,
+    EngineEvent,
     EngineFinal,
     EngineHung,
     EngineUnavailable,
@@ -99,7 +100,54 @@ class EngineCaller:
         )
 
     async def stream(self, attempt: Attempt) -> AsyncIterator[TokenBatch]:
-        """One engine call: append tokens as they arrive, then apply the final result."""
+        """One engine call: append tokens as they arrive, then apply the final result.
+
+        The read loop is here, not in a generator of its own re-yielding each batch: every
+        streamed message resumes each generator of the chain (bench/profile_notes.md, twelfth
+        pass). Each read of the engine stream is bracketed by the stopper, which may interrupt
+        that read, and only that (never the caller's own awaits between reads); the stream is
+        closed however the loop ends (closing it makes the engine abort the request).
+        """
+        engine = attempt.engine
+        reading = self._start(attempt)
+        stopper = reading.stopper
+        unwatch = engine.watch(stopper.engine_dead)
+        try:
+            self._arm(reading)
+            events = engine.client.generate(reading.call)
+            try:
+                while True:
+                    stopper.begin_read()
+                    try:
+                        event = await anext(events)
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.CancelledError:
+                        stopper.check_interrupted()
+                        raise
+                    finally:
+                        stopper.reading = False
+                    batch = reading.on_event(event)
+                    if batch is not None:
+                        yield batch
+            finally:
+                aclose = getattr(events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        except Interrupted as exc:
+            raise _interruption(exc, engine.url) from None
+        finally:
+            attempt.run.entry.on_abort = None
+            stopper.close()
+            unwatch()
+            attempt.run.deadline.detach()
+        if not reading.finals:
+            raise EngineUnavailable(engine.url, "the stream ended without a final result")
+        reading.speed.report(engine, attempt.run.sample.response_length)
+        _apply_final(attempt, reading.finals[-1])
+
+    def _start(self, attempt: Attempt) -> _Reading:
+        """The call's request, noted in the in-flight entry and the sample."""
         run, engine = attempt.run, attempt.engine
         sample, entry = run.sample, run.entry
         call = self.request(attempt)
@@ -112,33 +160,25 @@ class EngineCaller:
             missing = sample.response_length - len(sample.top_logprobs)
             sample.top_logprobs.extend(([], []) for _ in range(missing))
         sample.usage.prompt_tokens += len(call.prompt_token_ids)
-        reading = _Reading(attempt, call)
-        stopper = reading.stopper
-        unwatch = engine.watch(stopper.engine_dead)
-        run.deadline.attach(DeadlineAbort(engine, entry, stopper))
+        return _Reading(attempt, call)
+
+    def _arm(self, reading: _Reading) -> None:
+        """Let the caller's deadline and an abort end the call (`stream` disarms both)."""
+        run, stopper = reading.attempt.run, reading.stopper
+        entry = run.entry
+        run.deadline.attach(DeadlineAbort(reading.attempt.engine, entry, stopper))
         entry.on_abort = lambda: stopper.request_later(self.config.abort_drain_s, Why.ABORT_DRAIN)
         if entry.abort_requested:  # asked while the call was being prepared
             entry.on_abort()
-        try:
-            async for batch in reading.consume():
-                yield batch
-        except Interrupted as exc:
-            if exc.why is Why.ENGINE_DEAD:
-                raise EngineHung(
-                    engine.url, "a health probe found the engine dead while this stream was silent"
-                ) from None
-            if exc.why is Why.ABORT_DRAIN:
-                raise DrainExpired from None
-            raise
-        finally:
-            entry.on_abort = None
-            stopper.close()
-            unwatch()
-            run.deadline.detach()
-        if not reading.finals:
-            raise EngineUnavailable(engine.url, "the stream ended without a final result")
-        reading.speed.report(engine, sample.response_length)
-        _apply_final(attempt, reading.finals[-1])
+
+
+def _interruption(exc: Interrupted, url: str) -> Exception:
+    """What an interrupted engine call raises: a dead engine is hung, an abort's drain expired."""
+    if exc.why is Why.ENGINE_DEAD:
+        return EngineHung(url, "a health probe found the engine dead while this stream was silent")
+    if exc.why is Why.ABORT_DRAIN:
+        return DrainExpired()
+    return exc
 
 
 class _Reading:
@@ -153,45 +193,23 @@ class _Reading:
         self.finals: list[EngineFinal] = []
         self.stopper = Stopper()
 
-    async def consume(self) -> AsyncIterator[TokenBatch]:
-        """Apply the call's events to the sample; the final result goes to `finals`.
-
-        Each read of the engine stream is bracketed by the stopper, which may interrupt that read,
-        and only that (never the caller's own awaits between reads); the stream is closed however
-        the loop ends (closing it makes the engine abort the request).
-        """
-        run, engine, stopper = self.attempt.run, self.attempt.engine, self.stopper
-        sample = run.sample
-        stream = engine.client.generate(self.call)
-        try:
-            while True:
-                stopper.begin_read()
-                try:
-                    event = await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except asyncio.CancelledError:
-                    stopper.check_interrupted()
-                    raise
-                finally:
-                    stopper.reading = False
-                stopper.last_event = time.monotonic()
-                if isinstance(event, EngineDelta):
-                    self._on_engine_started()
-                    self.speed.first(sample.response_length + len(event.token_ids), bool(event.token_ids))
-                    if event.token_ids and run.on_first_token is not None:
-                        run.first_token()
-                    batch = self._apply_delta(event)
-                    if batch is not None:
-                        yield batch
-                elif isinstance(event, EngineUsage):
-                    sample.usage.cached_tokens += event.cached_tokens
-                else:
-                    self.finals.append(event)
-        finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+    def on_event(self, event: EngineEvent) -> TokenBatch | None:
+        """Apply one event of the engine stream to the sample: the batch to send, if one is due;
+        the final result goes to `finals`."""
+        run = self.attempt.run
+        self.stopper.last_event = time.monotonic()
+        if isinstance(event, EngineDelta):
+            self._on_engine_started()
+            sample = run.sample
+            self.speed.first(sample.response_length + len(event.token_ids), bool(event.token_ids))
+            if event.token_ids and run.on_first_token is not None:
+                run.first_token()
+            return self._apply_delta(event)
+        if isinstance(event, EngineUsage):
+            run.sample.usage.cached_tokens += event.cached_tokens
+        else:
+            self.finals.append(event)
+        return None
 
     def _on_engine_started(self) -> None:
         run, engine = self.attempt.run, self.attempt.engine

@@ -118,12 +118,15 @@ class Rollout:
         options: GenerateOptions,
         request_id: str,
         on_first_token: Callable[[], None] | None = None,
+        on_sample: Callable[[Sample], None] | None = None,
     ) -> AsyncIterator[TokenBatch | Sample]:
         """Yield token batches, then the final sample (always last, exactly once).
 
         `on_first_token` is called once, when the first token of this Generate arrives from an
         engine, whatever the caller asked for: a `final_only` caller gets no batch to time, and its
         time to first token is still the engine's (the latency metrics are read from this).
+        `on_sample` is called with the final sample just before it is yielded: an observer of the
+        call needs no generator of its own around this one (bench/profile_notes.md, thirteenth pass).
         """
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another replica")
@@ -131,17 +134,17 @@ class Rollout:
         params_mod.validate(params, skip_text=options.skip_text)
         routed_experts.check_input(sample.routed_experts, sample.token_count, options)
         if sample.status in sample_ops.FINISHED:
-            yield sample
+            yield _final(sample, on_sample)
             return
         sample_ops.prepare_masks(sample, options.mask_offpolicy)
         budget = sample_ops.remaining_budget(sample, params)
         if budget == 0:
             sample_ops.finish(sample, Finish.LENGTH, Status.TRUNCATED)
-            yield sample
+            yield _final(sample, on_sample)
             return
         if self.aborting or self.owner_aborts.aborting(current_caller().identity):
             sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
-            yield sample
+            yield _final(sample, on_sample)
             return
         entry = self.registry.register(request_id, sample.session_id, sample.group_index)
         deadline = CallerDeadline(
@@ -170,4 +173,11 @@ class Rollout:
         problem = sample_ops.check_invariants(sample)
         if problem:
             sample_ops.finish(sample, Finish.ERROR, Status.FAILED, problem)
-        yield sample
+        yield _final(sample, on_sample)
+
+
+def _final(sample: Sample, on_sample: Callable[[Sample], None] | None) -> Sample:
+    """The final sample, shown to the caller's observer first."""
+    if on_sample is not None:
+        on_sample(sample)
+    return sample

@@ -154,13 +154,14 @@ class SglangEngine(HttpEngine, SglangWeights):
                 if resp.status != 200:
                     raise self._http_error(resp.status, await resp.read())
                 # Closed here, not by the garbage collector (a finalizer task per call).
-                async with contextlib.aclosing(self._events(resp)) as events:
-                    async for data in events:
-                        if data == DONE:
-                            return
-                        for event in self._parse(reader, data):
-                            finished = finished or isinstance(event, EngineFinal)
-                            yield event
+                async with contextlib.aclosing(self._events(resp)) as batches:
+                    async for batch in batches:
+                        for data in batch:
+                            if data == DONE:
+                                return
+                            for event in self._parse(reader, data):
+                                finished = finished or isinstance(event, EngineFinal)
+                                yield event
                 if not finished:
                     raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
         except TRANSPORT_ERRORS as exc:

@@ -407,14 +407,28 @@ class VllmEngine(HttpEngine, VllmWeights):
 
         Leaving the iteration early (an exception, `aclose()`, task cancellation) closes the HTTP
         connection instead of returning it to the pool; vLLM aborts a request whose client
-        disconnected, so the engine stops generating.
+        disconnected, so the engine stops generating. One generator from the request to the
+        events (no inner one re-yielding them): each streamed event resumes every generator it
+        passes through (bench/profile_notes.md, thirteenth pass).
         """
         body, hash_only = self.generate_body(call)
         hashes = [it.mm_hash for it in media_items(call.features)]
         progress = _Progress()
         try:
-            async for event in self._stream(body, call, hashes, progress):
-                yield event
+            async with contextlib.AsyncExitStack() as stack:
+                resp = await self._open_ok(stack, body)
+                # Closed here, not left to the garbage collector: an async generator abandoned at
+                # [DONE] is finalized through a thread-safe callback, a self-pipe write and a task
+                # of its own, once per call (bench/profile_notes.md, third pass).
+                async with contextlib.aclosing(self._events(resp)) as batches:
+                    async for batch in batches:
+                        for data in batch:
+                            if data == DONE:
+                                return
+                            for event in self._chunk_events(data, call, hashes, progress):
+                                yield event
+                if not progress.finished:
+                    raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
         except EngineRequestFailed as exc:
             if hash_only and not progress.produced:
                 self.forget_media(hashes)
@@ -425,29 +439,26 @@ class VllmEngine(HttpEngine, VllmWeights):
                 return
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from exc
 
-    async def _stream(
-        self, body: dict[str, Any], call: EngineCall, hashes: list[str], progress: _Progress
-    ) -> AsyncIterator[EngineEvent]:
-        """The events of one generate call, until [DONE] (or the end of the stream after the final)."""
-        async with contextlib.AsyncExitStack() as stack:
-            resp = await self._open_stream(stack, body)
-            if resp.status != 200:
-                raise self._http_error(resp.status, await resp.read())
-            # Closed here, not left to the garbage collector: an async generator abandoned at
-            # [DONE] is finalized through a thread-safe callback, a self-pipe write and a task
-            # of its own, once per call (bench/profile_notes.md, third pass).
-            async with contextlib.aclosing(self._events(resp)) as events:
-                async for data in events:
-                    if data == DONE:
-                        return
-                    for event in parse_chunk(self.url, data, call):
-                        if not progress.produced and isinstance(event, EngineDelta):
-                            progress.produced = True
-                            self._remember_media(hashes)
-                        progress.finished = progress.finished or isinstance(event, EngineFinal)
-                        yield event
-            if not progress.finished:
-                raise EngineUnavailable(self.url, "the engine closed the stream before [DONE]")
+    async def _open_ok(
+        self, stack: contextlib.AsyncExitStack, body: dict[str, Any]
+    ) -> aiohttp.ClientResponse:
+        """The generate call's response head; an HTTP error status raises the engine's error."""
+        resp = await self._open_stream(stack, body)
+        if resp.status != 200:
+            raise self._http_error(resp.status, await resp.read())
+        return resp
+
+    def _chunk_events(
+        self, data: bytes, call: EngineCall, hashes: list[str], progress: _Progress
+    ) -> list[EngineEvent]:
+        """One SSE payload's events, noted in `progress` (the first delta: the engine holds the media)."""
+        events = parse_chunk(self.url, data, call)
+        for event in events:
+            if not progress.produced and isinstance(event, EngineDelta):
+                progress.produced = True
+                self._remember_media(hashes)
+            progress.finished = progress.finished or isinstance(event, EngineFinal)
+        return events
 
     async def health(self, timeout: float = 2.0) -> EngineHealth:
         """GET /health: healthy on 200. A refused connection, silence, a 503 (dead engine) or a
