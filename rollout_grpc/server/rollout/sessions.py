@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import pickle
 from collections.abc import AsyncIterator
-from typing import Any
 
 from rollout_grpc.server.domain.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
 from rollout_grpc.server.domain.identity import Caller
 from rollout_grpc.server.domain.trajectory import Session, Turn
+from rollout_grpc.server.rollout.pickled import RestrictedPickle
 from rollout_grpc.server.state.trajectories import (
     RECORDED,
     REFUSED_BYTES,
@@ -36,43 +34,13 @@ from rollout_grpc.server.state.trajectories import (
 )
 
 #: What a recorded turn's pickle may name: the domain's dataclasses and enums, numpy arrays
-#: (routed experts) and plain containers. The store is shared; this replica's memory is not.
-_ALLOWED_GLOBALS = {
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy._core.numeric", "_frombuffer"),
-    ("numpy.core.numeric", "_frombuffer"),
-    ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
-    ("copyreg", "_reconstructor"),
-    ("copyreg", "__newobj__"),
-    ("builtins", "object"),
-}
-_ALLOWED_MODULE = "rollout_grpc.server.domain."
+#: (routed experts) and plain containers.
+_TURNS = RestrictedPickle(Turn, "a recorded turn", ("rollout_grpc.server.domain.",))
+encode_turn = _TURNS.encode
+decode_turn = _TURNS.decode
+
 #: Seconds a caller at a session cap is told to wait (the cap frees when it collects a session).
 _CAP_RETRY_S = 5.0
-
-
-class _TurnUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS or (module + ".").startswith(_ALLOWED_MODULE):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"a recorded turn may not name {module}.{name}")
-
-
-def encode_turn(turn: Turn) -> bytes:
-    """A turn as the store keeps it."""
-    return pickle.dumps(turn, protocol=5)
-
-
-def decode_turn(blob: bytes) -> Turn:
-    """A turn the store kept (only the domain's types and plain values may appear)."""
-    turn = _TurnUnpickler(io.BytesIO(blob)).load()
-    if not isinstance(turn, Turn):
-        raise pickle.UnpicklingError(f"a recorded turn decoded to {type(turn).__name__}")
-    return turn
 
 
 def _encode_roles(roles: list[str]) -> bytes:

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import pickle
 import sys
 import uuid
-from typing import Any
 
 import structlog
 
 from rollout_grpc.server.domain.errors import InvalidArgument
 from rollout_grpc.server.domain.identity import ANONYMOUS, Caller
 from rollout_grpc.server.domain.model import Sample
+from rollout_grpc.server.rollout.pickled import RestrictedPickle
 from rollout_grpc.server.rollout.step.spec import PromptGroup, StepSample
 from rollout_grpc.server.state.api import BufferStore, StoredGroup, StoreUnavailable
 from rollout_grpc.server.state.memory import MemoryStore
@@ -92,51 +90,16 @@ def buffer_owner(caller: Caller, buffer_name: str) -> str | None:
     return f"{caller.identity}#{buffer_name}" if buffer_name else caller.identity
 
 
-#: What a buffered group's pickle may name: the step's and the domain's dataclasses and enums,
-#: the transport's messages kept as `origin`, numpy arrays (R3) and the plain containers. A blob
-#: naming anything else (a function, os.system) is refused: the store is shared, this replica's
-#: memory is not.
-_ALLOWED_GLOBALS = {
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy._core.numeric", "_frombuffer"),
-    ("numpy.core.numeric", "_frombuffer"),
-    ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
-    ("copyreg", "_reconstructor"),
-    ("copyreg", "__newobj__"),
-    ("builtins", "object"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "bytearray"),
-}
-_ALLOWED_MODULES = (
-    "rollout_grpc.server.domain.",
-    "rollout_grpc.server.rollout.step.",
-    "rollout_grpc._proto.",
+#: What a buffered group's pickle may name: the step's and the domain's dataclasses and enums, the
+#: transport's messages kept as `origin`, numpy arrays (R3), sets and byte arrays.
+_GROUPS = RestrictedPickle(
+    PromptGroup,
+    "a buffered group",
+    ("rollout_grpc.server.domain.", "rollout_grpc.server.rollout.step.", "rollout_grpc._proto."),
+    frozenset({("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray")}),
 )
-
-
-class _GroupUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS or (module + ".").startswith(_ALLOWED_MODULES):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"a buffered group may not name {module}.{name}")
-
-
-def encode_group(group: PromptGroup) -> bytes:
-    """A group as the store keeps it."""
-    return pickle.dumps(group, protocol=5)
-
-
-def decode_group(blob: bytes) -> PromptGroup:
-    """A group the store kept (only the step's own types and plain values may appear)."""
-    group = _GroupUnpickler(io.BytesIO(blob)).load()
-    if not isinstance(group, PromptGroup):
-        raise pickle.UnpicklingError(f"a buffered group decoded to {type(group).__name__}")
-    return group
+encode_group = _GROUPS.encode
+decode_group = _GROUPS.decode
 
 
 class DrainLease:
