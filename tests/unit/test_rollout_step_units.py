@@ -174,7 +174,7 @@ async def test_a_generate_of_the_caller_during_its_abort_window_ends_aborted_wit
     rollout = make(engine)
     token = set_caller(Caller(identity="trainer-1", role=Role.TRAINER))
     try:
-        rollout.owner_aborts.begin("trainer-1")
+        rollout.begin_owner_abort("trainer-1")
         results = [
             e
             async for e in rollout.generate(
@@ -183,8 +183,8 @@ async def test_a_generate_of_the_caller_during_its_abort_window_ends_aborted_wit
         ]
         assert isinstance(results[-1], Sample) and results[-1].status is Status.ABORTED
         assert not engine.calls
-        rollout.owner_aborts.begin("someone-else")
-        rollout.owner_aborts.end("trainer-1")
+        rollout.begin_owner_abort("someone-else")
+        rollout.end_owner_abort("trainer-1")
         results = [
             e
             async for e in rollout.generate(
@@ -200,11 +200,11 @@ async def test_a_generate_of_the_caller_during_its_abort_window_ends_aborted_wit
 def test_watchers_hear_an_abort_of_their_owner_only() -> None:
     rollout = make(FakeEngine("a", []))
     heard: list[str] = []
-    unwatch = rollout.owner_aborts.watch("t", lambda: heard.append("t"))
-    rollout.owner_aborts.begin("other")
-    rollout.owner_aborts.begin("t")
+    unwatch = rollout.watch_owner_aborts("t", lambda: heard.append("t"))
+    rollout.begin_owner_abort("other")
+    rollout.begin_owner_abort("t")
     unwatch()
-    rollout.owner_aborts.begin("t")
+    rollout.begin_owner_abort("t")
     assert heard == ["t"]
 
 

@@ -329,7 +329,7 @@ class Control:
         """Abort every generation of the caller (any role; its own only), here and on every other
         process (`Fanout`).
 
-        The caller's abort window (`owner_aborts`) stays open until the aborted generations have
+        The caller's abort window (`Rollout.begin_owner_abort`) stays open until the aborted generations have
         ended, or the control deadline: a Generate of the same caller that arrives meanwhile (one
         already on the wire) ends ABORTED at once, like under Abort(all). A running RolloutStep of
         the caller sees the abort and stops starting groups.
@@ -343,15 +343,14 @@ class Control:
 
     async def _abort_owner(self, owner: str) -> AbortResult:
         """Abort `owner`'s generations on this replica, holding its abort window until they ended."""
-        aborts = self._rollout.owner_aborts
         deadline = asyncio.get_running_loop().time() + self._deadline_s
-        aborts.begin(owner)
+        self._rollout.begin_owner_abort(owner)
         try:
             entries = [e for e in self._registry.all() if e.owner == owner]
             result = await self.abort_entries(entries)
             await self._ended(entries, deadline)
         finally:
-            aborts.end(owner)
+            self._rollout.end_owner_abort(owner)
         return result
 
     async def _ended(self, entries: list[InFlight], deadline: float) -> None:

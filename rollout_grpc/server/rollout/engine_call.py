@@ -32,7 +32,7 @@ from rollout_grpc.server.engines.api import (
     EngineUsage,
     FinishKind,
 )
-from rollout_grpc.server.engines.pool import EngineHandle
+from rollout_grpc.server.engines.pool import EngineHandle, EnginePool
 from rollout_grpc.server.rollout.batching import tokens_per_message
 from rollout_grpc.server.rollout.call_ids import CallIds
 from rollout_grpc.server.rollout.cancellation import DrainExpired, Interrupted, Stopper, Why
@@ -53,9 +53,11 @@ FINISH_STATUS: dict[FinishKind, tuple[Finish, Status]] = {
 
 
 class EngineCaller:
-    """Runs engine calls with this replica's knobs and call ids."""
+    """Runs engine calls with this replica's knobs and call ids, on the engines of one pool (which
+    it tells the weight version an engine's final result names: the pool owns its handles)."""
 
-    def __init__(self, config: RolloutConfig, call_ids: CallIds) -> None:
+    def __init__(self, pool: EnginePool, config: RolloutConfig, call_ids: CallIds) -> None:
+        self.pool = pool
         self.config = config
         self.call_ids = call_ids
 
@@ -144,7 +146,10 @@ class EngineCaller:
         if not reading.finals:
             raise EngineUnavailable(engine.url, "the stream ended without a final result")
         reading.speed.report(engine, attempt.run.sample.response_length)
-        _apply_final(attempt, reading.finals[-1])
+        final = reading.finals[-1]
+        if final.weight_spans:
+            self.pool.relabel(engine, final.weight_spans[-1].version)
+        _apply_final(attempt, final)
 
     def _start(self, attempt: Attempt) -> _Reading:
         """The call's request, noted in the in-flight entry and the sample."""
@@ -236,12 +241,11 @@ class _Reading:
 
 
 def _apply_final(attempt: Attempt, final: EngineFinal) -> None:
-    """Status, stop reason, weight versions and routed experts from the final result."""
+    """The sample's status, stop reason, weight versions and routed experts from the final result
+    (the engine's own label is the pool's: `EngineCaller.stream` relabels it)."""
     engine, sample, options = attempt.engine, attempt.run.sample, attempt.run.options
     finish, status = FINISH_STATUS[final.finish]
     sample.stop_reason = final.stop_reason
-    if final.weight_spans:
-        engine.weight_version = final.weight_spans[-1].version
     sample_ops.add_weight_spans(sample, final.weight_spans, attempt.record.start)
     failure = ""
     if options.return_routed_experts and final.routed_experts is not None:

@@ -77,9 +77,11 @@ class Rollout:
         self.call_ids = call_ids or CallIds.new()
         self._abort_all_depth = 0
         self._closed = False
-        self._loop = AttemptLoop(pool, self.config, EngineCaller(self.config, self.call_ids))
+        self._loop = AttemptLoop(pool, self.config, EngineCaller(pool, self.config, self.call_ids))
         #: Abort{mine} windows: a caller's new generations end ABORTED while its abort runs.
-        self.owner_aborts = OwnerAborts()
+        #: Private: control opens and closes them, a running step watches them, through the
+        #: methods below (issue 35: no module reaches into another's state).
+        self._owner_aborts = OwnerAborts()
 
     def close(self) -> None:
         """Refuse new generations (shutdown); in-flight ones continue."""
@@ -108,6 +110,26 @@ class Rollout:
     def end_abort_all(self) -> None:
         """Close the abort-all window."""
         self._abort_all_depth = max(0, self._abort_all_depth - 1)
+
+    # ----------------------------------------------------------------------------- owner abort windows
+
+    def begin_owner_abort(self, owner: str) -> None:
+        """Open an Abort{mine} window for `owner` (nested windows are counted): its new
+        generations end ABORTED at once, and its running steps hear of it (`watch_owner_aborts`)."""
+        self._owner_aborts.begin(owner)
+
+    def end_owner_abort(self, owner: str) -> None:
+        """Close one Abort{mine} window of `owner`."""
+        self._owner_aborts.end(owner)
+
+    def owner_aborting(self, owner: str) -> bool:
+        """True while an Abort{mine} of `owner` runs on this replica."""
+        return self._owner_aborts.aborting(owner)
+
+    def watch_owner_aborts(self, owner: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` when an Abort{mine} of `owner` begins (a running RolloutStep stops at
+        once); returns the function that unwatches."""
+        return self._owner_aborts.watch(owner, callback)
 
     # ----------------------------------------------------------------------------- generate
 
@@ -142,7 +164,7 @@ class Rollout:
             sample_ops.finish(sample, Finish.LENGTH, Status.TRUNCATED)
             yield _final(sample, on_sample)
             return
-        if self.aborting or self.owner_aborts.aborting(current_caller().identity):
+        if self.aborting or self.owner_aborting(current_caller().identity):
             sample_ops.finish(sample, Finish.ABORT, Status.ABORTED)
             yield _final(sample, on_sample)
             return

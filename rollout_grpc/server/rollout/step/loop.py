@@ -31,7 +31,7 @@ class Step(GroupWork, StepDrain):
 
     async def events(self) -> AsyncIterator[StepEvent]:
         self.started = True  # from here events() releases the lease (or its drain does)
-        unwatch = self.rollout.owner_aborts.watch(self.owner, self._on_owner_abort)
+        unwatch = self.rollout.watch_owner_aborts(self.owner, self._on_owner_abort)
         returned: set[int] = set()  # group indexes this step hands the caller (not buffered)
         try:
             await self._fill()

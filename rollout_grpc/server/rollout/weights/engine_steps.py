@@ -68,8 +68,8 @@ class EngineSteps:
 
         async def ask(engine: EngineHandle) -> tuple[str, str]:
             try:
-                engine.weight_version = await asyncio.wait_for(
-                    engine.client.weight_version(), self._deadline_s
+                self._pool.relabel(
+                    engine, await asyncio.wait_for(engine.client.weight_version(), self._deadline_s)
                 )
             except (EngineError, TimeoutError) as exc:
                 log.warning("weight_version_unknown", engine=engine.url, error=str(exc))
@@ -152,7 +152,7 @@ class EngineSteps:
                 )
                 outcomes[engine.url].error = f"loaded, but the version was not set ({route}: {detail})"
                 return
-            engine.weight_version = version
+            self._pool.relabel(engine, version)
             outcomes[engine.url].updated = True
 
         await asyncio.gather(*(one(e) for e in engines))
