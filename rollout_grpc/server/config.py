@@ -99,11 +99,14 @@ class FrontDoorConfig:
 
     drift_policy: DriftPolicy = DriftPolicy.KEEP_PREFIX
     tool_parser: str = "hermes"
-    #: Live sessions per caller identity in the state store (a new one beyond it is refused).
+    #: Live sessions per caller identity in the state store (a new one beyond it is refused, never
+    #: evicted: one caller cannot push out another's); `--openai-max-sessions-per-caller`.
     max_sessions: int = 10_000
-    #: MiB of recorded turns per caller identity in the state store (a turn beyond it is refused).
+    #: MiB of recorded turns per caller identity in the state store (a turn beyond it is refused);
+    #: `--openai-session-mb-per-caller`. Sized in docs/agentic.md (~20 bytes a token with logprobs).
     max_session_mb: int = 1024
-    #: Seconds a session is kept after its last turn (and a collected id stays its owner's).
+    #: Seconds a session is kept after its last turn (and a collected id stays its owner's);
+    #: `--openai-session-ttl-s`. A harness slower than this between turns loses its session.
     session_ttl_s: float = 24 * 3600.0
     #: Record routed experts (R3) per turn; the engines must run with --enable-return-routed-experts.
     return_routed_experts: bool = False

@@ -103,6 +103,8 @@ AT_LEAST_ONE: Final = frozenset(
         "--max-receive-message-mb",
         "--max-send-message-mb",
         "--max-control-request-bytes",
+        "--openai-max-sessions-per-caller",
+        "--openai-session-mb-per-caller",
     }
 )
 #: Numeric flags whose value must be above 0: deadlines, timeouts and intervals, where 0 would
@@ -115,6 +117,7 @@ ABOVE_ZERO: Final = frozenset(
         "--engine-idle-timeout",
         "--keepalive-time",
         "--openai-body-timeout",
+        "--openai-session-ttl-s",
         "--max-unrequested-time",
         "--weights-load-timeout",
         "--weights-lease-ttl",

@@ -144,7 +144,15 @@ FLAG_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
     ),
     (
         OpenAIConfig.SECTION,
-        ("--openai-port", "--openai-tool-parser", "--openai-body-timeout", "--openai-drift-policy"),
+        (
+            "--openai-port",
+            "--openai-tool-parser",
+            "--openai-body-timeout",
+            "--openai-max-sessions-per-caller",
+            "--openai-session-mb-per-caller",
+            "--openai-session-ttl-s",
+            "--openai-drift-policy",
+        ),
     ),
     (
         WorkersConfig.SECTION,

@@ -43,9 +43,6 @@ COMMAND_FLAGS: Final[dict[str, str]] = {
 
 #: FrontDoorConfig (`ServerConfig.openai`) fields that are not flags yet, and why.
 NOT_OPENAI_FLAGS: Final[dict[str, str]] = {
-    "max_sessions": "sessions kept per caller; the default (10 000) is sized in docs/agentic.md, set in code",
-    "max_session_mb": "recorded turns per caller (1 GiB); sized in docs/agentic.md, set in code",
-    "session_ttl_s": "a session's life after its last turn (a day); docs/agentic.md, set in code",
     "return_routed_experts": "R3 per turn needs MoE engines started for it; set in code (docs/agentic.md)",
     "stream_batch_tokens": "the front door's own stream batching, measured in docs/benchmarks.agentic.md",
     "stream_batch_interval_s": "the front door's own stream batching, measured in docs/benchmarks.agentic.md",
@@ -364,6 +361,23 @@ FLAGS: Final[tuple[Flag, ...]] = (
         "--openai-body-timeout",
         "seconds a front-door request body may take to arrive (then 408)",
         "openai.body_timeout_s",
+    ),
+    Flag(
+        "--openai-max-sessions-per-caller",
+        "live agent sessions one caller identity may hold in the state store (a new one beyond it "
+        "is refused, never evicted); docs/agentic.md",
+        "openai.max_sessions",
+    ),
+    Flag(
+        "--openai-session-mb-per-caller",
+        "MiB of recorded agent turns one caller identity may hold in the state store (a turn beyond "
+        "it is refused); docs/agentic.md",
+        "openai.max_session_mb",
+    ),
+    Flag(
+        "--openai-session-ttl-s",
+        "seconds an agent session is kept after its last turn (a collected id stays its owner's as long)",
+        "openai.session_ttl_s",
     ),
     Flag(
         "--openai-drift-policy",

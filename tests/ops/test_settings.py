@@ -176,6 +176,11 @@ def test_every_bounded_flag_is_a_numeric_flag() -> None:
         ("--workers", "0", "must be at least 1, got 0"),
         ("--port", "65536", "must be at most 65535, got 65536"),
         ("--openai-port", "-1", "must not be negative, got -1"),
+        ("--openai-max-sessions-per-caller", "0", "must be at least 1, got 0"),
+        ("--openai-session-mb-per-caller", "0", "must be at least 1, got 0"),
+        ("--openai-session-ttl-s", "0", "must be greater than 0, got 0"),
+        ("--openai-session-ttl-s", "inf", "must be a finite number, got 'inf'"),
+        ("--openai-session-ttl-s", "-5", "must be greater than 0, got -5"),
     ],
 )
 def test_numbers_no_flag_means_are_refused_from_every_source(
@@ -263,6 +268,21 @@ async def test_breaker_cooldown_setting_reaches_the_engine_pool() -> None:
         # No cooldown: the next successful probe closes the breaker (the default, 5 s, would not).
         await h.server.pool.probe(engine)
         assert engine.usable
+
+
+async def test_the_session_bound_flags_reach_the_sessions_store() -> None:
+    """`--openai-max-sessions-per-caller`, `--openai-session-mb-per-caller` and
+    `--openai-session-ttl-s` are the caps the replica's session store applies (they were fields
+    set in code only), and a caller over the session cap is refused naming it."""
+    argv = [
+        *("--openai-max-sessions-per-caller", "1", "--openai-session-mb-per-caller", "3"),
+        *("--openai-session-ttl-s", "90.5"),
+    ]
+    cfg = settings.server_config(_parse(argv), ["http://e:1"])
+    assert (cfg.openai.max_sessions, cfg.openai.max_session_mb, cfg.openai.session_ttl_s) == (1, 3, 90.5)
+    async with harness("sim", openai=cfg.openai) as h:
+        caps = h.server.trajectories.store.trajectory_caps
+        assert (caps.max_sessions_per_owner, caps.max_bytes_per_owner, caps.ttl_s) == (1, 3 << 20, 90.5)
 
 
 def test_misspelt_environment_variables_are_named_with_the_setting_they_probably_meant() -> None:
