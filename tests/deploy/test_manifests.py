@@ -8,14 +8,28 @@ cluster (a kubelet SIGKILL cuts streams without their final samples).
 
 from __future__ import annotations
 
+import random
 import re
+import shutil
 import subprocess
+from pathlib import Path
+
+import pytest
+import redis as redis_client
 
 from rollout_grpc import __version__
 from rollout_grpc._proto import rollout_pb2 as pb
 from rollout_grpc.server.app import ServerConfig
 from rollout_grpc.server.domain import bounds
-from tests.support.processes import REPO, replica_command
+from tests.support.processes import (
+    REPO,
+    Processes,
+    free_listen_port,
+    replica_command,
+    tcp_accepts,
+    wait_until,
+)
+from tests.support.redis_server import redis_binary
 
 K8S = REPO / "deploy" / "k8s"
 DEPLOYMENT = (K8S / "deployment.yaml").read_text()
@@ -26,6 +40,19 @@ def container_args() -> dict[str, str]:
     block = DEPLOYMENT.split("args:", 1)[1].split("ports:", 1)[0]
     items = re.findall(r"^\s+- (--[a-z0-9-]+)(?:=(\S+))?\s*$", block, flags=re.MULTILINE)
     return dict(items)
+
+
+def commented_args() -> dict[str, str]:
+    """`#   - --flag=value` items of the container's args: the documented alternatives (the `--peer`
+    block of a fleet without a state store)."""
+    block = DEPLOYMENT.split("args:", 1)[1].split("ports:", 1)[0]
+    items = re.findall(r"^\s+#\s+- (--[a-z0-9-]+)(?:=(\S+))?\s*$", block, flags=re.MULTILINE)
+    return dict(items)
+
+
+def mounts() -> dict[str, str]:
+    """Volume name -> mount path of the rollout-grpc container."""
+    return dict(re.findall(r"- name: (\S+)\n\s+mountPath: (\S+)", DEPLOYMENT))
 
 
 def number(key: str, text: str = DEPLOYMENT) -> int:
@@ -43,6 +70,9 @@ def test_every_flag_in_the_deployment_exists() -> None:
     args = container_args()
     assert args, "no args found in deployment.yaml"
     assert set(args) <= known, set(args) - known
+    alternatives = commented_args()
+    assert alternatives, "the commented --peer alternative is gone"
+    assert set(alternatives) <= known, set(alternatives) - known
 
 
 def test_probes_use_the_health_port_and_the_service_name() -> None:
@@ -84,11 +114,10 @@ def test_vllm_example_enables_what_the_service_needs() -> None:
 
 
 def test_replicas_authenticate_with_the_mounted_secret() -> None:
-    args = container_args()
-    mounts = dict(re.findall(r"- name: (\S+)\n\s+mountPath: (\S+)", DEPLOYMENT))
-    assert args["--auth-tokens-file"].startswith(mounts["auth"] + "/")
-    assert args["--peer-token-file"].startswith(mounts["auth"] + "/")
-    assert args["--engines-file"].startswith(mounts["engines"] + "/")
+    args, mounted = container_args(), mounts()
+    assert args["--auth-tokens-file"].startswith(mounted["auth"] + "/")
+    assert commented_args()["--peer-token-file"].startswith(mounted["auth"] + "/")
+    assert args["--engines-file"].startswith(mounted["engines"] + "/")
     assert "secretName: rollout-grpc-auth" in DEPLOYMENT
     secret = (K8S / "auth-secret.example.yaml").read_text()
     assert "name: rollout-grpc-auth" in secret
@@ -132,10 +161,11 @@ def test_the_documented_deployment_serves_tls_with_its_tokens() -> None:
     args = container_args()
     assert args["--host"] == "0.0.0.0" and "--auth-tokens-file" in args
     assert "--insecure-trusted-network" not in args
-    mounts = dict(re.findall(r"- name: (\S+)\n\s+mountPath: (\S+)", DEPLOYMENT))
-    for flag in ("--tls-cert", "--tls-key", "--peer-ca"):
-        assert args[flag].startswith(mounts["tls"] + "/"), flag
-    assert "--health-plaintext" in args and args["--peer-tls-name"] == "rollout-grpc-headless"
+    mounted, peers = mounts(), commented_args()
+    for flag in ("--tls-cert", "--tls-key"):
+        assert args[flag].startswith(mounted["tls"] + "/"), flag
+    assert peers["--peer-ca"].startswith(mounted["tls"] + "/")
+    assert "--health-plaintext" in args and peers["--peer-tls-name"] == "rollout-grpc-headless"
     assert re.search(r"- name: tls\n\s+secret:\n\s+secretName: rollout-grpc-tls\n", DEPLOYMENT)
     assert not (K8S / "tls").exists()  # no plaintext base with an optional TLS overlay any more
     services = (K8S / "services.yaml").read_text()
@@ -182,3 +212,109 @@ def test_the_deployment_runs_the_containerfiles_image() -> None:
     (exposed,) = re.findall(r"^EXPOSE (.+)$", containerfile, flags=re.MULTILINE)
     ports = {int(p) for p in re.findall(r"containerPort: (\d+)", DEPLOYMENT)}
     assert ports == {int(p) for p in exposed.split()}
+
+
+REDIS = (K8S / "redis.example.yaml").read_text()
+
+
+def test_the_deployment_uses_the_redis_examples_store_for_fleet_control() -> None:
+    """docs/operations.md "Fleet control" recommends the shared store (no --peer list; with a store
+    --peer is unused): the example Deployment names redis.example.yaml's Redis (its StatefulSet's
+    first pod behind its headless Service) and reads the password that Redis requires from the
+    same Secret, mounted as a file. `--peer` stays only as the commented no-store alternative."""
+    args = container_args()
+    assert "--peer" not in args and "--peer" in commented_args()
+    (service,) = re.findall(r"^kind: Service\nmetadata:\n  name: (\S+)", REDIS, flags=re.MULTILINE)
+    (statefulset,) = re.findall(r"^kind: StatefulSet\nmetadata:\n  name: (\S+)", REDIS, flags=re.MULTILINE)
+    (port,) = re.findall(r"^\s+- name: redis\n\s+port: (\d+)", REDIS, flags=re.MULTILINE)
+    assert re.fullmatch(rf"redis://{statefulset}-0\.{service}:{port}/\d+", args["--state-store"])
+    # The Secret the Redis reads its password from is the one mounted for --state-store-password-file.
+    (secret,) = re.findall(r"secretName: (\S+), items: \[\{key: password", REDIS)
+    (volume,) = re.findall(
+        rf"- name: (\S+)\n\s+secret:\n\s+secretName: {secret}\n"
+        r"\s+items: \[\{key: password, path: password\}\]",
+        DEPLOYMENT,
+    )
+    assert args["--state-store-password-file"] == mounts()[volume] + "/password"
+    # The front door's port then serves any session from any pod.
+    assert "--openai-port" in args
+
+
+def _command_lines(text: str) -> list[str]:
+    """Every line of the `command:` and `args:` lists, block scalars included (what a process runs);
+    a list ends at the next key of its own or a lower indentation."""
+    lines: list[str] = []
+    indent: int | None = None  # of the `command:`/`args:` key whose list is being read
+    for line in text.splitlines():
+        stripped = line.lstrip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        depth = len(line) - len(stripped)
+        if re.match(r"(command|args):", stripped):
+            indent = depth
+        elif indent is not None and (depth < indent or (depth == indent and not stripped.startswith("- "))):
+            indent = None
+        if indent is not None:
+            lines.append(stripped)
+    return lines
+
+
+#: What puts a password on a command line: redis-server's --requirepass / redis-cli's -a, a URL
+#: with credentials (user:password@; a password flag with its value is `_password_flag`).
+PASSWORD_ON_A_COMMAND_LINE = re.compile(r"--requirepass|\s-a\s|://[^/\s@]*@")
+
+
+def _password_flag(line: str) -> bool:
+    """A `--*pass*` flag given a value (a `--*-file` flag names a file instead)."""
+    flags = re.findall(r"--([a-z-]*pass[a-z-]*)[= ]\S", line)
+    return any(not name.endswith("-file") for name in flags)
+
+
+def _shows_a_password(line: str) -> bool:
+    return bool(PASSWORD_ON_A_COMMAND_LINE.search(line)) or _password_flag(line)
+
+
+def test_no_password_is_on_a_command_line() -> None:
+    """A password on a command line is in the pod spec or in `ps` (the process's argv): the
+    replicas read it from a file (--state-store-password-file), and the Redis example gives it to
+    redis-server as configuration on stdin."""
+    found = {
+        path.name: [line for line in _command_lines(path.read_text()) if _shows_a_password(line)]
+        for path in sorted(K8S.glob("*.yaml"))
+    }
+    assert not any(found.values()), found
+    assert _command_lines(DEPLOYMENT) and _command_lines(REDIS)
+    assert any("--state-store-password-file=" in line for line in _command_lines(DEPLOYMENT))
+    for bad in (
+        "- --requirepass s3cret",
+        'exec redis-server --requirepass "$(cat /etc/redis/password)"',
+        "- --state-store=redis://:s3cret@rollout-grpc-redis-0.rollout-grpc-redis:6379/0",
+        "- --state-store-password=s3cret",
+    ):
+        assert _shows_a_password(bad), bad
+
+
+def test_the_redis_examples_command_requires_the_password_from_its_file(tmp_path: Path) -> None:
+    """redis.example.yaml's container command, run as the pod runs it (`sh -c`, the Secret's file
+    at another path, another port): the server starts, refuses a client without the password and
+    accepts the file's password, which no process's command line carries."""
+    binary = redis_binary()
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    (script,) = re.findall(r"args:\n\s+- \|-\n((?:\s{14}.*\n)+)", REDIS)
+    script = "\n".join(line[14:] for line in script.splitlines())
+    password = "pw-" + random.Random().randbytes(8).hex()
+    (tmp_path / "password").write_text(password + "\n")
+    port = free_listen_port(random.Random())
+    script = script.replace("/etc/redis/password", str(tmp_path / "password"))
+    script = script.replace("--port 6379", f"--port {port} --bind 127.0.0.1 --dir {tmp_path}")
+    script = script.replace("exec redis-server", f"exec {shutil.which(binary) or binary}")
+    with Processes(tmp_path / "procs") as procs:
+        proc = procs.start("redis-example", ["sh", "-c", script])
+        wait_until("the example's redis-server", lambda: tcp_accepts(port), proc)
+        with pytest.raises(redis_client.AuthenticationError):
+            redis_client.Redis(port=port).ping()
+        with redis_client.Redis(port=port, password=password) as client:
+            assert client.ping()
+            assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
