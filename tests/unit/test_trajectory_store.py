@@ -198,6 +198,27 @@ async def test_a_turn_recorded_meanwhile_elsewhere_refuses_the_stale_one(make_st
     assert got is not None and [t.request_id for t in got.turns] == ["elsewhere"]
 
 
+async def test_get_trajectory_does_not_wait_for_a_turn_running_elsewhere(make_store: Factory) -> None:
+    """What docs/agentic.md "A turn still running" says of a turn running on another replica or worker:
+    the answer holds the turns recorded so far; a collection (`remove`) then makes that turn's
+    recording fail FAILED_PRECONDITION, and the harness's resend starts the session afresh under
+    the same id (still its owner's)."""
+    store = await make_store(TrajectoryCaps())
+    here, there = Sessions(store), Sessions(store)  # two processes sharing the store
+    await generated(there, "s", "bob", "first")
+    async with there.opened("s", "bob") as running:  # turn 2 runs on `there`
+        got = await asyncio.wait_for(here.get("s", BOB), 10)  # not held by `there`'s turn
+        assert got is not None and [t.request_id for t in got.turns] == ["first"]
+        collected = await asyncio.wait_for(here.get("s", BOB, remove=True), 10)
+        assert collected is not None and [t.request_id for t in collected.turns] == ["first"]
+        with pytest.raises(FailedPrecondition, match="another turn of it was recorded meanwhile"):
+            await there.record(running, turn("second"), ["user", "assistant"])
+    assert await here.get("s", BOB) is None
+    await generated(there, "s", "bob", "second-resent")
+    got = await here.get("s", BOB)
+    assert got is not None and [t.request_id for t in got.turns] == ["second-resent"]
+
+
 def test_a_turn_round_trips_and_a_foreign_pickle_is_refused() -> None:
     original = turn()
     original.weight_versions = [WeightSpan("v1", 0, 1)]
