@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Final
+from typing import Any, Final
 
 import structlog
 from aiohttp import web
@@ -199,6 +199,10 @@ class Metrics:
         )
         self._paused_since: float | None = None
         self.paused_engines: set[str] = set()
+        #: The labelled children the per-call accounting uses, by (metric, label values): a
+        #: `labels()` lookup validates and joins the values under the metric's lock on every call
+        #: (three per Generate); a child, once made, is the same object for the metric's life.
+        self._children: dict[tuple[object, ...], Any] = {}
         r.register(_StateCollector(pool, admission, self))
 
     def observe(self, record: CallRecord) -> None:
@@ -206,8 +210,8 @@ class Metrics:
         if record.door is Door.OPENAI:
             self._observe_front_door(record)
             return
-        self.handled.labels(record.method, record.code).inc()
-        self.handling.labels(record.method).observe(record.duration_s)
+        self._child(self.handled, record.method, record.code).inc()
+        self._child(self.handling, record.method).observe(record.duration_s)
         if record.method == "Generate":
             self._observe_generate(record)
         elif record.method == "RolloutStep":
@@ -219,6 +223,15 @@ class Metrics:
                 self._observe_pause(record.result)
             elif record.method == "Resume":
                 self._observe_resume(record.result)
+
+    def _child(self, metric: Counter | Histogram, *values: str) -> Any:
+        """`metric.labels(*values)`, made once (the label values of a call are a small set:
+        methods, codes, statuses). Nothing removes a child of these metrics."""
+        key = (metric, *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def _observe_front_door(self, record: CallRecord) -> None:
         self.openai_requests.labels(record.method, str(record.http_status or 200)).inc()
@@ -239,7 +252,7 @@ class Metrics:
             self.step_version_lag.observe(lag)
 
     def _observe_generate(self, record: CallRecord) -> None:
-        self.generations.labels(record.status).inc()
+        self._child(self.generations, record.status).inc()
         if record.code == "RESOURCE_EXHAUSTED":
             self.rejections.inc()
         if record.queue_wait_s is not None:

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 SEPARATOR = "~"
 #: Hex digits of the replica instance token and of the owner tag (48 bits each).
 TOKEN_HEX = 12
+#: Owners whose tags a replica keeps at most (identities of its callers; an owner past it is
+#: hashed again, never tagged differently).
+TAG_CACHE = 4096
 
 
 def _escape(request_id: str) -> str:
@@ -52,9 +55,19 @@ class CallIds:
         """A fresh instance token and key (one per replica start)."""
         return cls(secrets.token_hex(TOKEN_HEX // 2), secrets.token_bytes(32))
 
+    #: Owner tags already computed (an HMAC per engine call was ~10 us of each Generate; the
+    #: fourteenth pass in bench/profile_notes.md). Emptied when it holds `TAG_CACHE` owners.
+    _tags: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
     def owner_tag(self, owner: str) -> str:
         """A short stand-in for `owner` that engines may see; not reversible without the key."""
-        return hmac.new(self._key, owner.encode(), hashlib.sha256).hexdigest()[:TOKEN_HEX]
+        tag = self._tags.get(owner)
+        if tag is None:
+            if len(self._tags) >= TAG_CACHE:
+                self._tags.clear()
+            tag = hmac.new(self._key, owner.encode(), hashlib.sha256).hexdigest()[:TOKEN_HEX]
+            self._tags[owner] = tag
+        return tag
 
     def call_id(self, owner: str, request_id: str, attempt: int) -> str:
         """The id of engine call `attempt` (0 first, then failovers) of `owner`'s `request_id`."""
