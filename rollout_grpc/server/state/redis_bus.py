@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from rollout_grpc.server.state.api import StoreUnavailable
 from rollout_grpc.server.state.bus import Handler
+from rollout_grpc.server.state.redis_store import redis_call
 
 log = structlog.get_logger(__name__)
 
@@ -84,10 +85,7 @@ class RedisBus:
         question = self._questions[qid] = _Question()
         payload = json.dumps({"id": qid, "reply": self._reply, "body": message})
         try:
-            try:
-                delivered = int(await self._client.publish(ASK_CHANNEL, payload))
-            except (RedisError, OSError) as exc:
-                raise StoreUnavailable(self.name, f"{type(exc).__name__}: {exc}") from exc
+            delivered = int(await redis_call(self.name, lambda: self._client.publish(ASK_CHANNEL, payload)))
             question.expected = delivered
             question.check()
             try:

@@ -99,41 +99,38 @@ return refused
 """
 )
 
-_TAKE = (
-    _PRELUDE
-    + """
+#: Every group of the owner, oldest first; the buffer empties (its bytes leave the total).
+_TAKE_ALL = """
 local blobs = redis.call('LRANGE', P .. 'g:' .. o, 0, -1)
 redis.call('DECRBY', P .. 'total', tonumber(redis.call('GET', P .. 'bytes:' .. o) or '0'))
 redis.call('DEL', P .. 'g:' .. o, P .. 'idx:' .. o, P .. 'bytes:' .. o)
 redis.call('ZREM', P .. 'expiry', o)
 return blobs
 """
-)
 
-#: ARGV[3] lease. `_TAKE`, and the taken indexes appended to the lease's held groups, atomically;
+_TAKE = _PRELUDE + _TAKE_ALL
+
+#: ARGV[3] lease. The taken indexes appended to the lease's held groups, then `_TAKE_ALL`, atomically;
 #: a lease that is not live takes nothing.
 _TAKE_HELD = (
     _PRELUDE
     + f"""
 local expiry = redis.call('ZSCORE', P .. 'lease:' .. o, ARGV[3])
 if not expiry or tonumber(expiry) <= now then return {{}} end
-local blobs = redis.call('LRANGE', P .. 'g:' .. o, 0, -1)
-if #blobs == 0 then return blobs end
 local taken = {{}}
 for _, e in ipairs(redis.call('LRANGE', P .. 'idx:' .. o, 0, -1)) do
   table.insert(taken, string.match(e, '^(-?%d+):'))
 end
-local key = P .. 'held:' .. o
-local held = table.concat(taken, ',')
-local before = redis.call('HGET', key, ARGV[3])
-if before and before ~= '' then held = before .. ',' .. held end
-redis.call('HSET', key, ARGV[3], held)
-redis.call('EXPIRE', key, {LOST_TTL_S})
-redis.call('DECRBY', P .. 'total', tonumber(redis.call('GET', P .. 'bytes:' .. o) or '0'))
-redis.call('DEL', P .. 'g:' .. o, P .. 'idx:' .. o, P .. 'bytes:' .. o)
-redis.call('ZREM', P .. 'expiry', o)
-return blobs
+if #taken > 0 then
+  local key = P .. 'held:' .. o
+  local held = table.concat(taken, ',')
+  local before = redis.call('HGET', key, ARGV[3])
+  if before and before ~= '' then held = before .. ',' .. held end
+  redis.call('HSET', key, ARGV[3], held)
+  redis.call('EXPIRE', key, {LOST_TTL_S})
+end
 """
+    + _TAKE_ALL
 )
 
 _HOLDING = (
@@ -302,6 +299,15 @@ def display_url(url: str) -> str:
     return f"{parsed.scheme}://{parsed.hostname}:{parsed.port or 6379}{parsed.path or '/0'}"
 
 
+async def redis_call(name: str, op: Callable[[], Awaitable[T]]) -> T:
+    """Run one operation on the store named `name`; a Redis or socket error is `StoreUnavailable`
+    naming the store (every module that speaks to Redis answers its callers so)."""
+    try:
+        return await op()
+    except (RedisError, OSError) as exc:
+        raise StoreUnavailable(name, f"{type(exc).__name__}: {exc}") from exc
+
+
 def connect(
     url: str, *, password_file: str = "", ca_file: str = "", timeout_s: float = 5.0
 ) -> aioredis.Redis:
@@ -365,10 +371,7 @@ class RedisStore:
         return self._client
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
-        try:
-            return await op()
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(self.name, f"{type(exc).__name__}: {exc}") from exc
+        return await redis_call(self.name, op)
 
     async def _run(self, script: str, owner: str, *args: Any) -> Any:
         return await self._call(lambda: self._scripts[script](keys=[], args=[PREFIX, owner, *args]))

@@ -20,10 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError
-
-from rollout_grpc.server.state.api import StoreUnavailable
-from rollout_grpc.server.state.redis_store import PREFIX, connect, display_url
+from rollout_grpc.server.state.redis_store import PREFIX, connect, display_url, redis_call
 from rollout_grpc.server.state.trajectories import StoredSession, TrajectoryCaps
 
 T = TypeVar("T")
@@ -161,10 +158,7 @@ class RedisTrajectories:
         self._scripts = {name: self._client.register_script(body) for name, body in scripts.items()}
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
-        try:
-            return await op()
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(self.name, f"{type(exc).__name__}: {exc}") from exc
+        return await redis_call(self.name, op)
 
     async def _run(self, script: str, *args: Any) -> Any:
         return await self._call(lambda: self._scripts[script](keys=[], args=[TRAJ_PREFIX, *args]))
