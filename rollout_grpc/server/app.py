@@ -153,13 +153,7 @@ class RolloutServer:
 
     def _trajectory_store(self) -> TrajectoryStore:
         """The sessions' store, where the step buffers are (a worker reaches its supervisor's)."""
-        cfg = self.config
-        return trajectories_for(
-            cfg.state_store,
-            trajectory_caps(cfg),
-            password_file=cfg.state_store_password_file,
-            ca_file=cfg.state_store_ca_file,
-        )
+        return trajectories_for(self.state, trajectory_caps(self.config))
 
     def _state_store(self) -> BufferStore:
         """The store `--state-store` names (a worker of --workers N reaches its supervisor's)."""

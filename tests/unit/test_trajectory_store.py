@@ -20,8 +20,10 @@ from rollout_grpc.server.domain.identity import ANONYMOUS, Caller, Role
 from rollout_grpc.server.domain.model import Finish, RoutedExperts, Status, WeightSpan
 from rollout_grpc.server.domain.trajectory import Turn
 from rollout_grpc.server.rollout.sessions import Sessions, decode_turn, encode_turn
-from rollout_grpc.server.state.api import StoreUnavailable
+from rollout_grpc.server.state.api import BufferCaps, StoreUnavailable
+from rollout_grpc.server.state.choose import trajectories_for
 from rollout_grpc.server.state.memory import MemoryStore
+from rollout_grpc.server.state.redis_store import RedisStore
 from rollout_grpc.server.state.redis_trajectories import RedisTrajectories
 from rollout_grpc.server.state.socket import SocketTrajectories, serve_store
 from rollout_grpc.server.state.trajectories import (
@@ -239,3 +241,16 @@ async def test_an_unreachable_store_is_unavailable_naming_it(tmp_path: Path) -> 
     with pytest.raises(StoreUnavailable, match=r"the state store redis://127.0.0.1:1/0 is unavailable"):
         await redis_down.get("s", BOB)
     await redis_down.store.close()
+
+
+async def test_the_sessions_in_redis_share_the_step_buffers_connection_pool() -> None:
+    """One pool a replica to its store: the sessions ride on the buffer store's Redis client, and
+    closing the sessions leaves that client to the store (it closes it at shutdown)."""
+    store = RedisStore("redis://127.0.0.1:1/0", BufferCaps())  # no connection is made before a call
+    sessions = trajectories_for(store, TrajectoryCaps())
+    assert isinstance(sessions, RedisTrajectories)
+    assert sessions._client is store.client
+    assert sessions.name == store.name
+    await sessions.close()  # the store's client stays open: the store closes it
+    await store.close()
+    assert isinstance(trajectories_for(MemoryStore(BufferCaps()), TrajectoryCaps()), MemoryTrajectories)

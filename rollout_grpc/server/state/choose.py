@@ -24,15 +24,16 @@ def store_for(
     return RedisStore(url, caps, password_file=password_file or "", ca_file=ca_file or "")
 
 
-def trajectories_for(
-    url: str, caps: TrajectoryCaps, *, password_file: str | None = None, ca_file: str | None = None
-) -> TrajectoryStore:
-    """The agent sessions' store in the same place as the step buffers (`--state-store`)."""
-    if not url:
-        return MemoryTrajectories(caps)
-    from rollout_grpc.server.state.redis_trajectories import RedisTrajectories
+def trajectories_for(store: BufferStore, caps: TrajectoryCaps) -> TrajectoryStore:
+    """The agent sessions' store in the same place as the step buffers (`--state-store`): this
+    process's memory, or the Redis of `store` over its connection pool."""
+    from rollout_grpc.server.state.redis_store import RedisStore
 
-    return RedisTrajectories(url, caps, password_file=password_file or "", ca_file=ca_file or "")
+    if isinstance(store, RedisStore):
+        from rollout_grpc.server.state.redis_trajectories import RedisTrajectories
+
+        return RedisTrajectories.sharing(store, caps)
+    return MemoryTrajectories(caps)
 
 
 def bus_for(store: BufferStore) -> FleetBus | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from rollout_grpc.server.state.redis_store import PREFIX, connect, display_url, redis_call
+from rollout_grpc.server.state.redis_store import PREFIX, RedisStore, connect, display_url, redis_call
 from rollout_grpc.server.state.trajectories import StoredSession, TrajectoryCaps
 
 T = TypeVar("T")
@@ -151,11 +151,24 @@ class RedisTrajectories:
         ca_file: str = "",
         timeout_s: float = 5.0,
     ) -> None:
-        self.name = display_url(url)
+        client = connect(url, password_file=password_file, ca_file=ca_file, timeout_s=timeout_s)
+        self._start(display_url(url), client, caps, owns_client=True)
+
+    @classmethod
+    def sharing(cls, store: RedisStore, caps: TrajectoryCaps | None = None) -> RedisTrajectories:
+        """The sessions in the Redis of `store` over its connection pool: a replica keeps one pool
+        to its store, and closing the sessions leaves the pool to the store."""
+        sessions = cls.__new__(cls)
+        sessions._start(store.name, store.client, caps, owns_client=False)
+        return sessions
+
+    def _start(self, name: str, client: Any, caps: TrajectoryCaps | None, *, owns_client: bool) -> None:
+        self.name = name
         self.trajectory_caps = caps or TrajectoryCaps()
-        self._client = connect(url, password_file=password_file, ca_file=ca_file, timeout_s=timeout_s)
+        self._client = client
+        self._owns_client = owns_client
         scripts = {"read": _READ, "append": _APPEND, "remove": _REMOVE, "usage": _USAGE}
-        self._scripts = {name: self._client.register_script(body) for name, body in scripts.items()}
+        self._scripts = {name: client.register_script(body) for name, body in scripts.items()}
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         return await redis_call(self.name, op)
@@ -198,4 +211,5 @@ class RedisTrajectories:
         return int(count), int(size)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._owns_client:
+            await self._client.aclose()
