@@ -81,18 +81,23 @@ def _reload_engines(server: RolloutServer, args: argparse.Namespace) -> None:
     if not args.engines_file:
         log.info("sighup_engines_unchanged", reason="no --engines-file to reload")
         return
+    engines = _engines_now(args, "kept the current engines")
+    if engines is not None:
+        server.reload_engines([engine.url for engine in engines], settings.engine_kinds(engines))
+
+
+def _engines_now(args: argparse.Namespace, action: str) -> list[settings.EngineURL] | None:
+    """The engines as the flags and the engines file say now; None (logged, with `action`) when the
+    file is unreadable, has a bad line (named by its number) or lists no engine."""
     try:
         engines = settings.engine_list(args)
     except settings.SettingsError as exc:
-        # An unreadable file or a bad line (named by its number): the replica serves on as it was.
-        log.error(
-            "engines_file_invalid", path=args.engines_file, error=str(exc), action="kept the current engines"
-        )
-        return
+        log.error("engines_file_invalid", path=args.engines_file, error=str(exc), action=action)
+        return None
     if not engines:
-        log.error("engines_file_empty", path=args.engines_file, action="kept the current engines")
-        return
-    server.reload_engines([engine.url for engine in engines], settings.engine_kinds(engines))
+        log.error("engines_file_empty", path=args.engines_file, action=action)
+        return None
+    return engines
 
 
 def _on_sighup(server: RolloutServer, args: argparse.Namespace) -> None:
@@ -119,6 +124,12 @@ async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> i
         except PortUnavailable as exc:
             await server.stop()
             raise SystemExit(f"rollout-grpc serve: {exc}") from None
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        # Before the port file says "serving": SIGHUP's default action would kill the replica.
+        loop.add_signal_handler(signal.SIGHUP, lambda: _on_sighup(server, args))
         # What exists now lives as long as the process: frozen out of the collector's scans.
         frozen, threshold = collector.settle_after_start()
         log.info("collector_settled", frozen_objects=frozen, gen0_threshold=threshold)
@@ -136,11 +147,6 @@ async def _serve(args: argparse.Namespace, given: list[settings.EngineURL]) -> i
                 )
             )
             os.replace(tmp, args.port_file)
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: _on_sighup(server, args))
         await stop.wait()
         log.info("shutdown_requested")
         await server.stop()
@@ -181,8 +187,15 @@ async def _serve_worker(args: argparse.Namespace, channel: socket.socket) -> int
 
     spec = handshake.read_spec(channel)
     structlog.contextvars.bind_contextvars(worker=spec.index)
+    engines, kinds = spec.engines, spec.engine_kinds
+    if args.engines_file and not spec.simulated:
+        # A worker started after the file changed (a replacement) serves what it says now, as its
+        # siblings do after their SIGHUP; the supervisor's list is the file as it was at its start.
+        current = _engines_now(args, "serving the engines the replica started with")
+        if current is not None:
+            engines, kinds = [engine.url for engine in current], settings.engine_kinds(current)
     try:
-        config = settings.server_config(args, spec.engines, simulated=spec.simulated, kinds=spec.engine_kinds)
+        config = settings.server_config(args, engines, simulated=spec.simulated, kinds=kinds)
         server = WorkerServer(worker_config(config, spec), spec)
     except (settings.SettingsError, ValueError) as exc:
         channel.sendall(handshake.encode({"error": str(exc)}))
@@ -192,17 +205,18 @@ async def _serve_worker(args: argparse.Namespace, channel: socket.socket) -> int
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """The parsed `serve` command (`argv`: its arguments after `serve`, handed to the workers)."""
+    from rollout_grpc.server.workers.handshake import worker_socket
+
+    channel = worker_socket()
+    if channel is not None:  # started by a `serve --workers N` supervisor, which read the engines
+        logs.configure(args.log_level, args.log_format)
+        return asyncio.run(_serve_worker(args, channel))
     try:
         given = settings.engine_list(args)
     except settings.SettingsError as exc:
         print(f"rollout-grpc serve: error: {exc}", file=sys.stderr)
         return 2
     logs.configure(args.log_level, args.log_format)
-    from rollout_grpc.server.workers.handshake import worker_socket
-
-    channel = worker_socket()
-    if channel is not None:  # started by a `serve --workers N` supervisor
-        return asyncio.run(_serve_worker(args, channel))
     for unknown in settings.unknown_variables(os.environ):
         log.warning(
             "environment_variable_ignored",

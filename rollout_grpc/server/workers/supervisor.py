@@ -114,6 +114,8 @@ class _Worker:
     link: handshake.DrainLink | None = None
     #: Set when the worker answered the drain's first phase, or its end closed (it is exiting).
     stopped_accepting: asyncio.Event = field(default_factory=asyncio.Event)
+    #: A SIGHUP came before the worker was ready: sent once it is (`Supervisor._forward`).
+    sighup_pending: bool = False
 
 
 #: The cgroup v2 CPU limit of this process's container ("max" or "<quota> <period>").
@@ -202,6 +204,9 @@ class Supervisor:
         if "error" in message:
             raise SupervisorError(str(message["error"]))
         worker.ready = message
+        if worker.sighup_pending:  # it may have read its files before they changed
+            worker.sighup_pending = False
+            self._signal(worker, signal.SIGHUP)
 
     async def run(self) -> int:
         """Start, serve until a signal or a worker's exit, stop; the exit code."""
@@ -500,10 +505,24 @@ class Supervisor:
         worker.stopped_accepting.set()  # its end closed: it is exiting, its listener with it
 
     def _forward(self, sig: signal.Signals) -> None:
+        """Send `sig` to every live worker. A SIGHUP waits for a worker that is not ready yet: a
+        worker installs its SIGHUP handler before it says ready, and SIGHUP's default action would
+        kill it (with whatever it serves)."""
+        held: list[int] = []
         for worker in self._workers:
-            if worker.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    worker.process.send_signal(sig)
+            if sig == signal.SIGHUP and not worker.ready:
+                worker.sighup_pending = True
+                held.append(worker.index)
+            else:
+                self._signal(worker, sig)
+        if sig == signal.SIGHUP:
+            log.info("sighup_forwarded", workers=self.workers, held_until_ready=held)
+
+    @staticmethod
+    def _signal(worker: _Worker, sig: signal.Signals) -> None:
+        if worker.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.send_signal(sig)
 
     async def _stop_workers(self) -> None:
         """Drain every worker in two phases, wait within the shutdown bound, kill what is left."""

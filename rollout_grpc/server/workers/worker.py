@@ -198,6 +198,9 @@ async def serve_worker(server: WorkerServer, sock: socket.socket, on_sighup: Cal
         with contextlib.suppress(Exception):
             await server.stop()
         return 1
+    loop = asyncio.get_running_loop()
+    # Before "ready": the supervisor forwards SIGHUP only to ready workers (its default action kills).
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
     sock.sendall(
         handshake.encode(
             {
@@ -211,10 +214,8 @@ async def serve_worker(server: WorkerServer, sock: socket.socket, on_sighup: Cal
     )
     _settle_collector()
     link = await handshake.DrainLink.open(sock)
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _pass_signal, link, sig)
-    loop.add_signal_handler(signal.SIGHUP, on_sighup)
     try:
         if not await _next_phase(link, handshake.STOP_ACCEPTING):
             await server.stop()
