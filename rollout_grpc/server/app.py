@@ -305,6 +305,7 @@ class RolloutServer:
             ),
             health_interval_s=engines.health_interval_s,
             breaker_cooldown_s=engines.breaker_cooldown_s,
+            capability_check=CapabilityChecker(self.config.raw_logprobs),
         )
         admission = self._admission(limit)
         observe = cfg.section(sections.ObserveConfig)
@@ -373,7 +374,6 @@ class RolloutServer:
 
     async def _start_engine_pool(self) -> None:
         """Classify every engine once (capability check), then start health probing."""
-        self.pool.capability_check = CapabilityChecker(self.config.raw_logprobs)
         await self.pool.probe_all()
         self.pool.add_listener(self._on_engines_changed)
         self.pool.start()

@@ -1,6 +1,6 @@
 """Engine capability check: can this engine serve the rollout contract, and if not, why.
 
-Run at start and whenever an engine joins or comes back healthy (`EnginePool.capability_check`).
+Run at start and whenever an engine joins or comes back healthy (`EnginePool(capability_check=...)`).
 Each adapter classifies its own engine (`EngineAdapter.capabilities`: vLLM's probes and flags are
 in `engines/vllm/info.py`); this module records the outcome on the handle and logs it. An engine
 with a *problem* is not routed to (`EngineHandle.usable`), and the problem names the exact engine
@@ -30,7 +30,7 @@ RAW_LOGPROBS_POLICIES: Final = ("refuse", "warn")
 
 
 class CapabilityChecker:
-    """`EnginePool.capability_check`: classify one engine and record the outcome on its handle."""
+    """`EnginePool`'s `capability_check`: classify one engine and record the outcome on its handle."""
 
     def __init__(self, raw_logprobs: str = "warn") -> None:
         if raw_logprobs not in RAW_LOGPROBS_POLICIES:

@@ -109,9 +109,13 @@ class EnginePool:
         health_interval_s: float = 2.0,
         failure_threshold: int = 1,
         breaker_cooldown_s: float = 5.0,
+        capability_check: Callable[[EngineHandle], Awaitable[None]] | None = None,
     ) -> None:
         """`adapter` builds the adapter of a new engine URL (`registry.adapter_factory` in a
-        replica, a fake engine in tests): the pool never names an engine kind."""
+        replica, a fake engine in tests): the pool never names an engine kind. `capability_check`
+        classifies an engine (sets its `problems`; `capabilities.CapabilityChecker` in a replica):
+        the engines given here at `probe_all`, an engine that joins at once, one that comes back
+        healthy at that probe."""
         self._adapter = adapter
         self._health_interval_s = health_interval_s
         self._failure_threshold = failure_threshold
@@ -120,12 +124,12 @@ class EnginePool:
         self._health_task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[bool], None]] = []
         self._rr = 0
-        #: Classifies an engine at start and whenever it joins or comes back healthy (sets its
-        #: `problems`); installed by the server (`capabilities.CapabilityChecker`).
-        self.capability_check: Callable[[EngineHandle], Awaitable[None]] | None = None
+        self._capability_check: Callable[[EngineHandle], Awaitable[None]] | None = None
         self._joining: set[asyncio.Task[bool]] = set()
         for url in urls:
             self.add(url)
+        # Set after the first engines are added: they are checked together by `probe_all`.
+        self._capability_check = capability_check
 
     # ----------------------------------------------------------------------------- membership
 
@@ -146,7 +150,7 @@ class EnginePool:
             handle = EngineHandle(url=url, client=self._adapter(url))
             self._engines[url] = handle
             log.info("engine_added", engine=url)
-            if self.capability_check is not None:
+            if self._capability_check is not None:
                 # Not routed to until checked; the check starts now, not at the next probe.
                 handle.problems = ["capabilities not checked yet"]
                 with contextlib.suppress(RuntimeError):  # no running loop: the first probe checks
@@ -299,10 +303,10 @@ class EnginePool:
         usable_before = handle.usable
         if (
             ok
-            and self.capability_check is not None
+            and self._capability_check is not None
             and (handle.capabilities is None or (not handle.healthy and not cooling))
         ):
-            await self.capability_check(handle)
+            await self._capability_check(handle)
         if ok and not handle.healthy and not cooling:
             handle.healthy = True
             handle.consecutive_failures = 0
