@@ -8,7 +8,6 @@ the streamed ones, also when the stream was aborted or the replica shut down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 
 import grpc
@@ -100,24 +99,6 @@ def assert_finished(stream: Stream, sample: pb.Sample) -> None:
     assert sample.status == pb.SAMPLE_STATUS_TRUNCATED, pb.SampleStatus.Name(sample.status)
     assert sample.response_length == stream.max_new_tokens
     assert_lossless(stream, sample)
-
-
-async def health_becomes(target: str, service: str, status: int, timeout: float = 30.0) -> int:
-    """Watch `service`'s health at `target` (`grpc.health.v1.Health/Watch`, no polling) until it
-    reports `status`, or the stream ends or `timeout` passes; returns the last status seen.
-
-    A SIGTERM reaches a `--workers N` replica's health port through its supervisor, a hop later
-    than the signal: a single Check right after the signal can still see SERVING."""
-    last = -1
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                async for response in stub.Watch(health_pb2.HealthCheckRequest(service=service)):
-                    last = int(response.status)
-                    if last == status:
-                        break
-    return last
 
 
 async def health_status(target: str, service: str) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_grpc.client import AsyncRolloutClient, make_sample, pb
 from tests.deploy.streams import (
@@ -29,7 +29,6 @@ from tests.deploy.streams import (
     assert_aborted,
     assert_finished,
     assert_lossless,
-    health_becomes,
     health_status,
     params,
     start_stream,
@@ -297,9 +296,19 @@ async def test_calls_during_a_replicas_drain_succeed_on_the_other_replica(
         await started(*streams)
         async with AsyncRolloutClient(leaving.target) as direct:
             assert (await direct.server_info()).in_flight >= 1
-        leaving.proc.popen.send_signal(signal.SIGTERM)
+        # The Watch is open before the signal: the leaving replica's health port belongs to its
+        # worker 0, which, with none of the streams, finishes its drain within milliseconds and
+        # closes the port; a Watch opened after the signal found it closed (refused, UNAVAILABLE).
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        assert await health_becomes(leaving.health_target, SERVICE, not_serving) == not_serving
+        async with grpc.aio.insecure_channel(leaving.health_target) as health_channel:
+            watch = health_pb2_grpc.HealthStub(health_channel).Watch(
+                health_pb2.HealthCheckRequest(service=SERVICE), timeout=60
+            )
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            leaving.proc.popen.send_signal(signal.SIGTERM)
+            while (await watch.read()).status != not_serving:
+                pass  # each read is the next status change
+            watch.cancel()
 
         # The leaving replica still has streams in flight (it drains for DRAIN_GRACE_S); calls
         # made meanwhile must all be served by the replica that stays.

@@ -19,6 +19,11 @@ from tests.harness import harness
 from tests.support.processes import Processes, child_env, read_port_file, replica_command
 from tests.support.sglang_http import sglang_engine
 
+#: `rollout-grpc info`'s deadline in the tests of a wrong target: each is answered at once (a
+#: refused connection, UNIMPLEMENTED, an HTTP/1 reply), so a safety net, not the bound under test;
+#: a deadline a loaded machine overruns would print DEADLINE_EXCEEDED instead of the hint checked.
+INFO_S = 30.0
+
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Processes]:
@@ -85,7 +90,7 @@ async def test_info_prints_a_table_with_problems(capsys: pytest.CaptureFixture[s
 
 
 def test_info_on_an_unreachable_target_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_info("127.0.0.1:1", timeout=2.0) == 2
+    assert run_info("127.0.0.1:1", timeout=INFO_S) == 2
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
@@ -97,7 +102,9 @@ async def test_info_on_another_port_of_the_replica_says_which_port_to_ask(
     async with harness("sim", sim_count=1) as h:
         health = f"127.0.0.1:{h.server.health_port}"
         engine = h.sims[0].url.removeprefix("http://")
-        codes = [await asyncio.to_thread(run_info, t, timeout=5.0) for t in (health, engine, h.sims[0].url)]
+        codes = [
+            await asyncio.to_thread(run_info, t, timeout=INFO_S) for t in (health, engine, h.sims[0].url)
+        ]
     err = capsys.readouterr().err.splitlines()
     assert codes == [2, 2, 2]
     assert "UNIMPLEMENTED" in err[0] and "the replica's health port? ask its --port" in err[0]

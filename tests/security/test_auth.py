@@ -103,7 +103,7 @@ async def test_health_stays_open_and_reflection_needs_credentials(tokens_file: P
         authed_server(tokens_file) as server,
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
     ):
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")

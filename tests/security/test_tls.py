@@ -16,6 +16,12 @@ from tests.security.credentials import Pki
 from tests.support.service import PROMPT
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+#: Deadline of the calls here, a safety net and not the bound under test: a served call answers at
+#: once, and a refused handshake is UNAVAILABLE. The clients that are to be refused run without the
+#: default retry policy: with it, gRPC tried the handshake 5 times with backoff and the call took
+#: 2.7-3.2 s at load 7 (measured), under the 5 s deadline these calls had, so a loaded machine read
+#: DEADLINE_EXCEEDED instead of the UNAVAILABLE under test.
+CALL_S = 30.0
 
 
 def _target(server: RolloutServer) -> str:
@@ -33,16 +39,18 @@ async def test_tls_serves_and_plaintext_is_refused(pki: Pki) -> None:
             sample = await client.generate(make_sample(PROMPT), GREEDY)
             assert sample.status == pb.SAMPLE_STATUS_TRUNCATED and sample.response_length == 4
 
-        async with AsyncRolloutClient(_target(server)) as plaintext:
+        async with AsyncRolloutClient(_target(server), retry=None) as plaintext:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await plaintext.server_info(timeout=5)
+                await plaintext.server_info(timeout=CALL_S)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
         # A client that does not trust the server's CA refuses the connection.
         other_ca = CertAuthority(pki.ca.directory, name="someone-else")
-        async with AsyncRolloutClient(_target(server), root_certificates=other_ca.cert) as untrusting:
+        async with AsyncRolloutClient(
+            _target(server), root_certificates=other_ca.cert, retry=None
+        ) as untrusting:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await untrusting.server_info(timeout=5)
+                await untrusting.server_info(timeout=CALL_S)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
         # The health port speaks TLS too.
@@ -65,9 +73,11 @@ async def test_mtls_requires_a_client_certificate(pki: Pki) -> None:
             tls_client_ca_file=str(pki.ca.cert),
         ) as server,
     ):
-        async with AsyncRolloutClient(_target(server), root_certificates=pki.ca.cert) as anonymous:
+        async with AsyncRolloutClient(
+            _target(server), root_certificates=pki.ca.cert, retry=None
+        ) as anonymous:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await anonymous.server_info(timeout=5)
+                await anonymous.server_info(timeout=CALL_S)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
         async with AsyncRolloutClient(
@@ -87,7 +97,7 @@ async def test_mtls_requires_a_client_certificate(pki: Pki) -> None:
                 certificate_chain=pki.alice.cert_pem,
                 private_key=pki.alice.key_pem,
             ) as sync_client:
-                return sync_client.server_info(timeout=10)
+                return sync_client.server_info(timeout=CALL_S)
 
         info = await asyncio.to_thread(blocking_call)
         assert len(info.engines) == 1
@@ -110,7 +120,7 @@ async def test_rotated_certificate_is_used_by_new_connections_without_restart(pk
         ) as server,
     ):
         async with AsyncRolloutClient(_target(server), root_certificates=pki.ca.cert_pem) as before:
-            await before.server_info(timeout=5)
+            await before.server_info(timeout=CALL_S)
 
         # cert-manager renews the Secret: a new CA-signed pair replaces the files in place.
         new_ca = CertAuthority(pki.ca.directory, name="rotated-ca")
@@ -119,11 +129,13 @@ async def test_rotated_certificate_is_used_by_new_connections_without_restart(pk
         pki.server.cert.write_bytes(renewed.cert_pem)
 
         async with AsyncRolloutClient(_target(server), root_certificates=new_ca.cert_pem) as after:
-            info = await after.server_info(timeout=5)
+            info = await after.server_info(timeout=CALL_S)
             assert len(info.engines) == 1
-        async with AsyncRolloutClient(_target(server), root_certificates=pki.ca.cert_pem) as stale:
+        async with AsyncRolloutClient(
+            _target(server), root_certificates=pki.ca.cert_pem, retry=None
+        ) as stale:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stale.server_info(timeout=5)
+                await stale.server_info(timeout=CALL_S)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -136,5 +148,5 @@ async def test_half_written_certificate_keeps_the_previous_one(pki: Pki) -> None
     ):
         pki.server.cert.write_bytes(b"not yet")
         async with AsyncRolloutClient(_target(server), root_certificates=pki.ca.cert_pem) as client:
-            info = await client.server_info(timeout=5)
+            info = await client.server_info(timeout=CALL_S)
             assert len(info.engines) == 1

@@ -39,8 +39,11 @@ REPO = Path(__file__).resolve().parents[2]
 NGINX_TEMPLATE = REPO / "deploy" / "nginx" / "rollout-grpc.conf.template"
 LOOPBACK = "127.0.0.1"
 
-#: Deadline for a process to become ready (port file written / port accepting).
-START_TIMEOUT_S = 30.0
+#: Deadline for a process to become ready (port file written / port accepting). A safety net, not
+#: a measurement: a `serve` replica (a supervisor and two workers on a 2-core machine) took 7-16 s
+#: to write its port file at load 7, and the nginx fixtures start five processes in a row; the
+#: wait fails at once when the process exits, so a generous bound costs nothing when it works.
+START_TIMEOUT_S = 60.0
 #: How long a process gets to exit after SIGTERM in a finaliser before it is killed.
 STOP_TIMEOUT_S = 15.0
 #: Poll interval of the readiness waits (a file or a port is checked, not a guessed delay).
