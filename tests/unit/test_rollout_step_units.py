@@ -4,13 +4,14 @@ on real answer strings, the owner abort window, and the up-front checks."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
 from rollout_grpc.server.domain.errors import FailedPrecondition, InvalidArgument
 from rollout_grpc.server.domain.identity import ANONYMOUS, Caller, Role, reset_caller, set_caller
 from rollout_grpc.server.domain.model import GenerateOptions, Sample, SamplingParams, Status
+from rollout_grpc.server.engines.api import EngineCall, EngineEvent
 from rollout_grpc.server.engines.pool import EnginePool
 from rollout_grpc.server.rewards.api import FilterGroup, RewardFailed, RewardRequest, RewardResult
 from rollout_grpc.server.rewards.processes import ProcessLimits
@@ -22,11 +23,11 @@ from rollout_grpc.server.rollout.generation import Rollout
 from rollout_grpc.server.rollout.inflight import InFlightRegistry
 from rollout_grpc.server.rollout.step import filters
 from rollout_grpc.server.rollout.step.buffer import StepBuffers
-from rollout_grpc.server.rollout.step.events import GroupEnded, Progress
+from rollout_grpc.server.rollout.step.events import GroupEnded, Progress, Summary
 from rollout_grpc.server.rollout.step.loop import Step
 from rollout_grpc.server.rollout.step.runner import StepRunner
 from rollout_grpc.server.rollout.step.spec import FilterKind, Outcome, PromptGroup, StepSpec, check
-from rollout_grpc.server.rollout.step.state import GroupRun
+from rollout_grpc.server.rollout.step.state import GroupDone, GroupRun
 from rollout_grpc.server.rollout.step.versions import FleetVersions, VersionOrder
 from rollout_grpc.server.state.memory import MemoryStore
 from tests.support.fake_engine import FakeEngine, final, tokens
@@ -263,6 +264,10 @@ class _DropGroupZero:
         return None
 
 
+async def _no_abort(request_ids: list[str]) -> object:
+    return None
+
+
 def _wave_step(runner_store: MemoryStore | None = None) -> tuple[StepRunner, Step]:
     """A step of three groups of 8 one-token samples over a scripted engine, target 1 (slime's
     rule: one group per batch), whose custom filter drops group 0."""
@@ -270,11 +275,7 @@ def _wave_step(runner_store: MemoryStore | None = None) -> tuple[StepRunner, Ste
     engine = FakeEngine("a", [[tokens(10, 11), final(n=2)]])
     pool = EnginePool([engine.url], {engine.url: engine}.__getitem__)
     rollout = Rollout(pool, Admission(64, 64), InFlightRegistry())
-
-    async def no_abort(request_ids: list[str]) -> object:
-        return None
-
-    runner = StepRunner(rollout, no_abort, lambda config: None, buffers=StepBuffers(runner_store))
+    runner = StepRunner(rollout, _no_abort, lambda config: None, buffers=StepBuffers(runner_store))
     groups = [PromptGroup(g, Sample(prompt_ids=(1, 2, g)), prompt_index=g * n) for g in range(3)]
     spec = StepSpec("wave", groups, n, SamplingParams(max_new_tokens=2), GenerateOptions(), target_groups=1)
     step = Step(runner, spec, ANONYMOUS.identity, None, 0, None, None, [])
@@ -371,3 +372,67 @@ async def test_stopping_the_groups_in_flight_aborts_them_in_one_call() -> None:
     await runner.drained()
     assert calls == [ids[0], ids[1] + ids[2]], "one abort for the groups still running, none again for 0"
     assert all(run.stopping and run.stopped.is_set() for run in step.active.values())
+
+
+async def test_a_batchs_first_group_reaches_its_engine_before_the_last_group_is_prepared() -> None:
+    """Starting a batch, each group's samples go to the engine while the next groups are prepared.
+    The event loop used to run every group's coordinator, then every sample's first step, before
+    the first engine call, so a 32-group batch's first request left 0.1-0.2 s after the batch
+    started (bench/step_trace.py), while slime's loop over Generate sends its first at once."""
+    order: list[str] = []
+
+    class Recording(FakeEngine):
+        async def generate(self, call: EngineCall) -> AsyncIterator[EngineEvent]:
+            order.append("engine call")
+            async for event in super().generate(call):
+                yield event
+
+    engine = Recording("a", [[tokens(10, 11), final(n=2)]])
+    pool = EnginePool([engine.url], {engine.url: engine}.__getitem__)
+    runner = StepRunner(Rollout(pool, Admission(64, 64), InFlightRegistry()), _no_abort, lambda config: None)
+    groups = [PromptGroup(g, Sample(prompt_ids=(1, 2, g)), prompt_index=2 * g) for g in range(4)]
+    spec = StepSpec("order", groups, 2, SamplingParams(max_new_tokens=2), GenerateOptions(), target_groups=4)
+    step = Step(runner, spec, ANONYMOUS.identity, None, 0, None, None, [])
+    coordinate = step._coordinate
+
+    async def noted(run: GroupRun) -> GroupDone:
+        order.append(f"group {run.group.group_index} prepared")
+        return await coordinate(run)
+
+    step._coordinate = noted  # type: ignore[method-assign]
+    events = step.events()
+    try:
+        first = await anext(events)
+        assert isinstance(first, Progress) and first.in_flight == 4, "slime's rule: one batch of 4 groups"
+        await asyncio.wait([run.task for run in step.active.values() if run.task is not None])
+        calls_first = order[: order.index("group 3 prepared")]
+        assert "engine call" in calls_first, f"no engine call before the last group was prepared: {order}"
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]  # an async generator (Step.events)
+        await runner.drained()
+
+
+async def test_a_stop_while_a_batch_starts_leaves_its_remaining_groups_unstarted() -> None:
+    """The batch's groups start one scheduling round apart: an Abort of the caller's arriving
+    meanwhile stops the started ones, and the rest are never started (the summary lists them
+    unstarted, the over-sampling count does not include them)."""
+    engine = FakeEngine("a", [[tokens(10, 11), final(n=2)]])
+    pool = EnginePool([engine.url], {engine.url: engine}.__getitem__)
+    runner = StepRunner(Rollout(pool, Admission(64, 64), InFlightRegistry()), _no_abort, lambda config: None)
+    groups = [PromptGroup(g, Sample(prompt_ids=(1, 2, g)), prompt_index=2 * g) for g in range(4)]
+    spec = StepSpec("stop", groups, 2, SamplingParams(max_new_tokens=2), GenerateOptions(), target_groups=4)
+    step = Step(runner, spec, ANONYMOUS.identity, None, 0, None, None, [])
+    coordinate = step._coordinate
+
+    async def abort_at_group_1(run: GroupRun) -> GroupDone:
+        if run.group.group_index == 1:
+            step._on_owner_abort()  # what an Abort(mine) of this caller does to its step
+        return await coordinate(run)
+
+    step._coordinate = abort_at_group_1  # type: ignore[method-assign]
+    ended = [event async for event in step.events()]
+    await runner.drained()
+    summary = ended[-1]
+    assert isinstance(summary, Summary) and summary.unstarted == [2, 3], summary
+    assert sorted(e.group_index for e in ended if isinstance(e, GroupEnded)) == [0, 1]
+    assert step.counters.submitted == 2
