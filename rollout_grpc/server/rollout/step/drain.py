@@ -65,12 +65,13 @@ class StepDrain(StepState):
         return GroupEnded(group.group_index, Outcome.ABORTED, reason, run.items, self._lags(run.items))
 
     async def _hold(self, starting: Sequence[int] = ()) -> None:
-        """Name in the store the groups only this process holds (in flight, `starting`, taken from
-        the buffer and not started), so that they are reported lost if it dies (buffer.py)."""
+        """Name in the store the groups only this process holds (in flight, `starting`, ended but
+        not yet sent, taken from the buffer and not started), so that they are reported lost if it
+        dies (buffer.py)."""
         if self.lease is None:
             return
         from_buffer = (g.group_index for g, _ in self.queue if id(g) in self.from_buffer)
-        await self.lease.hold({*self.active, *starting, *from_buffer})
+        await self.lease.hold({*self.active, *starting, *self.delivering, *from_buffer})
 
     async def _lease_abandoned(self) -> None:
         """The caller left: the groups in flight go to its buffer, under a lease (taken now by a
@@ -86,8 +87,7 @@ class StepDrain(StepState):
         """The caller left mid-step: abort what is in flight and buffer it (and what the step took
         from the buffer but never started) from the background: nothing is lost."""
         runs = list(self.active.values())
-        for run in runs:
-            self._stop(run)
+        self._stop(*runs)
         unstarted = [g for g, _ in self.queue if id(g) in self.from_buffer]
         log.warning("step_abandoned", step_id=self.spec.step_id, in_flight=len(runs), owner=self.owner)
         self.runner.spawn(self._drain_to_buffer(runs, unstarted))
