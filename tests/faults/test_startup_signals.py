@@ -15,8 +15,6 @@ import os
 import signal
 from pathlib import Path
 
-import pytest
-
 from tests.support.processes import Processes, replica_command, wait_until
 
 #: The signals a serving replica must catch (not leave at their default action, which kills it).
@@ -40,10 +38,6 @@ def opening_fifo(pid: int) -> bool:
         return False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve_command.py writes --port-file before it installs its signal handlers (the lead's fix)",
-)
 def test_a_single_process_replica_handles_its_signals_once_it_writes_its_port_file(tmp_path: Path) -> None:
     port_file = tmp_path / "replica.json"
     os.mkfifo(f"{port_file}.tmp")  # `serve` writes the file's content there, then renames it

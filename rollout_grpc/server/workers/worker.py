@@ -191,6 +191,13 @@ async def serve_worker(server: WorkerServer, sock: socket.socket, on_sighup: Cal
     once this worker refuses new calls), then `finish` (health NOT_SERVING, grace, aborts). A
     signal that reaches the worker itself is passed to the supervisor, which drains every worker
     alike; when the supervisor is gone (end-of-file) the worker stops on its own."""
+    loop = asyncio.get_running_loop()
+    # Every handler before the start (the default actions kill): a signal that comes meanwhile
+    # waits here and is acted on once the worker serves (SIGHUP) or its link is open (SIGTERM,
+    # SIGINT: the supervisor drains the replica).
+    early: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, early.append, sig)
     try:
         await server.start()
     except Exception as exc:  # reported by the supervisor as one line (ports, exposure, ...)
@@ -198,24 +205,32 @@ async def serve_worker(server: WorkerServer, sock: socket.socket, on_sighup: Cal
         with contextlib.suppress(Exception):
             await server.stop()
         return 1
-    loop = asyncio.get_running_loop()
-    # Before "ready": the supervisor forwards SIGHUP only to ready workers (its default action kills).
+    # Before "ready": the supervisor forwards SIGHUP only to ready workers.
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
-    sock.sendall(
-        handshake.encode(
-            {
-                "ready": True,
-                "pid": os.getpid(),
-                "health_port": server.health_port,
-                "openai_port": server.openai_port,
-                "in_flight_limit": server.config.in_flight_limit(),
-            }
+    if signal.SIGHUP in early:
+        on_sighup()
+    try:
+        sock.sendall(
+            handshake.encode(
+                {
+                    "ready": True,
+                    "pid": os.getpid(),
+                    "health_port": server.health_port,
+                    "openai_port": server.openai_port,
+                    "in_flight_limit": server.config.in_flight_limit(),
+                }
+            )
         )
-    )
+    except OSError:  # the supervisor closed its end (a stop during this start): stop quietly
+        await server.stop()
+        return 0
     _settle_collector()
     link = await handshake.DrainLink.open(sock)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _pass_signal, link, sig)
+    stops = [sig for sig in early if sig != signal.SIGHUP]
+    if stops:
+        _pass_signal(link, stops[0])
     try:
         if not await _next_phase(link, handshake.STOP_ACCEPTING):
             await server.stop()

@@ -1,10 +1,11 @@
-"""SIGHUP and `serve --workers 2` around a worker's start: never a killed worker, never a stale list.
+"""Signals and `serve --workers 2` around a worker's start: never a killed worker, never a stale list.
 
 A worker installs its SIGHUP handler before it tells its supervisor it is ready; a SIGHUP that
 reaches the supervisor earlier is held for that worker and sent once it is ready (SIGHUP's default
 action kills a process: on a loaded machine a reload sent right after the port file appeared
 killed both workers). A worker that starts after the engines file changed (a replacement) reads
-the file itself instead of serving the list the supervisor read at its own start.
+the file itself instead of serving the list the supervisor read at its own start. A SIGTERM sent
+to a worker itself before its link to the supervisor is open is passed on once it is.
 """
 
 from __future__ import annotations
@@ -137,3 +138,28 @@ async def test_a_replacement_worker_keeps_the_replicas_engines_when_the_file_wen
     invalid = events(replica.proc, "engines_file_invalid")
     assert invalid and "line 1" in str(invalid[0]["error"])
     assert replica.proc.popen.poll() is None
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of `pid` (the supervisor's workers)."""
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(child) for child in text.split()]
+
+
+async def test_a_sigterm_to_a_starting_worker_drains_the_replica(procs: Processes, tmp_path: Path) -> None:
+    engine = start_engine(procs, "engine", token_delay_ms=0)
+    engine.proc.popen.send_signal(signal.SIGSTOP)  # holds each worker's start in its probe
+    port_file = fresh_port_file(tmp_path / "replica.ports.json")
+    argv = [*replica_command(), "serve", "--port", "0", "--port-file", str(port_file), "--log-format", "json"]
+    replica = procs.start("replica", [*argv, "--workers", "2", "--engine", engine.url])
+    await asyncio.to_thread(
+        wait_until, "both workers probing", lambda: len(events(replica, "engine_added")) == 2, replica
+    )
+    os.kill(_children(replica.popen.pid)[0], signal.SIGTERM)
+    engine.proc.popen.send_signal(signal.SIGCONT)
+    # Passed to the supervisor once the worker's link is open: the whole replica drains, exit 0
+    # (at its default action the worker died and was replaced; the replica served on).
+    code = await asyncio.to_thread(replica.popen.wait, 60)
+    assert code == 0
+    assert [r["signal"] for r in events(replica, "signal_passed_to_supervisor")] == ["SIGTERM"]
+    assert events(replica, "worker_exited") == []
