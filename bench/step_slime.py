@@ -116,6 +116,21 @@ class Clock:
         self.phases.setdefault(phase, round(self.now(), 4))
 
 
+def _commit_of(checkout: Path) -> str:
+    """The commit a `--before` checkout is at (recorded instead of its path, which is this
+    machine's and says nothing to a reader of docs/)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "a checkout that is not a git work tree"
+    return out.stdout.strip()
+
+
 def groups(w: Workload) -> list[tuple[list[int], str]]:
     """(prompt ids, label) per group: a seeded third score 1.0 on every sample (always dropped),
     the rest the parity of the response (kept unless all n samples agree)."""
@@ -463,7 +478,7 @@ def main() -> None:
             "engines": 2,
             "reward_connections": REWARD_CONNECTIONS,
             "reps": args.reps,
-            "before": str(args.before) if args.before else None,
+            "before": _commit_of(args.before) if args.before else None,
             "profiled": args.py_spy is not None,
         },
         "rows": rows,
